@@ -1,0 +1,1 @@
+"""Pure tensor math and checkpoint semantics (no fsspec, no Prefect)."""

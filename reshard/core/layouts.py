@@ -1,0 +1,126 @@
+"""Pure tensor math for moving a partitioned parameter from N ranks to M ranks.
+
+Every tensor-parallel parameter is described by a :class:`PartitionSpec`: the dimension it is
+split on, how many fused sub-tensors (``parts``) it packs along that dimension, and the size
+of the indivisible unit (``atom``, e.g. one attention head's rows) inside each part.
+
+The *logical* full tensor of a parameter is, for each part, the concatenation of that part
+over the source ranks. Target rank ``t`` owns the ``t``-th of ``M`` equal slices of every part.
+
+Shape table (rank tensor along ``dim``; ``L`` = rows per part per source rank):
+
+====================  ======  =====================  ===============================
+parameter             parts   per-rank layout        atom
+====================  ======  =====================  ===============================
+plain column/row      1       ``[L]``                1 (or ``hn`` for head dims)
+QKV version 0         3       ``[Q(L); K(L); V(L)]`` ``hn``
+QKV version 1.0       1       ``[np, hn, 3]``        ``3*hn``
+QKV version 2.0/3.0   1       ``[np, 3, hn]``        ``3*hn``
+====================  ======  =====================  ===============================
+
+Target rank ``t`` of part ``p`` = ``full_p[t*N*L/M : (t+1)*N*L/M]``; the ranges are cut into
+*pieces*, one per source rank they touch, so a target only reads the source ranks it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from reshard.core.errors import LayoutError
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """How one parameter is split across tensor-parallel ranks."""
+
+    dim: int
+    parts: int = 1
+    atom: int = 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What source rank ``src`` contributes to one target rank: rows ``[start, stop)`` of
+    each of its parts along the partition dim."""
+
+    src: int
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+def source_ranks_for_target(n_src: int, n_tgt: int, tgt: int) -> list[int]:
+    """Source ranks whose slice overlaps target rank ``tgt``'s slice (in rank units)."""
+    lo, hi = tgt * n_src, (tgt + 1) * n_src  # target range scaled by n_tgt
+    return [s for s in range(n_src) if s * n_tgt < hi and (s + 1) * n_tgt > lo]
+
+
+def pieces_for_target(part_len: int, n_src: int, n_tgt: int, tgt: int) -> list[Piece]:
+    """Cut target ``tgt``'s slice of one part into per-source-rank pieces.
+
+    ``part_len`` is the part's length on one source rank; the full part is ``n_src*part_len``
+    long and must divide by ``n_tgt`` (checked by :func:`check_divisible`).
+    """
+    total = n_src * part_len
+    t_len = total // n_tgt
+    lo, hi = tgt * t_len, (tgt + 1) * t_len
+    pieces = []
+    for s in range(lo // part_len, (hi - 1) // part_len + 1):
+        s_lo = max(lo, s * part_len) - s * part_len
+        s_hi = min(hi, (s + 1) * part_len) - s * part_len
+        pieces.append(Piece(s, s_lo, s_hi))
+    return pieces
+
+
+def check_divisible(spec: PartitionSpec, rank_len: int, n_src: int, n_tgt: int, key: str) -> None:
+    """Refuse layouts that would cut an atom (a head) or leave unequal ranks."""
+    if rank_len % spec.parts:
+        raise LayoutError(f"dim {spec.dim} has {rank_len} rows per rank, not divisible into "
+                          f"{spec.parts} fused parts", culprit=key,
+                          hint="check the checkpoint version (--version) and model flags")
+    part_len = rank_len // spec.parts
+    if part_len % spec.atom:
+        raise LayoutError(f"{part_len} rows per part on a source rank is not a whole number of "
+                          f"units of {spec.atom} rows", culprit=key,
+                          hint="check --num-heads / the saved args against the checkpoint")
+    units = n_src * part_len // spec.atom
+    if units % n_tgt:
+        what = "heads" if spec.atom > 1 else "rows"
+        raise LayoutError(f"{units} {what} along dim {spec.dim} cannot be divided evenly over "
+                          f"{n_tgt} target ranks", culprit=key,
+                          hint=f"choose a target TP that divides {units}")
+
+
+def assemble(spec: PartitionSpec, sources: Mapping[int, torch.Tensor], n_src: int, n_tgt: int,
+             tgt: int, piece_fn: Callable[[Piece, torch.Tensor], torch.Tensor] | None = None
+             ) -> torch.Tensor:
+    """Build target rank ``tgt``'s tensor from the source ranks' tensors.
+
+    ``piece_fn`` (optional) transforms each piece before placement — used by quantization,
+    which works on one piece at a time. A piece is passed as the concatenation of its parts
+    along ``spec.dim`` (source order) and must come back with the same shape.
+    Returns a fresh tensor that owns its storage.
+    """
+    any_src = next(iter(sources.values()))
+    part_len = any_src.shape[spec.dim] // spec.parts
+    pieces = pieces_for_target(part_len, n_src, n_tgt, tgt)
+    # per_piece[i][p] = rows of part p contributed by piece i
+    per_piece: list[list[torch.Tensor]] = []
+    for pc in pieces:
+        src = sources[pc.src]
+        chunks = [src.narrow(spec.dim, p * part_len + pc.start, pc.length) for p in range(spec.parts)]
+        if piece_fn is not None:
+            whole = chunks[0] if spec.parts == 1 else torch.cat(chunks, dim=spec.dim)
+            whole = piece_fn(pc, whole)
+            chunks = list(torch.split(whole, pc.length, dim=spec.dim))
+        per_piece.append(chunks)
+    ordered = [per_piece[i][p] for p in range(spec.parts) for i in range(len(pieces))]
+    if len(ordered) == 1:
+        return ordered[0].clone(memory_format=torch.contiguous_format)
+    return torch.cat(ordered, dim=spec.dim)

@@ -1,0 +1,74 @@
+"""Load torch checkpoint shards without ever executing code from them.
+
+Checkpoints come from shared buckets; a pickle can run arbitrary code on load. We always use
+torch's weights-only unpickler, which only rebuilds tensors and plain containers, plus an
+explicit allowlist of harmless classes that real Megatron/DeepSpeed checkpoints carry
+(``args`` is an ``argparse.Namespace``). Anything else is refused *before* it runs.
+
+Shards are memory-mapped (``mmap=True``) so opening one costs page-cache, not a full copy in
+process memory; tensors are read on first touch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+#: Classes a checkpoint may reference besides tensors and builtin containers. Each entry is
+#: data-only: rebuilding it cannot run code beyond setting attributes.
+SAFE_GLOBALS: tuple[Any, ...] = (
+    argparse.Namespace,
+    collections.OrderedDict,
+)
+
+
+def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, Any]:
+    """Load one ``*.pt`` shard with the weights-only unpickler and the allowlist.
+
+    Raises ``CorruptCheckpointError`` for empty, truncated or non-torch files and
+    ``UnsafeCheckpointError`` when the pickle references anything outside the allowlist.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    if size == 0:
+        raise CorruptCheckpointError("file is empty (0 bytes)", culprit=str(p),
+                                     hint="re-copy the shard from the training output")
+    if not zipfile.is_zipfile(p):
+        raise CorruptCheckpointError(
+            "not a torch zip checkpoint (truncated, or saved with the legacy "
+            "_use_new_zipfile_serialization=False format)", culprit=str(p),
+            hint="re-copy the shard; legacy-format files must be re-saved with torch.save")
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"refused to unpickle: it references code outside reshard's allowlist "
+            f"({_first_line(exc)}); nothing from it was executed", culprit=str(p),
+            hint="only load checkpoints from sources you trust; re-save the state dict with "
+                 "plain tensors and dicts") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"cannot read shard: {_first_line(exc)}", culprit=str(p),
+                                     hint="the file is truncated or corrupt; re-copy it") from None
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"top level is a {type(obj).__name__}, expected a dict",
+                                     culprit=str(p), hint="pass a DeepSpeed/Megatron model-states file")
+    return obj
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    # torch's weights-only message is long; keep the sentence naming the culprit global.
+    for line in text.splitlines():
+        if "Unsupported global" in line or "GLOBAL" in line:
+            return line.strip()[:300]
+    return (text.splitlines() or [type(exc).__name__])[0][:300]

@@ -1,0 +1,1 @@
+"""Where checkpoints live: staging, atomic commit and the manifest."""

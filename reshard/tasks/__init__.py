@@ -1,0 +1,1 @@
+"""Prefect tasks wrapping the core engine (one per shard / target rank)."""
