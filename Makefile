@@ -1,0 +1,43 @@
+# Two commands for a newcomer:  `make demo`  and  `make test`  (each sets up .venv itself).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+export DS_BUILD_OPS := 0
+export DS_ACCELERATOR := cpu
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: demo test install install-dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first (2.13.0 is the local CPU wheel), then the project under the committed constraints.
+$(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	rm -rf demo-output
+	$(VENV)/bin/reshard sample demo-output/tp8 --tp 8 --layers 4 --hidden 256 --heads 16 --vocab 1024
+	$(VENV)/bin/reshard inspect demo-output/tp8
+	$(VENV)/bin/reshard plan demo-output/tp8 --target-tp 2
+	$(VENV)/bin/reshard run demo-output/tp8 demo-output/tp2 --target-tp 2
+	$(VENV)/bin/reshard verify demo-output/tp2
+	$(VENV)/bin/reshard inspect demo-output/tp2
+
+test: install-dev
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache

@@ -1,0 +1,232 @@
+"""The ``reshard`` command line.
+
+Every expected failure is a :class:`~reshard.core.errors.ReshardError`: printed as one line
+naming the file/key and the fix, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from reshard import __version__
+from reshard.core.errors import ReshardError
+
+
+def _add_layout_options(p: argparse.ArgumentParser, *, target_required: bool) -> None:
+    p.add_argument("--target-tp", type=int, required=target_required, metavar="M",
+                   help="tensor-parallel degree of the output")
+    p.add_argument("--version", type=float, default=None, metavar="V",
+                   help="override the checkpoint version that decides the QKV layout (0, 1.0, 2.0, 3.0)")
+    p.add_argument("--num-heads", type=int, default=None, metavar="H",
+                   help="attention heads, when the checkpoint has no saved args (needed to split safely)")
+    p.add_argument("--module-key", default="auto", metavar="KEY",
+                   help="state-dict entry holding the module ('auto': exactly one of module/model)")
+    p.add_argument("--quantize", action="store_true", help="int8-quantize qkv, dense, h_to_4h, 4h_to_h weights")
+    p.add_argument("--bits", type=int, default=8, help="quantization bits (default 8)")
+    p.add_argument("--groups", type=int, default=64, help="quantization groups per weight piece (default 64)")
+    p.add_argument("--no-mlp-extra-grouping", dest="mlp_extra_grouping", action="store_false",
+                   help="do not double the groups for MLP weights")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0])
+    parser.add_argument("--version-info", action="version", version=f"reshard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="convert SRC to DST at a new tensor-parallel degree")
+    p.add_argument("src", help="checkpoint folder or DeepSpeed descriptor JSON")
+    p.add_argument("dst", help="output folder (must not hold a committed checkpoint)")
+    _add_layout_options(p, target_required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.add_argument("--device", default=None, help="torch device for tensor work (default: cuda if present, else cpu)")
+    p.add_argument("--direct", action="store_true", help="run in-process, without Prefect")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    p = sub.add_parser("plan", help="dry run: which source ranks feed which target rank, bytes, memory")
+    p.add_argument("src")
+    _add_layout_options(p, target_required=True)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("inspect", help="describe a checkpoint: format, version, TP, dtype, sizes")
+    p.add_argument("src")
+    p.add_argument("--module-key", default="auto")
+    p.add_argument("--version", type=float, default=None)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("verify", help="re-hash a committed output against its manifest")
+    p.add_argument("dst")
+
+    p = sub.add_parser("validate-config", help="validate a DeepSpeed config's zero_optimization section")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("sample", help="write a small sample legacy-GPT checkpoint (for demos and tests)")
+    p.add_argument("dst")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--version", type=float, default=2.0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128)
+    return parser
+
+
+def _options(ns: argparse.Namespace, target_tp: int) -> Any:
+    from reshard.core.plan import ReshardOptions
+
+    return ReshardOptions(target_tp=target_tp, version=ns.version, module_key=ns.module_key,
+                          num_heads=ns.num_heads, quantize=ns.quantize, bits=ns.bits, groups=ns.groups,
+                          mlp_extra_grouping=ns.mlp_extra_grouping)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from reshard.direct import run_direct
+
+    m = ns.target_tp
+
+    def progress(res: Any) -> None:
+        bar = "#" * (res.rank + 1) + "." * (m - res.rank - 1)
+        print(f"[{bar}] target rank {res.rank} <- sources {list(res.sources)}  "
+              f"{_fmt_bytes(res.size)} in {res.seconds:.2f}s", file=sys.stderr)
+
+    report = run_direct(ns.src, ns.dst, _options(ns, m), overwrite=ns.overwrite, device=ns.device,
+                        on_target_done=None if ns.json else progress)
+    summary = {"source": report.plan.source.origin, "destination": report.destination,
+               "source_tp": report.plan.source_tp, "target_tp": report.plan.target_tp,
+               "version": report.plan.version, "quantized": report.plan.options.quantize,
+               "files": report.manifest["files"], "warnings": list(report.plan.warnings),
+               "seconds": round(report.seconds, 3)}
+    if ns.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        total = sum(f["size"] for f in report.manifest["files"])
+        print(f"committed {report.destination}: TP {report.plan.source_tp} -> {report.plan.target_tp}, "
+              f"{len(report.manifest['files'])} files, {_fmt_bytes(total)}, {report.seconds:.2f}s")
+        for w in report.plan.warnings:
+            print(f"warning: {w}")
+    return 0
+
+
+def plan_record(plan: Any) -> dict[str, Any]:
+    """JSON-able description of a plan (used by ``plan`` and ``inspect``)."""
+    return {
+        "source": plan.source.origin, "source_tp": plan.source_tp, "target_tp": plan.target_tp,
+        "version": plan.version, "module_key": plan.module_key, "num_heads": plan.num_heads,
+        "hidden": plan.hidden,
+        "targets": [{"rank": t.rank, "sources": list(t.sources), "bytes_read": t.bytes_read,
+                     "bytes_written": t.bytes_written} for t in plan.targets],
+        "bytes_read": sum(f.stat().st_size for f in plan.source.files),
+        "bytes_written": sum(t.bytes_written for t in plan.targets),
+        "peak_memory_estimate": plan.peak_memory_estimate,
+        "rules": {p.key: p.rule.name for p in plan.params},
+        "unused_rules": list(plan.unused_rules),
+        "warnings": list(plan.warnings),
+    }
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from reshard.core.plan import build_plan
+
+    plan = build_plan(ns.src, _options(ns, ns.target_tp))
+    rec = plan_record(plan)
+    if ns.json:
+        print(json.dumps(rec, indent=2))
+        return 0
+    print(f"{rec['source']}: TP {rec['source_tp']} -> {rec['target_tp']} (checkpoint version {rec['version']})")
+    for t in rec["targets"]:
+        print(f"  target rank {t['rank']}: reads source ranks {t['sources']} "
+              f"({_fmt_bytes(t['bytes_read'])}), writes ~{_fmt_bytes(t['bytes_written'])}")
+    print(f"total read {_fmt_bytes(rec['bytes_read'])}, written ~{_fmt_bytes(rec['bytes_written'])}, "
+          f"peak memory ~{_fmt_bytes(rec['peak_memory_estimate'])}")
+    if rec["unused_rules"]:
+        print(f"rules that matched nothing: {', '.join(rec['unused_rules'])}")
+    for w in rec["warnings"]:
+        print(f"warning: {w}")
+    return 0
+
+
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    from reshard.core.plan import ReshardOptions, build_plan
+    from reshard.core.source import locate
+
+    source = locate(ns.src)
+    plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in plan.params})
+    n_params = sum(_numel(p.shape) * (plan.source_tp if p.spec is not None else 1) for p in plan.params)
+    zero = (plan.ds_config or {}).get("zero_optimization")
+    rec = {"format": "descriptor" if source.descriptor is not None else "folder",
+           "source": source.origin, "tp": source.tp, "version": plan.version, "module_key": plan.module_key,
+           "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
+           "bytes": sum(f.stat().st_size for f in source.files), "num_heads": plan.num_heads,
+           "hidden": plan.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
+           "files": [f.name for f in source.files]}
+    if ns.json:
+        print(json.dumps(rec, indent=2))
+    else:
+        for k, v in rec.items():
+            if k != "files":
+                print(f"{k:12} {v}")
+    return 0
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def cmd_verify(ns: argparse.Namespace) -> int:
+    from reshard.storage.manifest import verify_folder
+
+    data = verify_folder(ns.dst)
+    print(f"ok: {len(data['files'])} files match the manifest of {ns.dst}")
+    return 0
+
+
+def cmd_validate_config(ns: argparse.Namespace) -> int:
+    from reshard.core.zero_config import run_validate_config
+
+    return run_validate_config(ns.file, ns.json)
+
+
+def cmd_sample(ns: argparse.Namespace) -> int:
+    from reshard.sample import GPTConfig, write_sample_checkpoint
+
+    cfg = GPTConfig(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, vocab=ns.vocab)
+    paths = write_sample_checkpoint(ns.dst, tp=ns.tp, cfg=cfg, version=ns.version)
+    print(f"wrote {len(paths)} rank files to {ns.dst} (TP {ns.tp}, version {ns.version})")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "inspect": cmd_inspect, "verify": cmd_verify,
+            "validate-config": cmd_validate_config, "sample": cmd_sample}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``reshard`` console script; returns the exit code."""
+    ns = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[ns.command](ns)
+    except ReshardError as err:
+        print(f"reshard: error: {err.one_line()}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("reshard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
