@@ -17,7 +17,6 @@ from typing import Any
 from reshard import __version__
 from reshard.core.engine import TargetResult, convert_target, pick_device
 from reshard.core.plan import Plan, ReshardOptions, build_plan
-from reshard.core.source import rank_file_name
 from reshard.storage.commit import LocalDestination
 from reshard.storage.manifest import MANIFEST_FORMAT, file_record
 
@@ -74,9 +73,9 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
     dest.open()
     try:
         names = []
-        for t in range(plan.target_tp):
-            name = rank_file_name(t)
-            res = convert_target(plan, t, dest.staged(name), dev)
+        for tp in plan.targets:
+            name = tp.name
+            res = convert_target(plan, tp.rank, dest.staged(name), dev)
             report.results.append(res)
             names.append(name)
             if on_target_done:

@@ -18,7 +18,7 @@ from reshard.core.errors import (CheckpointFormatError, InconsistentShardsError,
 from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target, source_ranks_for_target
 from reshard.core.rules import LEGACY_GPT_RULES, Kind, QuantSlot, Rule, layer_index, resolve
 from reshard.core.safe_load import load_shard
-from reshard.core.source import AUTO, SourceCheckpoint, choose_module_key, locate, parse_version
+from reshard.core.source import AUTO, SourceCheckpoint, choose_module_key, locate, parse_version, rank_file_name
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
 DROPPED_ENTRIES: dict[str, str] = {
@@ -71,9 +71,11 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class TargetPlan:
-    """One output rank: which source ranks feed it and the bytes it moves."""
+    """One output file: its rank, its path relative to the destination, which source ranks
+    feed it and the bytes it moves. Writers iterate these; they never build names themselves."""
 
     rank: int
+    name: str
     sources: tuple[int, ...]
     bytes_read: int
     bytes_written: int
@@ -317,4 +319,4 @@ def _target_plan(t: int, plans: list[ParamPlan], source: SourceCheckpoint, optio
         if options.quantize and p.quant_slot is not None:
             size = size // p.dtype.itemsize
         written += size
-    return TargetPlan(t, srcs, read, written)
+    return TargetPlan(t, rank_file_name(t), srcs, read, written)
