@@ -7,9 +7,11 @@ naming the file/key and the fix, exit code 2, no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from reshard import __version__
@@ -32,6 +34,14 @@ def _add_layout_options(p: argparse.ArgumentParser, *, target_required: bool) ->
                    help="do not double the groups for MLP weights")
 
 
+def _add_storage_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000, "
+                        "key=..., secret=...; credentials otherwise come from the environment/profiles")
+    p.add_argument("--cache-dir", default=None,
+                   help="shard cache for remote sources (default $RESHARD_CACHE_DIR or ~/.cache/reshard)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0])
     parser.add_argument("--version-info", action="version", version=f"reshard {__version__}")
@@ -44,21 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--device", default=None, help="torch device for tensor work (default: cuda if present, else cpu)")
     p.add_argument("--direct", action="store_true", help="run in-process, without Prefect")
+    p.add_argument("--target-config", default=None, metavar="FILE",
+                   help="DeepSpeed config of the job that will load the output; validated before any transfer")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_storage_options(p)
 
     p = sub.add_parser("plan", help="dry run: which source ranks feed which target rank, bytes, memory")
     p.add_argument("src")
     _add_layout_options(p, target_required=True)
     p.add_argument("--json", action="store_true")
+    _add_storage_options(p)
 
     p = sub.add_parser("inspect", help="describe a checkpoint: format, version, TP, dtype, sizes")
     p.add_argument("src")
     p.add_argument("--module-key", default="auto")
     p.add_argument("--version", type=float, default=None)
     p.add_argument("--json", action="store_true")
+    _add_storage_options(p)
 
     p = sub.add_parser("verify", help="re-hash a committed output against its manifest")
     p.add_argument("dst")
+    _add_storage_options(p)
 
     p = sub.add_parser("validate-config", help="validate a DeepSpeed config's zero_optimization section")
     p.add_argument("file")
@@ -91,6 +107,31 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _storage(ns: argparse.Namespace) -> dict[str, Any]:
+    from reshard.storage.location import parse_storage_options
+
+    return parse_storage_options(ns.storage_option)
+
+
+def _cache(ns: argparse.Namespace) -> Any:
+    from reshard.storage.cache import ShardCache
+
+    return ShardCache(ns.cache_dir) if ns.cache_dir else None
+
+
+def _target_config(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    from reshard.core.errors import ConfigError
+    from reshard.core.zero_config import load_deepspeed_config_text
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", culprit=path) from None
+    return load_deepspeed_config_text(text, path)
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     from reshard.direct import run_direct
 
@@ -102,6 +143,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
               f"{_fmt_bytes(res.size)} in {res.seconds:.2f}s", file=sys.stderr)
 
     report = run_direct(ns.src, ns.dst, _options(ns, m), overwrite=ns.overwrite, device=ns.device,
+                        storage_options=_storage(ns), cache=_cache(ns),
+                        target_config=_target_config(ns.target_config),
                         on_target_done=None if ns.json else progress)
     summary = {"source": report.plan.source.origin, "destination": report.destination,
                "source_tp": report.plan.source_tp, "target_tp": report.plan.target_tp,
@@ -136,10 +179,31 @@ def plan_record(plan: Any) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _local_view(ns: argparse.Namespace) -> Iterator[Any]:
+    """The source as a local path (remote sources fetched through the shard cache)."""
+    from reshard.storage.location import open_location
+    from reshard.storage.source_view import materialize
+
+    loc = open_location(ns.src, _storage(ns))
+    if loc.is_local:
+        yield loc.path
+        return
+    from reshard.storage.cache import ShardCache
+
+    cache = _cache(ns) or ShardCache()
+    work = cache.new_workdir("inspect")
+    try:
+        yield str(materialize(ns.src, _storage(ns), cache, work).path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     from reshard.core.plan import build_plan
 
-    plan = build_plan(ns.src, _options(ns, ns.target_tp))
+    with _local_view(ns) as path:
+        plan = build_plan(path, _options(ns, ns.target_tp))
     rec = plan_record(plan)
     if ns.json:
         print(json.dumps(rec, indent=2))
@@ -161,15 +225,17 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     from reshard.core.plan import ReshardOptions, build_plan
     from reshard.core.source import locate
 
-    source = locate(ns.src)
-    plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
+    with _local_view(ns) as path:
+        source = locate(path)
+        plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
+        total_bytes = sum(f.stat().st_size for f in source.files)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in plan.params})
     n_params = sum(_numel(p.shape) * (plan.source_tp if p.spec is not None else 1) for p in plan.params)
     zero = (plan.ds_config or {}).get("zero_optimization")
     rec = {"format": "descriptor" if source.descriptor is not None else "folder",
-           "source": source.origin, "tp": source.tp, "version": plan.version, "module_key": plan.module_key,
+           "source": ns.src, "tp": source.tp, "version": plan.version, "module_key": plan.module_key,
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
-           "bytes": sum(f.stat().st_size for f in source.files), "num_heads": plan.num_heads,
+           "bytes": total_bytes, "num_heads": plan.num_heads,
            "hidden": plan.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
            "files": [f.name for f in source.files]}
     if ns.json:
@@ -189,9 +255,9 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from reshard.storage.manifest import verify_folder
+    from reshard.storage.manifest import verify
 
-    data = verify_folder(ns.dst)
+    data = verify(ns.dst, _storage(ns))
     print(f"ok: {len(data['files'])} files match the manifest of {ns.dst}")
     return 0
 

@@ -1,24 +1,32 @@
-"""The in-process conversion path (``reshard run --direct``): plan, convert, commit.
+"""The in-process conversion path (``reshard run --direct``): locate, plan, convert, commit.
 
-No orchestration, retries or caching — the engine alone, for debugging and for measuring it.
-The Prefect flow runs the same steps as separate tasks.
+No orchestration, retries or caching of results — the engine alone, for debugging and for
+measuring it. The Prefect flow runs the same steps as separate tasks and reuses the helpers
+here (descriptor, manifest, ZeRO gate), so both paths write identical bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from reshard import __version__
 from reshard.core.engine import TargetResult, convert_target, pick_device
+from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.plan import Plan, ReshardOptions, build_plan
-from reshard.storage.commit import LocalDestination
-from reshard.storage.manifest import MANIFEST_FORMAT, file_record
+from reshard.core.zero_config import ZeroDecision, decide_conversion
+from reshard.storage.cache import ShardCache
+from reshard.storage.destination import open_destination
+from reshard.storage.location import open_location
+from reshard.storage.manifest import MANIFEST_FORMAT
+from reshard.storage.source_view import LocalSource, materialize
 
 DESCRIPTOR_NAME = "ds_checkpoint.json"
 
@@ -31,6 +39,9 @@ class RunReport:
     destination: str
     results: list[TargetResult] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
+    zero: ZeroDecision | None = None
+    fetched: int = 0
+    cached: int = 0
     seconds: float = 0.0
 
 
@@ -45,48 +56,113 @@ def descriptor_for(plan: Plan, names: list[str]) -> dict[str, Any]:
     return d
 
 
-def manifest_for(plan: Plan, dest: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
-    src_files = [{"path": f.name, "size": f.stat().st_size} for f in plan.source.files]
+def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
+    """What the manifest says about the source: URL, TP, and each file's size (and ETag)."""
+    root = local.path if local.path.is_dir() else local.path.parent
+    etags = {o.name: o.etag for o in local.objects}
+    files = []
+    for f in plan.source.files:
+        rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
+        rec: dict[str, Any] = {"path": rel, "size": f.stat().st_size}
+        if rel in etags:
+            rec["etag"] = etags[rel]
+        files.append(rec)
+    return {"url": local.url, "tp": plan.source_tp, "version": plan.version, "files": files}
+
+
+def manifest_for(plan: Plan, local: LocalSource, dst: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "format": MANIFEST_FORMAT,
         "tool": "reshard",
         "tool_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": {"origin": plan.source.origin, "tp": plan.source_tp, "files": src_files,
-                   "version": plan.version},
-        "target": {"location": str(dest), "tp": plan.target_tp},
+        "source": source_record(plan, local),
+        "target": {"url": dst, "tp": plan.target_tp},
         "options": plan.options.to_record(),
         "warnings": list(plan.warnings),
         "files": records,
     }
 
 
-def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool = False,
-               device: str | None = None,
-               on_target_done: Callable[[TargetResult], None] | None = None) -> RunReport:
-    """Convert ``src`` into ``dst`` in this process; commits atomically or leaves no commit."""
-    t0 = time.perf_counter()
-    plan = build_plan(src, options)
-    dest = LocalDestination(dst, overwrite=overwrite, source_paths=plan.source.files)
-    report = RunReport(plan, str(dst))
-    dev = pick_device(device)
-    dest.open()
+def zero_gate(plan: Plan, target_config: Mapping[str, Any] | None) -> ZeroDecision:
+    """Validate the source's saved ZeRO config (and the user's target config) before any
+    transfer; ZeRO-3 placeholders are refused."""
+    decision = decide_conversion(plan.ds_config, dict(target_config) if target_config else None)
+    if decision.verify_full_tensors:
+        empty = [p.key for p in plan.params if 0 in p.shape]
+        if empty:
+            raise LayoutError(f"ZeRO-3 checkpoint holds empty placeholder tensors ({empty[0]}, ...)",
+                              culprit=plan.source.origin,
+                              hint="consolidate with DeepSpeed's zero_to_fp32.py first")
+    return decision
+
+
+def _source_folders(plan: Plan, local: LocalSource, src_loc: Any) -> list[str]:
+    """Folders (on the source's filesystem) holding the files the plan reads."""
+    if local.objects:
+        return sorted({o.path.rsplit("/", 1)[0] for o in local.objects})
+    return sorted({f.resolve().parent.as_posix() for f in plan.source.files})
+
+
+@contextlib.contextmanager
+def _urls_in_errors(local: Path, url: str) -> Iterator[None]:
+    """Errors raised on the local view of a remote source name the user's URL instead."""
     try:
-        names = []
-        for tp in plan.targets:
-            name = tp.name
-            res = convert_target(plan, tp.rank, dest.staged(name), dev)
-            report.results.append(res)
-            names.append(name)
-            if on_target_done:
-                on_target_done(res)
-        dest.staged(DESCRIPTOR_NAME).write_text(json.dumps(descriptor_for(plan, names), indent=2))
-        all_names = names + [DESCRIPTOR_NAME]
-        records = [file_record(dest.staged(n), n) for n in all_names]
-        report.manifest = manifest_for(plan, Path(dst), records)
-        dest.commit(all_names, report.manifest)
-    except BaseException:
-        dest.abort()
+        yield
+    except ReshardError as err:
+        if local.as_posix() != url:
+            base = local.as_posix() if local.is_dir() else local.parent.as_posix()
+            target = url if local.is_dir() else url.rsplit("/", 1)[0]
+            if err.culprit:
+                err.culprit = err.culprit.replace(base, target)
+            err.message = err.message.replace(base, target)
+            err.args = (err.one_line(),)
         raise
+
+
+def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool = False,
+               device: str | None = None, storage_options: Mapping[str, Any] | None = None,
+               cache: ShardCache | None = None, target_config: Mapping[str, Any] | None = None,
+               on_target_done: Callable[[TargetResult], None] | None = None) -> RunReport:
+    """Convert ``src`` into ``dst`` (any URLs) in this process; commits atomically or not at all."""
+    t0 = time.perf_counter()
+    src_loc = open_location(src, storage_options)
+    dst_loc = open_location(dst, storage_options)
+    workdir = None
+    if not (src_loc.is_local and dst_loc.is_local):
+        cache = cache or ShardCache()
+        workdir = cache.new_workdir("run")
+    try:
+        dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir,
+                                source=src_loc)
+        local = materialize(src, storage_options, cache, workdir)
+        with _urls_in_errors(local.path, src):
+            plan = build_plan(str(local.path), options)
+            report = RunReport(plan, dst, fetched=local.fetched, cached=local.cached)
+            report.zero = zero_gate(plan, target_config)
+        dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
+        dev = pick_device(device)
+        dest.open()
+        try:
+            names, records = [], []
+            for tp in plan.targets:
+                with _urls_in_errors(local.path, src):
+                    res = convert_target(plan, tp.rank, dest.staged(tp.name), dev)
+                records.append(dest.publish(tp.name))
+                report.results.append(res)
+                names.append(tp.name)
+                if on_target_done:
+                    on_target_done(res)
+            dest.staged(DESCRIPTOR_NAME).write_text(json.dumps(descriptor_for(plan, names), indent=2))
+            records.append(dest.publish(DESCRIPTOR_NAME))
+            names.append(DESCRIPTOR_NAME)
+            report.manifest = manifest_for(plan, local, dst, records)
+            dest.commit(names, report.manifest)
+        except BaseException:
+            dest.abort()
+            raise
+    finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
     return report

@@ -11,9 +11,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import ManifestMismatchError, StorageError
+
+if TYPE_CHECKING:
+    from reshard.storage.location import Location
 
 MANIFEST_NAME = "reshard_manifest.json"
 MANIFEST_FORMAT = "reshard-manifest/1"
@@ -33,38 +36,56 @@ def file_record(path: Path, name: str) -> dict[str, Any]:
     return {"path": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
+def read_manifest(loc: "Location") -> dict[str, Any]:
     """Load a committed checkpoint's manifest; a folder without one is not committed."""
-    p = Path(folder) / MANIFEST_NAME
-    if not p.is_file():
-        raise ManifestMismatchError("holds no committed checkpoint (no reshard_manifest.json)",
-                                    culprit=str(folder), hint="run `reshard run` to produce one")
+    from reshard.storage.location import storage_errors
+
+    path = loc.join(MANIFEST_NAME)
+    with storage_errors(loc.url):
+        if not loc.fs.exists(path):
+            raise ManifestMismatchError("holds no committed checkpoint (no reshard_manifest.json)",
+                                        culprit=loc.url, hint="run `reshard run` to produce one")
+        raw = loc.fs.cat_file(path)
     try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ManifestMismatchError(f"unreadable manifest: {exc}", culprit=str(p)) from None
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestMismatchError(f"unreadable manifest: {exc}", culprit=loc.child_url(MANIFEST_NAME)) from None
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or not isinstance(data.get("files"), list):
-        raise ManifestMismatchError("not a reshard manifest", culprit=str(p))
+        raise ManifestMismatchError("not a reshard manifest", culprit=loc.child_url(MANIFEST_NAME))
     return data
 
 
-def verify_folder(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check every file listed in the manifest: present, same size, same sha256."""
-    folder = Path(folder)
-    data = read_manifest(folder)
+def _sha256_remote(loc: "Location", path: str) -> str:
+    h = hashlib.sha256()
+    with loc.fs.open(path, "rb", block_size=_CHUNK) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every file listed in the manifest at ``url``: present, same size, same sha256."""
+    from reshard.storage.location import open_location, storage_errors
+
+    loc = open_location(url, storage_options)
+    data = read_manifest(loc)
     problems = []
-    for rec in data["files"]:
-        name = rec.get("path", "")
-        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
-            raise StorageError(f"manifest lists an unsafe path {name!r}", culprit=str(folder))
-        f = folder / name
-        if not f.is_file():
-            problems.append(f"{name}: missing")
-        elif f.stat().st_size != rec["size"]:
-            problems.append(f"{name}: size {f.stat().st_size} != {rec['size']}")
-        elif sha256_file(f) != rec["sha256"]:
-            problems.append(f"{name}: sha256 mismatch")
+    with storage_errors(url):
+        for rec in data["files"]:
+            name = rec.get("path", "")
+            if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/"):
+                raise StorageError(f"manifest lists an unsafe path {name!r}", culprit=url)
+            path = loc.join(name)
+            loc.fs.invalidate_cache(path)
+            if not loc.fs.exists(path):
+                problems.append(f"{name}: missing")
+                continue
+            size = int(loc.fs.info(path)["size"])
+            if size != rec["size"]:
+                problems.append(f"{name}: size {size} != {rec['size']}")
+            elif _sha256_remote(loc, path) != rec["sha256"]:
+                problems.append(f"{name}: sha256 mismatch")
     if problems:
         raise ManifestMismatchError(f"{len(problems)} file(s) do not match the manifest: {'; '.join(problems)}",
-                                    culprit=str(folder), hint="re-run the conversion with --overwrite")
+                                    culprit=url, hint="re-run the conversion with --overwrite")
     return data

@@ -1,0 +1,160 @@
+"""A local cache of source shards keyed by their identity (URL + ETag/size).
+
+A shard fetched once is reused by later runs as long as the object is unchanged. Downloads
+land in a private temp file and are renamed into place only after their size (and MD5, when
+the ETag is a plain MD5) checks out, so a concurrent run never sees a partial file. s3fs's
+concurrent ranged ``get_file`` does not retry a truncated body, so every download is verified
+and a short or corrupt one is fetched again (whole-shard retry; request retries stay in
+botocore).
+
+The cache is bounded (``max_bytes``): least recently used entries are evicted. Runs read
+shards through hard links in their own work folder, so evicting an entry never pulls a file
+from under a running conversion.
+
+Location: ``$RESHARD_CACHE_DIR`` or ``~/.cache/reshard``; clear it with ``rm -rf`` at any time
+when no conversion is running.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from reshard.core.errors import StorageError
+from reshard.storage.location import Location, storage_errors
+
+DEFAULT_MAX_BYTES = 200 << 30
+FETCH_ATTEMPTS = 4
+_PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("RESHARD_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "reshard"
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    """One listed object: its identity is (url, etag, size)."""
+
+    url: str
+    path: str
+    name: str
+    size: int
+    etag: str | None
+
+    @property
+    def identity(self) -> str:
+        return hashlib.sha256(f"{self.url}\0{self.etag}\0{self.size}".encode()).hexdigest()[:40]
+
+
+class ShardCache:
+    """Content-identity keyed cache of downloaded shards (see module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 chunksize: int = 32 << 20, max_concurrency: int = 8):
+        self.root = Path(root) if root is not None else default_cache_dir()
+        self.shards = self.root / "shards"
+        self.work = self.root / "work"
+        self.max_bytes = max_bytes
+        self.chunksize = chunksize
+        self.max_concurrency = max_concurrency
+        self.shards.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.hits = 0
+        self.misses = 0
+
+    def entry(self, obj: RemoteObject) -> Path:
+        return self.shards / obj.identity
+
+    def fetch(self, loc: Location, obj: RemoteObject) -> Path:
+        """Local path of ``obj``'s bytes: from the cache, or downloaded and verified."""
+        dest = self.entry(obj)
+        if dest.is_file() and dest.stat().st_size == obj.size:
+            os.utime(dest)  # LRU order
+            self.hits += 1
+            return dest
+        self.misses += 1
+        last = ""
+        for _attempt in range(FETCH_ATTEMPTS):
+            tmp = self.shards / f".{obj.identity}.{uuid.uuid4().hex}.part"
+            try:
+                with storage_errors(obj.url):
+                    self._download(loc, obj, tmp)
+                problem = self._verify(loc, obj, tmp)
+                if problem is None:
+                    os.replace(tmp, dest)
+                    self.evict(keep={dest})
+                    return dest
+                last = problem
+            except StorageError:
+                raise
+            except OSError as exc:  # connection dropped mid-body after botocore gave up
+                last = f"{type(exc).__name__}: {exc}"
+            finally:
+                tmp.unlink(missing_ok=True)
+        raise StorageError(f"download failed verification {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
+                           hint="the object may be changing or the network corrupting data; retry later")
+
+    def _download(self, loc: Location, obj: RemoteObject, tmp: Path) -> None:
+        kwargs = {}
+        if "s3" in (loc.fs.protocol if isinstance(loc.fs.protocol, tuple) else (loc.fs.protocol,)):
+            kwargs = {"chunksize": self.chunksize, "max_concurrency": self.max_concurrency}
+        loc.fs.get_file(obj.path, str(tmp), **kwargs)
+
+    def _verify(self, loc: Location, obj: RemoteObject, tmp: Path) -> str | None:
+        size = tmp.stat().st_size
+        if size != obj.size:
+            with storage_errors(obj.url):
+                loc.fs.invalidate_cache(obj.path)
+                now = int(loc.fs.info(obj.path)["size"])
+            if now is not None and now != obj.size:
+                raise StorageError(f"object changed size between listing ({obj.size} B) and fetch ({now} B)",
+                                   culprit=obj.url, hint="do not convert a checkpoint that is still being written")
+            return f"got {size} of {obj.size} bytes"
+        etag = (obj.etag or "").strip('"').lower()
+        if _PLAIN_MD5.match(etag):
+            h = hashlib.md5(usedforsecurity=False)
+            with open(tmp, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+            if h.hexdigest() != etag:
+                return "MD5 does not match the ETag"
+        return None
+
+    def evict(self, keep: set[Path] = frozenset()) -> int:
+        """Drop least recently used entries until the cache fits ``max_bytes``; returns bytes freed."""
+        entries = [p for p in self.shards.iterdir() if p.is_file() and not p.name.startswith(".")]
+        total = sum(p.stat().st_size for p in entries)
+        freed = 0
+        for p in sorted(entries, key=lambda p: p.stat().st_mtime):
+            if total - freed <= self.max_bytes:
+                break
+            if p in keep:
+                continue
+            size = p.stat().st_size
+            p.unlink(missing_ok=True)
+            freed += size
+        return freed
+
+    def new_workdir(self, label: str) -> Path:
+        """A private folder for one run (hard-linked source view, staged outputs)."""
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)[:60]
+        d = self.work / f"{safe}-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        d.mkdir(parents=True)
+        return d
+
+    @staticmethod
+    def link(src: Path, dst: Path) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+

@@ -1,0 +1,240 @@
+"""Atomic commit of an output checkpoint to a local folder or any fsspec URL.
+
+Protocol, the same everywhere:
+
+1. refuse a destination that already holds a committed checkpoint (``reshard_manifest.json``)
+   unless ``overwrite``; refuse one equal to or inside the source;
+2. every output file is written under the staging prefix ``DST/.reshard-staging/`` and checked
+   (size) there;
+3. only when all are staged are they moved (renamed locally, server-side copied on object
+   stores) to their final names, stale files of an overwritten checkpoint removed;
+4. the manifest is written last — it is the commit marker. Until it exists the destination
+   does not hold a committed checkpoint, whatever else lies there; leftovers of a failed run
+   are cleaned by the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from reshard.core.errors import DestinationError, StorageError
+from reshard.storage.location import Location, open_location, storage_errors
+from reshard.storage.manifest import MANIFEST_NAME, file_record
+
+STAGING_DIR = ".reshard-staging"
+UPLOAD_ATTEMPTS = 3
+
+
+def _inside(child: str, parent: str) -> bool:
+    child, parent = child.rstrip("/"), parent.rstrip("/")
+    return child == parent or child.startswith(parent + "/")
+
+
+class Destination(ABC):
+    """Where outputs go. Engines write to :meth:`staged` paths (always local), then call
+    :meth:`publish`; :meth:`commit` makes the checkpoint visible, :meth:`abort` cleans up."""
+
+    def __init__(self, loc: Location, *, overwrite: bool, workdir: Path):
+        self.loc = loc
+        self.overwrite = overwrite
+        self.workdir = workdir
+        self._old_files: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return self.loc.url
+
+    # -- checks --------------------------------------------------------------------------
+    def check_outside(self, source: Location, folders: list[str]) -> None:
+        """Refuse a destination equal to or inside a folder the source's files live in."""
+        if type(source.fs) is not type(self.loc.fs):
+            return
+        for folder in folders:
+            if _inside(self.loc.path, folder):
+                raise DestinationError("destination is the source folder or inside it", culprit=self.url,
+                                       hint="write the converted checkpoint to a separate folder")
+
+    def check(self, source: Location | None) -> None:
+        """Refuse before anything is written (see module docstring, step 1)."""
+        if source is not None:
+            with storage_errors(source.url):
+                is_folder = not source.fs.isfile(source.path)
+            if is_folder:
+                self.check_outside(source, [source.path])
+        with storage_errors(self.url):
+            if self.loc.fs.isfile(self.loc.path):
+                raise DestinationError("exists and is not a folder", culprit=self.url)
+            committed = self.loc.fs.exists(self.loc.join(MANIFEST_NAME))
+        if committed and not self.overwrite:
+            raise DestinationError("already holds a committed checkpoint", culprit=self.url,
+                                   hint="pass --overwrite to replace it, or choose another destination")
+
+    # -- protocol --------------------------------------------------------------------------
+    @abstractmethod
+    def open(self) -> None:
+        """Create/clean the staging area; uncommit an old checkpoint when overwriting."""
+
+    @abstractmethod
+    def staged(self, name: str) -> Path:
+        """Local path the engine writes output ``name`` to."""
+
+    @abstractmethod
+    def publish(self, name: str) -> dict[str, Any]:
+        """Output ``name`` is complete: stage it remotely; returns its manifest record."""
+
+    @abstractmethod
+    def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
+        """Move staged files into place, then write the manifest last."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Remove what this run staged (best effort); never writes a manifest."""
+
+    def _read_old_manifest_files(self) -> list[str]:
+        try:
+            data = json.loads(self.loc.fs.cat_file(self.loc.join(MANIFEST_NAME)))
+            return [r["path"] for r in data["files"] if isinstance(r.get("path"), str)]
+        except Exception:  # an unreadable old manifest is still replaced
+            return []
+
+
+class LocalDestination(Destination):
+    """A local folder: staged files are renamed into place (atomic on one filesystem)."""
+
+    def __init__(self, loc: Location, *, overwrite: bool):
+        super().__init__(loc, overwrite=overwrite, workdir=Path(loc.path) / STAGING_DIR)
+        self.folder = Path(loc.path)
+        self._created = False
+
+    def open(self) -> None:
+        if not self.folder.exists():
+            self.folder.mkdir(parents=True)
+            self._created = True
+        manifest = self.folder / MANIFEST_NAME
+        if manifest.exists():
+            self._old_files = self._read_old_manifest_files()
+            manifest.unlink()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir()
+
+    def staged(self, name: str) -> Path:
+        p = self.workdir / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def publish(self, name: str) -> dict[str, Any]:
+        return file_record(self.staged(name), name)
+
+    def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
+        for name in names:
+            (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.staged(name), self.folder / name)
+        for old in self._old_files:
+            if old not in names:
+                (self.folder / old).unlink(missing_ok=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        tmp = self.folder / (MANIFEST_NAME + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / MANIFEST_NAME)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._created:
+            try:
+                self.folder.rmdir()
+            except OSError:
+                pass
+
+
+class RemoteDestination(Destination):
+    """An object store or other fsspec filesystem: staged files are uploaded (multipart for
+    large ones) to the staging prefix as soon as each is written, then copied server-side."""
+
+    def __init__(self, loc: Location, *, overwrite: bool, workdir: Path, chunksize: int = 32 << 20):
+        super().__init__(loc, overwrite=overwrite, workdir=workdir / "out")
+        self.chunksize = chunksize
+        self.staging_prefix = loc.join(STAGING_DIR)
+
+    def open(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        fs = self.loc.fs
+        with storage_errors(self.url):
+            manifest = self.loc.join(MANIFEST_NAME)
+            if fs.exists(manifest):
+                self._old_files = self._read_old_manifest_files()
+                fs.rm_file(manifest)
+            if fs.exists(self.staging_prefix):
+                fs.rm(self.staging_prefix, recursive=True)
+
+    def staged(self, name: str) -> Path:
+        p = self.workdir / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def _put(self, local: Path, remote: str) -> None:
+        kwargs = {"chunksize": self.chunksize} if "s3" in _protocols(self.loc.fs) else {}
+        self.loc.fs.put_file(str(local), remote, **kwargs)
+
+    def publish(self, name: str) -> dict[str, Any]:
+        """Hash the staged file, upload it to the staging prefix, check the size, free the disk."""
+        local = self.staged(name)
+        record = file_record(local, name)
+        remote = f"{self.staging_prefix}/{name}"
+        last = ""
+        for _ in range(UPLOAD_ATTEMPTS):
+            with storage_errors(self.url):
+                self._put(local, remote)
+                self.loc.fs.invalidate_cache(remote)
+                size = int(self.loc.fs.info(remote)["size"])
+            if size == record["size"]:
+                local.unlink()
+                return record
+            last = f"uploaded {size} of {record['size']} bytes"
+        raise StorageError(f"upload of {name} failed verification ({last})", culprit=self.url,
+                           hint="retry; check the storage endpoint")
+
+    def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
+        fs = self.loc.fs
+        with storage_errors(self.url):
+            for name in names:
+                fs.copy(f"{self.staging_prefix}/{name}", self.loc.join(name))
+            for old in self._old_files:
+                if old not in names and fs.exists(self.loc.join(old)):
+                    fs.rm_file(self.loc.join(old))
+            fs.rm(self.staging_prefix, recursive=True)
+            fs.pipe_file(self.loc.join(MANIFEST_NAME), json.dumps(manifest, indent=2, sort_keys=True).encode())
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        try:
+            if self.loc.fs.exists(self.staging_prefix):
+                self.loc.fs.rm(self.staging_prefix, recursive=True)
+        except Exception:  # best effort: the next run cleans leftovers; nothing reads them as committed
+            pass
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool,
+                     workdir: Path | None, source: Location | None = None) -> Destination:
+    """The right :class:`Destination` for ``url``, already checked (nothing written yet)."""
+    loc = open_location(url, storage_options)
+    if loc.is_local:
+        dest: Destination = LocalDestination(loc, overwrite=overwrite)
+    else:
+        if workdir is None:
+            raise StorageError("a remote destination needs a local work folder", culprit=url)
+        dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir)
+    dest.check(source)
+    return dest

@@ -1,0 +1,136 @@
+"""Open any fsspec URL (plain path, ``file://``, ``s3://``, ``gs://``, ``az://``, ``memory://``).
+
+Credentials and endpoints come from the usual places (environment, profiles) plus explicit
+``storage_options``. Request-level retries stay in the storage client: for S3 we configure
+botocore's retry mode and attempt count (unless the caller already did) and never retry
+individual requests ourselves. Backend packages (s3fs, gcsfs, adlfs) are imported lazily by
+fsspec only when their protocol is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.core.errors import StorageError
+
+#: botocore retry policy applied to s3 unless the caller passes its own ``config_kwargs.retries``.
+DEFAULT_S3_RETRIES: dict[str, Any] = {"max_attempts": 10, "mode": "standard"}
+
+_EXTRAS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+           "abfss": "adlfs"}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A filesystem plus a path on it; ``url`` is what the user gave (for messages)."""
+
+    fs: Any
+    path: str
+    url: str
+
+    @property
+    def is_local(self) -> bool:
+        protocol = self.fs.protocol
+        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        return "file" in protocols or "local" in protocols
+
+    def join(self, *names: str) -> str:
+        return "/".join([self.path.rstrip("/"), *names])
+
+    def child_url(self, *names: str) -> str:
+        return "/".join([self.url.rstrip("/"), *names])
+
+
+def protocol_of(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def _with_defaults(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    if protocol in ("s3", "s3a"):
+        cfg = dict(opts.get("config_kwargs") or {})
+        cfg.setdefault("retries", dict(DEFAULT_S3_RETRIES))
+        opts["config_kwargs"] = cfg
+        # listings must be fresh: identity (ETag, size) is read at discovery time
+        opts.setdefault("use_listings_cache", False)
+        opts.setdefault("skip_instance_cache", True)
+    return opts
+
+
+def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
+    """Resolve ``url`` into a :class:`Location`; a missing backend package is a clear error."""
+    from fsspec.core import url_to_fs
+
+    url = os.fspath(url)
+    protocol = protocol_of(url)
+    try:
+        fs, path = url_to_fs(url, **_with_defaults(protocol, storage_options or {}))
+    except ImportError as exc:
+        pkg = _EXTRAS.get(protocol, protocol)
+        raise StorageError(f"support for {protocol}:// is not installed ({exc})", culprit=url,
+                           hint=f"pip install {pkg}") from None
+    except ValueError as exc:
+        raise StorageError(f"cannot open: {exc}", culprit=url, hint="check the URL and storage options") from None
+    return Location(fs, path, url)
+
+
+def parse_storage_options(items: list[str] | None) -> dict[str, Any]:
+    """``["endpoint_url=http://...", "key=..."]`` -> storage options. ``endpoint_url`` and
+    ``region_name`` go into ``client_kwargs`` (where s3fs expects them); values that parse as
+    JSON numbers/booleans become those."""
+    import json
+
+    opts: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise StorageError(f"storage option {item!r} is not KEY=VALUE", culprit="--storage-option",
+                               hint="e.g. --storage-option endpoint_url=http://127.0.0.1:9000")
+        k, v = item.split("=", 1)
+        try:
+            value: Any = json.loads(v) if v[:1] in "0123456789-tfn[{" else v
+        except json.JSONDecodeError:
+            value = v
+        if k in ("endpoint_url", "region_name"):
+            opts.setdefault("client_kwargs", {})[k] = value
+        else:
+            opts[k] = value
+    return opts
+
+
+def describe_storage_error(exc: BaseException) -> str | None:
+    """Map backend exceptions onto a short cause; None when it is not a storage failure."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such bucket, prefix or object"
+    if isinstance(exc, PermissionError):
+        return "permission denied (check the credentials and their rights)"
+    name = type(exc).__name__
+    text = str(exc)
+    for code, what in (("InvalidAccessKeyId", "unknown access key"),
+                       ("SignatureDoesNotMatch", "wrong secret key"),
+                       ("AccessDenied", "permission denied"),
+                       ("NoSuchBucket", "no such bucket"),
+                       ("InvalidBucketName", "invalid bucket name")):
+        if code in text or code == name:
+            return what
+    if name in ("ClientError", "NoCredentialsError", "EndpointConnectionError", "ConnectTimeoutError"):
+        return text.splitlines()[0][:200] if text else name
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turn backend exceptions into one :class:`StorageError` naming the URL (never the secret)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as exc:  # backends raise many types; only known storage failures are mapped
+        what = describe_storage_error(exc)
+        if what is None:
+            raise
+        raise StorageError(what, culprit=url,
+                           hint="check the URL, the credentials and --storage-option settings") from None
