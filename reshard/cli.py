@@ -53,10 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_options(p, target_required=True)
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--device", default=None, help="torch device for tensor work (default: cuda if present, else cpu)")
-    p.add_argument("--direct", action="store_true", help="run in-process, without Prefect")
+    p.add_argument("--direct", action="store_true",
+                   help="run the engine in-process without Prefect (no retries, caching or UI)")
+    p.add_argument("--dask-address", default=None, metavar="tcp://HOST:PORT",
+                   help="run tensor tasks on this Dask scheduler (default: threads in this process)")
+    p.add_argument("--dask-workers", type=int, default=None, metavar="N",
+                   help="run tensor tasks on a local Dask cluster of N workers")
     p.add_argument("--target-config", default=None, metavar="FILE",
                    help="DeepSpeed config of the job that will load the output; validated before any transfer")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--verbose", "-v", action="store_true", help="show Prefect's task logs on the console")
     _add_storage_options(p)
 
     p = sub.add_parser("plan", help="dry run: which source ranks feed which target rank, bytes, memory")
@@ -133,14 +139,19 @@ def _target_config(path: str | None) -> dict[str, Any] | None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from reshard.direct import run_direct
-
     m = ns.target_tp
+    done: set[int] = set()
 
     def progress(res: Any) -> None:
-        bar = "#" * (res.rank + 1) + "." * (m - res.rank - 1)
-        print(f"[{bar}] target rank {res.rank} <- sources {list(res.sources)}  "
-              f"{_fmt_bytes(res.size)} in {res.seconds:.2f}s", file=sys.stderr)
+        rec = res if isinstance(res, dict) else res.__dict__
+        done.add(rec["rank"])
+        bar = "".join("#" if r in done else "." for r in range(m))
+        print(f"[{bar}] target rank {rec['rank']} <- sources {list(rec['sources'])}  "
+              f"{_fmt_bytes(rec['size'])} in {rec['seconds']:.2f}s", file=sys.stderr)
+
+    if not ns.direct:
+        return _run_with_prefect(ns, None if ns.json else progress)
+    from reshard.direct import run_direct
 
     report = run_direct(ns.src, ns.dst, _options(ns, m), overwrite=ns.overwrite, device=ns.device,
                         storage_options=_storage(ns), cache=_cache(ns),
@@ -158,6 +169,29 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(f"committed {report.destination}: TP {report.plan.source_tp} -> {report.plan.target_tp}, "
               f"{len(report.manifest['files'])} files, {_fmt_bytes(total)}, {report.seconds:.2f}s")
         for w in report.plan.warnings:
+            print(f"warning: {w}")
+    return 0
+
+
+def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+
+    params = ReshardParams(source=ns.src, destination=ns.dst, target_tp=ns.target_tp, quantize=ns.quantize,
+                           bits=ns.bits, groups=ns.groups, mlp_extra_grouping=ns.mlp_extra_grouping,
+                           version=ns.version, num_heads=ns.num_heads, module_key=ns.module_key,
+                           storage_options=_storage(ns), overwrite=ns.overwrite, device=ns.device,
+                           target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir)
+    summary = run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
+                       on_target_done=progress, console_level="INFO" if ns.verbose else "WARNING")
+    if ns.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        total = sum(f["size"] for f in summary["files"])
+        state = "up to date" if summary["up_to_date"] else "committed"
+        print(f"{state} {summary['destination']}: TP {summary['source_tp']} -> {summary['target_tp']}, "
+              f"{len(summary['files'])} files, {_fmt_bytes(total)}")
+        for w in summary["warnings"]:
             print(f"warning: {w}")
     return 0
 

@@ -8,6 +8,7 @@ here (descriptor, manifest, ZeRO gate), so both paths write identical bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import shutil
@@ -27,6 +28,7 @@ from reshard.storage.destination import open_destination
 from reshard.storage.location import open_location
 from reshard.storage.manifest import MANIFEST_FORMAT
 from reshard.storage.source_view import LocalSource, materialize
+from reshard.tasks.identity import code_version, conversion_id
 
 DESCRIPTOR_NAME = "ds_checkpoint.json"
 
@@ -70,16 +72,20 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
     return {"url": local.url, "tp": plan.source_tp, "version": plan.version, "files": files}
 
 
-def manifest_for(plan: Plan, local: LocalSource, dst: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,
+                 records: list[dict[str, Any]], conversion_id: str) -> dict[str, Any]:
+    """The commit marker. ``conversion_id`` lets a later identical run see it is up to date."""
     return {
         "format": MANIFEST_FORMAT,
         "tool": "reshard",
         "tool_version": __version__,
+        "code_version": code_version(),
+        "conversion_id": conversion_id,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": source_record(plan, local),
-        "target": {"url": dst, "tp": plan.target_tp},
-        "options": plan.options.to_record(),
-        "warnings": list(plan.warnings),
+        "source": source,
+        "target": {"url": dst, "tp": options.target_tp},
+        "options": options.to_record(),
+        "warnings": list(warnings),
         "files": records,
     }
 
@@ -156,7 +162,9 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             dest.staged(DESCRIPTOR_NAME).write_text(json.dumps(descriptor_for(plan, names), indent=2))
             records.append(dest.publish(DESCRIPTOR_NAME))
             names.append(DESCRIPTOR_NAME)
-            report.manifest = manifest_for(plan, local, dst, records)
+            cid = conversion_id([dataclasses.asdict(o) for o in local.objects], options.to_record())
+            report.manifest = manifest_for(options, list(plan.warnings), source_record(plan, local), dst, records,
+                                           cid)
             dest.commit(names, report.manifest)
         except BaseException:
             dest.abort()

@@ -76,4 +76,13 @@ class ConfigError(ReshardError):
 
 
 class StorageError(ReshardError):
-    """A URL cannot be read or written: no such bucket/prefix, permission denied, size changed."""
+    """A URL cannot be read or written: no such bucket/prefix, permission denied, size changed.
+
+    ``transient``: the operation may succeed if retried later (e.g. a download that kept
+    failing verification); permission and not-found errors are not transient.
+    """
+
+    def __init__(self, message: str, *, culprit: str | None = None, hint: str | None = None,
+                 transient: bool = False):
+        self.transient = transient
+        super().__init__(message, culprit=culprit, hint=hint)

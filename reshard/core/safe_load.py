@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import os
 import pickle
+import threading
+import types
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -22,12 +25,23 @@ from typing import Any
 import torch
 
 from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.foreign import SAFE_STAND_INS
+
+# torch's safe_globals() context edits process-wide state; concurrent loads in threads would
+# race on it, so loads are serialized. With mmap=True a load only reads the pickle, not tensors.
+_LOAD_LOCK = threading.Lock()
 
 #: Classes a checkpoint may reference besides tensors and builtin containers. Each entry is
 #: data-only: rebuilding it cannot run code beyond setting attributes.
 SAFE_GLOBALS: tuple[Any, ...] = (
     argparse.Namespace,
     collections.OrderedDict,
+    types.SimpleNamespace,
+    # Transformer-Engine ``_extra_state`` (older TE): an opaque in-memory byte buffer, carried as-is.
+    io.BytesIO,
+    # megatron enums, numpy RNG state, ... in Megatron-LM checkpoints: inert stand-ins that
+    # record their arguments and re-pickle under the original name (see reshard.core.foreign).
+    *SAFE_STAND_INS,
 )
 
 
@@ -48,7 +62,7 @@ def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, 
             "_use_new_zipfile_serialization=False format)", culprit=str(p),
             hint="re-copy the shard; legacy-format files must be re-saved with torch.save")
     try:
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        with _LOAD_LOCK, torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             obj = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.core.errors import StorageError
-from reshard.storage.location import Location, storage_errors
+from reshard.storage.location import Location, is_transient_error, storage_errors
 
 DEFAULT_MAX_BYTES = 200 << 30
 FETCH_ATTEMPTS = 4
@@ -95,12 +95,14 @@ class ShardCache:
                 last = problem
             except StorageError:
                 raise
-            except OSError as exc:  # connection dropped mid-body after botocore gave up
-                last = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a body cut mid-stream after botocore gave up: fetch again
+                if not is_transient_error(exc):
+                    raise
+                last = f"{type(exc).__name__}: {str(exc)[:200]}"
             finally:
                 tmp.unlink(missing_ok=True)
         raise StorageError(f"download failed verification {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
-                           hint="the object may be changing or the network corrupting data; retry later")
+                           hint="the object may be changing or the network corrupting data; retry later", transient=True)
 
     def _download(self, loc: Location, obj: RemoteObject, tmp: Path) -> None:
         kwargs = {}

@@ -76,8 +76,9 @@ class Destination(ABC):
 
     # -- protocol --------------------------------------------------------------------------
     @abstractmethod
-    def open(self) -> None:
-        """Create/clean the staging area; uncommit an old checkpoint when overwriting."""
+    def open(self, *, clean_staging: bool = True) -> None:
+        """Create the staging area (emptied unless resuming); uncommit an old checkpoint when
+        overwriting."""
 
     @abstractmethod
     def staged(self, name: str) -> Path:
@@ -95,12 +96,22 @@ class Destination(ABC):
     def abort(self) -> None:
         """Remove what this run staged (best effort); never writes a manifest."""
 
-    def _read_old_manifest_files(self) -> list[str]:
+    def committed_manifest(self) -> dict[str, Any] | None:
+        """The manifest of the checkpoint committed here, or None (absent or unreadable)."""
         try:
-            data = json.loads(self.loc.fs.cat_file(self.loc.join(MANIFEST_NAME)))
-            return [r["path"] for r in data["files"] if isinstance(r.get("path"), str)]
-        except Exception:  # an unreadable old manifest is still replaced
-            return []
+            with storage_errors(self.url):
+                path = self.loc.join(MANIFEST_NAME)
+                if not self.loc.fs.exists(path):
+                    return None
+                data = json.loads(self.loc.fs.cat_file(path))
+            return data if isinstance(data, dict) else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def _read_old_manifest_files(self) -> list[str]:
+        data = self.committed_manifest() or {}
+        files = data.get("files") if isinstance(data.get("files"), list) else []
+        return [r["path"] for r in files if isinstance(r, dict) and isinstance(r.get("path"), str)]
 
 
 class LocalDestination(Destination):
@@ -111,7 +122,7 @@ class LocalDestination(Destination):
         self.folder = Path(loc.path)
         self._created = False
 
-    def open(self) -> None:
+    def open(self, *, clean_staging: bool = True) -> None:
         if not self.folder.exists():
             self.folder.mkdir(parents=True)
             self._created = True
@@ -119,8 +130,9 @@ class LocalDestination(Destination):
         if manifest.exists():
             self._old_files = self._read_old_manifest_files()
             manifest.unlink()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        self.workdir.mkdir()
+        if clean_staging:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(exist_ok=True)
 
     def staged(self, name: str) -> Path:
         p = self.workdir / name
@@ -162,7 +174,7 @@ class RemoteDestination(Destination):
         self.chunksize = chunksize
         self.staging_prefix = loc.join(STAGING_DIR)
 
-    def open(self) -> None:
+    def open(self, *, clean_staging: bool = True) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         fs = self.loc.fs
         with storage_errors(self.url):
@@ -170,13 +182,22 @@ class RemoteDestination(Destination):
             if fs.exists(manifest):
                 self._old_files = self._read_old_manifest_files()
                 fs.rm_file(manifest)
-            if fs.exists(self.staging_prefix):
+            if clean_staging and fs.exists(self.staging_prefix):
                 fs.rm(self.staging_prefix, recursive=True)
 
     def staged(self, name: str) -> Path:
         p = self.workdir / name
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
+
+    def staged_remote_size(self, name: str) -> int | None:
+        """Size of ``name`` under the staging prefix, or None when it is not there."""
+        path = f"{self.staging_prefix}/{name}"
+        with storage_errors(self.url):
+            self.loc.fs.invalidate_cache(path)
+            if not self.loc.fs.exists(path):
+                return None
+            return int(self.loc.fs.info(path)["size"])
 
     def _put(self, local: Path, remote: str) -> None:
         kwargs = {"chunksize": self.chunksize} if "s3" in _protocols(self.loc.fs) else {}
@@ -198,7 +219,7 @@ class RemoteDestination(Destination):
                 return record
             last = f"uploaded {size} of {record['size']} bytes"
         raise StorageError(f"upload of {name} failed verification ({last})", culprit=self.url,
-                           hint="retry; check the storage endpoint")
+                           hint="retry; check the storage endpoint", transient=True)
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
         fs = self.loc.fs
@@ -227,8 +248,9 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool,
-                     workdir: Path | None, source: Location | None = None) -> Destination:
-    """The right :class:`Destination` for ``url``, already checked (nothing written yet)."""
+                     workdir: Path | None, source: Location | None = None, check: bool = True) -> Destination:
+    """The right :class:`Destination` for ``url``, checked unless ``check=False`` (nothing
+    written yet)."""
     loc = open_location(url, storage_options)
     if loc.is_local:
         dest: Destination = LocalDestination(loc, overwrite=overwrite)
@@ -236,5 +258,6 @@ def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwr
         if workdir is None:
             raise StorageError("a remote destination needs a local work folder", culprit=url)
         dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir)
-    dest.check(source)
+    if check:
+        dest.check(source)
     return dest

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.core.errors import StorageError
+from reshard.core.errors import ReshardError, StorageError
 
 #: botocore retry policy applied to s3 unless the caller passes its own ``config_kwargs.retries``.
 DEFAULT_S3_RETRIES: dict[str, Any] = {"max_attempts": 10, "mode": "standard"}
@@ -116,7 +116,7 @@ def describe_storage_error(exc: BaseException) -> str | None:
                        ("InvalidBucketName", "invalid bucket name")):
         if code in text or code == name:
             return what
-    if name in ("ClientError", "NoCredentialsError", "EndpointConnectionError", "ConnectTimeoutError"):
+    if name in ("ClientError", "NoCredentialsError"):
         return text.splitlines()[0][:200] if text else name
     return None
 
@@ -128,9 +128,33 @@ def storage_errors(url: str) -> Iterator[None]:
         yield
     except StorageError:
         raise
-    except Exception as exc:  # backends raise many types; only known storage failures are mapped
-        what = describe_storage_error(exc)
+    except Exception as exc:  # backends raise many types; only known permanent failures are mapped
+        what = None if is_transient_error(exc) else describe_storage_error(exc)
         if what is None:
             raise
         raise StorageError(what, culprit=url,
                            hint="check the URL, the credentials and --storage-option settings") from None
+
+
+_TRANSIENT_NAMES = {
+    "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "TimeoutError",
+    "IncompleteRead", "ResponseStreamingError", "ReadTimeoutError", "ConnectTimeoutError",
+    "EndpointConnectionError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
+}
+
+
+def is_transient_error(exc: BaseException | None) -> bool:
+    """True for network hiccups and verification failures after retries; False for bad input."""
+    if exc is None:
+        return False
+    if isinstance(exc, StorageError):
+        return exc.transient
+    if isinstance(exc, ReshardError):
+        return False
+    if isinstance(exc, (PermissionError, FileNotFoundError)):
+        return False
+    if type(exc).__name__ in _TRANSIENT_NAMES or isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    text = str(exc)
+    return any(code in text for code in ("SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
+                                         "503", "500 "))

@@ -1,10 +1,14 @@
 """Make a checkpoint at any URL readable by the (local-path) core.
 
-Local sources are used in place — never copied, never written. Remote sources are listed,
-their model-state files fetched through the :class:`~reshard.storage.cache.ShardCache`, and
-hard-linked into a private work folder that mirrors the remote names, so ``core.source.locate``
-sees the same folder structure it would see locally. Optimizer shards (``zero_pp_rank_*``)
-are never fetched.
+Three steps, which the Prefect flow runs as separate tasks and :func:`materialize` runs in a row:
+
+1. :func:`discover` lists the model-state objects (name, size, ETag) — optimizer shards
+   (``zero_pp_rank_*``) are never listed; for a Megatron run folder only the latest iteration;
+   for a descriptor JSON exactly the files it lists;
+2. :func:`fetch` brings one object local: a local file is used in place (never copied, never
+   written), a remote one goes through the :class:`~reshard.storage.cache.ShardCache`;
+3. :func:`build_view` hard-links the fetched files into a private folder that mirrors the
+   remote names, so ``core.source.locate`` sees what it would see locally.
 """
 
 from __future__ import annotations
@@ -30,6 +34,17 @@ MODEL_FILE_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in 
     r"(^|/)latest(_checkpointed_iteration\.txt)?$",
 ))
 LATEST_ITER_FILE = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class Discovery:
+    """What a source URL holds: the objects to fetch and, for descriptors, the JSON itself."""
+
+    url: str
+    is_local: bool
+    objects: list[RemoteObject]
+    descriptor_name: str | None = None
+    descriptor_bytes: bytes | None = None
 
 
 @dataclass
@@ -65,6 +80,8 @@ def list_objects(loc: Location) -> list[RemoteObject]:
         rel = path[len(base):].lstrip("/") if path.startswith(base) else PurePosixPath(path).name
         if info.get("type", "file") != "file" or not any(p.search(rel) for p in MODEL_FILE_PATTERNS):
             continue
+        if rel.startswith(".reshard"):
+            continue
         objs.append(RemoteObject(url=loc.child_url(rel), path=path, name=rel, size=int(info["size"]),
                                  etag=_etag(info)))
     return objs
@@ -81,71 +98,89 @@ def _only_latest_iteration(loc: Location, objs: list[RemoteObject]) -> list[Remo
     return [o for o in objs if o.name == LATEST_ITER_FILE or o.name.startswith(prefix)]
 
 
-def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
-                cache: ShardCache | None = None, workdir: Path | None = None) -> LocalSource:
-    """Return a local view of the checkpoint at ``url`` (fetching remote shards into the cache)."""
+def discover(url: str, storage_options: Mapping[str, Any] | None = None) -> Discovery:
+    """List what must be fetched for the checkpoint at ``url`` (folder or descriptor JSON)."""
     loc = open_location(url, storage_options)
-    if loc.is_local:
-        p = Path(loc.path)
-        return LocalSource(url, p)
-    cache = cache or ShardCache()
-    workdir = workdir or cache.new_workdir("src")
-    view = workdir / "source"
     with storage_errors(url):
         is_file = loc.fs.isfile(loc.path)
     if is_file:
-        return _materialize_descriptor(loc, cache, view)
+        return _discover_descriptor(loc)
     objs = _only_latest_iteration(loc, list_objects(loc))
     if not any(o.name.endswith(".pt") for o in objs):
         raise StorageError("holds no checkpoint (no model-state .pt files under this prefix)", culprit=url,
                            hint="point at the folder that holds mp_rank_XX_model_states.pt files")
-    return _fetch_into(loc, objs, cache, view, view)
+    return Discovery(url, loc.is_local, objs)
 
 
-def _fetch_into(loc: Location, objs: list[RemoteObject], cache: ShardCache, view: Path,
-                result_path: Path) -> LocalSource:
-    out = LocalSource(loc.url, result_path, objs)
-    hits0 = cache.hits
-
-    def one(o: RemoteObject) -> None:
-        ShardCache.link(cache.fetch(loc, o), view / o.name)
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for fut in [pool.submit(one, o) for o in objs]:
-            fut.result()
-    out.cached = cache.hits - hits0
-    out.fetched = len(objs) - out.cached
-    return out
-
-
-def _materialize_descriptor(loc: Location, cache: ShardCache, view: Path) -> LocalSource:
-    """A remote descriptor JSON: fetch it and exactly the files it lists (relative only)."""
+def _discover_descriptor(loc: Location) -> Discovery:
+    """A descriptor JSON: exactly the files it lists, relative to its folder (no '..')."""
     with storage_errors(loc.url):
         raw = loc.fs.cat_file(loc.path)
     name = PurePosixPath(loc.path).name
+    if loc.is_local:  # core validates local descriptors itself (absolute base_dir allowed there)
+        from reshard.core.source import locate
+
+        files = locate(loc.path).files
+        objs = [RemoteObject(url=str(f), path=str(f), name=f.name, size=f.stat().st_size,
+                             etag=f"mtime:{f.stat().st_mtime}") for f in files]
+        return Discovery(loc.url, True, objs, name, raw)
     try:
         data = json.loads(raw)
         entries = list(data["checkpoints"])
         base = data.get("base_dir") or ""
     except (ValueError, KeyError, TypeError) as exc:
         raise StorageError(f"malformed descriptor JSON: {exc}", culprit=loc.url, hint="fix the JSON") from None
-    rels = []
-    for e in entries:
-        rel = PurePosixPath(str(base), str(e)) if base else PurePosixPath(str(e))
-        if rel.is_absolute() or ".." in rel.parts or "://" in str(rel):
-            raise StorageError(f"descriptor entry {e!r} (base_dir {base!r}) is not a relative path",
-                               culprit=loc.url, hint="remote descriptors must list files relative to their folder")
-        rels.append(str(rel))
     folder = loc.path.rsplit("/", 1)[0]
     folder_url = loc.url.rsplit("/", 1)[0]
     objs = []
     with storage_errors(loc.url):
-        for rel in rels:
-            path = f"{folder}/{rel}"
-            info = loc.fs.info(path)
-            objs.append(RemoteObject(f"{folder_url}/{rel}", path, rel, int(info["size"]), _etag(info)))
-    view.mkdir(parents=True, exist_ok=True)
-    (view / name).write_bytes(raw)
-    src = _fetch_into(loc, objs, cache, view, view / name)
-    return src
+        for e in entries:
+            rel = PurePosixPath(str(base), str(e)) if base else PurePosixPath(str(e))
+            if rel.is_absolute() or ".." in rel.parts or "://" in str(rel):
+                raise StorageError(f"descriptor entry {e!r} (base_dir {base!r}) is not a relative path",
+                                   culprit=loc.url, hint="remote descriptors must list files relative to their folder")
+            info = loc.fs.info(f"{folder}/{rel}")
+            objs.append(RemoteObject(f"{folder_url}/{rel}", f"{folder}/{rel}", str(rel), int(info["size"]),
+                                     _etag(info)))
+    return Discovery(loc.url, False, objs, name, raw)
 
+
+def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None) -> Path:
+    """Local path of one object's bytes (in place for local files, else via the cache)."""
+    if loc.is_local:
+        return Path(obj.path)
+    if cache is None:
+        raise StorageError("a remote source needs a shard cache", culprit=obj.url)
+    return cache.fetch(loc, obj)
+
+
+def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path:
+    """The local path to hand to ``core.source.locate``."""
+    if disc.is_local:
+        return Path(open_location(disc.url).path)  # used in place
+    for name, path in fetched.items():
+        ShardCache.link(path, view / name)
+    if disc.descriptor_name is not None:
+        view.mkdir(parents=True, exist_ok=True)
+        (view / disc.descriptor_name).write_bytes(disc.descriptor_bytes or b"")
+        return view / disc.descriptor_name
+    return view
+
+
+def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
+                cache: ShardCache | None = None, workdir: Path | None = None) -> LocalSource:
+    """Discover, fetch (4 at a time) and build the local view in one go."""
+    disc = discover(url, storage_options)
+    if disc.is_local:
+        return LocalSource(url, build_view(disc, {}, Path()), disc.objects)
+    loc = open_location(url, storage_options)
+    cache = cache or ShardCache()
+    workdir = workdir or cache.new_workdir("src")
+    hits0 = cache.hits
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futs = {o.name: pool.submit(fetch, loc, o, cache) for o in disc.objects}
+        fetched = {name: fut.result() for name, fut in futs.items()}
+    out = LocalSource(url, build_view(disc, fetched, workdir / "source"), disc.objects)
+    out.cached = cache.hits - hits0
+    out.fetched = len(disc.objects) - out.cached
+    return out

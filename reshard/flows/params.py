@@ -1,0 +1,41 @@
+"""The ``reshard`` flow's parameters: one pydantic model (what a deployment or event fills in)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from reshard.core.plan import ReshardOptions
+
+
+class ReshardParams(BaseModel):
+    """Everything a conversion needs. Only ``options()`` fields change the output bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(description="checkpoint folder or descriptor JSON URL (s3://, gs://, file path, ...)")
+    destination: str = Field(description="output folder URL; must not hold a different committed checkpoint")
+    target_tp: int = Field(ge=1, description="tensor-parallel degree of the output")
+    quantize: bool = False
+    bits: int = Field(default=8, ge=1, le=8)
+    groups: int = Field(default=64, ge=1)
+    mlp_extra_grouping: bool = True
+    version: float | None = Field(default=None, description="override the checkpoint version (QKV layout)")
+    num_heads: int | None = Field(default=None, ge=1)
+    module_key: str = "auto"
+    storage_options: dict[str, Any] = Field(default_factory=dict,
+                                            description="fsspec options (endpoint_url, key, secret, ...)")
+    overwrite: bool = False
+    device: str | None = Field(default=None, description="torch device; default cuda when present, else cpu")
+    target_config: dict[str, Any] | None = Field(default=None, description="DeepSpeed config of the loading job")
+    cache_dir: str | None = Field(default=None, description="shard cache folder (default ~/.cache/reshard)")
+    gpu_resource: bool = Field(default=False,
+                               description="annotate tensor tasks with the Dask resource GPU=1 (Dask runner)")
+    gpu_concurrency_limit: str | None = Field(
+        default=None, description="name of a Prefect global concurrency limit capping tensor tasks per GPU")
+
+    def options(self) -> ReshardOptions:
+        return ReshardOptions(target_tp=self.target_tp, version=self.version, module_key=self.module_key,
+                              num_heads=self.num_heads, quantize=self.quantize, bits=self.bits,
+                              groups=self.groups, mlp_extra_grouping=self.mlp_extra_grouping)

@@ -1,0 +1,59 @@
+"""Per-source-shard tasks: discover, fetch (to the shard cache), sanity-check.
+
+Tasks exchange URLs, paths and small dict records — never tensors (Prefect pickles results).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from typing import Any
+
+from prefect import task
+from prefect.tasks import exponential_backoff
+
+from reshard.core.safe_load import load_shard
+from reshard.core.source import choose_module_key, parse_version
+from reshard.storage.cache import RemoteObject, ShardCache
+from reshard.storage.location import open_location
+from reshard.storage.source_view import discover, fetch
+from reshard.tasks.cache_keys import check_key, fetch_key
+from reshard.tasks.retry import retry_if_transient
+
+TRANSIENT_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=1),
+                         retry_jitter_factor=0.5, retry_condition_fn=retry_if_transient)
+
+
+@task(name="discover-shards", **TRANSIENT_RETRIES)
+def discover_shards(source: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """List the source's model-state objects with size and ETag (never cached: this *is* the
+    freshness check that every other cache key depends on)."""
+    disc = discover(source, storage_options)
+    return {"url": disc.url, "is_local": disc.is_local,
+            "objects": [dataclasses.asdict(o) for o in disc.objects],
+            "descriptor_name": disc.descriptor_name,
+            "descriptor_b64": base64.b64encode(disc.descriptor_bytes).decode() if disc.descriptor_bytes else None}
+
+
+@task(name="fetch-shard", cache_key_fn=fetch_key, persist_result=True, **TRANSIENT_RETRIES)
+def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any], cache_dir: str,
+                is_local: bool) -> str:
+    """Local path of one shard (cache entry, verified size/MD5; in place for local files)."""
+    loc = open_location(source, storage_options)
+    cache = None if is_local else ShardCache(cache_dir)
+    return str(fetch(loc, RemoteObject(**obj), cache))
+
+
+@task(name="check-shard", cache_key_fn=check_key, persist_result=True)
+def check_shard(path: str, identity: str, module_key: str) -> dict[str, Any]:
+    """Per-shard sanity check: readable with the safe loader, module key, tensor entries,
+    checkpoint version. Cross-shard consistency is checked in the plan step."""
+    if not path.endswith(".pt"):
+        return {"path": path, "kind": "metadata"}
+    sd = load_shard(path)
+    key = choose_module_key(sd, module_key, path)
+    module = sd[key]
+    return {"path": path, "kind": "shard", "module_key": key,
+            "tensors": len(module) if isinstance(module, dict) else 0,
+            "checkpoint_version": parse_version(sd.get("checkpoint_version", 0), path),
+            "mp_world_size": sd.get("mp_world_size")}
