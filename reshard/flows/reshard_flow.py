@@ -23,11 +23,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from reshard.flows.params import ReshardParams
-from reshard.storage.cache import RemoteObject
+from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
-from reshard.tasks.target_tasks import (cache_dir_of, commit_checkpoint, convert_target_rank, plan_conversion,
-                                        report, upload_target)
+from reshard.tasks.target_tasks import (cache_dir_of, commit_checkpoint, convert_target_rank, output_present,
+                                        plan_conversion, report, upload_target)
 
 
 @flow(name="reshard", validate_parameters=True)
@@ -44,8 +44,10 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     disc = discover_shards(params.source, params.storage_options)
     objects = disc["objects"]
     log.info("discovered %d objects under %s", len(objects), params.source)
-    fetches = {o["name"]: fetch_shard.submit(params.source, o, params.storage_options, cache_dir, disc["is_local"])
-               for o in objects}
+    cache = ShardCache(cache_dir)
+    fetches = {o["name"]: fetch_shard.with_options(
+        refresh_cache=not (disc["is_local"] or cache.entry(RemoteObject(**o)).is_file())
+    ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"]) for o in objects}
     checks = [check_shard.submit(fetches[o["name"]], _identity(o), params.module_key) for o in objects]
     fetched = {name: fut.result() for name, fut in fetches.items()}
     for c in checks:
@@ -54,14 +56,22 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     job = plan_conversion(base, disc, {} if disc["is_local"] else fetched, conversion_id(objects, options))
     if job["up_to_date"]:
         log.info("%s already holds this exact conversion; nothing new will be written", params.destination)
-    with _gpu_annotation(params.gpu_resource):
-        converts = {t["name"]: convert_target_rank.submit(job, t["name"], t["rank"]) for t in job["targets"]}
-    uploads = {name: upload_target.submit(job, name, fut) for name, fut in converts.items()}
+    converts, uploads = {}, {}
+    for t in job["targets"]:
+        name = t["name"]
+        staged = output_present(job, name, accept_local_file=False)  # uploaded or committed
+        converted = staged or output_present(job, name, accept_local_file=True)
+        with _gpu_annotation(params.gpu_resource):
+            converts[name] = convert_target_rank.with_options(refresh_cache=not converted).submit(
+                job, name, t["rank"])
+        uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job, name, converts[name])
     records = [uploads[name].result() for name in converts]
     converted = [converts[name].result() for name in converts]
     manifest = commit_checkpoint(job, records)
     report(job, converted, records)
-    return {"source": params.source, "destination": params.destination, "source_tp": job["source_tp"],
+    from prefect.runtime import flow_run
+
+    return {"flow_run_id": str(flow_run.id), "source": params.source, "destination": params.destination, "source_tp": job["source_tp"],
             "target_tp": params.target_tp, "version": job["version"], "quantized": params.quantize,
             "up_to_date": job["up_to_date"], "conversion_id": job["conversion_id"],
             "files": manifest.get("files", []), "warnings": job["warnings"]}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.errors import DestinationError, StorageError
+from reshard.crashpoints import crash_point
 from reshard.storage.location import Location, open_location, storage_errors
 from reshard.storage.manifest import MANIFEST_NAME, file_record
 
@@ -150,6 +151,7 @@ class LocalDestination(Destination):
             if old not in names:
                 (self.folder / old).unlink(missing_ok=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        crash_point("committed-files")
         tmp = self.folder / (MANIFEST_NAME + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
         with open(tmp, "rb") as f:
@@ -230,6 +232,7 @@ class RemoteDestination(Destination):
                 if old not in names and fs.exists(self.loc.join(old)):
                     fs.rm_file(self.loc.join(old))
             fs.rm(self.staging_prefix, recursive=True)
+            crash_point("committed-files")
             fs.pipe_file(self.loc.join(MANIFEST_NAME), json.dumps(manifest, indent=2, sort_keys=True).encode())
         shutil.rmtree(self.workdir, ignore_errors=True)
 

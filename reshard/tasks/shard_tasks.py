@@ -14,6 +14,7 @@ from prefect.tasks import exponential_backoff
 
 from reshard.core.safe_load import load_shard
 from reshard.core.source import choose_module_key, parse_version
+from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import open_location
 from reshard.storage.source_view import discover, fetch
@@ -41,7 +42,9 @@ def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any
     """Local path of one shard (cache entry, verified size/MD5; in place for local files)."""
     loc = open_location(source, storage_options)
     cache = None if is_local else ShardCache(cache_dir)
-    return str(fetch(loc, RemoteObject(**obj), cache))
+    path = str(fetch(loc, RemoteObject(**obj), cache))
+    crash_point("fetched")
+    return path
 
 
 @task(name="check-shard", cache_key_fn=check_key, persist_result=True)

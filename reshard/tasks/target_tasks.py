@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from reshard.core.engine import convert_target, pick_device
 from reshard.core.errors import DestinationError, StorageError
 from reshard.core.plan import ReshardOptions, build_plan
+from reshard.crashpoints import crash_point
 from reshard.direct import DESCRIPTOR_NAME, descriptor_for, manifest_for, source_record, zero_gate
 from reshard.flows import progress
 from reshard.storage.cache import RemoteObject, ShardCache
@@ -112,6 +113,7 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int) -> dict[str, 
     else:
         res = convert_target(plan, rank, partial, device)
     os.replace(partial, out)
+    crash_point("converted")
     return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources),
             "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -121,6 +123,7 @@ def upload_target(job: dict[str, Any], name: str, converted: dict[str, Any]) -> 
     """Stage one output at the destination (multipart upload for remote stores) and record
     its size and sha256 for the manifest."""
     record = destination_for(job).publish(name)
+    crash_point("uploaded")
     progress.notify(dict(converted, sha256=record["sha256"]))
     return record
 
@@ -149,6 +152,7 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
                 raise StorageError(f"staged {rec['path']} changed since it was hashed", culprit=job["destination"])
     manifest = manifest_for(_options(job), job["warnings"], job["source_record"], job["destination"], records,
                             job["conversion_id"])
+    crash_point("staged-all")
     dest.commit([r["path"] for r in records], manifest)
     return manifest
 

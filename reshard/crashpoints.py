@@ -1,0 +1,30 @@
+"""Named crash points for reliability tests: ``RESHARD_CRASH_AT=name:n`` makes the process
+SIGKILL itself the n-th time it passes ``name`` — a real, unclean death at a precise point.
+
+Unset (the normal case) this is one dictionary lookup. Points: ``fetched``, ``converted``,
+``uploaded``, ``staged-all``, ``committed-files`` (files moved into place, manifest not yet).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+_lock = threading.Lock()
+_counts: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if ``RESHARD_CRASH_AT`` names this point and its count is reached."""
+    spec = os.environ.get("RESHARD_CRASH_AT")
+    if not spec:
+        return
+    point, _, n = spec.partition(":")
+    if point != name:
+        return
+    with _lock:
+        _counts[name] = _counts.get(name, 0) + 1
+        hit = _counts[name] >= int(n or 1)
+    if hit:
+        os.kill(os.getpid(), signal.SIGKILL)
