@@ -17,7 +17,9 @@ $(PY):
 # torch first (2.13.0 is the local CPU wheel), then the project under the committed constraints.
 $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e .
+	$(PIP) install -q -c constraints.txt -e ".[s3]"
+	# pre-migrate Prefect's database so the first run starts its embedded server quickly
+	$(VENV)/bin/prefect server database upgrade -y >/dev/null
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
@@ -32,6 +34,7 @@ demo: install
 	$(VENV)/bin/reshard sample demo-output/tp8 --tp 8 --layers 4 --hidden 256 --heads 16 --vocab 1024
 	$(VENV)/bin/reshard inspect demo-output/tp8
 	$(VENV)/bin/reshard plan demo-output/tp8 --target-tp 2
+	$(VENV)/bin/reshard run demo-output/tp8 demo-output/tp2 --target-tp 2
 	$(VENV)/bin/reshard run demo-output/tp8 demo-output/tp2 --target-tp 2
 	$(VENV)/bin/reshard verify demo-output/tp2
 	$(VENV)/bin/reshard inspect demo-output/tp2

@@ -32,6 +32,17 @@ def _add_layout_options(p: argparse.ArgumentParser, *, target_required: bool) ->
     p.add_argument("--groups", type=int, default=64, help="quantization groups per weight piece (default 64)")
     p.add_argument("--no-mlp-extra-grouping", dest="mlp_extra_grouping", action="store_false",
                    help="do not double the groups for MLP weights")
+    p.add_argument("--target-pp", type=int, default=None, metavar="P",
+                   help="pipeline-parallel stages of the output (default: as the source; Megatron-LM layout only)")
+    p.add_argument("--num-query-groups", type=int, default=None, metavar="G",
+                   help="query groups (GQA), when the saved args lack them (needed to split safely)")
+    p.add_argument("--swiglu", dest="swiglu", action="store_true", default=None,
+                   help="the MLP is gated (SwiGLU), when neither args nor shapes tell")
+    p.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="the MLP is not gated")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help="true (unpadded) vocabulary size, when the saved args lack it and the padding changes")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="D",
+                   help="Megatron's vocabulary padding divisor, when the saved args lack it")
 
 
 def _add_storage_options(p: argparse.ArgumentParser) -> None:
@@ -102,7 +113,10 @@ def _options(ns: argparse.Namespace, target_tp: int) -> Any:
 
     return ReshardOptions(target_tp=target_tp, version=ns.version, module_key=ns.module_key,
                           num_heads=ns.num_heads, quantize=ns.quantize, bits=ns.bits, groups=ns.groups,
-                          mlp_extra_grouping=ns.mlp_extra_grouping)
+                          mlp_extra_grouping=ns.mlp_extra_grouping, target_pp=getattr(ns, "target_pp", None),
+                          num_query_groups=getattr(ns, "num_query_groups", None),
+                          swiglu=getattr(ns, "swiglu", None), vocab_size=getattr(ns, "vocab_size", None),
+                          make_vocab_size_divisible_by=getattr(ns, "make_vocab_size_divisible_by", None))
 
 
 def _fmt_bytes(n: int) -> str:
@@ -177,11 +191,19 @@ def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
 
-    params = ReshardParams(source=ns.src, destination=ns.dst, target_tp=ns.target_tp, quantize=ns.quantize,
-                           bits=ns.bits, groups=ns.groups, mlp_extra_grouping=ns.mlp_extra_grouping,
-                           version=ns.version, num_heads=ns.num_heads, module_key=ns.module_key,
-                           storage_options=_storage(ns), overwrite=ns.overwrite, device=ns.device,
-                           target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir)
+    from pydantic import ValidationError
+
+    from reshard.core.errors import LayoutError
+
+    try:
+        params = ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
+                               storage_options=_storage(ns), overwrite=ns.overwrite, device=ns.device,
+                               target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first.get("loc") else "options"
+        raise LayoutError(f"{first['msg']} (got {first.get('input')!r})", culprit="--" + field.replace("_", "-"),
+                          hint=f"fix --{field.replace('_', '-')}") from None
     summary = run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
                        on_target_done=progress, console_level="INFO" if ns.verbose else "WARNING")
     if ns.json:
@@ -207,6 +229,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "bytes_read": sum(f.stat().st_size for f in plan.source.files),
         "bytes_written": sum(t.bytes_written for t in plan.targets),
         "peak_memory_estimate": plan.peak_memory_estimate,
+        "facts": plan.facts.to_record(),
         "rules": {p.key: p.rule.name for p in plan.params},
         "unused_rules": list(plan.unused_rules),
         "warnings": list(plan.warnings),
@@ -271,12 +294,18 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
            "bytes": total_bytes, "num_heads": plan.num_heads,
            "hidden": plan.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-           "files": [f.name for f in source.files]}
+           "layout": source.format, "pp": source.pp, "facts": plan.facts.to_record(),
+           "files": list(source.relative_names)}
     if ns.json:
         print(json.dumps(rec, indent=2))
     else:
         for k, v in rec.items():
-            if k != "files":
+            if k == "facts":
+                origin = v.get("origin", {})
+                for fk, fv in v.items():
+                    if fk != "origin" and fv is not None:
+                        print(f"  {fk:28} {fv}" + (f"  (from {origin[fk]})" if fk in origin else ""))
+            elif k != "files":
                 print(f"{k:12} {v}")
     return 0
 

@@ -22,6 +22,7 @@ from reshard import __version__
 from reshard.core.engine import TargetResult, convert_target, pick_device
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.plan import Plan, ReshardOptions, build_plan
+from reshard.core.source import DEEPSPEED
 from reshard.core.zero_config import ZeroDecision, decide_conversion
 from reshard.storage.cache import ShardCache
 from reshard.storage.destination import open_destination
@@ -47,6 +48,15 @@ class RunReport:
     seconds: float = 0.0
 
 
+def side_files(plan: Plan, names: list[str]) -> dict[str, str]:
+    """Small files written beside the shards: the DeepSpeed descriptor (DeepSpeed layout) or
+    Megatron's ``latest_checkpointed_iteration.txt`` (Megatron-LM layout)."""
+    files = dict(plan.extra_files)
+    if plan.output_format == DEEPSPEED:
+        files[DESCRIPTOR_NAME] = json.dumps(descriptor_for(plan, names), indent=2)
+    return files
+
+
 def descriptor_for(plan: Plan, names: list[str]) -> dict[str, Any]:
     """DeepSpeed checkpoint descriptor of the new layout (loadable by DeepSpeed's factory)."""
     d: dict[str, Any] = {"type": "Megatron", "version": plan.version, "checkpoints": names,
@@ -69,11 +79,12 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
         if rel in etags:
             rec["etag"] = etags[rel]
         files.append(rec)
-    return {"url": local.url, "tp": plan.source_tp, "version": plan.version, "files": files}
+    return {"url": local.url, "tp": plan.source_tp, "pp": plan.source_pp, "format": plan.source.format,
+            "version": plan.version, "files": files}
 
 
 def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,
-                 records: list[dict[str, Any]], conversion_id: str) -> dict[str, Any]:
+                 records: list[dict[str, Any]], conversion_id: str, target_pp: int = 1) -> dict[str, Any]:
     """The commit marker. ``conversion_id`` lets a later identical run see it is up to date."""
     return {
         "format": MANIFEST_FORMAT,
@@ -83,7 +94,7 @@ def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str,
         "conversion_id": conversion_id,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source,
-        "target": {"url": dst, "tp": options.target_tp},
+        "target": {"url": dst, "tp": options.target_tp, "pp": target_pp},
         "options": options.to_record(),
         "warnings": list(warnings),
         "files": records,
@@ -140,7 +151,7 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
         workdir = cache.new_workdir("run")
     try:
         dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir,
-                                source=src_loc)
+                                source=src_loc, chunksize=cache.chunksize if cache else 32 << 20)
         local = materialize(src, storage_options, cache, workdir)
         with _urls_in_errors(local.path, src):
             plan = build_plan(str(local.path), options)
@@ -159,12 +170,13 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
                 names.append(tp.name)
                 if on_target_done:
                     on_target_done(res)
-            dest.staged(DESCRIPTOR_NAME).write_text(json.dumps(descriptor_for(plan, names), indent=2))
-            records.append(dest.publish(DESCRIPTOR_NAME))
-            names.append(DESCRIPTOR_NAME)
+            for name, text in side_files(plan, list(names)).items():
+                dest.staged(name).write_text(text)
+                records.append(dest.publish(name))
+                names.append(name)
             cid = conversion_id([dataclasses.asdict(o) for o in local.objects], options.to_record())
             report.manifest = manifest_for(options, list(plan.warnings), source_record(plan, local), dst, records,
-                                           cid)
+                                           cid, plan.target_pp)
             dest.commit(names, report.manifest)
         except BaseException:
             dest.abort()

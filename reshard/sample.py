@@ -1,8 +1,14 @@
-"""Write small, realistic legacy-GPT tensor-parallel checkpoints (demo, tests, benchmarks).
+"""Write small, realistic tensor-parallel GPT checkpoints (demo, tests, benchmarks).
+
+Two kinds: legacy-GPT DeepSpeed checkpoints (``write_sample_checkpoint``, ``mp_rank_XX_model_states.pt``)
+and megatron-core GPTs in Megatron-LM run folders (``write_core_sample_checkpoint``: GQA, SwiGLU,
+RMSNorm, rotary, tied or untied output, vocabulary padding, pipeline stages).
 
 The layout code here is deliberately written independently of ``reshard.core``: it builds
 the full logical weights first and lays each rank out with reshape/permute per version, so
-tests that reshard these files check the engine against a second implementation.
+tests that reshard these files check the engine against a second implementation. Vocabulary
+padding rows are zeros, so a sample written at TP=M equals a correct reshard of the sample
+written at TP=N, bit for bit.
 """
 
 from __future__ import annotations
@@ -134,4 +140,184 @@ def write_sample_checkpoint(folder: str | os.PathLike[str], *, tp: int = 8, cfg:
         p = folder / f"mp_rank_{rank:02d}_model_states.pt"
         torch.save(sd, p)
         paths.append(p)
+    return paths
+
+
+# --- megatron-core GPT (GQA, SwiGLU, RMSNorm, vocabulary padding, pipeline stages) ----------------
+
+
+@dataclass(frozen=True)
+class CoreGPTConfig:
+    """Shape of a small megatron-core GPT. ``groups`` None is multi-head attention."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 8
+    groups: int | None = None
+    ffn: int = 96
+    swiglu: bool = False
+    rmsnorm: bool = False
+    bias: bool = True
+    rope: bool = False
+    tied: bool = True
+    vocab: int = 100
+    divisible_by: int = 16
+    seq: int = 16
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.groups or self.heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron-LM's padding: up to a multiple of ``divisible_by * tp``."""
+        unit = self.divisible_by * tp
+        return -(-self.vocab // unit) * unit
+
+
+def core_full_weights(cfg: CoreGPTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Unsharded logical weights (fp32) by role: q/k/v per head, gate (w) and up (v) halves."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    h, f, hn = cfg.hidden, cfg.ffn, cfg.head_dim
+    kv = cfg.query_groups * hn
+    w = {"word_embeddings": r(cfg.vocab, h, scale=0.5), "final_ln.weight": 1 + r(h), "final_ln.bias": r(h)}
+    if not cfg.rope:
+        w["position_embeddings"] = r(cfg.seq, h, scale=0.5)
+    if not cfg.tied:
+        w["output"] = r(cfg.vocab, h, scale=0.5)
+    for i in range(cfg.layers):
+        w |= {f"{i}.ln1.weight": 1 + r(h), f"{i}.ln1.bias": r(h), f"{i}.ln2.weight": 1 + r(h), f"{i}.ln2.bias": r(h),
+              f"{i}.q.weight": r(cfg.heads * hn, h), f"{i}.k.weight": r(kv, h), f"{i}.v.weight": r(kv, h),
+              f"{i}.q.bias": r(cfg.heads * hn), f"{i}.k.bias": r(kv), f"{i}.v.bias": r(kv),
+              f"{i}.proj.weight": r(h, cfg.heads * hn), f"{i}.proj.bias": r(h),
+              f"{i}.gate.weight": r(f, h), f"{i}.gate.bias": r(f), f"{i}.up.weight": r(f, h), f"{i}.up.bias": r(f),
+              f"{i}.fc2.weight": r(h, f), f"{i}.fc2.bias": r(h)}
+    return w
+
+
+def _grouped_qkv_rank(cfg: CoreGPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int,
+                      rank: int) -> torch.Tensor:
+    """One rank's ``linear_qkv`` rows: for each of its query groups, that group's q heads, its k, its v.
+
+    ``q`` is ``[heads*hn, *tail]``, ``k``/``v`` ``[groups*hn, *tail]``; the full tensor is
+    ``[groups, heads/groups + 2, hn, *tail]`` and a rank holds ``groups/tp`` whole groups."""
+    groups, hn, tail = cfg.query_groups, cfg.head_dim, q.shape[1:]
+    qg = q.reshape(groups, cfg.heads // groups, hn, *tail)
+    full = torch.cat([qg, k.reshape(groups, 1, hn, *tail), v.reshape(groups, 1, hn, *tail)], dim=1)
+    per = groups // tp
+    return full[rank * per:(rank + 1) * per].reshape(-1, *tail)
+
+
+def _vocab_rows(cfg: CoreGPTConfig, x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a vocabulary-parallel weight, padded with zero rows at the end."""
+    padded = torch.cat([x, x.new_zeros(cfg.padded_vocab(tp) - cfg.vocab, x.shape[1])])
+    return padded.chunk(tp, dim=0)[rank]
+
+
+def core_rank_state_dict(cfg: CoreGPTConfig, w: dict[str, torch.Tensor], tp: int, rank: int, pp: int = 1,
+                         stage: int = 0, dtype: torch.dtype = torch.float32,
+                         extra_state: object = None) -> dict[str, object]:
+    """The module state dict of (TP rank, PP stage), megatron-core names, local-spec layout
+    (``_extra_state`` entries as megatron-core's local linear layers save them: None)."""
+
+    def col(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(tp, dim=0)[rank]
+
+    def row(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(tp, dim=1)[rank]
+
+    def norm(name: str, key: str) -> dict[str, torch.Tensor]:
+        out = {f"{name}.weight": w[f"{key}.weight"]}
+        if not cfg.rmsnorm:
+            out[f"{name}.bias"] = w[f"{key}.bias"]
+        return out
+
+    sd: dict[str, object] = {}
+    first, last = stage == 0, stage == pp - 1
+    if first:
+        sd["embedding.word_embeddings.weight"] = _vocab_rows(cfg, w["word_embeddings"], tp, rank)
+        if not cfg.rope:
+            sd["embedding.position_embeddings.weight"] = w["position_embeddings"]
+    per = cfg.layers // pp
+    for local in range(per):
+        i = stage * per + local
+        p = f"decoder.layers.{local}."
+        sd |= norm(p + "input_layernorm", f"{i}.ln1")
+        sd[p + "self_attention.linear_proj.weight"] = row(w[f"{i}.proj.weight"])
+        if cfg.bias:
+            sd[p + "self_attention.linear_proj.bias"] = w[f"{i}.proj.bias"]
+        sd[p + "self_attention.linear_proj._extra_state"] = extra_state
+        sd[p + "self_attention.linear_qkv.weight"] = _grouped_qkv_rank(
+            cfg, w[f"{i}.q.weight"], w[f"{i}.k.weight"], w[f"{i}.v.weight"], tp, rank)
+        if cfg.bias:
+            sd[p + "self_attention.linear_qkv.bias"] = _grouped_qkv_rank(
+                cfg, w[f"{i}.q.bias"], w[f"{i}.k.bias"], w[f"{i}.v.bias"], tp, rank)
+        sd[p + "self_attention.linear_qkv._extra_state"] = extra_state
+        sd |= norm(p + "pre_mlp_layernorm", f"{i}.ln2")
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            gate, up = col(w[f"{i}.gate.{kind}"]), col(w[f"{i}.up.{kind}"])
+            sd[p + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up]) if cfg.swiglu else gate
+        sd[p + "mlp.linear_fc1._extra_state"] = extra_state
+        sd[p + "mlp.linear_fc2.weight"] = row(w[f"{i}.fc2.weight"])
+        if cfg.bias:
+            sd[p + "mlp.linear_fc2.bias"] = w[f"{i}.fc2.bias"]
+        sd[p + "mlp.linear_fc2._extra_state"] = extra_state
+    if last:
+        sd |= norm("decoder.final_layernorm", "final_ln")
+        if not cfg.tied:
+            sd["output_layer.weight"] = _vocab_rows(cfg, w["output"], tp, rank)
+        elif pp > 1:
+            sd["output_layer.weight"] = _vocab_rows(cfg, w["word_embeddings"], tp, rank)
+        sd["output_layer._extra_state"] = extra_state
+    return {k: (v.to(dtype).clone() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") else v)
+            for k, v in sd.items()}
+
+
+def core_args(cfg: CoreGPTConfig, tp: int, pp: int, save_vocab_size: bool = True) -> argparse.Namespace:
+    """The Megatron-LM ``args`` attributes that describe the model and its parallel layout."""
+    return argparse.Namespace(
+        num_layers=cfg.layers, hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn, num_attention_heads=cfg.heads,
+        kv_channels=cfg.head_dim, group_query_attention=cfg.groups is not None, num_query_groups=cfg.groups or 1,
+        swiglu=cfg.swiglu, normalization="RMSNorm" if cfg.rmsnorm else "LayerNorm", add_bias_linear=cfg.bias,
+        position_embedding_type="rope" if cfg.rope else "learned_absolute",
+        untie_embeddings_and_output_weights=not cfg.tied, vocab_size=cfg.vocab if save_vocab_size else None,
+        padded_vocab_size=cfg.padded_vocab(tp), make_vocab_size_divisible_by=cfg.divisible_by,
+        max_position_embeddings=cfg.seq, seq_length=cfg.seq, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp)
+
+
+def write_core_sample_checkpoint(folder: str | os.PathLike[str], *, tp: int = 2, pp: int = 1,
+                                 cfg: CoreGPTConfig | None = None, seed: int = 0, iteration: int = 100,
+                                 dtype: torch.dtype = torch.float32, save_args: bool = True,
+                                 save_vocab_size: bool = True, extra_state: object = None) -> list[Path]:
+    """Write a Megatron-LM run folder: ``latest_checkpointed_iteration.txt`` and
+    ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP rank, PP stage); returns the files."""
+    cfg = cfg or CoreGPTConfig()
+    folder = Path(folder)
+    w = core_full_weights(cfg, seed)
+    paths = []
+    for stage in range(pp):
+        for rank in range(tp):
+            sub = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
+            p = folder / f"iter_{iteration:07d}" / sub / "model_optim_rng.pt"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            sd: dict[str, object] = {
+                "checkpoint_version": 3.0, "iteration": iteration,
+                "model": core_rank_state_dict(cfg, w, tp, rank, pp, stage, dtype, extra_state),
+                "optimizer": {"state": {}}, "opt_param_scheduler": {"num_steps": iteration},
+                "rng_state": [{"torch_rng_state": torch.zeros(8, dtype=torch.uint8)}],
+                "num_floating_point_operations_so_far": 0,
+            }
+            if save_args:
+                sd["args"] = core_args(cfg, tp, pp, save_vocab_size)
+            torch.save(sd, p)
+            paths.append(p)
+    (folder / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return paths

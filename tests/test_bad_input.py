@@ -101,7 +101,7 @@ def test_bad_input_is_refused_cleanly(src, tmp_path, capsys, case):
     mutate(src)
     before = _snapshot(src)
     dst = tmp_path / "dst"
-    code, err = _run_cli(capsys, ["run", str(src), str(dst), *args])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(dst), *args])
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("reshard: error: "), err
@@ -114,35 +114,35 @@ def test_bad_input_is_refused_cleanly(src, tmp_path, capsys, case):
 
 def test_split_without_head_count_names_the_flag(sample_factory, tmp_path, capsys):
     src = sample_factory(2, 2.0, save_args=False)
-    code, err = _run_cli(capsys, ["run", str(src), str(tmp_path / "dst"), "--target-tp", "8"])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(tmp_path / "dst"), "--target-tp", "8"])
     assert code == 2 and "--num-heads" in err and not (tmp_path / "dst").exists()
     # with the flag it works, and a merge never needs it
-    assert main(["run", str(src), str(tmp_path / "dst"), "--target-tp", "8", "--num-heads", "8"]) == 0
-    assert main(["run", str(src), str(tmp_path / "m"), "--target-tp", "1"]) == 0
+    assert main(["run", "--direct", str(src), str(tmp_path / "dst"), "--target-tp", "8", "--num-heads", "8"]) == 0
+    assert main(["run", "--direct", str(src), str(tmp_path / "m"), "--target-tp", "1"]) == 0
 
 
 def test_wrong_head_count_flag_is_refused(sample_factory, tmp_path, capsys):
     src = sample_factory(2, 2.0, save_args=False)
-    code, err = _run_cli(capsys, ["run", str(src), str(tmp_path / "d"), "--target-tp", "4", "--num-heads", "6"])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(tmp_path / "d"), "--target-tp", "4", "--num-heads", "6"])
     assert code == 2 and "heads" in err
 
 
 def test_committed_destination_is_refused_without_overwrite(sample_factory, tmp_path, capsys):
     src = sample_factory(8, 2.0)
     dst = tmp_path / "dst"
-    assert main(["run", str(src), str(dst), "--target-tp", "2"]) == 0
+    assert main(["run", "--direct", str(src), str(dst), "--target-tp", "2"]) == 0
     before = _snapshot(dst)
-    code, err = _run_cli(capsys, ["run", str(src), str(dst), "--target-tp", "4"])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(dst), "--target-tp", "4"])
     assert code == 2 and "already holds a committed checkpoint" in err and "--overwrite" in err
     assert _snapshot(dst) == before
-    assert main(["run", str(src), str(dst), "--target-tp", "4", "--overwrite"]) == 0
+    assert main(["run", "--direct", str(src), str(dst), "--target-tp", "4", "--overwrite"]) == 0
     names = sorted(p.name for p in dst.iterdir())
     assert names == sorted([f"mp_rank_{r:02d}_model_states.pt" for r in range(4)] + ["ds_checkpoint.json", MANIFEST_NAME])
     assert main(["verify", str(dst)]) == 0
 
 
 def test_destination_inside_source_is_refused(src, capsys):
-    code, err = _run_cli(capsys, ["run", str(src), str(src / "out"), "--target-tp", "2"])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(src / "out"), "--target-tp", "2"])
     assert code == 2 and "inside" in err and not (src / "out").exists()
 
 
@@ -175,7 +175,7 @@ def test_pickle_that_would_run_code_is_refused_and_never_runs(src, tmp_path, cap
     torch.load(src / "mp_rank_00_model_states.pt", weights_only=False)
     assert marker.exists()
     marker.unlink()
-    code, err = _run_cli(capsys, ["run", str(src), str(tmp_path / "dst"), "--target-tp", "2"])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(tmp_path / "dst"), "--target-tp", "2"])
     assert code == 2 and "refused to unpickle" in err and "mp_rank_00" in err
     assert not marker.exists(), "the payload must never execute"
     assert not (tmp_path / "dst").exists()
@@ -187,7 +187,7 @@ def test_descriptor_input_and_its_errors(sample_factory, tmp_path, capsys):
     desc = tmp_path / "ckpt.json"
     desc.write_text(json.dumps({"type": "Megatron", "checkpoints": files, "version": 1.0,
                                 "parallelization": "tp", "mp_size": 8, "base_dir": str(src)}))
-    assert main(["run", str(desc), str(tmp_path / "ok"), "--target-tp", "2"]) == 0
+    assert main(["run", "--direct", str(desc), str(tmp_path / "ok"), "--target-tp", "2"]) == 0
     bad = {
         "malformed": ("{not json", "malformed descriptor JSON"),
         "traversal": (json.dumps({"type": "Megatron", "checkpoints": ["../x.pt"], "version": 1.0,
@@ -198,6 +198,6 @@ def test_descriptor_input_and_its_errors(sample_factory, tmp_path, capsys):
     }
     for name, (text, expected) in bad.items():
         desc.write_text(text)
-        code, err = _run_cli(capsys, ["run", str(desc), str(tmp_path / name), "--target-tp", "2"])
+        code, err = _run_cli(capsys, ["run", "--direct", str(desc), str(tmp_path / name), "--target-tp", "2"])
         assert code == 2 and expected in err, (name, err)
         assert not (tmp_path / name).exists()

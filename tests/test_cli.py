@@ -33,7 +33,7 @@ def test_plan_shows_which_sources_feed_each_target(sample_factory, capsys):
 
 def test_verify_detects_tampering(sample_factory, tmp_path, capsys):
     dst = tmp_path / "dst"
-    assert main(["run", str(sample_factory(8, 2.0)), str(dst), "--target-tp", "2", "--json"]) == 0
+    assert main(["run", "--direct", str(sample_factory(8, 2.0)), str(dst), "--target-tp", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["target_tp"] == 2 and len(summary["files"]) == 3
     assert main(["verify", str(dst)]) == 0
@@ -52,7 +52,7 @@ def test_output_loads_with_plain_torch_load_and_deepspeed_descriptor(sample_fact
     from deepspeed.runtime.state_dict_factory import SDLoaderFactory
 
     dst = tmp_path / "dst"
-    assert main(["run", str(sample_factory(8, 2.0)), str(dst), "--target-tp", "4"]) == 0
+    assert main(["run", "--direct", str(sample_factory(8, 2.0)), str(dst), "--target-tp", "4"]) == 0
     desc = json.loads((dst / "ds_checkpoint.json").read_text())
     files = [str(dst / f) for f in desc["checkpoints"]]
     loader = SDLoaderFactory.get_sd_loader(files, None, desc["type"], desc["version"])

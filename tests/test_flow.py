@@ -102,3 +102,18 @@ def test_bad_input_fails_the_flow_with_the_typed_error(sample_factory, tmp_path)
     with pytest.raises(LayoutError, match="cannot be divided evenly over 3"):
         run_flow(_params(sample_factory(8, 2.0), tmp_path / "dst", tmp_path, target_tp=3))
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--target-tp", "3"], "cannot be divided evenly over 3"),
+    (["--target-tp", "0"], "--target-tp"),
+    (["--target-tp", "2", "--quantize", "--bits", "9"], "--bits"),
+], ids=["indivisible", "tp0", "bits9"])
+def test_cli_through_prefect_gives_one_line_errors(sample_factory, tmp_path, capsys, args, expected):
+    from reshard.cli import main
+
+    code = main(["run", str(sample_factory(8, 2.0)), str(tmp_path / "dst"), *args, "--cache-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("reshard: error: ") and expected in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "dst").exists()

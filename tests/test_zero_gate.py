@@ -9,7 +9,7 @@ from reshard.cli import main
 
 def test_zero3_source_is_refused_with_an_explanation(sample_factory, tmp_path, capsys):
     src = sample_factory(8, 2.0, zero_stage=3)
-    code = main(["run", str(src), str(tmp_path / "dst"), "--target-tp", "2"])
+    code = main(["run", "--direct", str(src), str(tmp_path / "dst"), "--target-tp", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "ZeRO stage 3" in err and "placeholders" in err
     assert "zero_to_fp32" in err and len(err.strip().splitlines()) == 1
@@ -17,19 +17,19 @@ def test_zero3_source_is_refused_with_an_explanation(sample_factory, tmp_path, c
 
 
 def test_zero2_source_converts(sample_factory, tmp_path):
-    assert main(["run", str(sample_factory(8, 2.0, zero_stage=2)), str(tmp_path / "dst"), "--target-tp", "2"]) == 0
+    assert main(["run", "--direct", str(sample_factory(8, 2.0, zero_stage=2)), str(tmp_path / "dst"), "--target-tp", "2"]) == 0
 
 
 def test_incompatible_target_config_fails_before_any_transfer(sample_factory, tmp_path, capsys):
     cfg = tmp_path / "target.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
-    code = main(["run", str(sample_factory(8, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
+    code = main(["run", "--direct", str(sample_factory(8, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
                  "--target-config", str(cfg)])
     err = capsys.readouterr().err
     assert code == 2 and "ratio" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "dst").exists()
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    assert main(["run", str(sample_factory(8, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
+    assert main(["run", "--direct", str(sample_factory(8, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
                  "--target-config", str(cfg)]) == 0
 
 

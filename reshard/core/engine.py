@@ -1,8 +1,12 @@
-"""Execute a validated plan: build one target rank's state dict and save it.
+"""Execute a validated plan: build one target file's state dict and save it.
 
-Each target rank reads only the source shards it needs (memory-mapped), so target ranks are
-independent units of work — the Prefect layer runs one task per target rank on top of
-:func:`convert_target`.
+A target is one (pipeline stage, tensor-parallel rank) of the output (``plan.targets``). Each
+reads only the source shards it needs (memory-mapped), so targets are independent units of
+work — the Prefect layer runs one task per target on top of :func:`convert_target`.
+
+Module entries are written under their target names (layers renumbered per stage); replicated
+tensors and carried entries (``_extra_state``) come from the target's base source rank, as do
+the top-level entries (``args`` retargeted: TP, PP, padded vocabulary).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 import torch
 
 from reshard.core.errors import CorruptCheckpointError
-from reshard.core.layouts import Piece, assemble
+from reshard.core import foreign
+from reshard.core.layouts import Piece, assemble, source_ranks_for_target
 from reshard.core.plan import ParamPlan, Plan, quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, quantize_groups, scale_table
 from reshard.core.rules import QUANT_SLOT_ORDER
@@ -26,6 +31,8 @@ from reshard.core.safe_load import load_shard
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
+#: ``args`` attributes for uneven pipeline stages; cleared when the PP degree changes.
+UNEVEN_PP_ARG_NAMES: tuple[str, ...] = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 
 
 @dataclass(frozen=True)
@@ -47,30 +54,40 @@ def pick_device(requested: str | None = None) -> torch.device:
 
 
 def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> dict[str, Any]:
-    """Target rank ``tgt``'s full state dict (module tensors own their storage)."""
+    """Target ``tgt``'s full state dict (``plan.targets[tgt]``; module tensors own their storage)."""
     device = device or torch.device("cpu")
     tp = plan.targets[tgt]
-    shards = {s: load_shard(plan.source.files[s]) for s in tp.sources}
-    first = shards[tp.sources[0]]
-    modules = {s: sd[plan.module_key] for s, sd in shards.items()}
+    shards = {i: load_shard(plan.source.files[i]) for i in tp.sources}
+    modules = {i: sd[plan.module_key] for i, sd in shards.items()}
+    src = plan.source
     n, m, opts = plan.source_tp, plan.target_tp, plan.options
+    first = shards[tp.sources[0]]
+    for i in tp.sources:  # top-level entries from the base rank of the first stage read
+        if i % n == tp.base_rank:
+            first = shards[i]
+            break
 
-    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    module: "OrderedDict[str, Any]" = OrderedDict()
     slot_scales: dict[tuple[int, str], torch.Tensor] = {}
+    culprit = str(src.files[tp.sources[0]])
     try:
-        for p in plan.params:
+        for entry in tp.params:
+            p = entry.param
             if p.spec is None:
-                module[p.key] = _owned(modules[tp.sources[0]][p.key])
+                value = modules[src.index(p.stage, tp.base_rank)][p.src_key]
+                module[entry.out_key] = _owned(value) if isinstance(value, torch.Tensor) else value
                 continue
-            srcs = {s: modules[s][p.key] for s in tp.sources}
+            srcs = {r: modules[src.index(p.stage, r)][p.src_key] for r in range(n)
+                    if src.index(p.stage, r) in modules}
+            culprit = str(src.files[src.index(p.stage, min(srcs))])
             if opts.quantize and p.quant_slot is not None:
-                module[p.key], scales = _assemble_quantized(p, srcs, n, m, tgt, plan, device)
+                module[entry.out_key], scales = _assemble_quantized(p, srcs, n, m, tp.tp_rank, plan, device)
                 slot_scales[(p.layer, p.quant_slot.value)] = scales
             else:
-                module[p.key] = assemble(p.spec, srcs, n, m, tgt)
+                module[entry.out_key] = assemble(p.spec, srcs, n, m, tp.tp_rank)
     except RuntimeError as exc:  # a tensor's bytes could not be read (truncated member)
         raise CorruptCheckpointError(f"cannot read tensor data: {str(exc).splitlines()[0][:200]}",
-                                     culprit=str(plan.source.files[tp.sources[0]]),
+                                     culprit=culprit,
                                      hint="the shard is truncated or corrupt; re-copy it") from None
 
     out: dict[str, Any] = {}
@@ -84,9 +101,9 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
     if "mp_world_size" in out:
         out["mp_world_size"] = m
     if "args" in out and out["args"] is not None:
-        out["args"] = _retarget_args(out["args"], m)
+        out["args"] = retarget_args(out["args"], plan)
     if opts.quantize:
-        out[QUANT_KEY] = _quant_record(slot_scales, plan, len(tp.sources))
+        out[QUANT_KEY] = _quant_record(slot_scales, plan, len(source_ranks_for_target(n, m, tp.tp_rank)))
     return out
 
 
@@ -119,11 +136,23 @@ def _quant_record(slot_scales: dict[tuple[int, str], torch.Tensor], plan: Plan, 
     }
 
 
-def _retarget_args(args: Any, m: int) -> Any:
+def retarget_args(args: Any, plan: Plan) -> Any:
+    """A copy of the saved Megatron ``args`` describing the output: TP and PP degrees, the padded
+    vocabulary; uneven first/last pipeline stage sizes are cleared when PP changes (reshard
+    splits layers evenly)."""
     new = copy.copy(args)
     for name in TP_ARG_NAMES:
         if hasattr(new, name):
-            setattr(new, name, m)
+            setattr(new, name, plan.target_tp)
+    if hasattr(new, "pipeline_model_parallel_size"):
+        setattr(new, "pipeline_model_parallel_size", plan.target_pp)
+    facts = plan.facts
+    if facts is not None and hasattr(new, "padded_vocab_size") and facts.padded_vocab_target is not None:
+        setattr(new, "padded_vocab_size", facts.padded_vocab_target)
+    if plan.target_pp != plan.source_pp:
+        for name in UNEVEN_PP_ARG_NAMES:
+            if getattr(new, name, None) is not None:
+                setattr(new, name, None)
     return new
 
 
@@ -134,10 +163,11 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
                    device: torch.device | None = None) -> TargetResult:
-    """Build target rank ``tgt`` and write it to ``out_path`` with ``torch.save``."""
+    """Build target ``tgt`` (an index into ``plan.targets``) and write it to ``out_path`` with
+    ``torch.save`` (foreign stand-ins in carried entries are written back under their real names)."""
     t0 = time.perf_counter()
     sd = build_target(plan, tgt, device)
     out_path = Path(out_path)
-    torch.save(sd, out_path)
+    foreign.save(sd, out_path)
     return TargetResult(tgt, str(out_path), out_path.stat().st_size, plan.targets[tgt].sources,
                         time.perf_counter() - t0)

@@ -20,6 +20,23 @@ QKV version 2.0/3.0   1       ``[np, 3, hn]``        ``3*hn``
 
 Target rank ``t`` of part ``p`` = ``full_p[t*N*L/M : (t+1)*N*L/M]``; the ranges are cut into
 *pieces*, one per source rank they touch, so a target only reads the source ranks it needs.
+Any ``N -> M`` works this way (8 -> 6, 4 -> 3, ...), as long as every part divides into ``M``
+whole atoms.
+
+More rows of the table (``G`` query groups, ``q = heads/G``, ``F`` = FFN width per rank):
+
+=======================  ======  ===============================  ====================
+parameter                parts   per-rank layout                  atom
+=======================  ======  ===============================  ====================
+grouped QKV (core, GQA)  1       ``[G_r, (q + 2), hn]``           ``(q + 2)*hn``
+attention proj (GQA)     1       ``[h, G_r*q*hn]`` (dim 1)        ``q*hn``
+gated fc1 (SwiGLU)       2       ``[W(F); V(F)]`` gate; up        1
+vocab rows (padded)      1       ``[V_pad/N]``                    1, resized (below)
+=======================  ======  ===============================  ====================
+
+*Resizing* (vocabulary padding): a spec may give ``total`` — the target's logical rows per part
+— and ``keep`` — how many leading logical rows are real (the true vocabulary). Target rows
+``< keep`` come from the source; the rest are zero-filled (pieces with ``src == FILL``).
 """
 
 from __future__ import annotations
@@ -32,19 +49,25 @@ import torch
 from reshard.core.errors import LayoutError
 
 
+#: ``Piece.src`` of rows that no source holds (vocabulary re-padding): zero-filled.
+FILL = -1
+
+
 @dataclass(frozen=True)
 class PartitionSpec:
-    """How one parameter is split across tensor-parallel ranks."""
+    """How one parameter is split across tensor-parallel ranks (``keep``/``total``: see module doc)."""
 
     dim: int
     parts: int = 1
     atom: int = 1
+    keep: int | None = None
+    total: int | None = None
 
 
 @dataclass(frozen=True)
 class Piece:
     """What source rank ``src`` contributes to one target rank: rows ``[start, stop)`` of
-    each of its parts along the partition dim."""
+    each of its parts along the partition dim (``src == FILL``: ``stop - start`` zero rows)."""
 
     src: int
     start: int
@@ -61,20 +84,30 @@ def source_ranks_for_target(n_src: int, n_tgt: int, tgt: int) -> list[int]:
     return [s for s in range(n_src) if s * n_tgt < hi and (s + 1) * n_tgt > lo]
 
 
-def pieces_for_target(part_len: int, n_src: int, n_tgt: int, tgt: int) -> list[Piece]:
-    """Cut target ``tgt``'s slice of one part into per-source-rank pieces.
+def pieces_for_target(part_len: int, n_src: int, n_tgt: int, tgt: int, keep: int | None = None,
+                      total: int | None = None) -> list[Piece]:
+    """Cut target ``tgt``'s slice of one part into per-source-rank pieces (plus a zero fill).
 
-    ``part_len`` is the part's length on one source rank; the full part is ``n_src*part_len``
-    long and must divide by ``n_tgt`` (checked by :func:`check_divisible`).
+    ``part_len`` is the part's length on one source rank; the full source part is
+    ``n_src*part_len`` long. The target part is ``total`` long (default: the same), of which the
+    first ``keep`` rows are copied (default: all that exist) and the rest zero-filled. ``total``
+    must divide by ``n_tgt`` (checked by :func:`check_divisible`).
     """
-    total = n_src * part_len
+    src_total = n_src * part_len
+    total = src_total if total is None else total
+    keep = min(src_total, total) if keep is None else keep
     t_len = total // n_tgt
     lo, hi = tgt * t_len, (tgt + 1) * t_len
     pieces = []
-    for s in range(lo // part_len, (hi - 1) // part_len + 1):
-        s_lo = max(lo, s * part_len) - s * part_len
-        s_hi = min(hi, (s + 1) * part_len) - s * part_len
-        pieces.append(Piece(s, s_lo, s_hi))
+    copy_hi = min(hi, keep)
+    if lo < copy_hi:
+        for s in range(lo // part_len, (copy_hi - 1) // part_len + 1):
+            s_lo = max(lo, s * part_len) - s * part_len
+            s_hi = min(copy_hi, (s + 1) * part_len) - s * part_len
+            pieces.append(Piece(s, s_lo, s_hi))
+    fill_lo = max(lo, keep)
+    if fill_lo < hi:
+        pieces.append(Piece(FILL, 0, hi - fill_lo))
     return pieces
 
 
@@ -89,7 +122,10 @@ def check_divisible(spec: PartitionSpec, rank_len: int, n_src: int, n_tgt: int, 
         raise LayoutError(f"{part_len} rows per part on a source rank is not a whole number of "
                           f"units of {spec.atom} rows", culprit=key,
                           hint="check --num-heads / the saved args against the checkpoint")
-    units = n_src * part_len // spec.atom
+    if spec.keep is not None and not 0 < spec.keep <= min(n_src * part_len, spec.total or spec.keep):
+        raise LayoutError(f"cannot keep {spec.keep} rows of {n_src * part_len} in {spec.total}", culprit=key,
+                          hint="check --vocab-size against the checkpoint")
+    units = (n_src * part_len if spec.total is None else spec.total) // spec.atom
     if units % n_tgt:
         what = "heads" if spec.atom > 1 else "rows"
         raise LayoutError(f"{units} {what} along dim {spec.dim} cannot be divided evenly over "
@@ -109,10 +145,15 @@ def assemble(spec: PartitionSpec, sources: Mapping[int, torch.Tensor], n_src: in
     """
     any_src = next(iter(sources.values()))
     part_len = any_src.shape[spec.dim] // spec.parts
-    pieces = pieces_for_target(part_len, n_src, n_tgt, tgt)
+    pieces = pieces_for_target(part_len, n_src, n_tgt, tgt, spec.keep, spec.total)
     # per_piece[i][p] = rows of part p contributed by piece i
     per_piece: list[list[torch.Tensor]] = []
     for pc in pieces:
+        if pc.src == FILL:
+            shape = list(any_src.shape)
+            shape[spec.dim] = pc.length
+            per_piece.append([any_src.new_zeros(shape) for _ in range(spec.parts)])
+            continue
         src = sources[pc.src]
         chunks = [src.narrow(spec.dim, p * part_len + pc.start, pc.length) for p in range(spec.parts)]
         if piece_fn is not None:

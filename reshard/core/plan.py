@@ -2,12 +2,25 @@
 
 Everything that can be wrong with the input is found here: rank files, module key, version,
 key sets, shapes and dtypes across ranks, replicated tensors that differ, unknown parameter
-names, head counts and dimensions that do not divide. The engine then only executes.
+names, model facts that are unknown or contradict each other, head/group counts and dimensions
+that do not divide, pipeline stages that do not fit. The engine then only executes.
+
+Model facts (:class:`ModelFacts`) come from the checkpoint's saved Megatron ``args`` when present,
+else from the options (CLI flags), else from the tensors themselves where the shapes decide
+them exactly (e.g. an fc1 twice as wide as fc2's input is gated). A fact that is needed and
+still unknown is refused (:class:`MissingModelFactError`), never guessed.
+
+Pipeline parallelism: parameters are planned under *logical* keys (global layer numbers). A
+target stage gets its layers (renumbered from 0), the first stage the embeddings, the last the
+final norm and output layer. With tied embeddings and PP > 1 the last stage also holds a copy of
+the word embeddings (``output_layer.weight`` / ``word_embeddings_for_head.weight``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,10 +28,13 @@ import torch
 
 from reshard.core.errors import (CheckpointFormatError, InconsistentShardsError, LayoutError,
                                  MissingModelFactError)
-from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target, source_ranks_for_target
-from reshard.core.rules import LEGACY_GPT_RULES, Kind, QuantSlot, Rule, layer_index, resolve
+from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_for_target,
+                                  source_ranks_for_target)
+from reshard.core.rules import (MEGATRON_GPT_RULES, Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core,
+                                layer_index, resolve, with_layer)
 from reshard.core.safe_load import load_shard
-from reshard.core.source import AUTO, SourceCheckpoint, choose_module_key, locate, parse_version, rank_file_name
+from reshard.core.source import (AUTO, DEEPSPEED, MEGATRON, MEGATRON_LATEST, SourceCheckpoint, choose_module_key,
+                                 iteration_text, locate, megatron_file_name, parse_version, rank_file_name)
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
 DROPPED_ENTRIES: dict[str, str] = {
@@ -35,10 +51,18 @@ DROPPED_ENTRIES: dict[str, str] = {
     "param_shapes": "per-rank ZeRO parameter shapes describe the old layout",
 }
 
+#: Names of the last stage's tied copy of the word embeddings, per naming family.
+TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
+_OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
+
 
 @dataclass(frozen=True)
 class ReshardOptions:
-    """What the user asked for. Only these affect the output bytes (besides the source)."""
+    """What the user asked for. Only these affect the output bytes (besides the source).
+
+    ``target_pp`` None keeps the source's pipeline stages; the model-fact options (query groups,
+    SwiGLU, vocabulary) are only needed when the checkpoint's saved ``args`` lack them.
+    """
 
     target_tp: int
     version: float | None = None
@@ -48,21 +72,60 @@ class ReshardOptions:
     bits: int = 8
     groups: int = 64
     mlp_extra_grouping: bool = True
+    target_pp: int | None = None
+    num_query_groups: int | None = None
+    swiglu: bool | None = None
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """The model facts the layout depends on, and where each came from (``origin``:
+    fact -> ``args`` / ``--flag`` / ``shapes`` / ``tensors``). None: unknown (and not needed)."""
+
+    naming: str
+    num_layers: int
+    hidden: int | None
+    heads: int | None
+    query_groups: int | None
+    head_dim: int | None
+    swiglu: bool | None
+    tied_embeddings: bool | None
+    vocab_size: int | None
+    padded_vocab_source: int | None
+    padded_vocab_target: int | None
+    make_vocab_size_divisible_by: int | None
+    source_pp_layers: tuple[int, ...]
+    target_pp_layers: tuple[int, ...]
+    origin: Mapping[str, str] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        rec = {k: v for k, v in self.__dict__.items() if k != "origin"}
+        rec["source_pp_layers"] = list(self.source_pp_layers)
+        rec["target_pp_layers"] = list(self.target_pp_layers)
+        rec["origin"] = dict(self.origin)
+        return rec
+
+
+@dataclass(frozen=True)
 class ParamPlan:
-    """One module parameter: its rule, per-source-rank shape, and partition spec."""
+    """One logical module entry: its rule, per-source-rank shape, and partition spec.
+
+    ``key`` is the logical name (global layer numbers); ``stage``/``src_key`` say where the
+    source holds it. Carried non-tensor entries (``_extra_state``) have ``dtype`` None."""
 
     key: str
     rule: Rule
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     spec: PartitionSpec | None
     layer: int | None
+    stage: int = 0
+    src_key: str = ""
 
     @property
     def quant_slot(self) -> QuantSlot | None:
@@ -70,19 +133,40 @@ class ParamPlan:
 
 
 @dataclass(frozen=True)
+class TargetParam:
+    """One entry of a target's module: its name there and the logical parameter it holds."""
+
+    out_key: str
+    param: ParamPlan
+
+
+@dataclass(frozen=True)
 class TargetPlan:
-    """One output file: its rank, its path relative to the destination, which source ranks
-    feed it and the bytes it moves. Writers iterate these; they never build names themselves."""
+    """One output file: its index in ``Plan.targets`` (``rank``), its path relative to the
+    destination, which source files feed it (indices into ``source.files``; for PP = 1 these
+    are the source TP ranks) and the bytes it moves. Writers iterate these; they never build
+    names themselves.
+
+    ``tp_rank``/``pp_rank``: its place in the target grid; ``base_rank``: the source TP rank
+    that replicated tensors and top-level entries are taken from; ``params``: its module."""
 
     rank: int
     name: str
     sources: tuple[int, ...]
     bytes_read: int
     bytes_written: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    base_rank: int = 0
+    params: tuple[TargetParam, ...] = ()
 
 
 @dataclass(frozen=True)
 class Plan:
+    """A validated conversion. ``extra_files``: small text files the writer must also write
+    (relative name -> content), e.g. Megatron's ``latest_checkpointed_iteration.txt``.
+    ``params``: logical tensors; ``carried``: opaque non-tensor module entries."""
+
     source: SourceCheckpoint
     options: ReshardOptions
     module_key: str
@@ -95,10 +179,19 @@ class Plan:
     dropped: dict[str, str]
     ds_config: dict[str, Any] | None = None
     warnings: tuple[str, ...] = field(default=())
+    facts: ModelFacts | None = None
+    carried: tuple[ParamPlan, ...] = ()
+    target_pp: int = 1
+    output_format: str = DEEPSPEED
+    extra_files: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def source_tp(self) -> int:
         return self.source.tp
+
+    @property
+    def source_pp(self) -> int:
+        return self.source.pp
 
     @property
     def target_tp(self) -> int:
@@ -111,8 +204,8 @@ class Plan:
         return max((t.bytes_written for t in self.targets), default=0) + largest_src
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return _elems(shape) * dtype.itemsize
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else _elems(shape) * dtype.itemsize
 
 
 def _int_attr(args: Any, name: str) -> int | None:
@@ -120,16 +213,89 @@ def _int_attr(args: Any, name: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
+def _bool_attr(args: Any, name: str) -> bool | None:
+    v = getattr(args, name, None) if args is not None else None
+    return v if isinstance(v, bool) else None
+
+
+@dataclass
+class _Stage:
+    """One source pipeline stage while planning: its files' names and module dicts."""
+
+    index: int
+    names: list[str]
+    modules: list[dict[str, Any]]
+
+
 def build_plan(src: str | SourceCheckpoint, options: ReshardOptions) -> Plan:
     """Validate the source fully and decide every tensor's fate (reads shard metadata,
     and replicated tensors to check they agree)."""
     source = src if isinstance(src, SourceCheckpoint) else locate(src)
     n, m = source.tp, options.target_tp
-    if not isinstance(m, int) or m < 1:
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise LayoutError(f"target TP {m!r} must be a positive integer", culprit="--target-tp")
+    tpp = source.pp if options.target_pp is None else options.target_pp
+    if not isinstance(tpp, int) or isinstance(tpp, bool) or tpp < 1:
+        raise LayoutError(f"target PP {tpp!r} must be a positive integer", culprit="--target-pp")
+    if source.format == DEEPSPEED and tpp != 1:
+        raise LayoutError(f"cannot write {tpp} pipeline stages in the DeepSpeed mp_rank_XX_model_states layout",
+                          culprit="--target-pp", hint="pipeline stages can be changed for Megatron-LM "
+                                                      "(iter_*/mp_rank_XX_YYY) checkpoints; use --target-pp 1")
     shards = [load_shard(f) for f in source.files]
     names = [str(f) for f in source.files]
+    module_key, modules = _modules(shards, names, options, n)
+    args = shards[0].get("args")
+    _check_saved_degrees(args, source)
+    stages = [_Stage(s, list(names[s * n:(s + 1) * n]), modules[s * n:(s + 1) * n]) for s in range(source.pp)]
+    for st in stages:
+        _check_same_keys(st.modules, st.names)
+    version = _decide_version(shards, names, source, options)
 
+    all_keys = list(dict.fromkeys(k for st in stages for k in st.modules[0]))
+    resolution = resolve(all_keys, MEGATRON_GPT_RULES, source=source.origin)
+    naming = "megatron-core" if is_megatron_core(all_keys) else "legacy"
+    raw, carried_raw, layers_per_stage = _collect(stages, resolution.by_key, source)
+    num_layers = sum(layers_per_stage)
+    saved_layers = _int_attr(args, "num_layers")
+    if saved_layers is not None and saved_layers != num_layers:
+        raise CheckpointFormatError(f"args.num_layers is {saved_layers} but the rank files hold {num_layers} layers",
+                                    culprit=source.origin, hint="supply every pipeline stage of the checkpoint")
+
+    origin: dict[str, str] = {}
+    hidden, num_heads, head_dim = _head_facts(options, args, raw, origin, source.origin)
+    groups = _decide_groups(options, args, num_heads, raw, head_dim, n, origin, source.origin)
+    swiglu = _decide_swiglu(options, args, raw, n, m, origin, source.origin)
+    ctx = _SpecContext(version, num_heads, groups, head_dim, swiglu, n, m)
+    vocab = _decide_vocab(options, args, raw, n, m, origin, source.origin)
+
+    params = [ParamPlan(r.key, r.rule, r.shape, r.dtype, _spec_for(r, ctx, vocab), r.layer, r.stage, r.src_key)
+              for r in raw]
+    carried = [ParamPlan(r.key, r.rule, r.shape, r.dtype, None, r.layer, r.stage, r.src_key) for r in carried_raw]
+    _check_replicated(params, stages)
+    tied = _decide_tied(args, naming, params, stages, origin, source)
+    warnings: list[str] = []
+    order = {r.key: i for i, r in enumerate(sorted(raw + carried_raw, key=lambda r: r.order))}
+    entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
+    placed, target_layers = _place(entries, naming, tied, layers_per_stage, source.pp, tpp, stages,
+                                   warnings, source.origin)
+    if options.quantize:
+        _check_quantization(params, options, n, m)
+    targets = tuple(_target_plan(s, t, placed[s], source, options, n, m, tpp) for s in range(tpp) for t in range(m))
+    dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
+    ds_config = shards[0].get("ds_config")
+    warnings = [f"dropped {k!r}: {why}" for k, why in dropped.items()] + warnings
+    facts = ModelFacts(naming, num_layers, hidden, num_heads, groups, head_dim, swiglu, tied, vocab.true,
+                       vocab.source_rows, vocab.target_rows, vocab.divisible_by, tuple(layers_per_stage),
+                       tuple(target_layers), dict(origin))
+    extra = {MEGATRON_LATEST: iteration_text(source.iteration or "release")} if source.format == MEGATRON else {}
+    return Plan(source, options, module_key, version, num_heads, hidden, tuple(params), targets,
+                resolution.unused_rules, dropped, copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
+                tuple(warnings), facts, tuple(carried), tpp, source.format, extra)
+
+
+def _modules(shards: list[dict[str, Any]], names: list[str], options: ReshardOptions, n: int
+             ) -> tuple[str, list[dict[str, Any]]]:
+    """The module key and every file's module dict (one key for all; DeepSpeed's mp_world_size checked)."""
     module_key = choose_module_key(shards[0], options.module_key, names[0])
     modules = []
     for sd, name in zip(shards, names):
@@ -139,47 +305,103 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions) -> Plan:
         if not isinstance(mod, dict):
             raise CheckpointFormatError(f"{module_key!r} is a {type(mod).__name__}, not a state dict",
                                         culprit=name)
-        bad = [k for k, v in mod.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise CheckpointFormatError(f"module entries that are not tensors: {bad[:5]}", culprit=name)
         mws = sd.get("mp_world_size")
         if mws is not None and mws != n:
             raise CheckpointFormatError(f"saved mp_world_size is {mws} but {n} rank files were found",
                                         culprit=name, hint="supply all rank files of the checkpoint (and no extra)")
         modules.append(mod)
+    return module_key, modules
 
-    _check_same_keys(modules, names)
-    version = _decide_version(shards, names, source, options)
-    args = shards[0].get("args")
-    resolution = resolve(modules[0].keys(), LEGACY_GPT_RULES, source=source.origin)
 
+def _head_facts(options: ReshardOptions, args: Any, raw: list[_Raw], origin: dict[str, str], where: str
+                ) -> tuple[int | None, int | None, int | None]:
+    """(hidden size, attention heads, head dim): args and flags first, hidden from the QKV shape."""
     hidden = _int_attr(args, "hidden_size")
-    num_heads = _decide_heads(options, args, source.origin)
-    params = []
-    for key, t0 in modules[0].items():
-        for mod, name in zip(modules[1:], names[1:]):
-            t = mod[key]
-            if t.shape != t0.shape or t.dtype != t0.dtype:
-                raise InconsistentShardsError(
-                    f"{key}: shape/dtype {tuple(t.shape)}/{t.dtype} differs from rank 0's "
-                    f"{tuple(t0.shape)}/{t0.dtype}", culprit=name, hint="all rank files must come from one checkpoint")
-        rule = resolution.by_key[key]
-        if rule.kind is Kind.QKV and rule.quant is QuantSlot.QKV and t0.dim() == 2 and hidden is None:
-            hidden = int(t0.shape[1])
-        params.append((key, rule, tuple(t0.shape), t0.dtype))
+    if hidden is not None:
+        origin["hidden"] = "args"
+    heads = _decide_heads(options, args, where)
+    if heads is not None:
+        origin["heads"] = "--num-heads" if options.num_heads is not None else "args"
+    for r in raw:
+        if r.rule.quant is QuantSlot.QKV and len(r.shape) == 2 and hidden is None:
+            hidden = r.shape[1]
+            origin["hidden"] = "shapes"
+    head_dim = _int_attr(args, "kv_channels")
+    if head_dim is not None:
+        origin["head_dim"] = "args"
+    elif heads is not None and hidden is not None:
+        if hidden % heads:
+            raise LayoutError(f"hidden size {hidden} is not divisible by {heads} heads", culprit=where,
+                              hint="check --num-heads")
+        head_dim = hidden // heads
+        origin["head_dim"] = "hidden/heads"
+    return hidden, heads, head_dim
 
-    plans = [ParamPlan(key, rule, shape, dtype, _spec_for(rule, shape, key, version, num_heads, hidden, n, m),
-                       layer_index(key)) for key, rule, shape, dtype in params]
-    _check_replicated(plans, modules, names)
-    if options.quantize:
-        _check_quantization(plans, options, n, m)
-    targets = tuple(_target_plan(t, plans, source, options, n, m) for t in range(m))
-    dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
-    ds_config = shards[0].get("ds_config")
-    warnings = tuple(f"dropped {k!r}: {why}" for k, why in dropped.items())
-    return Plan(source, options, module_key, version, num_heads, hidden, tuple(plans), targets,
-                resolution.unused_rules, dropped, copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
-                warnings)
+
+def _check_saved_degrees(args: Any, source: SourceCheckpoint) -> None:
+    """A Megatron checkpoint's args name its TP and PP: fewer files means a partial copy."""
+    if source.format != MEGATRON:
+        return
+    for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
+                              ("pipeline_model_parallel_size", source.pp, "pipeline stages")):
+        saved = _int_attr(args, name)
+        if saved is not None and saved != found:
+            raise CheckpointFormatError(f"args.{name} is {saved} but {found} {what} were found",
+                                        culprit=source.origin, hint="supply all rank folders of the checkpoint")
+
+
+@dataclass(frozen=True)
+class _Raw:
+    key: str
+    rule: Rule
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    layer: int | None
+    stage: int
+    src_key: str
+    order: int
+
+
+def _collect(stages: list[_Stage], by_key: Mapping[str, Rule], source: SourceCheckpoint
+             ) -> tuple[list[_Raw], list[_Raw], list[int]]:
+    """Logical entries of every stage (layers renumbered globally), shapes checked across ranks."""
+    tensors: list[_Raw] = []
+    carried: list[_Raw] = []
+    layers_per_stage: list[int] = []
+    seen: dict[str, int] = {}
+    offset = 0
+    for st in stages:
+        local = sorted({i for i in (layer_index(k) for k in st.modules[0]) if i is not None})
+        if len(stages) > 1 and local != list(range(len(local))):
+            raise CheckpointFormatError(f"pipeline stage {st.index} numbers its layers {local[:8]}, not 0..k-1",
+                                        culprit=st.names[0], hint="each stage's file must number its layers locally")
+        layers_per_stage.append(len(local) if len(stages) > 1 else (max(local) + 1 if local else 0))
+        for key, v0 in st.modules[0].items():
+            rule = by_key[key]
+            li = layer_index(key)
+            glob = None if li is None else li + offset
+            logical = key if glob is None or len(stages) == 1 else with_layer(key, glob)
+            if logical in seen:
+                raise CheckpointFormatError(f"{logical} is held by pipeline stages {seen[logical]} and {st.index}",
+                                            culprit=source.origin, hint="stages must hold disjoint parameters")
+            seen[logical] = st.index
+            if rule.kind is Kind.CARRIED:  # opaque per-rank state (TE fp8 meta): never compared
+                shape, dtype = (tuple(v0.shape), v0.dtype) if isinstance(v0, torch.Tensor) else ((), None)
+                carried.append(_Raw(logical, rule, shape, dtype, glob, st.index, key, len(seen)))
+                continue
+            if not isinstance(v0, torch.Tensor):
+                raise CheckpointFormatError(f"module entry {key} is a {type(v0).__name__}, not a tensor",
+                                            culprit=st.names[0])
+            for mod, name in zip(st.modules[1:], st.names[1:]):
+                t = mod[key]
+                if not isinstance(t, torch.Tensor) or t.shape != v0.shape or t.dtype != v0.dtype:
+                    what = (f"{tuple(t.shape)}/{t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                    raise InconsistentShardsError(
+                        f"{key}: shape/dtype {what} differs from rank 0's {tuple(v0.shape)}/{v0.dtype}",
+                        culprit=name, hint="all rank files must come from one checkpoint")
+            tensors.append(_Raw(logical, rule, tuple(v0.shape), v0.dtype, glob, st.index, key, len(seen)))
+        offset += layers_per_stage[-1]
+    return tensors, carried, layers_per_stage
 
 
 def _check_same_keys(modules: list[dict[str, Any]], names: list[str]) -> None:
@@ -220,59 +442,386 @@ def _decide_heads(options: ReshardOptions, args: Any, where: str) -> int | None:
     return saved
 
 
-def _spec_for(rule: Rule, shape: tuple[int, ...], key: str, version: float, heads: int | None,
-              hidden: int | None, n: int, m: int) -> PartitionSpec | None:
+def _qkv_rows(raw: list[_Raw]) -> int | None:
+    """Rows of one source rank's QKV weight (all layers agree, checked by shapes per layer)."""
+    for r in raw:
+        if r.rule.quant is QuantSlot.QKV:
+            return r.shape[0]
+    return None
+
+
+def _decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: list[_Raw], hn: int | None,
+                   n: int, origin: dict[str, str], where: str) -> int | None:
+    """Query groups: the flag, else args (``group_query_attention``/``num_query_groups``), else MHA
+    when the QKV shape holds exactly ``3 * heads`` head rows; None when unknown."""
+    saved = None
+    gqa = _bool_attr(args, "group_query_attention")
+    if gqa is True:
+        saved = _int_attr(args, "num_query_groups")
+    elif gqa is False:
+        saved = heads
+    flag = options.num_query_groups
+    if flag is not None:
+        if flag < 1:
+            raise LayoutError(f"--num-query-groups {flag} must be positive", culprit="--num-query-groups")
+        if saved is not None and saved != flag:
+            raise LayoutError(f"--num-query-groups {flag} contradicts the saved args (num_query_groups={saved})",
+                              culprit=where, hint="drop --num-query-groups or correct it")
+        groups, origin["query_groups"] = flag, "--num-query-groups"
+    elif saved is not None:
+        groups, origin["query_groups"] = saved, "args"
+    else:
+        rows = _qkv_rows(raw)
+        if heads is not None and hn is not None and rows is not None and rows * n == 3 * heads * hn:
+            groups, origin["query_groups"] = heads, "shapes (multi-head: 3 x heads rows)"
+        else:
+            return None
+    if heads is not None and heads % groups:
+        raise LayoutError(f"{heads} attention heads do not form {groups} equal query groups", culprit=where,
+                          hint="check --num-heads / --num-query-groups")
+    return groups
+
+
+def _decide_swiglu(options: ReshardOptions, args: Any, raw: list[_Raw], n: int, m: int,
+                   origin: dict[str, str], where: str) -> bool | None:
+    """Whether fc1 is gated ([W; V] per rank): decided exactly by the shapes — a gated fc1 has twice
+    the rows fc2 has input columns — and cross-checked against args.swiglu and --swiglu."""
+    fc1 = {r.layer: r for r in raw if r.rule.quant is QuantSlot.H_TO_4H}
+    fc2 = {r.layer: r for r in raw if r.rule.quant is QuantSlot.FOUR_H_TO_H}
+    seen: set[bool] = set()
+    for layer, a in fc1.items():
+        b = fc2.get(layer)
+        if b is None or len(a.shape) != 2 or len(b.shape) != 2:
+            continue
+        rows, cols = a.shape[0], b.shape[1]
+        if rows == 2 * cols:
+            seen.add(True)
+        elif rows == cols:
+            seen.add(False)
+        else:
+            raise LayoutError(f"fc1 has {rows * n} output rows but fc2 {cols * n} input columns: neither a plain "
+                              f"nor a gated (SwiGLU) MLP", culprit=a.key, hint="the checkpoint is inconsistent")
+    if len(seen) > 1:
+        raise LayoutError("some layers have a gated (SwiGLU) MLP and some do not", culprit=where,
+                          hint="reshard needs one MLP kind for all layers")
+    shaped = next(iter(seen)) if seen else None
+    saved = _bool_attr(args, "swiglu")
+    for value, name in ((saved, "args.swiglu"), (options.swiglu, "--swiglu/--no-swiglu")):
+        if value is not None and shaped is not None and value != shaped:
+            raise LayoutError(f"{name} says {'gated' if value else 'plain'} but fc1/fc2 shapes are "
+                              f"{'gated' if shaped else 'plain'}", culprit=where,
+                              hint="correct or drop the flag; the tensors decide")
+    if options.swiglu is not None and saved is not None and options.swiglu != saved:
+        raise LayoutError(f"--{'' if options.swiglu else 'no-'}swiglu contradicts the saved args.swiglu={saved}",
+                          culprit=where, hint="drop the flag")
+    if shaped is not None:
+        origin["swiglu"] = "shapes (fc1 rows vs fc2 columns)"
+        return shaped
+    if options.swiglu is not None:
+        origin["swiglu"] = "--swiglu/--no-swiglu"
+        return options.swiglu
+    if saved is not None:
+        origin["swiglu"] = "args"
+        return saved
+    if fc1 and n != m:
+        key = next(iter(fc1.values())).key
+        raise MissingModelFactError(
+            f"whether the MLP is gated (SwiGLU) is unknown, and {n} -> {m} ranks moves its gate and "
+            f"up halves differently", culprit=key, hint="pass --swiglu or --no-swiglu")
+    return None
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """Vocabulary rows: the true size (if known), source and target padded rows, divisor."""
+
+    true: int | None
+    source_rows: int | None
+    target_rows: int | None
+    divisible_by: int | None
+    keep: int | None = None
+
+    @property
+    def resized(self) -> bool:
+        return self.source_rows != self.target_rows
+
+
+def _decide_vocab(options: ReshardOptions, args: Any, raw: list[_Raw], n: int, m: int,
+                  origin: dict[str, str], where: str) -> _Vocab:
+    """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``; at a new
+    TP the padded size changes. Rows of the true vocabulary are kept, the target's padding rows are
+    zeros. Without the divisor the rows are kept as they are (the pre-Megatron-LM behaviour)."""
+    vocab = [r for r in raw if r.rule.vocab]
+    if not vocab:
+        return _Vocab(None, None, None, None)
+    rows = {r.shape[0] * n for r in vocab}
+    if len(rows) > 1:
+        raise InconsistentShardsError(f"vocabulary-parallel tensors disagree on the vocabulary rows: {sorted(rows)}",
+                                      culprit=where, hint="the checkpoint is inconsistent")
+    src_rows = rows.pop()
+    saved_padded = _int_attr(args, "padded_vocab_size")
+    if saved_padded is not None and saved_padded != src_rows:
+        raise CheckpointFormatError(f"args.padded_vocab_size is {saved_padded} but the embeddings hold {src_rows} rows",
+                                    culprit=where, hint="the args do not belong to these tensors")
+    d = _flag_or_arg(options.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by",
+                     _int_attr(args, "make_vocab_size_divisible_by"), "args.make_vocab_size_divisible_by",
+                     "make_vocab_size_divisible_by", origin, where)
+    true = _flag_or_arg(options.vocab_size, "--vocab-size", _int_attr(args, "vocab_size"), "args.vocab_size",
+                        "vocab_size", origin, where)
+    if true is not None and true > src_rows:
+        raise LayoutError(f"vocabulary size {true} exceeds the {src_rows} embedding rows", culprit=where,
+                          hint="check --vocab-size")
+    if d is None:
+        return _Vocab(true, src_rows, src_rows, None)
+    unit_t = d * m
+    if true is not None:
+        target = math.ceil(true / unit_t) * unit_t
+        origin["padded_vocab_target"] = "vocab_size and divisor"
+        return _Vocab(true, src_rows, target, d, keep=true if target != src_rows else None)
+    if n == m:
+        return _Vocab(None, src_rows, src_rows, d)
+    unit_s = d * n
+    if src_rows % unit_s:
+        raise MissingModelFactError(
+            f"the vocabulary is padded to {src_rows} rows, not a multiple of {d} x {n} ranks, so the true "
+            f"vocabulary size that decides the padding at TP {m} cannot be bounded", culprit=where,
+            hint="pass --vocab-size V (the tokenizer's vocabulary size)")
+    lo = max(1, src_rows - unit_s + 1)
+    candidates = sorted({math.ceil(v / unit_t) * unit_t for v in range(lo, src_rows + 1)})
+    if len(candidates) > 1:
+        raise MissingModelFactError(
+            f"the vocabulary is padded to {src_rows} rows (multiple of {d} x {n}); at TP {m} Megatron pads it to "
+            f"one of {candidates} depending on the true vocabulary size ({lo}..{src_rows}), which the checkpoint "
+            f"does not record", culprit=where, hint="pass --vocab-size V (the tokenizer's vocabulary size)")
+    target = candidates[0]
+    origin["padded_vocab_target"] = "padded rows and divisor (unambiguous)"
+    return _Vocab(None, src_rows, target, d, keep=min(src_rows, target) if target != src_rows else None)
+
+
+def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name: str, fact: str,
+                 origin: dict[str, str], where: str) -> int | None:
+    if flag is not None:
+        if flag < 1:
+            raise LayoutError(f"{flag_name} {flag} must be positive", culprit=flag_name)
+        if saved is not None and saved != flag:
+            raise LayoutError(f"{flag_name} {flag} contradicts the saved {saved_name}={saved}", culprit=where,
+                              hint=f"drop {flag_name} or correct it")
+        origin[fact] = flag_name
+        return flag
+    if saved is not None:
+        origin[fact] = "args"
+    return saved
+
+
+@dataclass(frozen=True)
+class _SpecContext:
+    version: float
+    heads: int | None
+    groups: int | None
+    hn: int | None
+    swiglu: bool | None
+    n: int
+    m: int
+
+
+def _spec_for(r: _Raw, c: _SpecContext, vocab: _Vocab) -> PartitionSpec | None:
     """Partition spec of one parameter, with every divisibility check done here."""
-    if rule.kind is Kind.REPLICATED:
+    rule, shape, key = r.rule, r.shape, r.key
+    if rule.kind in (Kind.REPLICATED, Kind.CARRIED):
         return None
     dim = rule.dim
     if len(shape) <= dim:
         raise CheckpointFormatError(f"rank-{len(shape)} tensor cannot be split on dim {dim}", culprit=key)
-    parts = 3 if (rule.kind is Kind.QKV and version == 0.0) else 1
-    atom = 1
-    if rule.head_dim:
-        if heads is None:
-            if n % m:
-                raise MissingModelFactError(
-                    f"splitting {n} -> {m} ranks must not cut an attention head, but the head count "
-                    f"is unknown (no args.num_attention_heads saved)", culprit=key,
-                    hint="pass --num-heads H")
-        else:
-            if hidden is None or hidden % heads:
-                raise LayoutError(f"hidden size {hidden} is not divisible by {heads} heads", culprit=key,
-                                  hint="check --num-heads")
-            hn = hidden // heads
-            per_head = 3 * hn if rule.kind is Kind.QKV else hn
-            if shape[dim] * n != heads * per_head:
-                raise LayoutError(f"{shape[dim]} rows on each of {n} ranks do not hold {heads} heads of "
-                                  f"{per_head} rows", culprit=key, hint="check --num-heads and --version")
-            if heads % m:
-                raise LayoutError(f"{heads} attention heads cannot be divided over {m} target ranks",
-                                  culprit=key, hint=f"choose a target TP that divides {heads}")
-            atom = hn if rule.kind is not Kind.QKV or parts == 3 else 3 * hn
-    spec = PartitionSpec(dim=dim, parts=parts, atom=atom)
-    check_divisible(spec, shape[dim], n, m, key)
+    parts, atom = 1, 1
+    keep = total = None
+    if rule.kind is Kind.QKV:
+        parts, atom = _qkv_layout(rule, shape[dim], key, c)
+    elif rule.head_dim:
+        atom = _proj_atom(shape[dim], key, c)
+    if rule.gated and c.swiglu:
+        parts = 2
+    if rule.vocab and vocab.resized:
+        keep, total = vocab.keep, vocab.target_rows
+    spec = PartitionSpec(dim=dim, parts=parts, atom=atom, keep=keep, total=total)
+    check_divisible(spec, shape[dim], c.n, c.m, key)
     return spec
 
 
-def _check_replicated(plans: list[ParamPlan], modules: list[dict[str, Any]], names: list[str]) -> None:
+def _unknown_heads(key: str, c: _SpecContext, what: str) -> None:
+    """A merge of whole ranks needs no head facts; any cut inside a rank does."""
+    if c.n % c.m:
+        raise MissingModelFactError(
+            f"splitting {c.n} -> {c.m} ranks must not cut an attention head, but the {what} is unknown "
+            f"(no args saved)", culprit=key,
+            hint="pass --num-heads H" if what == "head count" else "pass --num-query-groups G")
+
+
+def _check_groups_divide(key: str, c: _SpecContext, groups: int) -> None:
+    if groups % c.m:
+        if groups == c.heads:
+            raise LayoutError(f"{groups} attention heads cannot be divided over {c.m} target ranks", culprit=key,
+                              hint=f"choose a target TP that divides {groups}")
+        raise LayoutError(f"{groups} query groups ({c.heads} heads) cannot be divided over {c.m} target ranks; "
+                          f"a rank must hold whole groups", culprit=key,
+                          hint=f"choose a target TP that divides {groups}")
+
+
+def _qkv_layout(rule: Rule, rank_rows: int, key: str, c: _SpecContext) -> tuple[int, int]:
+    """(parts, atom) of a fused QKV tensor; see the shape table in layouts.py."""
+    legacy_ungrouped = rule.qkv is QKVLayout.VERSIONED and c.version in (0.0, 1.0)
+    parts = 3 if rule.qkv is QKVLayout.VERSIONED and c.version == 0.0 else 1
+    if c.heads is None or c.hn is None:
+        _unknown_heads(key, c, "head count")
+        return parts, 1
+    if legacy_ungrouped:
+        if c.groups is not None and c.groups != c.heads:
+            raise LayoutError(f"checkpoint_version {c.version} stores QKV without query groups, but the model has "
+                              f"{c.groups} groups of {c.heads} heads", culprit=key, hint="check --version")
+        if rank_rows * c.n != 3 * c.heads * c.hn:
+            raise LayoutError(f"{rank_rows} rows on each of {c.n} ranks do not hold {c.heads} heads of "
+                              f"{3 * c.hn} rows", culprit=key, hint="check --num-heads and --version")
+        _check_groups_divide(key, c, c.heads)
+        return parts, c.hn if parts == 3 else 3 * c.hn
+    if c.groups is None:
+        _unknown_heads(key, c, "number of query groups")
+        return parts, 1
+    q = c.heads // c.groups
+    atom = (q + 2) * c.hn
+    if rank_rows * c.n != c.groups * atom:
+        if c.groups == c.heads:
+            raise LayoutError(f"{rank_rows} rows on each of {c.n} ranks do not hold {c.heads} heads of "
+                              f"{3 * c.hn} rows", culprit=key, hint="check --num-heads and --version")
+        raise LayoutError(f"{rank_rows} rows on each of {c.n} ranks do not hold {c.groups} query groups of "
+                          f"({q} + 2) x {c.hn} rows", culprit=key,
+                          hint="check --num-heads / --num-query-groups")
+    _check_groups_divide(key, c, c.groups)
+    return parts, atom
+
+
+def _proj_atom(rank_cols: int, key: str, c: _SpecContext) -> int:
+    """Atom of the attention output projection's input dim: one query group's heads."""
+    if c.heads is None or c.hn is None:
+        _unknown_heads(key, c, "head count")
+        return 1
+    if rank_cols * c.n != c.heads * c.hn:
+        raise LayoutError(f"{rank_cols} rows on each of {c.n} ranks do not hold {c.heads} heads of "
+                          f"{c.hn} rows", culprit=key, hint="check --num-heads and --version")
+    groups = c.groups if c.groups is not None else (c.heads if c.n % c.m == 0 else None)
+    if groups is None:
+        _unknown_heads(key, c, "number of query groups")
+        return c.hn
+    _check_groups_divide(key, c, groups)
+    return (c.heads // groups) * c.hn
+
+
+def _check_replicated(params: list[ParamPlan], stages: list[_Stage]) -> None:
     """Replicated tensors must be bit-identical on every rank: report, don't pick rank 0."""
-    for p in plans:
+    for p in params:
         if p.spec is not None:
             continue
-        ref = modules[0][p.key]
-        for mod, name in zip(modules[1:], names[1:]):
-            if not _bit_equal(ref, mod[p.key]):
+        st = stages[p.stage]
+        ref = st.modules[0][p.src_key]
+        for mod, name in zip(st.modules[1:], st.names[1:]):
+            if not _bit_equal(ref, mod[p.src_key]):
                 raise InconsistentShardsError(
-                    f"replicated parameter {p.key} differs from rank 0", culprit=name,
+                    f"replicated parameter {p.src_key} differs from rank 0", culprit=name,
                     hint="the ranks diverged during training or come from different checkpoints")
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.contiguous(), b.contiguous()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
     if a.numel() == 0:
         return True
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _decide_tied(args: Any, naming: str, params: list[ParamPlan], stages: list[_Stage],
+                 origin: dict[str, str], source: SourceCheckpoint) -> bool | None:
+    """Whether output and input embeddings are one tensor: ``args.untie_embeddings_and_output_weights``,
+    else the structure (PP = 1: an output layer exists only when untied; legacy PP > 1: the head
+    copy is named ``word_embeddings_for_head``), else a megatron-core last-stage ``output_layer``
+    bit-identical to the word embeddings on every rank (tied weights are kept identical)."""
+    keys = {p.key: p for p in params}
+    emb = next((p for p in params if p.rule.vocab and p.rule.place is Place.FIRST), None)
+    out = next((keys[k] for k in _OUTPUT_KEYS if k in keys), None)
+    head = keys.get(TIED_HEAD_KEYS["legacy"])
+    untie = _bool_attr(args, "untie_embeddings_and_output_weights")
+    if emb is None:
+        return None
+    if untie is not None:
+        origin["tied_embeddings"] = "args"
+        tied = not untie
+        if source.pp == 1 and (out is None) != tied:
+            has = "has none" if out is None else f"has {out.key}"
+            raise CheckpointFormatError(f"args.untie_embeddings_and_output_weights={untie} but the checkpoint {has}",
+                                        culprit=source.origin, hint="the args do not belong to these tensors")
+        return tied
+    if head is not None:
+        origin["tied_embeddings"] = "structure (word_embeddings_for_head)"
+        return True
+    if source.pp == 1:
+        origin["tied_embeddings"] = "structure (output layer present or not)"
+        return out is None
+    if out is None:
+        return None
+    first, last = stages[emb.stage], stages[out.stage]
+    same = all(_bit_equal(a[emb.src_key], b[out.src_key]) for a, b in zip(first.modules, last.modules))
+    origin["tied_embeddings"] = "tensors (last-stage output layer equals the word embeddings)" if same else \
+        "tensors (last-stage output layer differs from the word embeddings)"
+    return same
+
+
+def _place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_stage: list[int], spp: int,
+           tpp: int, stages: list[_Stage], warnings: list[str], where: str
+           ) -> tuple[list[list[TargetParam]], list[int]]:
+    """Assign every logical entry to a target stage under its output name (local layer numbers).
+
+    Same PP: every entry stays where the source has it, under its source name. Another PP:
+    layers split evenly, embeddings to the first stage, final norm and output to the last; the
+    tied head copy is dropped when PP becomes 1 (after checking it equals the embeddings) and
+    recreated on the last stage when PP grows from 1."""
+    placed: list[list[TargetParam]] = [[] for _ in range(tpp)]
+    if tpp == spp:
+        for p in entries:
+            placed[p.stage].append(TargetParam(p.src_key, p))
+        return placed, list(layers_per_stage)
+    num_layers = sum(layers_per_stage)
+    if num_layers % tpp:
+        raise LayoutError(f"{num_layers} layers cannot be split evenly over {tpp} pipeline stages", culprit=where,
+                          hint=f"choose a target PP that divides {num_layers}")
+    per = num_layers // tpp
+    emb = next((p for p in entries if p.rule.vocab and p.rule.place is Place.FIRST), None)
+    for p in entries:
+        is_head = p.rule.tied_head or (tied and spp > 1 and p.key in _OUTPUT_KEYS and naming == "megatron-core")
+        if is_head and tpp == 1:
+            if emb is not None and p.spec is not None:
+                _check_head_equals_embeddings(p, emb, stages)
+            warnings.append(f"dropped {p.key}: the tied copy of the word embeddings is not stored at PP 1")
+            continue
+        if p.rule.place is Place.FIRST:
+            placed[0].append(TargetParam(p.key, p))
+        elif p.rule.place is Place.LAST:
+            placed[tpp - 1].append(TargetParam(p.key, p))
+        else:
+            layer = p.layer if p.layer is not None else 0
+            placed[layer // per].append(TargetParam(with_layer(p.key, layer % per), p))
+    if tied and spp == 1 and tpp > 1 and emb is not None:
+        head_key = TIED_HEAD_KEYS[naming]
+        last = placed[tpp - 1]
+        at = next((i for i, tp in enumerate(last) if tp.out_key.startswith("output_layer.")), len(last))
+        last.insert(at, TargetParam(head_key, emb))
+    return placed, [per] * tpp
+
+
+def _check_head_equals_embeddings(head: ParamPlan, emb: ParamPlan, stages: list[_Stage]) -> None:
+    a, b = stages[emb.stage], stages[head.stage]
+    for ma, mb, name in zip(a.modules, b.modules, b.names):
+        if not _bit_equal(ma[emb.src_key], mb[head.src_key]):
+            raise InconsistentShardsError(
+                f"tied {head.src_key} differs from {emb.src_key}", culprit=name,
+                hint="the embeddings are not tied; fix args.untie_embeddings_and_output_weights")
 
 
 def quant_groups_for(p: ParamPlan, options: ReshardOptions) -> int:
@@ -308,15 +857,44 @@ def _elems(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _target_plan(t: int, plans: list[ParamPlan], source: SourceCheckpoint, options: ReshardOptions,
-                 n: int, m: int) -> TargetPlan:
-    srcs = tuple(source_ranks_for_target(n, m, t))
-    read = sum(f.stat().st_size for i, f in enumerate(source.files) if i in srcs)
-    written = 0
-    for p in plans:
-        full = _nbytes(p.shape, p.dtype)
-        size = full if p.spec is None else full * n // m
-        if options.quantize and p.quant_slot is not None:
-            size = size // p.dtype.itemsize
-        written += size
-    return TargetPlan(t, rank_file_name(t), srcs, read, written)
+def target_ranks_needed(p: ParamPlan, n: int, m: int, t: int) -> list[int]:
+    """Source TP ranks whose rows target TP rank ``t`` copies for ``p`` (empty if all zero fill)."""
+    if p.spec is None:
+        return []
+    part_len = p.shape[p.spec.dim] // p.spec.parts
+    return sorted({pc.src for pc in pieces_for_target(part_len, n, m, t, p.spec.keep, p.spec.total)
+                   if pc.src != FILL})
+
+
+def _target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
+    if p.dtype is None:
+        return 0
+    if p.spec is None:
+        size = _nbytes(p.shape, p.dtype)
+    else:
+        rows = p.shape[p.spec.dim] * n if p.spec.total is None else p.spec.total * p.spec.parts
+        size = _elems(p.shape) // p.shape[p.spec.dim] * (rows // m) * p.dtype.itemsize
+    if quantize and p.quant_slot is not None:
+        size //= p.dtype.itemsize
+    return size
+
+
+def _target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
+                 options: ReshardOptions, n: int, m: int, tpp: int) -> TargetPlan:
+    base = source_ranks_for_target(n, m, t)[0]
+    files: set[int] = set()
+    for tp in params:
+        p = tp.param
+        files.add(source.index(p.stage, base))
+        files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, t))
+    if not files:
+        files.add(source.index(0, base))
+    srcs = tuple(sorted(files))
+    read = sum(source.files[i].stat().st_size for i in srcs)
+    written = sum(_target_size(tp.param, n, m, options.quantize) for tp in params)
+    if source.format == MEGATRON:
+        name = megatron_file_name(source.iteration or "release", t, stage, tpp)
+    else:
+        name = rank_file_name(t)
+    return TargetPlan(stage * m + t, name, srcs, read, written, t, stage, base, tuple(params))
+

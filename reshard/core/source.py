@@ -8,7 +8,13 @@ Two inputs are accepted:
       {"type": "Megatron", "checkpoints": [...], "version": 2.0,
        "parallelization": "tp", "mp_size": 8, "base_dir": "..."}
 
-  whose file list is relative to ``base_dir`` (or the JSON's folder).
+  whose file list is relative to ``base_dir`` (or the JSON's folder);
+* a Megatron-LM run folder (holding ``latest_checkpointed_iteration.txt``) or one of its
+  iteration folders ``iter_XXXXXXX`` / ``release``, with one ``mp_rank_TT[_PPP]/model_optim_rng.pt``
+  per tensor-parallel rank ``TT`` and pipeline stage ``PPP`` (``_PPP`` only when PP > 1).
+
+Files are kept as a grid ``stages[pp][tp]``; ``files`` is that grid flattened stage by stage, so a
+file's index is ``pp * TP + tp`` (for PP = 1, its tensor-parallel rank).
 
 This module only deals with local paths; ``reshard.storage`` maps URLs onto it.
 """
@@ -24,6 +30,14 @@ from typing import Any
 from reshard.core.errors import CheckpointFormatError
 
 RANK_FILE_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(_\d+)?$")
+MEGATRON_FILE = "model_optim_rng.pt"
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
+ITER_DIR_RE = re.compile(r"^iter_(\d+)$")
+
+#: ``SourceCheckpoint.format`` values; outputs are written in the format they were read in.
+DEEPSPEED = "deepspeed"
+MEGATRON = "megatron"
 SUPPORTED_VERSIONS: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0)
 MODULE_KEYS: tuple[str, ...] = ("module", "model")
 AUTO = "auto"
@@ -31,21 +45,56 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class SourceCheckpoint:
-    """A located checkpoint: rank files in rank order plus descriptor-level settings."""
+    """A located checkpoint: rank files (stage by stage, rank order) plus format-level settings.
+
+    ``pp``: pipeline stages (the grid is ``files[s * tp : (s + 1) * tp]`` per stage);
+    ``iteration``: a Megatron iteration folder's name (``iter_0000100``, ``release``).
+    """
 
     files: tuple[Path, ...]
     origin: str
     descriptor_version: float | None = None
     descriptor: dict[str, Any] | None = field(default=None, compare=False)
+    format: str = DEEPSPEED
+    pp: int = 1
+    iteration: str | None = None
 
     @property
     def tp(self) -> int:
-        return len(self.files)
+        return len(self.files) // self.pp
+
+    def stage_files(self, stage: int) -> tuple[Path, ...]:
+        """Stage ``stage``'s rank files in tensor-parallel rank order."""
+        return self.files[stage * self.tp:(stage + 1) * self.tp]
+
+    def index(self, stage: int, rank: int) -> int:
+        """Position of (stage, tensor-parallel rank) in ``files``."""
+        return stage * self.tp + rank
+
+    @property
+    def relative_names(self) -> tuple[str, ...]:
+        """Each file's path relative to the folder it was located from (Megatron rank files are
+        all named ``model_optim_rng.pt``; their folders tell them apart)."""
+        root = Path(self.origin)
+        root = root if root.is_dir() else root.parent
+        return tuple(f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name for f in self.files)
 
 
 def rank_file_name(rank: int) -> str:
     """DeepSpeed's name for a tensor-parallel rank's model-states file."""
     return f"mp_rank_{rank:02d}_model_states.pt"
+
+
+def megatron_file_name(iteration: str, rank: int, stage: int, pp: int) -> str:
+    """Megatron-LM's path of one rank's file, relative to the run folder."""
+    folder = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
+    return f"{iteration}/{folder}/{MEGATRON_FILE}"
+
+
+def iteration_text(iteration: str) -> str:
+    """What Megatron-LM writes to ``latest_checkpointed_iteration.txt`` for an iteration folder."""
+    m = ITER_DIR_RE.match(iteration)
+    return str(int(m.group(1))) if m else iteration
 
 
 def locate(src: str | Path) -> SourceCheckpoint:
@@ -55,6 +104,10 @@ def locate(src: str | Path) -> SourceCheckpoint:
         raise CheckpointFormatError("no such file or folder", culprit=str(p),
                                     hint="pass a folder of mp_rank_XX_model_states.pt files or a descriptor JSON")
     if p.is_dir():
+        if (p / MEGATRON_LATEST).is_file():
+            return _locate_megatron_run(p)
+        if any(MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in p.iterdir()):
+            return _locate_megatron_iteration(p, str(p))
         return _locate_folder(p)
     if p.suffix.lower() == ".json":
         return _locate_descriptor(p)
@@ -70,8 +123,17 @@ def _locate_folder(folder: Path) -> SourceCheckpoint:
             by_rank.setdefault(int(m.group(1)), []).append(child)
     if not by_rank:
         layer_files = sorted(folder.glob("layer_*-model_*-model_states.pt"))
-        hint = ("pipeline-parallel layer files are not supported yet" if layer_files
-                else "point at the global_stepN folder that holds the model-states files")
+        dist = [c.name for c in folder.iterdir() if c.suffix == ".distcp" or c.name in (".metadata", "metadata.json")]
+        iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
+        if dist:
+            hint = ("this is a torch_dist (distributed) checkpoint; save or convert it with Megatron-LM's "
+                    "--ckpt-format torch first")
+        elif layer_files:
+            hint = "DeepSpeed pipeline-parallel layer files (layer_XX-model_YY) are not supported yet"
+        elif iters:
+            hint = f"a Megatron-LM run folder needs {MEGATRON_LATEST}, or point at one iteration folder ({iters[-1]})"
+        else:
+            hint = "point at the global_stepN folder that holds the model-states files"
         raise CheckpointFormatError("holds no mp_rank_XX_model_states.pt files", culprit=str(folder),
                                     hint=hint)
     dups = {r: fs for r, fs in by_rank.items() if len(fs) > 1}
@@ -90,6 +152,65 @@ def _check_contiguous(ranks: list[int], where: str) -> None:
         raise CheckpointFormatError(
             f"rank files are not 0..N-1: found ranks {ranks}" + (f", missing {missing}" if missing else ""),
             culprit=where, hint="copy the missing rank files, or remove stray extra ones")
+
+
+def _locate_megatron_run(run: Path) -> SourceCheckpoint:
+    """A Megatron-LM run folder: ``latest_checkpointed_iteration.txt`` names the iteration."""
+    latest = run / MEGATRON_LATEST
+    text = latest.read_text().strip()
+    if text == "release":
+        name = "release"
+    elif text.isdigit():
+        name = f"iter_{int(text):07d}"
+    else:
+        raise CheckpointFormatError(f"holds {text[:40]!r}, not an iteration number or 'release'",
+                                    culprit=str(latest), hint="point at the iteration folder instead")
+    folder = run / name
+    if not folder.is_dir():
+        raise CheckpointFormatError(f"names iteration {text} but {name}/ does not exist", culprit=str(latest),
+                                    hint="point at an existing iteration folder instead")
+    return _locate_megatron_iteration(folder, str(run))
+
+
+def _locate_megatron_iteration(folder: Path, origin: str) -> SourceCheckpoint:
+    """An iteration folder of ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files, as a (pp, tp) grid."""
+    grid: dict[tuple[int, int], Path] = {}
+    staged: set[bool] = set()
+    for child in sorted(folder.iterdir()):
+        m = MEGATRON_RANK_DIR_RE.match(child.name)
+        if not (m and child.is_dir()):
+            continue
+        if m.group(3):
+            raise CheckpointFormatError(f"{child.name}: expert-parallel (MoE) checkpoints are not supported",
+                                        culprit=str(folder), hint="reshard handles dense GPT models only")
+        f = child / MEGATRON_FILE
+        if not f.is_file():
+            raise CheckpointFormatError(f"{child.name}/ holds no {MEGATRON_FILE}", culprit=str(folder),
+                                        hint="copy the missing rank file (distributed-optimizer files alone "
+                                             "hold no weights)")
+        tp, pp = int(m.group(1)), int(m.group(2)) if m.group(2) is not None else 0
+        staged.add(m.group(2) is not None)
+        if (pp, tp) in grid:
+            raise CheckpointFormatError(f"rank {tp} of stage {pp} appears twice ({child.name})", culprit=str(folder),
+                                        hint="keep exactly one folder per rank")
+        grid[(pp, tp)] = f
+    if len(staged) > 1:
+        raise CheckpointFormatError("mixes mp_rank_TT and mp_rank_TT_PPP folders", culprit=str(folder),
+                                    hint="remove stray folders from another pipeline layout")
+    n_pp = 1 + max(pp for pp, _ in grid)
+    n_tp = 1 + max(tp for _, tp in grid)
+    for stage in range(n_pp):
+        ranks = sorted(tp for pp, tp in grid if pp == stage)
+        if not ranks:
+            raise CheckpointFormatError(f"pipeline stage {stage} has no rank folders", culprit=str(folder),
+                                        hint="copy the missing mp_rank_TT_PPP folders")
+        _check_contiguous(ranks, f"{folder} (stage {stage})")
+        if len(ranks) != n_tp:
+            missing = sorted(set(range(n_tp)) - set(ranks))
+            raise CheckpointFormatError(f"stage {stage} lacks tensor-parallel ranks {missing}", culprit=str(folder),
+                                        hint="copy the missing rank folders")
+    files = tuple(grid[(s, t)] for s in range(n_pp) for t in range(n_tp))
+    return SourceCheckpoint(files, origin=origin, format=MEGATRON, pp=n_pp, iteration=folder.name)
 
 
 def parse_version(value: Any, where: str) -> float:
@@ -156,6 +277,10 @@ def choose_module_key(sd: dict[str, Any], requested: str, where: str) -> str:
                                         hint=f"top-level keys are {sorted(sd)[:10]}; pass --module-key")
         return requested
     present = [k for k in MODULE_KEYS if k in sd]
+    if not present and "model0" in sd:
+        raise CheckpointFormatError("holds model0, model1, ...: an interleaved (virtual) pipeline checkpoint",
+                                    culprit=where, hint="virtual pipeline stages are not supported; re-save "
+                                                        "without --num-layers-per-virtual-pipeline-stage")
     if len(present) != 1:
         what = "both 'module' and 'model'" if present else "neither 'module' nor 'model'"
         raise CheckpointFormatError(f"has {what} entries", culprit=where,

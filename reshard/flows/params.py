@@ -24,6 +24,11 @@ class ReshardParams(BaseModel):
     version: float | None = Field(default=None, description="override the checkpoint version (QKV layout)")
     num_heads: int | None = Field(default=None, ge=1)
     module_key: str = "auto"
+    target_pp: int | None = Field(default=None, ge=1, description="pipeline stages of the output (default: as source)")
+    num_query_groups: int | None = Field(default=None, ge=1)
+    swiglu: bool | None = None
+    vocab_size: int | None = Field(default=None, ge=1)
+    make_vocab_size_divisible_by: int | None = Field(default=None, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict,
                                             description="fsspec options (endpoint_url, key, secret, ...)")
     overwrite: bool = False
@@ -36,6 +41,6 @@ class ReshardParams(BaseModel):
         default=None, description="name of a Prefect global concurrency limit capping tensor tasks per GPU")
 
     def options(self) -> ReshardOptions:
-        return ReshardOptions(target_tp=self.target_tp, version=self.version, module_key=self.module_key,
-                              num_heads=self.num_heads, quantize=self.quantize, bits=self.bits,
-                              groups=self.groups, mlp_extra_grouping=self.mlp_extra_grouping)
+        """The core's options: every field of ReshardOptions, taken by name."""
+        names = ReshardOptions.__dataclass_fields__
+        return ReshardOptions(**{k: v for k, v in self.model_dump().items() if k in names})

@@ -23,6 +23,7 @@ import re
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,8 +94,10 @@ class ShardCache:
                     self.evict(keep={dest})
                     return dest
                 last = problem
-            except StorageError:
-                raise
+            except StorageError as exc:
+                if not exc.transient:
+                    raise
+                last = exc.message
             except Exception as exc:  # a body cut mid-stream after botocore gave up: fetch again
                 if not is_transient_error(exc):
                     raise
@@ -105,10 +108,32 @@ class ShardCache:
                            hint="the object may be changing or the network corrupting data; retry later", transient=True)
 
     def _download(self, loc: Location, obj: RemoteObject, tmp: Path) -> None:
-        kwargs = {}
-        if "s3" in (loc.fs.protocol if isinstance(loc.fs.protocol, tuple) else (loc.fs.protocol,)):
-            kwargs = {"chunksize": self.chunksize, "max_concurrency": self.max_concurrency}
-        loc.fs.get_file(obj.path, str(tmp), **kwargs)
+        """Concurrent ranged reads into a preallocated file; each range's length is checked
+        (a short body is re-read; request retries stay in the client)."""
+        if obj.size <= self.chunksize:
+            data = loc.fs.cat_file(obj.path)
+            tmp.write_bytes(data)
+            return
+        ranges = [(start, min(start + self.chunksize, obj.size)) for start in range(0, obj.size, self.chunksize)]
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, obj.size)
+
+            def read_range(r: tuple[int, int]) -> None:
+                start, end = r
+                data = loc.fs.cat_file(obj.path, start=start, end=end)
+                if len(data) != end - start:
+                    data = loc.fs.cat_file(obj.path, start=start, end=end)  # one re-read of a short range
+                if len(data) != end - start:
+                    raise StorageError(f"range {start}-{end} returned {len(data)} bytes", culprit=obj.url,
+                                       transient=True)
+                os.pwrite(fd, data, start)
+
+            with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+                for fut in [pool.submit(read_range, r) for r in ranges]:
+                    fut.result()
+        finally:
+            os.close(fd)
 
     def _verify(self, loc: Location, obj: RemoteObject, tmp: Path) -> str | None:
         size = tmp.stat().st_size
@@ -131,16 +156,24 @@ class ShardCache:
         return None
 
     def evict(self, keep: set[Path] = frozenset()) -> int:
-        """Drop least recently used entries until the cache fits ``max_bytes``; returns bytes freed."""
-        entries = [p for p in self.shards.iterdir() if p.is_file() and not p.name.startswith(".")]
-        total = sum(p.stat().st_size for p in entries)
+        """Drop least recently used entries until the cache fits ``max_bytes``; returns bytes freed.
+        Safe against concurrent fetches/evictions (entries may vanish while we look)."""
+        entries = []
+        for p in self.shards.iterdir():
+            if p.name.startswith("."):
+                continue
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
         freed = 0
-        for p in sorted(entries, key=lambda p: p.stat().st_mtime):
+        for _, size, p in sorted(entries):
             if total - freed <= self.max_bytes:
                 break
             if p in keep:
                 continue
-            size = p.stat().st_size
             p.unlink(missing_ok=True)
             freed += size
         return freed

@@ -173,7 +173,7 @@ class RemoteDestination(Destination):
 
     def __init__(self, loc: Location, *, overwrite: bool, workdir: Path, chunksize: int = 32 << 20):
         super().__init__(loc, overwrite=overwrite, workdir=workdir / "out")
-        self.chunksize = chunksize
+        self.chunksize = max(chunksize, 5 << 20)  # S3's minimum multipart part size
         self.staging_prefix = loc.join(STAGING_DIR)
 
     def open(self, *, clean_staging: bool = True) -> None:
@@ -251,7 +251,8 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool,
-                     workdir: Path | None, source: Location | None = None, check: bool = True) -> Destination:
+                     workdir: Path | None, source: Location | None = None, check: bool = True,
+                     chunksize: int = 32 << 20) -> Destination:
     """The right :class:`Destination` for ``url``, checked unless ``check=False`` (nothing
     written yet)."""
     loc = open_location(url, storage_options)
@@ -260,7 +261,7 @@ def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwr
     else:
         if workdir is None:
             raise StorageError("a remote destination needs a local work folder", culprit=url)
-        dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir)
+        dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir, chunksize=chunksize)
     if check:
         dest.check(source)
     return dest

@@ -19,7 +19,7 @@ from reshard.core.engine import convert_target, pick_device
 from reshard.core.errors import DestinationError, StorageError
 from reshard.core.plan import ReshardOptions, build_plan
 from reshard.crashpoints import crash_point
-from reshard.direct import DESCRIPTOR_NAME, descriptor_for, manifest_for, source_record, zero_gate
+from reshard.direct import manifest_for, side_files, source_record, zero_gate
 from reshard.flows import progress
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.destination import Destination, LocalDestination, open_destination
@@ -88,8 +88,8 @@ def plan_conversion(base: dict[str, Any], discovery: dict[str, Any], fetched: di
                 targets=[{"rank": t.rank, "name": t.name, "sources": list(t.sources),
                           "bytes_written": t.bytes_written} for t in plan.targets],
                 warnings=list(plan.warnings), zero_stage=zero.source_stage,
-                descriptor=descriptor_for(plan, names), source_record=source_record(plan, local),
-                source_tp=plan.source_tp, version=plan.version)
+                side_files=side_files(plan, names), source_record=source_record(plan, local),
+                source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version)
 
 
 @task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True, tags=[GPU_TAG])
@@ -134,10 +134,11 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
     dest = destination_for(job)
     if job["up_to_date"]:
         return dest.committed_manifest() or {}
-    import json
-
-    dest.staged(DESCRIPTOR_NAME).write_text(json.dumps(job["descriptor"], indent=2))
-    records = list(records) + [dest.publish(DESCRIPTOR_NAME)]
+    records = list(records)
+    for name, text in job["side_files"].items():
+        dest.staged(name).write_text(text)
+        records.append(dest.publish(name))
+    side = set(job["side_files"])
     if not isinstance(dest, LocalDestination):
         for rec in records:
             size = dest.staged_remote_size(rec["path"])
@@ -147,11 +148,11 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
                                    transient=False)
     else:
         for rec in records:
-            actual = file_record(dest.staged(rec["path"]), rec["path"]) if rec["path"] != DESCRIPTOR_NAME else rec
+            actual = file_record(dest.staged(rec["path"]), rec["path"]) if rec["path"] not in side else rec
             if actual["sha256"] != rec["sha256"]:
                 raise StorageError(f"staged {rec['path']} changed since it was hashed", culprit=job["destination"])
     manifest = manifest_for(_options(job), job["warnings"], job["source_record"], job["destination"], records,
-                            job["conversion_id"])
+                            job["conversion_id"], job["target_pp"])
     crash_point("staged-all")
     dest.commit([r["path"] for r in records], manifest)
     return manifest

@@ -1,0 +1,105 @@
+"""Checkpoints written by real megatron-core, generated once per test session (test-only helper).
+
+``mcore_checkpoints(root)`` runs ``mcore_harness.py`` once in a subprocess for every model below
+at every TP (and a few PP layouts) and returns ``{(model, tp, pp): run folder}``; later calls
+return the cache. ``mcore_forward(jobs, workdir)`` runs megatron-core's own forward on given
+checkpoints (one subprocess for a batch). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.core") is None:  # a required test dependency: fail, never skip
+    raise ImportError("megatron-core is a required test dependency: pip install -e .[dev]")
+HAVE_MCORE = True
+#: Marks the tests that run real megatron-core (selectable with ``-m mcore``).
+needs_mcore = pytest.mark.mcore
+
+HARNESS = Path(__file__).with_name("mcore_harness.py")
+TOKENS = [3, 17, 64, 95, 0, 42, 5, 77, 31, 8, 12, 90]
+_BASE = {"layers": 2, "hidden": 64, "heads": 8, "seq": 16}
+
+#: name -> (megatron-core model options, TP degrees written). ``vocab``/``divisible_by``: the true
+#: vocabulary and Megatron's padding divisor; ``saved_vocab_size``: args.vocab_size (None: unknown).
+MODELS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
+    "mha": ({"ffn": 256, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128}, (1, 2, 4)),
+    "gqa": ({"groups": 2, "ffn": 256, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "tied": False},
+            (1, 2)),
+    "swiglu": ({"ffn": 96, "swiglu": True, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128}, (1, 2, 4)),
+    "gqa_swiglu": ({"groups": 4, "ffn": 96, "swiglu": True, "vocab": 128, "divisible_by": 32,
+                    "saved_vocab_size": 128, "tied": False}, (1, 2, 4)),
+    "llama": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
+               "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128}, (1, 2)),
+    # 12 heads in 6 query groups: TP 2 <-> 3 is not a divisor ratio
+    "gqa12": ({"hidden": 96, "heads": 12, "groups": 6, "ffn": 192, "swiglu": True, "vocab": 96, "divisible_by": 16,
+               "saved_vocab_size": 96, "tied": False}, (1, 2, 3)),
+    # true vocabulary 100, padded to 112 at TP 1 and 128 at TP 2 and 4; args do not record 100
+    "padded": ({"groups": 4, "ffn": 96, "swiglu": True, "tied": False, "vocab": 100, "divisible_by": 16,
+                "saved_vocab_size": None}, (1, 2, 4)),
+    "padded_tied": ({"ffn": 256, "vocab": 100, "divisible_by": 16, "saved_vocab_size": 100}, (1, 2, 4)),
+}
+#: (model, tp, pp) written with pipeline stages (no logits: megatron-core's pipeline schedule is not run).
+PP_LAYOUTS: tuple[tuple[str, int, int], ...] = (("mha", 1, 2), ("mha", 2, 2), ("gqa", 2, 2), ("llama", 1, 2))
+
+
+def model_options(name: str) -> dict[str, Any]:
+    return {**_BASE, **MODELS[name][0]}
+
+
+_CACHE: dict[str, dict[tuple[str, int, int], Path]] = {}
+
+
+def _run_harness(jobs: list[dict[str, Any]], workdir: Path) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    jobs_file = workdir / f"jobs_{len(list(workdir.glob('jobs_*.json')))}.json"
+    jobs_file.write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(HARNESS), str(jobs_file)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"megatron-core harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def mcore_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
+    """Every (model, tp, pp) checkpoint written by megatron-core, generated once under ``root``."""
+    key = "all"
+    if key not in _CACHE:
+        layouts = [(name, tp, 1) for name, (_, tps) in MODELS.items() for tp in tps] + list(PP_LAYOUTS)
+        out = {lay: root / f"{lay[0]}_tp{lay[1]}_pp{lay[2]}" for lay in layouts}
+        jobs = [{"kind": "write", "out": str(out[lay]), "tp": lay[1], "pp": lay[2], "model": model_options(lay[0]),
+                 "tokens": TOKENS} for lay in layouts]
+        _run_harness(jobs, root)
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
+def mcore_forward(cases: list[tuple[str, Path, int]], workdir: Path) -> list[torch.Tensor]:
+    """megatron-core logits for each (model, checkpoint folder, tp): load strict, run, gather."""
+    jobs = []
+    for i, (name, ckpt, tp) in enumerate(cases):
+        jobs.append({"kind": "forward", "ckpt": str(ckpt), "tp": tp, "model": model_options(name),
+                     "tokens": TOKENS, "out": str(workdir / f"logits_{i}.pt")})
+    _run_harness(jobs, workdir)
+    return [torch.load(j["out"]) for j in jobs]
+
+
+def iteration_folder(run: Path) -> Path:
+    return run / f"iter_{int((run / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+
+
+def rank_module(run: Path, tp_rank: int, pp_rank: int | None = None) -> dict[str, Any]:
+    sub = f"mp_rank_{tp_rank:02d}" if pp_rank is None else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    from reshard.core.safe_load import load_shard  # stand-ins: megatron is never imported here
+
+    return load_shard(iteration_folder(run) / sub / "model_optim_rng.pt", mmap=False)["model"]
+

@@ -1,0 +1,175 @@
+"""Build real megatron-core GPT models on the CPU and save them as Megatron-LM does (test-only).
+
+Run as a script: ``python mcore_harness.py jobs.json``. The launcher imports megatron-core once
+(~5 s) and then, per job, *forks* one process per rank (gloo process groups, world size
+``tp * pp``) — it never computes anything itself, so forking is safe. Jobs:
+
+* ``write``: build ``GPTModel`` (``get_gpt_layer_local_spec``, ``use_cpu_initialization=True``)
+  from ``model`` at (tp, pp) with a fixed seed and save ``<out>/iter_XXXXXXX/mp_rank_TT[_PPP]/
+  model_optim_rng.pt`` plus ``latest_checkpointed_iteration.txt`` the way Megatron-LM's
+  ``save_checkpoint`` (``--ckpt-format torch``) lays them out: ``args`` (a Namespace with real
+  megatron enums), ``checkpoint_version`` 3.0, ``iteration``, ``model``, optimizer and
+  scheduler state, ``rng_state`` (with numpy state). With pp == 1 it also saves the logits of
+  ``tokens`` (gathered over TP) to ``<out>/logits.pt``.
+* ``forward``: build the model at tp (pp 1), ``load_state_dict(strict=True)`` the rank files of
+  the Megatron checkpoint ``ckpt`` (a run or iteration folder) and save its logits to ``out``.
+
+Three CPU shims, for code paths that assume CUDA even when ``use_cpu_initialization`` is set:
+``torch.cuda.current_device`` returns "cpu" (a scratch buffer's device), ``Tensor.cuda`` is the
+identity (the tied-embedding sync across pipeline stages moves the weight to CUDA before its
+all-reduce) and the CUDA RNG tracker's ``fork`` is a no-op (dropout is 0 in eval anyway). A
+causal mask is passed explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import socket
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+from megatron.core.transformer.enums import AttnBackend  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+ITERATION = 7
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's ``_vocab_size_with_padding``."""
+    unit = divisible_by * tp
+    return math.ceil(vocab / unit) * unit
+
+
+def build_model(m: dict[str, Any], tp: int, pp: int, seed: int) -> GPTModel:
+    torch.manual_seed(seed)
+    norm = m.get("norm", "LayerNorm")
+    kw: dict[str, Any] = {}
+    if m.get("swiglu"):
+        kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    cfg = TransformerConfig(
+        num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
+        num_query_groups=m.get("groups"), ffn_hidden_size=m["ffn"], normalization=norm,
+        add_bias_linear=m.get("bias", True), use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32 if pp > 1 else None, **kw)
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization=norm),
+                    vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=m.get("tied", True),
+                    position_embedding_type=m.get("pos", "learned_absolute"))
+
+
+def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
+    """A Megatron-LM-like ``args`` Namespace (the attributes reshard and Megatron's loader read)."""
+    import argparse
+
+    groups = m.get("groups")
+    return argparse.Namespace(
+        num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
+        num_attention_heads=m["heads"], kv_channels=m["hidden"] // m["heads"],
+        group_query_attention=groups is not None, num_query_groups=groups or 1, swiglu=bool(m.get("swiglu")),
+        normalization=m.get("norm", "LayerNorm"), position_embedding_type=m.get("pos", "learned_absolute"),
+        add_bias_linear=m.get("bias", True), untie_embeddings_and_output_weights=not m.get("tied", True),
+        vocab_size=m.get("saved_vocab_size"), padded_vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp),
+        make_vocab_size_divisible_by=m["divisible_by"], max_position_embeddings=m["seq"], seq_length=m["seq"],
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
+        decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        num_layers_per_virtual_pipeline_stage=None, attention_backend=AttnBackend.auto,
+        params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt")
+
+
+def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
+    s = len(tokens)
+    mask = torch.triu(torch.ones(s, s), diagonal=1).bool().view(1, 1, s, s)
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), torch.arange(s).unsqueeze(0), attention_mask=mask)
+    parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)[0]
+
+
+def _rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tp, pp = job["tp"], job.get("pp", 1)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        model = build_model(job["model"], tp, pp, job.get("seed", 1234))
+        if job["kind"] == "write":
+            out = Path(job["out"])
+            f = out / f"iter_{ITERATION:07d}" / _rank_dir(tp_rank, pp_rank, pp) / "model_optim_rng.pt"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            sd = {
+                "args": megatron_args(job["model"], tp, pp), "checkpoint_version": 3.0, "iteration": ITERATION,
+                "model": model.state_dict_for_save_checkpoint(),
+                "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]},
+                "opt_param_scheduler": {"num_steps": ITERATION},
+                "rerun_state_machine": None,
+                "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                               "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
+                "num_floating_point_operations_so_far": 0,
+            }
+            torch.save(sd, f)
+            if rank == 0:
+                (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+            if pp == 1:
+                logits = _logits(model, job["tokens"])
+                if rank == 0:
+                    torch.save(logits, out / "logits.pt")
+        elif job["kind"] == "forward":
+            ckpt = Path(job["ckpt"])
+            if (ckpt / "latest_checkpointed_iteration.txt").exists():
+                ckpt = ckpt / f"iter_{int((ckpt / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+            state = torch.load(ckpt / _rank_dir(tp_rank, 0, 1) / "model_optim_rng.pt", weights_only=False)
+            if state["args"].attention_backend is not AttnBackend.auto:  # carried args keep real enums
+                raise AssertionError(f"args.attention_backend is {state['args'].attention_backend!r}")
+            model.load_state_dict(state["model"], strict=True)
+            logits = _logits(model, job["tokens"])
+            if rank == 0:
+                torch.save(logits, job["out"])
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(jobs_file: str) -> None:
+    jobs = json.loads(Path(jobs_file).read_text())
+    for job in jobs:
+        world = job["tp"] * job.get("pp", 1)
+        mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

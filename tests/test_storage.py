@@ -1,0 +1,259 @@
+"""Storage: one contract suite over file://, memory:// and a real S3 server; shard cache;
+staged commit; bad URLs; fault injection through a proxy. The source is never written."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from reshard.cli import main
+from reshard.core.errors import DestinationError, ManifestMismatchError, StorageError
+from reshard.core.plan import ReshardOptions
+from reshard.direct import run_direct
+from reshard.sample import GPTConfig, write_sample_checkpoint
+from reshard.storage.cache import ShardCache
+from reshard.storage.manifest import MANIFEST_NAME, verify
+from reshard.storage.source_view import list_objects
+from reshard.storage.location import open_location
+
+BIG = GPTConfig(layers=2, hidden=256, heads=8, vocab=512, seq=16)  # ~1.6 MB per TP-8 shard
+
+
+@pytest.fixture(scope="module")
+def sample_tp8(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("s3src") / "tp8"
+    write_sample_checkpoint(folder, tp=8, cfg=BIG)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(sample_tp8, tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("ref") / "tp2"
+    run_direct(str(sample_tp8), str(out), ReshardOptions(target_tp=2))
+    return _local_files(out)
+
+
+def _local_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix == ".pt"}
+
+
+def _remote_files(url: str, so: dict) -> dict[str, bytes]:
+    loc = open_location(url, so)
+    return {p.rsplit("/", 1)[-1]: loc.fs.cat_file(p) for p in sorted(loc.fs.ls(loc.path, detail=False))
+            if p.endswith(".pt")}
+
+
+def _listing(url: str, so: dict) -> dict[str, tuple]:
+    loc = open_location(url, so)
+    loc.fs.invalidate_cache()
+    return {p: (i["size"], i.get("ETag") or i.get("mtime") or i.get("created"))
+            for p, i in loc.fs.find(loc.path, detail=True).items()}
+
+
+def _upload(folder: Path, url: str, so: dict) -> None:
+    loc = open_location(url, so)
+    for p in sorted(folder.iterdir()):
+        loc.fs.put_file(str(p), loc.join(p.name))
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def store(request, tmp_path, sample_tp8):
+    """(source URL, destination root URL, storage options) on one backend, source uploaded."""
+    if request.param == "file":
+        src = tmp_path / "src"
+        shutil.copytree(sample_tp8, src)
+        return str(src), f"file://{tmp_path}/out", {}
+    if request.param == "memory":
+        root = f"memory://rs-{uuid.uuid4().hex[:8]}"
+        _upload(sample_tp8, f"{root}/src", {})
+        return f"{root}/src", f"{root}/out", {}
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    so = server.storage_options()
+    _upload(sample_tp8, f"{bucket}/run7/global_step1000", so)
+    return f"{bucket}/run7/global_step1000", f"{bucket}/converted/tp2", so
+
+
+def test_contract_convert_verify_and_source_untouched(store, tmp_path, reference_tp2):
+    src, dst, so = store
+    before = _listing(src, so)
+    cache = ShardCache(tmp_path / "cache")
+    report = run_direct(src, dst, ReshardOptions(target_tp=2), storage_options=so, cache=cache)
+    assert _remote_files(dst, so) == reference_tp2
+    assert len(verify(dst, so)["files"]) == 3
+    remote = not src.startswith("/")
+    assert report.fetched == (8 if remote and not src.startswith("file") else 0) or not remote
+    # second conversion of the same source to a new place: every shard from the cache
+    report2 = run_direct(src, dst + "-again", ReshardOptions(target_tp=2), storage_options=so, cache=cache)
+    if remote:
+        assert report2.cached == 8 and report2.fetched == 0
+    assert _listing(src, so) == before, "the source must never be written"
+    loc = open_location(dst, so)
+    loc.fs.invalidate_cache()
+    staging = loc.join(".reshard-staging")
+    left = [p for p in loc.fs.find(staging) if p.rstrip("/") != staging]  # SeaweedFS keeps empty dirs
+    assert left == [], "staging is cleaned at commit"
+
+
+def test_committed_destination_and_staged_leftovers(store, tmp_path):
+    src, dst, so = store
+    cache = ShardCache(tmp_path / "cache")
+    loc = open_location(dst, so)
+    # leftovers of a crashed run: staged files but no manifest -> not a committed checkpoint
+    loc.fs.makedirs(loc.join(".reshard-staging"), exist_ok=True)
+    loc.fs.pipe_file(loc.join(".reshard-staging/mp_rank_00_model_states.pt"), b"partial")
+    loc.fs.pipe_file(loc.join("mp_rank_00_model_states.pt"), b"stale")
+    with pytest.raises(ManifestMismatchError, match="no committed checkpoint"):
+        verify(dst, so)
+    run_direct(src, dst, ReshardOptions(target_tp=2), storage_options=so, cache=cache)
+    verify(dst, so)
+    with pytest.raises(DestinationError, match="already holds a committed checkpoint"):
+        run_direct(src, dst, ReshardOptions(target_tp=4), storage_options=so, cache=cache)
+    run_direct(src, dst, ReshardOptions(target_tp=4), storage_options=so, cache=cache, overwrite=True)
+    loc.fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in loc.fs.ls(loc.path, detail=False)
+                   if not (p.endswith(".reshard-staging") and not loc.fs.find(p)[1:]))  # SeaweedFS empty dir
+    assert names == sorted([f"mp_rank_{r:02d}_model_states.pt" for r in range(4)] + ["ds_checkpoint.json", MANIFEST_NAME])
+    assert len(verify(dst, so)["files"]) == 5
+
+
+def test_tampered_remote_output_fails_verify(store, tmp_path):
+    src, dst, so = store
+    run_direct(src, dst, ReshardOptions(target_tp=2), storage_options=so, cache=ShardCache(tmp_path / "c"))
+    loc = open_location(dst, so)
+    loc.fs.pipe_file(loc.join("mp_rank_01_model_states.pt"), b"x" * 10)
+    with pytest.raises(ManifestMismatchError, match="mp_rank_01_model_states.pt: size"):
+        verify(dst, so)
+
+
+# --- S3-specific: credentials, missing things, cache identity --------------------------------
+
+@pytest.fixture
+def s3_src(s3_server, s3_bucket, sample_tp8):
+    so = s3_server.storage_options()
+    url = f"{s3_bucket}/ckpt"
+    _upload(sample_tp8, url, so)
+    return url, so
+
+
+def _cli_err(capsys, args) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def test_bad_urls_give_one_clear_error(s3_server, s3_src, tmp_path, capsys):
+    url, so = s3_src
+    ep = ["--storage-option", f"endpoint_url={s3_server.endpoint_url}", "--storage-option", "region_name=us-east-1",
+          "--storage-option", f"key={s3_server.access_key}", "--cache-dir", str(tmp_path / "c"), "--direct"]
+    secret = ["--storage-option", f"secret={s3_server.secret_key}"]
+    bucket = url.split("/")[2]
+    cases = [
+        (f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x", "no such bucket", secret),
+        (f"s3://{bucket}/no/such/prefix", "no such bucket, prefix or object", secret),
+        (url, "permission denied", ["--storage-option", "secret=not-the-secret"]),
+    ]
+    for src, expected, creds in cases:
+        code, err = _cli_err(capsys, ["run", src, f"s3://{bucket}/out-{uuid.uuid4().hex[:6]}", "--target-tp", "2",
+                                      *ep, *creds])
+        assert code == 2 and expected in err and src.split("/")[2] in err, (src, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert s3_server.secret_key not in err and "not-the-secret" not in err
+    # a prefix with objects but no checkpoint
+    loc = open_location(url, so)
+    loc.fs.pipe_file(f"{bucket}/empty/readme.txt", b"hi")
+    code, err = _cli_err(capsys, ["run", f"s3://{bucket}/empty", f"s3://{bucket}/o2", "--target-tp", "2", *ep, *secret])
+    assert code == 2 and "holds no checkpoint" in err
+
+
+def test_read_only_credentials_cannot_commit(s3_server, s3_src, tmp_path):
+    url, so = s3_src
+    bucket = url.split("/")[2]
+    before = _listing(url, so)
+    ro = s3_server.storage_options(read_only=True)
+    with pytest.raises(StorageError, match="permission denied|denied"):
+        run_direct(url, f"s3://{bucket}/ro-out", ReshardOptions(target_tp=2), storage_options=ro,
+                   cache=ShardCache(tmp_path / "c"))
+    assert not open_location(f"s3://{bucket}/ro-out", so).fs.exists(f"{bucket}/ro-out/{MANIFEST_NAME}")
+    assert _listing(url, so) == before
+
+
+def test_shard_changed_between_listing_and_fetch(s3_src, tmp_path):
+    url, so = s3_src
+    loc = open_location(url, so)
+    objs = list_objects(loc)
+    victim = next(o for o in objs if o.name == "mp_rank_03_model_states.pt")
+    loc.fs.pipe_file(victim.path, b"rewritten by a still-running training job")
+    with pytest.raises(StorageError, match="changed size between listing"):
+        ShardCache(tmp_path / "c").fetch(loc, victim)
+
+
+def test_cache_is_keyed_by_identity_and_bounded(s3_src, tmp_path):
+    url, so = s3_src
+    loc = open_location(url, so)
+    objs = [o for o in list_objects(loc) if o.name.endswith(".pt")]
+    cache = ShardCache(tmp_path / "c", max_bytes=3 * objs[0].size + 10)
+    paths = []
+    for o in objs:
+        paths.append(cache.fetch(loc, o))
+        assert paths[-1].stat().st_size == o.size
+    kept = [p for p in paths if p.exists()]
+    assert len(kept) == 3 and kept == paths[-3:], "least recently used entries are evicted"
+    # a changed object (new ETag) is a new identity, fetched again
+    loc.fs.pipe_file(objs[-1].path, loc.fs.cat_file(objs[0].path))
+    newer = [o for o in list_objects(loc) if o.name == objs[-1].name][0]
+    assert newer.identity != objs[-1].identity
+    cache.fetch(loc, newer)
+    assert cache.misses == len(objs) + 1
+
+
+# --- faults --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,every", [("503", 3), ("500", 3), ("reset", 4), ("truncate", 4)])
+def test_full_s3_to_s3_reshard_survives_faults(s3_server, s3_src, tmp_path, reference_tp2, kind, every):
+    from faultproxy import FaultProxy
+
+    url, so = s3_src
+    bucket = url.split("/")[2]
+    dst = f"s3://{bucket}/faulty-{kind}"
+    before = _listing(url, so)
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        faulty = s3_server.storage_options(endpoint_url=proxy.endpoint_url)
+        cache = ShardCache(tmp_path / "cache", chunksize=256 << 10)
+        with proxy.faulting(kind, every):
+            run_direct(url, dst, ReshardOptions(target_tp=2), storage_options=faulty, cache=cache)
+        assert proxy.faults_injected > 0
+    assert _remote_files(dst, so) == reference_tp2
+    verify(dst, so)
+    assert _listing(url, so) == before
+
+
+def test_megatron_run_folder_on_s3_tp_and_pp_change(s3_server, s3_bucket, tmp_path):
+    """A Megatron-LM run folder (tracker file + iter_*/mp_rank_TT_PPP) on S3: only the latest
+    iteration is fetched, the output keeps the Megatron layout, bytes equal a local conversion."""
+    from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint
+
+    cfg = CoreGPTConfig()
+    local = tmp_path / "run"
+    write_core_sample_checkpoint(local, tp=2, pp=2, cfg=cfg, iteration=200)
+    write_core_sample_checkpoint(tmp_path / "old", tp=2, pp=2, cfg=cfg, iteration=100)
+    so = s3_server.storage_options()
+    loc = open_location(f"{s3_bucket}/run", so)
+    for p in sorted(local.rglob("*")) + sorted((tmp_path / "old").rglob("iter_*/**/*.pt")):
+        if p.is_file():
+            rel = p.relative_to(local if local in p.parents else tmp_path / "old").as_posix()
+            loc.fs.put_file(str(p), loc.join(rel))
+    opts = ReshardOptions(target_tp=1, target_pp=1)
+    run_direct(str(local), str(tmp_path / "ref"), opts)
+    report = run_direct(f"{s3_bucket}/run", f"{s3_bucket}/out", opts, storage_options=so,
+                        cache=ShardCache(tmp_path / "cache"))
+    assert report.fetched == 5  # 4 shards of iteration 200 + the tracker; iteration 100 never fetched
+    out = open_location(f"{s3_bucket}/out", so)
+    got = {p[len(out.path) + 1:]: out.fs.cat_file(p) for p in out.fs.find(out.path) if p.endswith(".pt") or p.endswith(".txt")}
+    want = {p.relative_to(tmp_path / "ref").as_posix(): p.read_bytes() for p in (tmp_path / "ref").rglob("*")
+            if p.suffix in (".pt", ".txt")}
+    assert got == want and "latest_checkpointed_iteration.txt" in got
+    assert "iter_0000200/mp_rank_00/model_optim_rng.pt" in got
+    verify(f"{s3_bucket}/out", so)
