@@ -105,6 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128)
+
+    p = sub.add_parser("deploy", help="register the Prefect deployments of deployments/prefect.yaml (prefect deploy)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these deployments (8to2 or reshard/8to2); default all")
+    p.add_argument("--file", default=None, help="prefect.yaml to use (default: the repository's deployments/prefect.yaml)")
+    p.add_argument("--no-create-pool", dest="create_pool", action="store_false",
+                   help="do not create missing work pools (type process)")
+
+    p = sub.add_parser("serve", help="serve the deployments of deployments/prefect.yaml from this process (no worker)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these deployments; default all")
+    p.add_argument("--file", default=None, help="prefect.yaml to use (default: the repository's deployments/prefect.yaml)")
+    p.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: Prefect's)")
+
+    p = sub.add_parser("emit-training-completed",
+                       help="emit the reshard.training.completed event that fires the conversion deployments")
+    p.add_argument("url", help="the finished checkpoint (folder or descriptor URL)")
+    p.add_argument("--tp", type=int, required=True, help="its tensor-parallel degree")
+    p.add_argument("--step", type=int, default=None, help="its training step")
+    p.add_argument("--target", dest="targets", type=int, action="append", default=None, metavar="M",
+                   help="convert only to this TP (repeatable; default: every deployment for --tp)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the event to be sent")
     return parser
 
 
@@ -187,6 +207,22 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
+    """Move S3 key/secret given on the command line into this process's environment, where
+    botocore finds them, so they never become Prefect flow parameters (stored and shown in the
+    UI). Tasks run in this process (threads) or its local Dask cluster, which see the variables."""
+    import os
+
+    opts = dict(options)
+    if "secret" in opts:
+        os.environ["AWS_SECRET_ACCESS_KEY"] = str(opts.pop("secret"))
+        if "key" in opts:
+            os.environ["AWS_ACCESS_KEY_ID"] = str(opts.pop("key"))
+    if "token" in opts:
+        os.environ["AWS_SESSION_TOKEN"] = str(opts.pop("token"))
+    return opts
+
+
 def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
@@ -197,12 +233,13 @@ def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
 
     try:
         params = ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
-                               storage_options=_storage(ns), overwrite=ns.overwrite, device=ns.device,
+                               storage_options=_credentials_to_env(_storage(ns)), overwrite=ns.overwrite, device=ns.device,
                                target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first.get("loc") else "options"
-        raise LayoutError(f"{first['msg']} (got {first.get('input')!r})", culprit="--" + field.replace("_", "-"),
+        shown = "" if field == "storage_options" else f" (got {first.get('input')!r})"
+        raise LayoutError(f"{first['msg']}{shown}", culprit="--" + field.replace("_", "-"),
                           hint=f"fix --{field.replace('_', '-')}") from None
     summary = run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
                        on_target_done=progress, console_level="INFO" if ns.verbose else "WARNING")
@@ -340,8 +377,37 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(ns: argparse.Namespace) -> int:
+    from reshard.deploy import deploy
+
+    return deploy(ns.file, ns.names or None, create_pools=ns.create_pool)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from reshard.flows.runner import prefect_environment
+    from reshard.storage.cache import ShardCache
+
+    prefect_environment(ShardCache().root)
+    from reshard.deploy import serve
+
+    serve(ns.file, ns.names or None, limit=ns.limit)
+    return 0
+
+
+def cmd_emit_training_completed(ns: argparse.Namespace) -> int:
+    from reshard.events import emit_training_completed
+
+    event_id = emit_training_completed(ns.url, ns.tp, ns.step, ns.targets, timeout=ns.timeout)
+    print(f"emitted reshard.training.completed for {ns.url} (event {event_id})")
+    return 0
+
+
+#: Exit code for transient failures (sysexits EX_TEMPFAIL): the same command may succeed later.
+EX_TEMPFAIL = 75
+
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "inspect": cmd_inspect, "verify": cmd_verify,
             "validate-config": cmd_validate_config, "sample": cmd_sample}
+COMMANDS.update({"deploy": cmd_deploy, "serve": cmd_serve, "emit-training-completed": cmd_emit_training_completed})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -355,6 +421,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # transient storage failures left after every retry: one line, EX_TEMPFAIL
+        from reshard.storage.location import is_transient_error
+
+        if not is_transient_error(exc):
+            raise
+        text = " ".join(str(exc).split())[:300]
+        print(f"reshard: error: storage kept failing after all retries ({type(exc).__name__}: {text}); nothing "
+              f"was committed (fix: retry later; check the endpoint and network)", file=sys.stderr)
+        return EX_TEMPFAIL
 
 
 if __name__ == "__main__":

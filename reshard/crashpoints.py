@@ -1,8 +1,11 @@
 """Named crash points for reliability tests: ``RESHARD_CRASH_AT=name:n`` makes the process
 SIGKILL itself the n-th time it passes ``name`` — a real, unclean death at a precise point.
 
-Unset (the normal case) this is one dictionary lookup. Points: ``fetched``, ``converted``,
-``uploaded``, ``staged-all``, ``committed-files`` (files moved into place, manifest not yet).
+Unset (the normal case) this is one dictionary lookup. Points, in pipeline order: ``fetching``
+(a remote shard download is about to start), ``fetched``, ``planned``, ``converted``,
+``uploading`` (a staged output is about to be uploaded), ``uploaded``, ``staged-all`` (every
+output staged, nothing moved), ``copying`` (the first output moved into place),
+``committed-files`` (all moved, manifest not yet written).
 """
 
 from __future__ import annotations

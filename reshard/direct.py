@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,13 +160,16 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             report.zero = zero_gate(plan, target_config)
         dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
         dev = pick_device(device)
+        cid = conversion_id([dataclasses.asdict(o) for o in local.objects], options.to_record())
         dest.open()
         try:
+            dest.acquire(uuid.uuid4().hex, cid)
             names, records = [], []
             for tp in plan.targets:
                 with _urls_in_errors(local.path, src):
                     res = convert_target(plan, tp.rank, dest.staged(tp.name), dev)
                 records.append(dest.publish(tp.name))
+                dest.heartbeat()
                 report.results.append(res)
                 names.append(tp.name)
                 if on_target_done:
@@ -174,7 +178,6 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
                 dest.staged(name).write_text(text)
                 records.append(dest.publish(name))
                 names.append(name)
-            cid = conversion_id([dataclasses.asdict(o) for o in local.objects], options.to_record())
             report.manifest = manifest_for(options, list(plan.warnings), source_record(plan, local), dst, records,
                                            cid, plan.target_pp)
             dest.commit(names, report.manifest)

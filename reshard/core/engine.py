@@ -11,28 +11,40 @@ the top-level entries (``args`` retargeted: TP, PP, padded vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import functools
+import math
+import mmap
 import os
+import queue
+import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from reshard.core import foreign, torch_writer
 from reshard.core.errors import CorruptCheckpointError
-from reshard.core import foreign
-from reshard.core.layouts import Piece, assemble, source_ranks_for_target
-from reshard.core.plan import ParamPlan, Plan, quant_groups_for
+from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
+from reshard.core.plan import ParamPlan, Plan, TargetPlan, quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, quantize_groups, scale_table
 from reshard.core.rules import QUANT_SLOT_ORDER
 from reshard.core.safe_load import load_shard
+from reshard.core.torch_writer import CHUNK_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, WriterError
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
 #: ``args`` attributes for uneven pipeline stages; cleared when the PP degree changes.
 UNEVEN_PP_ARG_NAMES: tuple[str, ...] = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+#: ``layout`` of the quantization record written into each quantized output shard.
+QUANT_LAYOUT = "reshard.quantize.v1: [layers, 4 (qkv, dense, h_to_4h, 4h_to_h), width], stored 1/s"
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,32 @@ def pick_device(requested: str | None = None) -> torch.device:
 
 
 def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> dict[str, Any]:
-    """Target ``tgt``'s full state dict (``plan.targets[tgt]``; module tensors own their storage)."""
+    """Target ``tgt``'s full state dict (``plan.targets[tgt]``; module tensors own their storage).
+
+    The same tensors :func:`convert_target` streams to disk, materialized in memory."""
     device = device or torch.device("cpu")
+    shards = _load_sources(plan, tgt)
+    out = _target_layout(plan, tgt, shards, device, _PageDropper(()))
+    module = out[plan.module_key]
+    for k, v in list(module.items()):
+        if isinstance(v, PendingTensor):
+            module[k] = v.materialize()
+    rec = out.get(QUANT_KEY)
+    if plan.options.quantize and isinstance(rec, dict) and isinstance(rec.get("scales"), PendingTensor):
+        rec["scales"] = rec["scales"].materialize()
+    return out
+
+
+def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
+    """The source shards target ``tgt`` reads, memory-mapped (tensors are read on first touch)."""
+    return {i: load_shard(plan.source.files[i]) for i in plan.targets[tgt].sources}
+
+
+def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], device: torch.device,
+                   pages: "_PageDropper") -> dict[str, Any]:
+    """Target ``tgt``'s state dict with every produced tensor still a :class:`PendingTensor`
+    (shape and dtype known, bytes streamed on demand, in the order torch.save writes them)."""
     tp = plan.targets[tgt]
-    shards = {i: load_shard(plan.source.files[i]) for i in tp.sources}
     modules = {i: sd[plan.module_key] for i, sd in shards.items()}
     src = plan.source
     n, m, opts = plan.source_tp, plan.target_tp, plan.options
@@ -68,27 +102,23 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
             break
 
     module: "OrderedDict[str, Any]" = OrderedDict()
-    slot_scales: dict[tuple[int, str], torch.Tensor] = {}
-    culprit = str(src.files[tp.sources[0]])
-    try:
-        for entry in tp.params:
-            p = entry.param
-            if p.spec is None:
-                value = modules[src.index(p.stage, tp.base_rank)][p.src_key]
-                module[entry.out_key] = _owned(value) if isinstance(value, torch.Tensor) else value
-                continue
-            srcs = {r: modules[src.index(p.stage, r)][p.src_key] for r in range(n)
-                    if src.index(p.stage, r) in modules}
-            culprit = str(src.files[src.index(p.stage, min(srcs))])
-            if opts.quantize and p.quant_slot is not None:
-                module[entry.out_key], scales = _assemble_quantized(p, srcs, n, m, tp.tp_rank, plan, device)
-                slot_scales[(p.layer, p.quant_slot.value)] = scales
-            else:
-                module[entry.out_key] = assemble(p.spec, srcs, n, m, tp.tp_rank)
-    except RuntimeError as exc:  # a tensor's bytes could not be read (truncated member)
-        raise CorruptCheckpointError(f"cannot read tensor data: {str(exc).splitlines()[0][:200]}",
-                                     culprit=culprit,
-                                     hint="the shard is truncated or corrupt; re-copy it") from None
+    quant = _QuantState(plan, tp) if opts.quantize else None
+    for entry in tp.params:
+        p = entry.param
+        if p.spec is None:
+            value = modules[src.index(p.stage, tp.base_rank)][p.src_key]
+            culprit = str(src.files[src.index(p.stage, tp.base_rank)])
+            module[entry.out_key] = _pending_copy(value, entry.out_key, culprit, pages) \
+                if isinstance(value, torch.Tensor) else value
+            continue
+        srcs = {r: modules[src.index(p.stage, r)][p.src_key] for r in range(n)
+                if src.index(p.stage, r) in modules}
+        culprit = str(src.files[src.index(p.stage, min(srcs))])
+        if quant is not None and p.quant_slot is not None:
+            module[entry.out_key] = quant.pending(p, srcs, tp.tp_rank, device, culprit, pages)
+        else:
+            module[entry.out_key] = _pending_assembled(p.spec, srcs, n, m, tp.tp_rank, entry.out_key, culprit,
+                                                       pages)
 
     out: dict[str, Any] = {}
     for k, v in first.items():
@@ -102,9 +132,261 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
         out["mp_world_size"] = m
     if "args" in out and out["args"] is not None:
         out["args"] = retarget_args(out["args"], plan)
-    if opts.quantize:
-        out[QUANT_KEY] = _quant_record(slot_scales, plan, len(source_ranks_for_target(n, m, tp.tp_rank)))
+    if quant is not None:
+        out[QUANT_KEY] = quant.record(len(source_ranks_for_target(n, m, tp.tp_rank)))
     return out
+
+
+# --- producers: each output tensor, streamed --------------------------------------------------------
+
+
+def _read_errors(culprit: str) -> Any:
+    """A source tensor's bytes could not be read (truncated member): one clear error."""
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:
+            raise CorruptCheckpointError(f"cannot read tensor data: {str(exc).splitlines()[0][:200]}",
+                                         culprit=culprit,
+                                         hint="the shard is truncated or corrupt; re-copy it") from None
+    return guard()
+
+
+def _streamable(t: torch.Tensor) -> bool:
+    """A plain dense CPU tensor whose bytes can be read in place (anything else is copied the
+    way the eager engine did, so the output stays what torch.save would write)."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+            and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.is_contiguous()
+            and not torch._utils._get_obj_state(t))
+
+
+def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "_PageDropper") -> Any:
+    """A replicated or carried tensor, copied from the base rank (owning exactly its bytes)."""
+    if not _streamable(value):
+        with _read_errors(culprit):
+            return _owned(value)
+
+    def produce(sink: RecordSink) -> None:
+        with _read_errors(culprit):
+            _stream_region(sink, value.data_ptr(), value.numel() * value.element_size(), value, pages)
+
+    return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
+
+
+def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: "_PageDropper") -> None:
+    """Write ``nbytes`` of a (memory-mapped) source from address ``addr`` in chunks; each chunk's
+    pages are dropped from this process once written."""
+    off = 0
+    while off < nbytes:
+        k = min(CHUNK_BYTES, nbytes - off)
+        a = addr + off
+        mv = memoryview((ctypes.c_char * k).from_address(a)).cast("B")
+        sink.write(mv, release=pages.dropper(a, k), keep=keep)
+        off += k
+
+
+def _segments(spec: PartitionSpec, part_len: int, n: int, m: int, tgt: int) -> list[tuple[int, int, int]]:
+    """``(source rank or FILL, first row in the source, rows)`` along ``spec.dim``, in output order
+    (parts outer, pieces inner — as :func:`reshard.core.layouts.assemble` concatenates them)."""
+    pieces = pieces_for_target(part_len, n, m, tgt, spec.keep, spec.total)
+    return [(pc.src, p * part_len + pc.start, pc.length) for p in range(spec.parts) for pc in pieces]
+
+
+def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n: int, m: int, tgt: int,
+                       name: str, culprit: str, pages: "_PageDropper") -> Any:
+    """A partitioned parameter's target slice, written piece by piece, never assembled whole:
+    along dim 0 each piece is one contiguous byte range of a source; along a later dim the
+    output is built in blocks of rows (``CHUNK_BYTES`` each)."""
+    any_src = next(iter(sources.values()))
+    d = spec.dim
+    part_len = any_src.shape[d] // spec.parts
+    segs = _segments(spec, part_len, n, m, tgt)
+    used = {s for s, _, _ in segs if s != FILL}
+    if not all(_streamable(sources[s]) for s in used) or \
+            len({(tuple(sources[s].shape), sources[s].dtype) for s in used} | {(tuple(any_src.shape), any_src.dtype)}) != 1:
+        with _read_errors(culprit):
+            return assemble(spec, sources, n, m, tgt)
+    shape = list(any_src.shape)
+    shape[d] = sum(length for _, _, length in segs)
+    dtype, isz = any_src.dtype, any_src.element_size()
+    chunks = [(s, length) for s, _, length in segs]
+    if len(chunks) == 1:
+        requires_grad = False if chunks[0][0] == FILL else sources[chunks[0][0]].requires_grad
+    else:
+        requires_grad = any(sources[s].requires_grad for s in used)
+    outer = math.prod(any_src.shape[:d])
+    inner = math.prod(any_src.shape[d + 1:])
+    d_src, d_out = any_src.shape[d], shape[d]
+
+    def produce_rows(sink: RecordSink) -> None:  # outer == 1: contiguous runs
+        for s, start, length in segs:
+            nb = length * inner * isz
+            if s == FILL:
+                sink.zeros(nb)
+            else:
+                t = sources[s]
+                _stream_region(sink, t.data_ptr() + start * inner * isz, nb, t, pages)
+
+    def produce_blocks(sink: RecordSink) -> None:  # interleaved rows: blocks of whole output rows
+        row_bytes = d_out * inner * isz
+        per_block = max(1, CHUNK_BYTES // max(row_bytes, 1))
+        pool = _BufferPool(QUEUE_DEPTH + 2, per_block * row_bytes)
+        views = {s: sources[s].view(outer, d_src, inner) for s in used}
+        for o0 in range(0, outer, per_block):
+            o1 = min(outer, o0 + per_block)
+            buf = pool.acquire()
+            blk = buf[:(o1 - o0) * row_bytes].view(dtype).view(o1 - o0, d_out, inner)
+            col = 0
+            for s, start, length in segs:
+                dst = blk[:, col:col + length, :]
+                if s == FILL:
+                    dst.zero_()
+                else:
+                    dst.copy_(views[s][o0:o1, start:start + length, :])
+                col += length
+            for s in used:  # these source rows are done with
+                t = sources[s]
+                pages.drop(t.data_ptr() + o0 * d_src * inner * isz, (o1 - o0) * d_src * inner * isz)
+            sink.write(blk, release=functools.partial(pool.release, buf), keep=blk)
+
+    body = produce_rows if outer == 1 else produce_blocks
+
+    def produce(sink: RecordSink) -> None:
+        with _read_errors(culprit):
+            body(sink)
+
+    return PendingTensor(tuple(shape), dtype, produce, requires_grad, name)
+
+
+class _QuantState:
+    """Quantized weights of one target and their scales; the scale table's shape is known up
+    front (groups per piece x pieces), its values once every quantized weight is written."""
+
+    def __init__(self, plan: Plan, tp: TargetPlan) -> None:
+        self.plan = plan
+        self.slot_scales: dict[tuple[int, str], torch.Tensor] = {}
+        n, m = plan.source_tp, plan.target_tp
+        numels: dict[tuple[int, str], int] = {}
+        for entry in tp.params:
+            p = entry.param
+            if p.spec is None or p.quant_slot is None:
+                continue
+            part_len = p.shape[p.spec.dim] // p.spec.parts
+            k = len(pieces_for_target(part_len, n, m, tp.tp_rank, p.spec.keep, p.spec.total))
+            numels[(p.layer, p.quant_slot.value)] = quant_groups_for(p, plan.options) * k  # type: ignore[index]
+        self.layers = sorted({layer for layer, _ in numels})
+        rows = [[numels[(layer, slot.value)] for slot in QUANT_SLOT_ORDER] for layer in self.layers]
+        width = max(v for row in rows for v in row)
+        self.shape = (len(self.layers), len(QUANT_SLOT_ORDER), width)
+
+    def pending(self, p: ParamPlan, srcs: dict[int, torch.Tensor], tgt: int, device: torch.device, culprit: str,
+                pages: "_PageDropper") -> PendingTensor:
+        plan = self.plan
+        shape = list(p.shape)
+        part_len = p.shape[p.spec.dim] // p.spec.parts  # type: ignore[union-attr]
+        segs = _segments(p.spec, part_len, plan.source_tp, plan.target_tp, tgt)  # type: ignore[arg-type]
+        shape[p.spec.dim] = sum(length for _, _, length in segs)  # type: ignore[union-attr]
+
+        def produce(sink: RecordSink) -> None:
+            with _read_errors(culprit):
+                q, scales = _assemble_quantized(p, srcs, plan.source_tp, plan.target_tp, tgt, plan, device)
+            self.slot_scales[(p.layer, p.quant_slot.value)] = scales  # type: ignore[index, union-attr]
+            for t in srcs.values():
+                pages.drop_tensor(t)
+            if tuple(q.shape) != tuple(shape) or q.dtype != torch.int8:
+                raise WriterError(f"quantized {p.key}: planned {shape} int8, produced {list(q.shape)} {q.dtype}")
+            sink.write(q, keep=q)
+
+        return PendingTensor(tuple(shape), torch.int8, produce, False, p.key)
+
+    def record(self, merge_count: int) -> dict[str, Any]:
+        def produce(sink: RecordSink) -> None:
+            rows = [[self.slot_scales[(layer, slot.value)] for slot in QUANT_SLOT_ORDER] for layer in self.layers]
+            table = scale_table(rows)
+            if tuple(table.shape) != self.shape:
+                raise WriterError(f"scale table planned {self.shape}, produced {tuple(table.shape)}")
+            sink.write(table, keep=table)
+
+        o = self.plan.options
+        return {
+            "scales": PendingTensor(self.shape, torch.float32, produce, False, "scales"),
+            "bits": o.bits,
+            "groups": o.groups,
+            "mlp_extra_grouping": o.mlp_extra_grouping,
+            "merge_count": merge_count,
+            "layout": QUANT_LAYOUT,
+        }
+
+
+class _BufferPool:
+    """At most ``count`` reusable byte buffers: a producer blocks until the writer frees one."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.left = count
+        self.nbytes = nbytes
+
+    def acquire(self) -> torch.Tensor:
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.left > 0:
+            self.left -= 1
+            return torch.empty(self.nbytes, dtype=torch.uint8)
+        return self.free.get()
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.free.put(buf)
+
+
+class _PageDropper:
+    """Drops pages of the memory-mapped source shards from this process once read
+    (``madvise(MADV_DONTNEED)``): the file stays in the page cache, but touched pages stop
+    counting toward this process's memory, and are read again from the file if touched again.
+    Only ranges inside a file mapping of one of ``paths`` are ever dropped — never anonymous
+    memory, whose contents that would erase. (torch maps shards private copy-on-write; reshard
+    never writes to a source tensor, so no page holds anything but the file's bytes.)"""
+
+    def __init__(self, paths: Any) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.page = mmap.PAGESIZE
+        self._madvise = None
+        wanted = {os.path.realpath(p) for p in paths}
+        if not wanted or not sys.platform.startswith("linux"):
+            return
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].rstrip("\n") in wanted:
+                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                        self.ranges.append((lo, hi))
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise = libc.madvise
+        except (OSError, AttributeError, ValueError):
+            self.ranges = []
+
+    def drop(self, addr: int, nbytes: int) -> None:
+        if self._madvise is None or nbytes <= 0:
+            return
+        lo = addr - addr % self.page
+        hi = addr + nbytes
+        hi += -hi % self.page
+        for a, b in self.ranges:
+            if a <= lo and hi <= b:
+                self._madvise(lo, hi - lo, MADV_DONTNEED)
+                return
+
+    def dropper(self, addr: int, nbytes: int) -> Callable[[], None]:
+        return functools.partial(self.drop, addr, nbytes)
+
+    def drop_tensor(self, t: torch.Tensor) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            st = t.untyped_storage()
+            self.drop(st.data_ptr(), st.nbytes())
 
 
 def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: int, tgt: int,
@@ -119,21 +401,6 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
 
     q = assemble(p.spec, srcs, n, m, tgt, piece_fn=quantize_piece)
     return q, combine_piece_scales(piece_scales, p.spec.dim)
-
-
-def _quant_record(slot_scales: dict[tuple[int, str], torch.Tensor], plan: Plan, merge_count: int
-                  ) -> dict[str, Any]:
-    layers = sorted({layer for layer, _ in slot_scales})
-    rows = [[slot_scales[(layer, slot.value)] for slot in QUANT_SLOT_ORDER] for layer in layers]
-    o = plan.options
-    return {
-        "scales": scale_table(rows),
-        "bits": o.bits,
-        "groups": o.groups,
-        "mlp_extra_grouping": o.mlp_extra_grouping,
-        "merge_count": merge_count,
-        "layout": "reshard.quantize.v1: [layers, 4 (qkv, dense, h_to_4h, 4h_to_h), width], stored 1/s",
-    }
 
 
 def retarget_args(args: Any, plan: Plan) -> Any:
@@ -163,11 +430,19 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
                    device: torch.device | None = None) -> TargetResult:
-    """Build target ``tgt`` (an index into ``plan.targets``) and write it to ``out_path`` with
-    ``torch.save`` (foreign stand-ins in carried entries are written back under their real names)."""
+    """Write target ``tgt`` (an index into ``plan.targets``) to ``out_path``: the bytes
+    ``torch.save`` would write for :func:`build_target`'s dict (foreign stand-ins in carried
+    entries under their real names), streamed — the pickle first, then each tensor as it is
+    read, holding a few chunks at a time instead of the whole target (see
+    :mod:`reshard.core.torch_writer`)."""
     t0 = time.perf_counter()
-    sd = build_target(plan, tgt, device)
+    device = device or torch.device("cpu")
     out_path = Path(out_path)
-    foreign.save(sd, out_path)
+    shards = _load_sources(plan, tgt)
+    pages = _PageDropper(plan.source.files[i] for i in plan.targets[tgt].sources)
+    sd = _target_layout(plan, tgt, shards, device, pages)
+    pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(sd) else None
+    torch_writer.save(sd, out_path, pickle_module=pickle_module)
+    del sd, shards
     return TargetResult(tgt, str(out_path), out_path.stat().st_size, plan.targets[tgt].sources,
                         time.perf_counter() - t0)

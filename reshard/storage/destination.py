@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,10 @@ from reshard.storage.location import Location, open_location, storage_errors
 from reshard.storage.manifest import MANIFEST_NAME, file_record
 
 STAGING_DIR = ".reshard-staging"
+LOCK_NAME = ".reshard-lock.json"
 UPLOAD_ATTEMPTS = 3
+#: A lock not refreshed for this long belongs to a dead run and may be taken over.
+LOCK_STALE_SECONDS = 600
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -97,6 +102,73 @@ class Destination(ABC):
     def abort(self) -> None:
         """Remove what this run staged (best effort); never writes a manifest."""
 
+    # -- the writer lock --------------------------------------------------------------------
+    _lock_token: str | None = None
+    _lock_conversion: str | None = None
+
+    def _read_lock(self) -> dict[str, Any] | None:
+        path = self.loc.join(LOCK_NAME)
+        with storage_errors(self.url):
+            self.loc.fs.invalidate_cache(path)
+            if not self.loc.fs.exists(path):
+                return None
+            raw = self.loc.fs.cat_file(path)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _write_lock(self) -> None:
+        rec = {"token": self._lock_token, "conversion_id": self._lock_conversion, "host": socket.gethostname(),
+               "pid": os.getpid(), "time": time.time()}
+        with storage_errors(self.url):
+            self.loc.fs.pipe_file(self.loc.join(LOCK_NAME), json.dumps(rec).encode())
+
+    def acquire(self, token: str, conversion_id: str) -> None:
+        """Claim the destination for this run. Another live run of a *different* conversion
+        holds it -> refuse; a run of the same conversion (a resume, or a duplicate that would
+        write the same bytes) or a stale lock -> take over. The claim is re-checked right before
+        the manifest is written, so of two racing conversions exactly one commits."""
+        held = self._read_lock()
+        if held and held.get("conversion_id") != conversion_id and held.get("token") != token:
+            age = time.time() - float(held.get("time", 0))
+            if age < LOCK_STALE_SECONDS:
+                raise DestinationError(
+                    f"another conversion is writing here (host {held.get('host')}, pid {held.get('pid')}, "
+                    f"{age:.0f}s ago)", culprit=self.url,
+                    hint="wait for it to finish, or choose another destination")
+        self._lock_token, self._lock_conversion = token, conversion_id
+        self._write_lock()
+
+    def adopt_lock(self, token: str, conversion_id: str) -> None:
+        """Continue a claim made by :meth:`acquire` in another task/process of the same run."""
+        self._lock_token, self._lock_conversion = token, conversion_id
+
+    def heartbeat(self) -> None:
+        """Refresh our lock so long conversions do not look dead (never someone else's)."""
+        if self._lock_token:
+            held = self._read_lock()
+            if held is None or held.get("token") == self._lock_token:
+                self._write_lock()
+
+    def _assert_lock(self) -> None:
+        if not self._lock_token:
+            return
+        held = self._read_lock()
+        if held and held.get("token") != self._lock_token and held.get("conversion_id") != self._lock_conversion:
+            raise DestinationError("another conversion took over this destination; nothing was committed",
+                                   culprit=self.url, hint="run the conversions to different destinations")
+
+    def _release_lock(self) -> None:
+        if not self._lock_token:
+            return
+        held = self._read_lock()
+        if held and held.get("token") == self._lock_token:
+            with storage_errors(self.url):
+                self.loc.fs.rm_file(self.loc.join(LOCK_NAME))
+        self._lock_token = None
+
     def committed_manifest(self) -> dict[str, Any] | None:
         """The manifest of the checkpoint committed here, or None (absent or unreadable)."""
         try:
@@ -144,21 +216,35 @@ class LocalDestination(Destination):
         return file_record(self.staged(name), name)
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
-        for name in names:
-            (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self.staged(name), self.folder / name)
+        self._assert_lock()
+        sizes = {r["path"]: r["size"] for r in manifest.get("files", [])}
+        for i, name in enumerate(names):
+            final = self.folder / name
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staged = self.staged(name)
+            if not staged.exists() and final.is_file() and final.stat().st_size == sizes.get(name):
+                continue  # moved already by a duplicate run of this same conversion
+            os.replace(staged, final)
+            if i == 0:
+                crash_point("copying")
         for old in self._old_files:
             if old not in names:
                 (self.folder / old).unlink(missing_ok=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
         crash_point("committed-files")
-        tmp = self.folder / (MANIFEST_NAME + ".tmp")
+        self._assert_lock()
+        tmp = self.folder / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.folder / MANIFEST_NAME)
+        self._release_lock()
 
     def abort(self) -> None:
+        try:
+            self._release_lock()
+        except Exception:  # best effort; a stale lock is taken over after LOCK_STALE_SECONDS
+            pass
         shutil.rmtree(self.workdir, ignore_errors=True)
         if self._created:
             try:
@@ -210,6 +296,7 @@ class RemoteDestination(Destination):
         local = self.staged(name)
         record = file_record(local, name)
         remote = f"{self.staging_prefix}/{name}"
+        crash_point("uploading")
         last = ""
         for _ in range(UPLOAD_ATTEMPTS):
             with storage_errors(self.url):
@@ -225,20 +312,26 @@ class RemoteDestination(Destination):
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
         fs = self.loc.fs
+        self._assert_lock()
         with storage_errors(self.url):
-            for name in names:
+            for i, name in enumerate(names):
                 fs.copy(f"{self.staging_prefix}/{name}", self.loc.join(name))
+                if i == 0:
+                    crash_point("copying")
             for old in self._old_files:
                 if old not in names and fs.exists(self.loc.join(old)):
                     fs.rm_file(self.loc.join(old))
             fs.rm(self.staging_prefix, recursive=True)
             crash_point("committed-files")
+            self._assert_lock()
             fs.pipe_file(self.loc.join(MANIFEST_NAME), json.dumps(manifest, indent=2, sort_keys=True).encode())
+        self._release_lock()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
         try:
+            self._release_lock()
             if self.loc.fs.exists(self.staging_prefix):
                 self.loc.fs.rm(self.staging_prefix, recursive=True)
         except Exception:  # best effort: the next run cleans leftovers; nothing reads them as committed

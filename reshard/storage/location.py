@@ -10,6 +10,7 @@ fsspec only when their protocol is used.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -155,6 +156,12 @@ def is_transient_error(exc: BaseException | None) -> bool:
         return False
     if type(exc).__name__ in _TRANSIENT_NAMES or isinstance(exc, (ConnectionError, TimeoutError)):
         return True
+    # s3fs turns 5xx/throttling into OSError(EREMOTEIO/EBUSY/ETIMEDOUT) and keeps the ClientError as cause
+    if isinstance(exc, OSError) and exc.errno in (errno.EREMOTEIO, errno.EBUSY, errno.ETIMEDOUT):
+        return True
     text = str(exc)
-    return any(code in text for code in ("SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
-                                         "503", "500 "))
+    if any(code in text for code in ("SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
+                                     "503", "500 ")):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient_error(cause)

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from reshard.core.errors import StorageError
+from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import Location, open_location, storage_errors
 
@@ -82,6 +83,9 @@ def list_objects(loc: Location) -> list[RemoteObject]:
             continue
         if rel.startswith(".reshard"):
             continue
+        if rel.startswith("/") or ".." in rel.split("/") or "\\" in rel:
+            raise StorageError(f"object key {path!r} escapes its folder ('..' or absolute segment)",
+                               culprit=loc.url, hint="remove or rename the object; reshard never follows such keys")
         objs.append(RemoteObject(url=loc.child_url(rel), path=path, name=rel, size=int(info["size"]),
                                  etag=_etag(info)))
     return objs
@@ -149,6 +153,7 @@ def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None) -> Path:
     """Local path of one object's bytes (in place for local files, else via the cache)."""
     if loc.is_local:
         return Path(obj.path)
+    crash_point("fetching")
     if cache is None:
         raise StorageError("a remote source needs a shard cache", culprit=obj.url)
     return cache.fetch(loc, obj)

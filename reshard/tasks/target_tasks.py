@@ -33,8 +33,11 @@ GPU_TAG = "reshard-gpu"
 
 
 def destination_for(job: dict[str, Any]) -> Destination:
-    return open_destination(job["destination"], job["storage_options"], overwrite=job["overwrite"],
+    dest = open_destination(job["destination"], job["storage_options"], overwrite=job["overwrite"],
                             workdir=Path(job["workdir"]), check=False)
+    if job.get("lock_token"):
+        dest.adopt_lock(job["lock_token"], job["conversion_id"])
+    return dest
 
 
 def output_present(job: dict[str, Any], name: str, *, accept_local_file: bool) -> bool:
@@ -83,7 +86,12 @@ def plan_conversion(base: dict[str, Any], discovery: dict[str, Any], fetched: di
         src_loc = open_location(disc.url, job["storage_options"])
         dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
         dest.open(clean_staging=False)
+        from prefect.runtime import flow_run
+
+        dest.acquire(str(flow_run.id or conversion_id), conversion_id)
+        job["lock_token"] = str(flow_run.id or conversion_id)
     names = [t.name for t in plan.targets]
+    crash_point("planned")
     return dict(job, up_to_date=up_to_date,
                 targets=[{"rank": t.rank, "name": t.name, "sources": list(t.sources),
                           "bytes_written": t.bytes_written} for t in plan.targets],
@@ -122,7 +130,9 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int) -> dict[str, 
 def upload_target(job: dict[str, Any], name: str, converted: dict[str, Any]) -> dict[str, Any]:
     """Stage one output at the destination (multipart upload for remote stores) and record
     its size and sha256 for the manifest."""
-    record = destination_for(job).publish(name)
+    dest = destination_for(job)
+    record = dest.publish(name)
+    dest.heartbeat()
     crash_point("uploaded")
     progress.notify(dict(converted, sha256=record["sha256"]))
     return record

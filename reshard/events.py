@@ -1,0 +1,101 @@
+"""The ``reshard.training.completed`` event: how a training job tells Prefect a checkpoint is ready.
+
+A training script calls, after its last checkpoint is fully written::
+
+    from reshard.events import emit_training_completed
+    emit_training_completed("s3://ckpt/run7/global_step1000", tp=8, step=1000)            # every matching target
+    emit_training_completed("s3://ckpt/run7/global_step1000", tp=8, step=1000, targets=[2])  # only TP 2
+
+or, from a shell: ``reshard emit-training-completed s3://ckpt/run7/global_step1000 --tp 8 --step 1000``.
+``PREFECT_API_URL`` must name the Prefect server that holds the reshard deployments.
+
+The event (what the deployment triggers in ``deployments/prefect.yaml`` match)::
+
+    event:    reshard.training.completed
+    resource: prefect.resource.id    reshard.checkpoint.<url>
+              prefect.resource.name  <url>
+              reshard.url            <url>
+              reshard.tp             "8"        (labels are strings)
+              reshard.step           "1000"
+    related:  one per requested target TP: prefect.resource.id reshard.target.tp<M>,
+              prefect.resource.role reshard-target; without ``targets``: reshard.target.all
+    payload:  {"url": <url>, "tp": 8, "step": 1000, "targets": [2] or null, ...extra}
+
+A conversion deployment ``reshard/<N>to<M>`` fires when ``reshard.tp`` is ``N`` and a related
+resource is ``reshard.target.tp<M>`` or ``reshard.target.all``; its run gets
+``source = {{ event.resource['reshard.url'] }}``. Storage credentials never travel in events
+(events are stored and shown in the UI): workers get them from their environment, profile or
+the deployment's ``storage_options``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from reshard.core.errors import ConfigError
+
+TRAINING_COMPLETED = "reshard.training.completed"
+RESOURCE_PREFIX = "reshard.checkpoint."
+TARGET_PREFIX = "reshard.target."
+ALL_TARGETS = TARGET_PREFIX + "all"
+TARGET_ROLE = "reshard-target"
+
+
+def training_completed_event(url: str, tp: int, step: int | None = None, targets: Iterable[int] | None = None,
+                             payload: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword arguments of ``prefect.events.emit_event`` for this event (no I/O)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError("must be a non-empty checkpoint URL", culprit="url")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"must be a positive integer (got {tp!r})", culprit="tp")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ConfigError(f"must be a non-negative integer (got {step!r})", culprit="step")
+    wanted = None if targets is None else sorted({int(t) for t in targets})
+    if wanted is not None and (not wanted or wanted[0] < 1):
+        raise ConfigError(f"must be positive integers (got {targets!r})", culprit="targets")
+    resource = {"prefect.resource.id": RESOURCE_PREFIX + url, "prefect.resource.name": url,
+                "reshard.url": url, "reshard.tp": str(tp)}
+    if step is not None:
+        resource["reshard.step"] = str(step)
+    related = ([{"prefect.resource.id": f"{TARGET_PREFIX}tp{m}", "prefect.resource.role": TARGET_ROLE} for m in wanted]
+               if wanted is not None else [{"prefect.resource.id": ALL_TARGETS, "prefect.resource.role": TARGET_ROLE}])
+    body = {**(payload or {}), "url": url, "tp": tp, "step": step, "targets": wanted}
+    return {"event": TRAINING_COMPLETED, "resource": resource, "related": related, "payload": body}
+
+
+def emit_training_completed(url: str, tp: int, step: int | None = None, targets: Iterable[int] | None = None, *,
+                            payload: dict[str, Any] | None = None, timeout: float = 30.0) -> str:
+    """Emit ``reshard.training.completed`` for the checkpoint at ``url`` and wait until it is sent.
+
+    Returns the event id. Raises :class:`~reshard.core.errors.ConfigError` when no Prefect server
+    is configured or reachable (the event would go nowhere), or when sending did not finish within
+    ``timeout`` seconds. Call it from synchronous code (a training script's last lines).
+    """
+    kwargs = training_completed_event(url, tp, step, targets, payload)
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        raise ConfigError("PREFECT_API_URL is not set: the event would reach no server", culprit="PREFECT_API_URL",
+                          hint="export PREFECT_API_URL=http://<prefect-server>:4200/api")
+    with get_client(sync_client=True) as client:
+        error = client.api_healthcheck()
+    if error is not None:
+        raise ConfigError(f"the Prefect server does not answer ({error})", culprit=api,
+                          hint="start it (`prefect server start`) or fix PREFECT_API_URL")
+    event = emit_event(**kwargs)
+    if event is None:
+        raise ConfigError("Prefect events are disabled in this environment", culprit="PREFECT_API_ENABLE_EVENTS",
+                          hint="unset PREFECT_API_ENABLE_EVENTS / PREFECT_EVENTS_* overrides")
+    # Flush: drain (stop) the events worker holding the event; a later emit starts a new one.
+    # In a helper thread, where no event loop runs, so that drain_all waits synchronously.
+    with ThreadPoolExecutor(1) as pool:
+        _, pending = pool.submit(EventsWorker.drain_all, timeout, False).result()
+    if pending:
+        raise ConfigError(f"sending the event did not finish within {timeout:.0f}s", culprit=api)
+    return str(event.id)
