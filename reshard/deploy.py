@@ -43,9 +43,12 @@ def prefect_file(path: str | os.PathLike[str] | None = None) -> Path:
                       hint="pass --file path/to/prefect.yaml (reshard's is deployments/prefect.yaml in the repository)")
 
 
-def load_specs(path: str | os.PathLike[str] | None = None, names: list[str] | None = None) -> list[dict[str, Any]]:
+def load_specs(path: str | os.PathLike[str] | None = None, names: list[str] | None = None, *,
+               import_flows: bool = True) -> list[dict[str, Any]]:
     """The file's deployment entries (YAML anchors and merges resolved), each with ``flow_name``
-    and ``full_name`` (``flow/deployment``) added; ``names`` filters by either name form."""
+    and ``full_name`` (``flow/deployment``) added; ``names`` filters by either name form.
+    ``import_flows=False`` skips importing the entrypoints (``flow_name`` is then None and
+    ``full_name`` the bare deployment name)."""
     import yaml
 
     file = prefect_file(path)
@@ -57,9 +60,10 @@ def load_specs(path: str | os.PathLike[str] | None = None, names: list[str] | No
     for spec in (data or {}).get("deployments") or []:
         if not spec.get("name") or not spec.get("entrypoint"):
             raise ConfigError("every deployment needs a name and an entrypoint", culprit=str(file))
-        flow = _load_flow(spec["entrypoint"])
-        spec = {**spec, "flow_name": flow.name, "full_name": f"{flow.name}/{spec['name']}"}
-        if not names or spec["name"] in names or spec["full_name"] in names:
+        flow_name = _load_flow(spec["entrypoint"]).name if import_flows else None
+        spec = {**spec, "flow_name": flow_name, "full_name": f"{flow_name}/{spec['name']}" if flow_name else spec["name"]}
+        if not names or any(n in (spec["name"], spec["full_name"]) or (flow_name is None and n.rsplit("/", 1)[-1] == spec["name"])
+                            for n in names):
             specs.append(spec)
     if names and not specs:
         raise ConfigError(f"no deployment named {', '.join(names)}", culprit=str(file))
@@ -138,7 +142,7 @@ def deploy(path: str | os.PathLike[str] | None = None, names: list[str] | None =
     """Register the deployments of ``path`` with ``prefect deploy``; returns its exit code."""
     _require_api()
     file = prefect_file(path)
-    specs = load_specs(file, names)
+    specs = load_specs(file, names, import_flows=False)  # prefect deploy imports them itself
     _warn_missing_env(specs)
     if create_pools:
         for pool in work_pools(specs):
@@ -147,7 +151,7 @@ def deploy(path: str | os.PathLike[str] | None = None, names: list[str] | None =
     exe = Path(sys.executable).with_name("prefect")
     cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "prefect"]
     cmd += ["deploy", "--no-prompt", "--prefect-file", str(file)]
-    cmd += [a for s in specs for a in ("--name", s["full_name"])] if names else ["--all"]
+    cmd += [a for n in names for a in ("--name", n)] if names else ["--all"]
     return subprocess.run(cmd, cwd=file.parent, check=False).returncode
 
 
@@ -214,7 +218,6 @@ def serve(path: str | os.PathLike[str] | None = None, names: list[str] | None = 
     _require_api()
     from prefect import serve as prefect_serve
 
-    specs = load_specs(path, names)
-    _warn_missing_env(specs)
+    _warn_missing_env(load_specs(path, names, import_flows=False))
     deployments = runner_deployments(path, names)
     prefect_serve(*deployments, limit=limit)

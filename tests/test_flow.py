@@ -117,3 +117,19 @@ def test_cli_through_prefect_gives_one_line_errors(sample_factory, tmp_path, cap
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("reshard: error: ") and expected in lines[0], err
     assert "Traceback" not in err and not (tmp_path / "dst").exists()
+
+
+def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_factory, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    name = f"reshard-gpu-{os.getpid()}"
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    src = sample_factory(8, 2.0)
+    out = run_flow(_params(src, tmp_path / "limited", tmp_path, target_tp=4, gpu_concurrency_limit=name))
+    assert len(out["files"]) == 5
+    with pytest.raises(Exception, match="not found|does not exist|strict"):
+        run_flow(_params(src, tmp_path / "nolimit", tmp_path / "c2", target_tp=4,
+                         gpu_concurrency_limit="no-such-limit"))
+    assert not (tmp_path / "nolimit" / MANIFEST_NAME).exists()

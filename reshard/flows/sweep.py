@@ -119,12 +119,15 @@ def find_finished_checkpoints(source_root: str, storage_options: dict[str, Any] 
             ckpt = folder
         ranks = {int(m.group(1)) for f in by_folder.get(ckpt, []) if (m := _RANK_FILE.match(f))}
         if not ranks:
-            ignored.append({"path": loc.child_url(ckpt) if ckpt else source_root,
+            ignored.append({"path": loc.child_url(ckpt) if ckpt else source_root, "marker_folder": folder,
                             "reason": f"{name} present but no model-state files"})
             continue
         found.setdefault(ckpt, {"source": loc.child_url(ckpt) if ckpt else source_root.rstrip("/"),
-                                "relative_path": ckpt, "marker": name, "source_tp": len(ranks)})
-    return [found[k] for k in sorted(found)], ignored
+                                "relative_path": ckpt, "marker": name, "source_tp": len(ranks), "marker_folder": folder})
+    # Megatron-DeepSpeed writes both trackers; one of them naming a missing folder is no news
+    done = {f["marker_folder"] for f in found.values()}
+    ignored = [{k: v for k, v in i.items() if k != "marker_folder"} for i in ignored if i.get("marker_folder") not in done]
+    return [{k: v for k, v in found[k].items() if k != "marker_folder"} for k in sorted(found)], ignored
 
 
 def committed(url: str, storage_options: dict[str, Any] | None = None) -> bool:
