@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,16 @@ def task_states(flow_run_id: str, timeout: float = 30.0) -> dict[str, list[str]]
     for r in runs:
         out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name if r.state else "?")
     return out
+
+
+def run_reshard_cli(args: list[str], env: dict[str, str], crash: str | None = None,
+                    timeout: float = 300) -> Any:
+    """``python -m reshard.cli ARGS`` in a subprocess; ``crash`` sets RESHARD_CRASH_AT (a real SIGKILL)."""
+    import subprocess
+    import sys
+
+    e = dict(env)
+    if crash:
+        e["RESHARD_CRASH_AT"] = crash
+    return subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=e, capture_output=True, text=True,
+                          timeout=timeout)

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import task_states
+from conftest import run_reshard_cli, task_states
 from reshard.core.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.flows.params import ReshardParams
@@ -58,12 +56,7 @@ def test_changed_options_are_not_served_from_cache(sample_factory, tmp_path):
     assert set(states["fetch-shard"]) == {"Cached"}  # same shards, same identity
 
 
-def _cli(args: list[str], env: dict[str, str], crash: str | None = None) -> subprocess.CompletedProcess:
-    e = dict(env)
-    if crash:
-        e["RESHARD_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=e, capture_output=True, text=True,
-                          timeout=300)
+_cli = run_reshard_cli
 
 
 @pytest.mark.parametrize("crash", ["uploaded:3", "converted:1", "staged-all:1", "committed-files:1"])

@@ -166,7 +166,7 @@ def test_quantized_swiglu_fc1_dequantizes_to_the_resharded_weight(samples, tmp_p
         per_part = p.shape[0] // 2
         pieces = pieces_for_target(per_part, n, m, t)
         g = 8  # 2x groups for MLP weights (extra grouping)
-        qw, off, back = q["model"][key], 0, torch.empty_like(plain)
+        qw, back = q["model"][key], torch.empty_like(plain)
         rows = [0, 0]
         for i, pc in enumerate(pieces):
             idx = [torch.arange(rows[0], rows[0] + pc.length),

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import uuid
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import task_states
+from conftest import run_reshard_cli, task_states
 from reshard.cli import main
 from reshard.core.errors import (CheckpointFormatError, ConfigError, CorruptCheckpointError, DestinationError,
                                  InconsistentShardsError, LayoutError, ManifestMismatchError, StorageError,
@@ -82,12 +80,7 @@ def _cli_env(prefect_env: dict, server, tmp_path: Path) -> dict[str, str]:
                 RESHARD_CACHE_DIR=str(tmp_path / "cache"))
 
 
-def _cli(args: list[str], env: dict[str, str], crash: str | None = None) -> subprocess.CompletedProcess:
-    e = dict(env)
-    if crash:
-        e["RESHARD_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=e, capture_output=True, text=True,
-                          timeout=300)
+_cli = run_reshard_cli
 
 
 @pytest.mark.parametrize("crash", CRASH_POINTS)
