@@ -7,6 +7,16 @@ work — the Prefect layer runs one task per target on top of :func:`convert_tar
 Module entries are written under their target names (layers renumbered per stage); replicated
 tensors and carried entries (``_extra_state``) come from the target's base source rank, as do
 the top-level entries (``args`` retargeted: TP, PP, padded vocabulary).
+
+Streaming, in bounded memory (docs/performance.md): the target's state dict is laid out with
+every tensor still a :class:`~reshard.core.torch_writer.PendingTensor` (shape and dtype are known
+from the plan) and written by :func:`reshard.core.torch_writer.save` — the bytes ``torch.save``
+would write — as it is produced. A partitioned tensor is never assembled: along dim 0 its pieces
+are byte ranges of the memory-mapped sources, written straight from the mapping; along a later
+dim the sources' rows are gathered (``pwritev``) block by block. Pages of the sources are given
+back once written (:class:`~reshard.core.pages.PageDropper`), so memory is a few chunks
+(``CHUNK_BYTES``), not a shard or a target. Quantized weights are the exception: each is
+quantized whole (one int8 tensor at a time), with the cache-blocked quantizer.
 """
 
 from __future__ import annotations
@@ -14,12 +24,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import functools
 import math
-import mmap
 import os
-import queue
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -32,11 +38,13 @@ import torch
 from reshard.core import foreign, torch_writer
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
+from reshard.core.pages import PageDropper
 from reshard.core.plan import ParamPlan, Plan, TargetPlan, quant_groups_for
-from reshard.core.quantize import QUANT_KEY, combine_piece_scales, quantize_groups, scale_table
+from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
+from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.rules import QUANT_SLOT_ORDER
 from reshard.core.safe_load import load_shard
-from reshard.core.torch_writer import CHUNK_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, WriterError
+from reshard.core.torch_writer import CHUNK_BYTES, PendingTensor, RecordSink, WriterError
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
@@ -44,7 +52,6 @@ TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_s
 UNEVEN_PP_ARG_NAMES: tuple[str, ...] = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 #: ``layout`` of the quantization record written into each quantized output shard.
 QUANT_LAYOUT = "reshard.quantize.v1: [layers, 4 (qkv, dense, h_to_4h, 4h_to_h), width], stored 1/s"
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class TargetResult:
     size: int
     sources: tuple[int, ...]
     seconds: float
+    #: the file's SHA-256, when :func:`convert_target` was asked to hash it while writing
+    sha256: str | None = None
 
 
 def pick_device(requested: str | None = None) -> torch.device:
@@ -71,7 +80,7 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
     The same tensors :func:`convert_target` streams to disk, materialized in memory."""
     device = device or torch.device("cpu")
     shards = _load_sources(plan, tgt)
-    out = _target_layout(plan, tgt, shards, device, _PageDropper(()))
+    out = _target_layout(plan, tgt, shards, device, PageDropper(()))
     module = out[plan.module_key]
     for k, v in list(module.items()):
         if isinstance(v, PendingTensor):
@@ -88,7 +97,7 @@ def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
 
 
 def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], device: torch.device,
-                   pages: "_PageDropper") -> dict[str, Any]:
+                   pages: "PageDropper") -> dict[str, Any]:
     """Target ``tgt``'s state dict with every produced tensor still a :class:`PendingTensor`
     (shape and dtype known, bytes streamed on demand, in the order torch.save writes them)."""
     tp = plan.targets[tgt]
@@ -161,7 +170,7 @@ def _streamable(t: torch.Tensor) -> bool:
             and not torch._utils._get_obj_state(t))
 
 
-def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "_PageDropper") -> Any:
+def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "PageDropper") -> Any:
     """A replicated or carried tensor, copied from the base rank (owning exactly its bytes)."""
     if not _streamable(value):
         with _read_errors(culprit):
@@ -174,15 +183,14 @@ def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "_PageDro
     return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
 
 
-def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: "_PageDropper") -> None:
+def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: "PageDropper") -> None:
     """Write ``nbytes`` of a (memory-mapped) source from address ``addr`` in chunks; each chunk's
     pages are dropped from this process once written."""
     off = 0
     while off < nbytes:
         k = min(CHUNK_BYTES, nbytes - off)
         a = addr + off
-        mv = memoryview((ctypes.c_char * k).from_address(a)).cast("B")
-        sink.write(mv, release=pages.dropper(a, k), keep=keep)
+        sink.write(_view(a, k), release=pages.dropper(a, k), keep=keep)
         off += k
 
 
@@ -194,7 +202,7 @@ def _segments(spec: PartitionSpec, part_len: int, n: int, m: int, tgt: int) -> l
 
 
 def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n: int, m: int, tgt: int,
-                       name: str, culprit: str, pages: "_PageDropper") -> Any:
+                       name: str, culprit: str, pages: "PageDropper") -> Any:
     """A partitioned parameter's target slice, written piece by piece, never assembled whole:
     along dim 0 each piece is one contiguous byte range of a source; along a later dim the
     output is built in blocks of rows (``CHUNK_BYTES`` each)."""
@@ -228,29 +236,26 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
                 t = sources[s]
                 _stream_region(sink, t.data_ptr() + start * inner * isz, nb, t, pages)
 
-    def produce_blocks(sink: RecordSink) -> None:  # interleaved rows: blocks of whole output rows
+    def produce_rows_interleaved(sink: RecordSink) -> None:  # outer > 1: rows of the sources interleaved
         row_bytes = d_out * inner * isz
+        src_row = d_src * inner * isz
         per_block = max(1, CHUNK_BYTES // max(row_bytes, 1))
-        pool = _BufferPool(QUEUE_DEPTH + 2, per_block * row_bytes)
-        views = {s: sources[s].view(outer, d_src, inner) for s in used}
+        runs = [(s, start * inner * isz, length * inner * isz) for s, start, length in segs]
+        zeros = _zero_view(max((nb for s, _, nb in runs if s == FILL), default=0))
         for o0 in range(0, outer, per_block):
             o1 = min(outer, o0 + per_block)
-            buf = pool.acquire()
-            blk = buf[:(o1 - o0) * row_bytes].view(dtype).view(o1 - o0, d_out, inner)
-            col = 0
-            for s, start, length in segs:
-                dst = blk[:, col:col + length, :]
-                if s == FILL:
-                    dst.zero_()
-                else:
-                    dst.copy_(views[s][o0:o1, start:start + length, :])
-                col += length
-            for s in used:  # these source rows are done with
-                t = sources[s]
-                pages.drop(t.data_ptr() + o0 * d_src * inner * isz, (o1 - o0) * d_src * inner * isz)
-            sink.write(blk, release=functools.partial(pool.release, buf), keep=blk)
+            block = {s: _view(sources[s].data_ptr() + o0 * src_row, (o1 - o0) * src_row) for s in used}
+            bruns = [(zeros if s == FILL else block[s], 0 if s == FILL else off, nb) for s, off, nb in runs]
+            parts = [mv[b + off:b + off + nb] if mv is not zeros else mv[:nb]
+                     for b in range(0, (o1 - o0) * src_row, src_row) for mv, off, nb in bruns]
+            release = _Releases([pages.dropper(sources[s].data_ptr() + o0 * src_row, (o1 - o0) * src_row)
+                                 for s in used])
+            sink.writev(parts, release=release, keep=[sources[s] for s in used])
 
-    body = produce_rows if outer == 1 else produce_blocks
+    if math.prod(shape) == 0:
+        body: Callable[[RecordSink], None] = lambda sink: None  # noqa: E731  (no bytes)
+    else:
+        body = produce_rows if outer == 1 else produce_rows_interleaved
 
     def produce(sink: RecordSink) -> None:
         with _read_errors(culprit):
@@ -281,7 +286,7 @@ class _QuantState:
         self.shape = (len(self.layers), len(QUANT_SLOT_ORDER), width)
 
     def pending(self, p: ParamPlan, srcs: dict[int, torch.Tensor], tgt: int, device: torch.device, culprit: str,
-                pages: "_PageDropper") -> PendingTensor:
+                pages: "PageDropper") -> PendingTensor:
         plan = self.plan
         shape = list(p.shape)
         part_len = p.shape[p.spec.dim] // p.spec.parts  # type: ignore[union-attr]
@@ -319,74 +324,28 @@ class _QuantState:
         }
 
 
-class _BufferPool:
-    """At most ``count`` reusable byte buffers: a producer blocks until the writer frees one."""
-
-    def __init__(self, count: int, nbytes: int) -> None:
-        self.free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self.left = count
-        self.nbytes = nbytes
-
-    def acquire(self) -> torch.Tensor:
-        try:
-            return self.free.get_nowait()
-        except queue.Empty:
-            pass
-        if self.left > 0:
-            self.left -= 1
-            return torch.empty(self.nbytes, dtype=torch.uint8)
-        return self.free.get()
-
-    def release(self, buf: torch.Tensor) -> None:
-        self.free.put(buf)
+def _view(addr: int, nbytes: int) -> memoryview:
+    """Bytes ``[addr, addr + nbytes)`` of a live tensor's memory, without copying."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
-class _PageDropper:
-    """Drops pages of the memory-mapped source shards from this process once read
-    (``madvise(MADV_DONTNEED)``): the file stays in the page cache, but touched pages stop
-    counting toward this process's memory, and are read again from the file if touched again.
-    Only ranges inside a file mapping of one of ``paths`` are ever dropped — never anonymous
-    memory, whose contents that would erase. (torch maps shards private copy-on-write; reshard
-    never writes to a source tensor, so no page holds anything but the file's bytes.)"""
+def _zero_view(nbytes: int) -> memoryview:
+    return memoryview(bytes(nbytes))
 
-    def __init__(self, paths: Any) -> None:
-        self.ranges: list[tuple[int, int]] = []
-        self.page = mmap.PAGESIZE
-        self._madvise = None
-        wanted = {os.path.realpath(p) for p in paths}
-        if not wanted or not sys.platform.startswith("linux"):
-            return
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) == 6 and parts[5].rstrip("\n") in wanted:
-                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                        self.ranges.append((lo, hi))
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            self._madvise = libc.madvise
-        except (OSError, AttributeError, ValueError):
-            self.ranges = []
 
-    def drop(self, addr: int, nbytes: int) -> None:
-        if self._madvise is None or nbytes <= 0:
-            return
-        lo = addr - addr % self.page
-        hi = addr + nbytes
-        hi += -hi % self.page
-        for a, b in self.ranges:
-            if a <= lo and hi <= b:
-                self._madvise(lo, hi - lo, MADV_DONTNEED)
-                return
+class _Releases:
+    """Several release hooks as one."""
 
-    def dropper(self, addr: int, nbytes: int) -> Callable[[], None]:
-        return functools.partial(self.drop, addr, nbytes)
+    __slots__ = ("hooks",)
 
-    def drop_tensor(self, t: torch.Tensor) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-            st = t.untyped_storage()
-            self.drop(st.data_ptr(), st.nbytes())
+    def __init__(self, hooks: list[Callable[[], None]]) -> None:
+        self.hooks = hooks
+
+    def __call__(self) -> None:
+        for h in self.hooks:
+            h()
 
 
 def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: int, tgt: int,
@@ -395,7 +354,7 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
     piece_scales: list[torch.Tensor] = []
 
     def quantize_piece(_pc: Piece, x: torch.Tensor) -> torch.Tensor:
-        q, s = quantize_groups(x.to(device), plan.options.bits, groups, p.key)
+        q, s = quantize_groups_blocked(x.to(device), plan.options.bits, groups, p.key)
         piece_scales.append(s.cpu())
         return q.cpu()
 
@@ -429,20 +388,21 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
-                   device: torch.device | None = None) -> TargetResult:
+                   device: torch.device | None = None, *, sha256: bool = False) -> TargetResult:
     """Write target ``tgt`` (an index into ``plan.targets``) to ``out_path``: the bytes
     ``torch.save`` would write for :func:`build_target`'s dict (foreign stand-ins in carried
     entries under their real names), streamed — the pickle first, then each tensor as it is
     read, holding a few chunks at a time instead of the whole target (see
-    :mod:`reshard.core.torch_writer`)."""
+    :mod:`reshard.core.torch_writer`). ``sha256``: hash the file while writing it
+    (``TargetResult.sha256``), so a manifest needs no second read pass."""
     t0 = time.perf_counter()
     device = device or torch.device("cpu")
     out_path = Path(out_path)
     shards = _load_sources(plan, tgt)
-    pages = _PageDropper(plan.source.files[i] for i in plan.targets[tgt].sources)
+    pages = PageDropper(plan.source.files[i] for i in plan.targets[tgt].sources)
     sd = _target_layout(plan, tgt, shards, device, pages)
     pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(sd) else None
-    torch_writer.save(sd, out_path, pickle_module=pickle_module)
+    stats = torch_writer.save(sd, out_path, pickle_module=pickle_module, sha256=sha256)
     del sd, shards
-    return TargetResult(tgt, str(out_path), out_path.stat().st_size, plan.targets[tgt].sources,
-                        time.perf_counter() - t0)
+    return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
+                        time.perf_counter() - t0, stats.sha256)

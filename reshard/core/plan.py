@@ -28,6 +28,7 @@ import torch
 
 from reshard.core.errors import (CheckpointFormatError, InconsistentShardsError, LayoutError,
                                  MissingModelFactError)
+from reshard.core.pages import PageDropper
 from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_for_target,
                                   source_ranks_for_target)
 from reshard.core.rules import (MEGATRON_GPT_RULES, Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core,
@@ -715,7 +716,9 @@ def _proj_atom(rank_cols: int, key: str, c: _SpecContext) -> int:
 
 
 def _check_replicated(params: list[ParamPlan], stages: list[_Stage]) -> None:
-    """Replicated tensors must be bit-identical on every rank: report, don't pick rank 0."""
+    """Replicated tensors must be bit-identical on every rank: report, don't pick rank 0.
+    (Pages read are given back at once: peak memory must not grow with the layer count.)"""
+    pages = PageDropper(name for st in stages for name in st.names)
     for p in params:
         if p.spec is not None:
             continue
@@ -726,6 +729,8 @@ def _check_replicated(params: list[ParamPlan], stages: list[_Stage]) -> None:
                 raise InconsistentShardsError(
                     f"replicated parameter {p.src_key} differs from rank 0", culprit=name,
                     hint="the ranks diverged during training or come from different checkpoints")
+            pages.drop_tensor(mod[p.src_key])
+        pages.drop_tensor(ref)
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

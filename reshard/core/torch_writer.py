@@ -15,9 +15,11 @@ the same file as a stream instead:
    *metadata only* (``write_record_metadata``: header, a hole of the record's size, descriptor),
    then ``version`` and ``.data/serialization_id``. CRC computation is off at this point (torch's
    CRC-32 runs at ~0.25 GB/s; ``zlib.crc32`` at ~2.5 GB/s).
-3. **Stream.** Each record's bytes are produced in file order (a tensor assembled piece by piece,
-   never whole unless it must be) and written into its hole with ``pwrite`` by a writer thread
-   while the next piece is read; CRC-32 is computed on the fly.
+3. **Stream.** Each record's bytes are produced in file order, chunk by chunk (the engine never
+   assembles a whole tensor: chunks are views of the memory-mapped sources, or gathers of their
+   rows), and written into its hole with ``pwrite``/``pwritev`` by a writer thread while the
+   producer reads the next chunk; CRC-32 is computed on the fly, and optionally the SHA-256 of the
+   whole file, in file order (``save(..., sha256=True)``), so it need not be read again.
 4. **Patch.** The CRC fields (data descriptors and central directory) and the serialization id
    (20 digits of record-name hash — already right — and 20 digits of combined CRC, recomputed the
    way ``PyTorchStreamWriter`` does) are written in place.
@@ -32,6 +34,7 @@ producers decide how big a chunk is (engine: ``CHUNK_BYTES``).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import io
 import os
 import pickle
@@ -82,6 +85,14 @@ class RecordSink:
         """Append ``data`` (bytes-like or a contiguous CPU tensor). ``release`` is called once the
         bytes have been consumed (e.g. to drop the source pages); ``keep`` is held until then."""
         raise NotImplementedError
+
+    def writev(self, parts: list[memoryview], release: Callable[[], None] | None = None, keep: Any = None) -> None:
+        """Append the byte views ``parts`` in order (a gather write: rows of several sources
+        interleaved without copying them into a buffer first)."""
+        for i, mv in enumerate(parts):
+            self.write(mv, release=release if i == len(parts) - 1 else None, keep=keep)
+        if not parts and release is not None:
+            release()
 
     def zeros(self, n: int) -> None:
         """Append ``n`` zero bytes."""
@@ -338,11 +349,41 @@ def _read_entries(fd: int) -> list[_Entry]:
 # --- streaming ----------------------------------------------------------------------------------
 
 
-class _WriterThread:
-    """Writes queued chunks with ``pwrite`` and calls their release hooks, in order."""
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024) or 16
 
-    def __init__(self, fd: int, depth: int) -> None:
+
+def _pwritev_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """Write ``parts`` back to back at ``offset`` (``pwritev``, any number of parts, retried
+    on short writes)."""
+    i = 0
+    while i < len(parts):
+        batch = parts[i:i + _IOV_MAX]
+        want = sum(len(b) for b in batch)
+        done = os.pwritev(fd, batch, offset)
+        offset += done
+        if done == want:
+            i += len(batch)
+            continue
+        # short write: skip what was written, continue with the rest of the batch
+        rest: list[memoryview] = []
+        for b in batch:
+            if done >= len(b):
+                done -= len(b)
+            else:
+                rest.append(b[done:])
+                done = 0
+        parts = rest + parts[i + len(batch):]
+        i = 0
+
+
+class _WriterThread:
+    """Writes queued chunks with ``pwrite`` (and feeds them, in file order, to an optional
+    SHA-256), then calls their release hooks. Items: ``(data, offset, release, keep)``; an
+    ``offset`` of None means "hash only" (bytes of the file written elsewhere)."""
+
+    def __init__(self, fd: int, depth: int, digest: Any = None) -> None:
         self.fd = fd
+        self.digest = digest
         self.q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="reshard-writer", daemon=True)
@@ -356,9 +397,16 @@ class _WriterThread:
             mv, offset, release, _keep = item
             try:
                 if self.error is None:
-                    done = 0
-                    while done < len(mv):
-                        done += os.pwrite(self.fd, mv[done:], offset + done)
+                    if offset is not None:
+                        if isinstance(mv, list):
+                            _pwritev_all(self.fd, mv, offset)
+                        else:
+                            done = 0
+                            while done < len(mv):
+                                done += os.pwrite(self.fd, mv[done:], offset + done)
+                    if self.digest is not None:
+                        for part in (mv if isinstance(mv, list) else (mv,)):
+                            self.digest.update(part)
             except BaseException as exc:  # disk full, I/O error: reported to the producer
                 self.error = exc
             finally:
@@ -415,6 +463,29 @@ class _FileSink(RecordSink):
         self.writer.put((mv, self.entry.data_offset + self.pos, release, (keep, hold, data)))
         self.pos += n
 
+    def writev(self, parts: list[memoryview], release: Callable[[], None] | None = None, keep: Any = None) -> None:
+        n = sum(len(p) for p in parts)
+        if self.pos + n > self.entry.size:
+            if release is not None:
+                release()
+            raise WriterError(f"producer of {self.name} wrote more than {self.entry.size} bytes")
+        if n == 0:
+            if release is not None:
+                release()
+            return
+        if len(self.head) < 8:
+            for p in parts:
+                self.head += bytes(p[:8 - len(self.head)])
+                if len(self.head) >= 8:
+                    break
+        crc = self.crc
+        crc32 = zlib.crc32
+        for p in parts:
+            crc = crc32(p, crc)
+        self.crc = crc
+        self.writer.put((list(parts), self.entry.data_offset + self.pos, release, keep))
+        self.pos += n
+
     def finish(self) -> None:
         if self.pos != self.entry.size:
             raise WriterError(f"producer of {self.name} wrote {self.pos} of {self.entry.size} bytes")
@@ -428,6 +499,7 @@ class SaveStats:
     records: int = 0
     largest_record: int = 0
     record_order: list[str] = field(default_factory=list)
+    sha256: str | None = None
 
 
 def _skeleton_writer(path: str) -> tuple[Any, Any]:
@@ -443,9 +515,11 @@ def _skeleton_writer(path: str) -> tuple[Any, Any]:
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
-         depth: int = QUEUE_DEPTH) -> SaveStats:
+         depth: int = QUEUE_DEPTH, sha256: bool = False) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
-    pickle_module=pickle_module)`` would write the materialized object, streaming the tensors."""
+    pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
+
+    ``sha256``: also hash the file as it is written (``SaveStats.sha256``), saving a read pass."""
     path = os.fspath(path)
     base = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base)
@@ -475,12 +549,20 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         by_name = {e.name: e for e in entries}
         crcs: dict[str, int] = {}
         heads: dict[str, bytes] = {}
+        for name, value in small.items():  # final before any data: hashable in order
+            crcs[name], heads[name] = zlib.crc32(value), value[:8]
+            _patch_crc(fd, by_name[name], crcs[name])
         stats = SaveStats(records=len(entries))
-        wt = _WriterThread(fd, depth)
+        digest = hashlib.sha256() if sha256 else None
+        hashed_to = 0  # the file's final bytes before this offset are queued for hashing
+        wt = _WriterThread(fd, depth, digest)
         try:
             for rec in records:
                 name = f"data/{rec.key}"
-                sink = _FileSink(wt, by_name[name], name)
+                entry = by_name[name]
+                if digest is not None and entry.data_offset > hashed_to:  # descriptor + header
+                    wt.put((os.pread(fd, entry.data_offset - hashed_to, hashed_to), None, None, None))
+                sink = _FileSink(wt, entry, name)
                 if rec.pending is not None:
                     rec.pending.produce(sink)
                     rec.pending = None  # drop the producer (and what it holds) at once
@@ -490,15 +572,36 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                                keep=storage)
                 sink.finish()
                 crcs[name], heads[name] = sink.crc, sink.head
+                _patch_crc(fd, entry, sink.crc)
+                hashed_to = entry.data_offset + entry.size
                 stats.largest_record = max(stats.largest_record, rec.nbytes)
         finally:
             wt.close()
         _patch(fd, entries, crcs, heads, small)
         stats.size = os.fstat(fd).st_size
+        if digest is not None:
+            while hashed_to < stats.size:
+                tail = os.pread(fd, min(stats.size - hashed_to, 1 << 24), hashed_to)
+                digest.update(tail)
+                hashed_to += len(tail)
+            stats.sha256 = digest.hexdigest()
         stats.record_order = [e.name for e in entries]
     finally:
         os.close(fd)
     return stats
+
+
+def _patch_crc(fd: int, e: _Entry, crc: int) -> None:
+    """Write a record's CRC-32 into its data descriptor and central-directory entry."""
+    if e.descriptor < 0:
+        if crc != 0:
+            raise WriterError(f"record {e.name} has data but no data descriptor")
+        return
+    if struct.unpack("<I", os.pread(fd, 4, e.descriptor))[0] != _DESCRIPTOR_SIG:
+        raise WriterError(f"no data descriptor after {e.name}")
+    packed = struct.pack("<I", crc)
+    os.pwrite(fd, packed, e.descriptor + 4)
+    os.pwrite(fd, packed, e.cd_offset + 16)
 
 
 def _patch(fd: int, entries: list[_Entry], crcs: dict[str, int], heads: dict[str, bytes],
@@ -531,14 +634,4 @@ def _patch(fd: int, entries: list[_Entry], crcs: dict[str, int], heads: dict[str
         os.pwrite(fd, new, sid.data_offset)
         crcs[sid.name] = zlib.crc32(new)
     for e in entries:
-        if e.descriptor < 0:
-            if crcs[e.name] != 0:
-                raise WriterError(f"record {e.name} has data but no data descriptor")
-            continue
-        crc = struct.pack("<I", crcs[e.name])
-        desc = os.pread(fd, 4, e.descriptor)
-        if struct.unpack("<I", desc)[0] != _DESCRIPTOR_SIG:
-            raise WriterError(f"no data descriptor after {e.name}")
-        os.pwrite(fd, crc, e.descriptor + 4)
-        os.pwrite(fd, crc, e.cd_offset + 16)
-
+        _patch_crc(fd, e, crcs[e.name])

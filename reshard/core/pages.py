@@ -1,0 +1,79 @@
+"""Give back the pages of memory-mapped shards once read, so peak memory follows what is in use.
+
+Shards are loaded memory-mapped (``safe_load``): reading a tensor maps its file pages into the
+process, and they count toward its RSS until unmapped. With large page-cache folios (recent
+kernels, files read sequentially into a roomy page cache) touching even a few KiB maps the whole
+folio — up to 2 MiB — so checking a few hundred small replicated tensors can map hundreds of MiB.
+
+:class:`PageDropper` unmaps such pages with ``madvise(MADV_DONTNEED)``: the file stays in the
+page cache, the pages stop counting toward this process, and they are read again from the file
+if touched again. Only ranges inside a file mapping of one of the given paths — as listed in
+``/proc/self/maps`` when the dropper is made, i.e. while the caller holds the loaded shards — are
+ever dropped: never anonymous memory, whose contents that would erase. (torch maps shards
+private copy-on-write; reshard never writes to a source tensor, so no page holds anything but
+the file's bytes.) Elsewhere than Linux it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+class PageDropper:
+    """Drops pages of the current file mappings of ``paths`` (see the module doc)."""
+
+    def __init__(self, paths: Iterable[Any]) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.page = mmap.PAGESIZE
+        self._madvise: Any = None
+        wanted = {os.path.realpath(p) for p in paths}
+        if not wanted or not sys.platform.startswith("linux"):
+            return
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].rstrip("\n") in wanted:
+                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                        self.ranges.append((lo, hi))
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise = libc.madvise
+        except (OSError, AttributeError, ValueError):
+            self.ranges = []
+
+    def drop(self, addr: int, nbytes: int) -> None:
+        """Drop the pages covering ``[addr, addr + nbytes)`` if they lie in one of the mappings."""
+        if self._madvise is None or nbytes <= 0:
+            return
+        lo = addr - addr % self.page
+        hi = addr + nbytes
+        hi += -hi % self.page
+        for a, b in self.ranges:
+            if a <= lo and hi <= b:
+                self._madvise(lo, hi - lo, MADV_DONTNEED)
+                return
+
+    def dropper(self, addr: int, nbytes: int) -> Callable[[], None]:
+        """:meth:`drop` of this range, to call later (e.g. once a writer is done with it)."""
+        return functools.partial(self.drop, addr, nbytes)
+
+    def drop_tensor(self, t: Any) -> None:
+        """Drop the pages of ``t``'s whole storage (a CPU tensor of a mapped shard)."""
+        if self._madvise is None:
+            return
+        try:
+            if t.device.type != "cpu":
+                return
+            st = t.untyped_storage()
+            self.drop(st.data_ptr(), st.nbytes())
+        except (AttributeError, RuntimeError):
+            return
