@@ -188,6 +188,10 @@ class ShardCache:
     @staticmethod
     def link(src: Path, dst: Path) -> None:
         dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists():
+            if os.path.samefile(src, dst):
+                return  # a resumed run's view already links this entry
+            dst.unlink()
         try:
             os.link(src, dst)
         except OSError:
