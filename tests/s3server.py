@@ -154,6 +154,10 @@ class SeaweedS3:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-volume.preStopSeconds=0",
+            # every bucket is a collection with volumes of its own: small volumes, many allowed,
+            # or a long test session runs out ("No writable volumes and no free volumes left")
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=2000",
             f"-s3.config={self.root / 's3.json'}",
             # unix sockets (default /tmp/seaweedfs-{filer,s3}-<port>.sock) into our own folder
             f"-filer.localSocket={self.root / 'filer.sock'}",
