@@ -33,6 +33,8 @@ producers decide how big a chunk is (engine: ``CHUNK_BYTES``).
 
 from __future__ import annotations
 
+import abc
+
 import ctypes
 import hashlib
 import io
@@ -78,13 +80,13 @@ def _hash_combine(seed: int, value: int) -> int:
 # --- placeholders -------------------------------------------------------------------------------
 
 
-class RecordSink:
+class RecordSink(abc.ABC):
     """Where a producer writes one record's bytes, in order, exactly ``nbytes`` of them."""
 
+    @abc.abstractmethod
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
         """Append ``data`` (bytes-like or a contiguous CPU tensor). ``release`` is called once the
         bytes have been consumed (e.g. to drop the source pages); ``keep`` is held until then."""
-        raise NotImplementedError
 
     def writev(self, parts: list[memoryview], release: Callable[[], None] | None = None, keep: Any = None) -> None:
         """Append the byte views ``parts`` in order (a gather write: rows of several sources

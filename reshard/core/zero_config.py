@@ -683,7 +683,6 @@ def validate_zero_section(section: Union[dict, bool, None], path: str = SECTION,
 
     if problems or model is None:
         _raise(problems, path, source)
-    assert model is not None
     if model.elastic_checkpoint and model.stage == ZeroStage.WEIGHTS:
         notes.append(f"{_join(path, 'elastic_checkpoint')} = true: ZeRO-3 elastic checkpointing is no longer "
                      "supported by DeepSpeed (use Universal Checkpointing)")
