@@ -294,8 +294,16 @@ class RemoteDestination(Destination):
     def publish(self, name: str) -> dict[str, Any]:
         """Hash the staged file, upload it to the staging prefix, check the size, free the disk."""
         local = self.staged(name)
-        record = file_record(local, name)
         remote = f"{self.staging_prefix}/{name}"
+        if not local.exists():
+            # a killed run uploaded it and freed the local copy before recording that: re-hash remotely
+            size = self.staged_remote_size(name)
+            if size is not None:
+                from reshard.storage.manifest import sha256_at
+
+                with storage_errors(self.url):
+                    return {"path": name, "size": size, "sha256": sha256_at(self.loc, remote)}
+        record = file_record(local, name)
         crash_point("uploading")
         last = ""
         for _ in range(UPLOAD_ATTEMPTS):
@@ -321,10 +329,11 @@ class RemoteDestination(Destination):
             for old in self._old_files:
                 if old not in names and fs.exists(self.loc.join(old)):
                     fs.rm_file(self.loc.join(old))
-            fs.rm(self.staging_prefix, recursive=True)
             crash_point("committed-files")
             self._assert_lock()
             fs.pipe_file(self.loc.join(MANIFEST_NAME), json.dumps(manifest, indent=2, sort_keys=True).encode())
+            # staging goes only after the commit: a crash before the manifest leaves it for the resume
+            fs.rm(self.staging_prefix, recursive=True)
         self._release_lock()
         shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -55,7 +55,8 @@ def read_manifest(loc: "Location") -> dict[str, Any]:
     return data
 
 
-def _sha256_remote(loc: "Location", path: str) -> str:
+def sha256_at(loc: "Location", path: str) -> str:
+    """Streaming sha256 of an object on any filesystem."""
     h = hashlib.sha256()
     with loc.fs.open(path, "rb", block_size=_CHUNK) as f:
         while chunk := f.read(_CHUNK):
@@ -83,7 +84,7 @@ def verify(url: str, storage_options: dict[str, Any] | None = None) -> dict[str,
             size = int(loc.fs.info(path)["size"])
             if size != rec["size"]:
                 problems.append(f"{name}: size {size} != {rec['size']}")
-            elif _sha256_remote(loc, path) != rec["sha256"]:
+            elif sha256_at(loc, path) != rec["sha256"]:
                 problems.append(f"{name}: sha256 mismatch")
     if problems:
         raise ManifestMismatchError(f"{len(problems)} file(s) do not match the manifest: {'; '.join(problems)}",
