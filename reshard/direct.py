@@ -21,7 +21,7 @@ from typing import Any
 
 from reshard import __version__
 from reshard.core.engine import TargetResult, convert_target, pick_device
-from reshard.core.errors import LayoutError, ReshardError
+from reshard.core.errors import DestinationError, LayoutError, ReshardError
 from reshard.core.plan import Plan, ReshardOptions, build_plan
 from reshard.core.source import DEEPSPEED
 from reshard.core.zero_config import ZeroDecision, decide_conversion
@@ -161,9 +161,9 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
         dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
         dev = pick_device(device)
         cid = conversion_id([dataclasses.asdict(o) for o in local.objects], options.to_record())
-        dest.open()
         try:
-            dest.acquire(uuid.uuid4().hex, cid)
+            dest.acquire(uuid.uuid4().hex, cid)  # before touching staging: it may be another run's
+            dest.open()
             names, records = [], []
             for tp in plan.targets:
                 with _urls_in_errors(local.path, src):
@@ -181,8 +181,13 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             report.manifest = manifest_for(options, list(plan.warnings), source_record(plan, local), dst, records,
                                            cid, plan.target_pp)
             dest.commit(names, report.manifest)
-        except BaseException:
+        except BaseException as exc:
+            lost = not isinstance(exc, KeyboardInterrupt) and dest.lost_lock()
             dest.abort()
+            if lost and not isinstance(exc, DestinationError):
+                raise DestinationError("another conversion took over this destination while this one ran; "
+                                       "nothing was committed", culprit=dst,
+                                       hint="run the conversions to different destinations") from None
             raise
     finally:
         if workdir is not None:

@@ -34,6 +34,8 @@ LOCK_NAME = ".reshard-lock.json"
 UPLOAD_ATTEMPTS = 3
 #: A lock not refreshed for this long belongs to a dead run and may be taken over.
 LOCK_STALE_SECONDS = 600
+#: Pause between writing the lock and reading it back (see ``Destination.acquire``).
+LOCK_SETTLE_SECONDS = 0.3
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -105,6 +107,7 @@ class Destination(ABC):
     # -- the writer lock --------------------------------------------------------------------
     _lock_token: str | None = None
     _lock_conversion: str | None = None
+    _created: bool = False
 
     def _read_lock(self) -> dict[str, Any] | None:
         path = self.loc.join(LOCK_NAME)
@@ -139,7 +142,19 @@ class Destination(ABC):
                     f"{age:.0f}s ago)", culprit=self.url,
                     hint="wait for it to finish, or choose another destination")
         self._lock_token, self._lock_conversion = token, conversion_id
+        with storage_errors(self.url):
+            if not self.loc.fs.exists(self.loc.path):
+                self._created = True
+            self.loc.fs.makedirs(self.loc.path, exist_ok=True)
         self._write_lock()
+        # object stores have no atomic create-if-absent everywhere: write, wait, read back. Of two
+        # racing writers the later one wins and the earlier one sees it here.
+        time.sleep(LOCK_SETTLE_SECONDS)
+        held = self._read_lock()
+        if held and held.get("token") != token and held.get("conversion_id") != conversion_id:
+            self._lock_token = None
+            raise DestinationError("another conversion claimed this destination at the same moment",
+                                   culprit=self.url, hint="run the conversions to different destinations")
 
     def adopt_lock(self, token: str, conversion_id: str) -> None:
         """Continue a claim made by :meth:`acquire` in another task/process of the same run."""
@@ -159,6 +174,20 @@ class Destination(ABC):
         if held and held.get("token") != self._lock_token and held.get("conversion_id") != self._lock_conversion:
             raise DestinationError("another conversion took over this destination; nothing was committed",
                                    culprit=self.url, hint="run the conversions to different destinations")
+
+    def _owns_lock(self) -> bool:
+        """Is the lock on the destination still this run's (not taken over by another)?"""
+        if not self._lock_token:
+            return False
+        try:
+            held = self._read_lock()
+        except Exception:  # unreadable: assume not ours, so we never delete another run's staging
+            return False
+        return bool(held) and held.get("token") == self._lock_token
+
+    def lost_lock(self) -> bool:
+        """We claimed the destination and another conversion has claimed it since."""
+        return bool(self._lock_token) and not self._owns_lock()
 
     def _release_lock(self) -> None:
         if not self._lock_token:
@@ -241,6 +270,8 @@ class LocalDestination(Destination):
         self._release_lock()
 
     def abort(self) -> None:
+        if not self._owns_lock():
+            return  # not (or no longer) ours: the staging area may be another run's
         try:
             self._release_lock()
         except Exception:  # best effort; a stale lock is taken over after LOCK_STALE_SECONDS
@@ -338,7 +369,9 @@ class RemoteDestination(Destination):
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def abort(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)  # this run's private local folder
+        if not self._owns_lock():
+            return  # not (or no longer) ours: the staging prefix may be another run's
         try:
             self._release_lock()
             if self.loc.fs.exists(self.staging_prefix):

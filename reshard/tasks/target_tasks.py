@@ -85,11 +85,11 @@ def plan_conversion(base: dict[str, Any], discovery: dict[str, Any], fetched: di
                                    hint="pass overwrite=True / --overwrite to replace it, or choose another destination")
         src_loc = open_location(disc.url, job["storage_options"])
         dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
-        dest.open(clean_staging=False)
         from prefect.runtime import flow_run
 
         dest.acquire(str(flow_run.id or conversion_id), conversion_id)
         job["lock_token"] = str(flow_run.id or conversion_id)
+        dest.open(clean_staging=False)
     names = [t.name for t in plan.targets]
     crash_point("planned")
     return dict(job, up_to_date=up_to_date,
