@@ -142,11 +142,15 @@ class Destination(ABC):
                     f"{age:.0f}s ago)", culprit=self.url,
                     hint="wait for it to finish, or choose another destination")
         self._lock_token, self._lock_conversion = token, conversion_id
-        with storage_errors(self.url):
-            if not self.loc.fs.exists(self.loc.path):
-                self._created = True
-            self.loc.fs.makedirs(self.loc.path, exist_ok=True)
-        self._write_lock()
+        try:
+            with storage_errors(self.url):
+                if not self.loc.fs.exists(self.loc.path):
+                    self._created = True
+                self.loc.fs.makedirs(self.loc.path, exist_ok=True)
+            self._write_lock()
+        except BaseException:
+            self._lock_token = self._lock_conversion = None  # never claimed: nothing of ours to undo
+            raise
         # object stores have no atomic create-if-absent everywhere: write, wait, read back. Of two
         # racing writers the later one wins and the earlier one sees it here.
         time.sleep(LOCK_SETTLE_SECONDS)
