@@ -167,8 +167,8 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             names, records = [], []
             for tp in plan.targets:
                 with _urls_in_errors(local.path, src):
-                    res = convert_target(plan, tp.rank, dest.staged(tp.name), dev)
-                records.append(dest.publish(tp.name))
+                    res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True)
+                records.append(dest.publish(tp.name, res.sha256))
                 dest.heartbeat()
                 report.results.append(res)
                 names.append(tp.name)

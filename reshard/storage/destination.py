@@ -93,8 +93,9 @@ class Destination(ABC):
         """Local path the engine writes output ``name`` to."""
 
     @abstractmethod
-    def publish(self, name: str) -> dict[str, Any]:
-        """Output ``name`` is complete: stage it remotely; returns its manifest record."""
+    def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
+        """Output ``name`` is complete: stage it remotely; returns its manifest record.
+        ``sha256``: the digest the writer computed while writing it (saves a read pass)."""
 
     @abstractmethod
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
@@ -245,8 +246,8 @@ class LocalDestination(Destination):
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
-    def publish(self, name: str) -> dict[str, Any]:
-        return file_record(self.staged(name), name)
+    def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
+        return _record(self.staged(name), name, sha256)
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
         self._assert_lock()
@@ -326,8 +327,8 @@ class RemoteDestination(Destination):
         kwargs = {"chunksize": self.chunksize} if "s3" in _protocols(self.loc.fs) else {}
         self.loc.fs.put_file(str(local), remote, **kwargs)
 
-    def publish(self, name: str) -> dict[str, Any]:
-        """Hash the staged file, upload it to the staging prefix, check the size, free the disk."""
+    def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
+        """Hash the staged file (unless the writer did), upload it to the staging prefix, check the size, free the disk."""
         local = self.staged(name)
         remote = f"{self.staging_prefix}/{name}"
         if not local.exists():
@@ -338,7 +339,7 @@ class RemoteDestination(Destination):
 
                 with storage_errors(self.url):
                     return {"path": name, "size": size, "sha256": sha256_at(self.loc, remote)}
-        record = file_record(local, name)
+        record = _record(local, name, sha256)
         crash_point("uploading")
         last = ""
         for _ in range(UPLOAD_ATTEMPTS):
@@ -382,6 +383,12 @@ class RemoteDestination(Destination):
                 self.loc.fs.rm(self.staging_prefix, recursive=True)
         except Exception:  # best effort: the next run cleans leftovers; nothing reads them as committed
             pass
+
+
+def _record(path: Path, name: str, sha256: str | None) -> dict[str, Any]:
+    if sha256 is None:
+        return file_record(path, name)
+    return {"path": name, "size": path.stat().st_size, "sha256": sha256}
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
