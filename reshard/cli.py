@@ -258,7 +258,8 @@ def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
 def plan_record(plan: Any) -> dict[str, Any]:
     """JSON-able description of a plan (used by ``plan`` and ``inspect``)."""
     return {
-        "source": plan.source.origin, "source_tp": plan.source_tp, "target_tp": plan.target_tp,
+        "source": plan.source.origin, "layout": plan.source.format, "source_tp": plan.source_tp,
+        "target_tp": plan.target_tp, "source_pp": plan.source_pp, "target_pp": plan.target_pp,
         "version": plan.version, "module_key": plan.module_key, "num_heads": plan.num_heads,
         "hidden": plan.hidden,
         "targets": [{"rank": t.rank, "sources": list(t.sources), "bytes_read": t.bytes_read,
@@ -302,7 +303,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(rec, indent=2))
         return 0
-    print(f"{rec['source']}: TP {rec['source_tp']} -> {rec['target_tp']} (checkpoint version {rec['version']})")
+    print(f"{rec['source']}: TP {rec['source_tp']} -> {rec['target_tp']}, PP {rec['source_pp']} -> "
+          f"{rec['target_pp']} ({rec['layout']} layout, checkpoint version {rec['version']})")
     for t in rec["targets"]:
         print(f"  target rank {t['rank']}: reads source ranks {t['sources']} "
               f"({_fmt_bytes(t['bytes_read'])}), writes ~{_fmt_bytes(t['bytes_written'])}")

@@ -39,7 +39,8 @@ from reshard.core import foreign, torch_writer
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
-from reshard.core.plan import ParamPlan, Plan, TargetPlan, quant_groups_for
+from reshard.core.ds_pipe import retarget_rank_file
+from reshard.core.plan import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan, quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
 from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.rules import QUANT_SLOT_ORDER
@@ -81,7 +82,8 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
     device = device or torch.device("cpu")
     shards = _load_sources(plan, tgt)
     out = _target_layout(plan, tgt, shards, device, PageDropper(()))
-    module = out[plan.module_key]
+    kind = plan.targets[tgt].kind
+    module = out if kind == LAYER_FILE else out[plan.module_key] if kind != PIPE_RANK_FILE else {}
     for k, v in list(module.items()):
         if isinstance(v, PendingTensor):
             module[k] = v.materialize()
@@ -101,8 +103,9 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
     """Target ``tgt``'s state dict with every produced tensor still a :class:`PendingTensor`
     (shape and dtype known, bytes streamed on demand, in the order torch.save writes them)."""
     tp = plan.targets[tgt]
-    modules = {i: sd[plan.module_key] for i, sd in shards.items()}
     src = plan.source
+    # a DeepSpeed pipeline layer file is a module state dict itself (its rows follow the rank files)
+    modules = {i: sd if src.layer_ids and i >= src.pp * src.tp else sd[plan.module_key] for i, sd in shards.items()}
     n, m, opts = plan.source_tp, plan.target_tp, plan.options
     first = shards[tp.sources[0]]
     for i in tp.sources:  # top-level entries from the base rank of the first stage read
@@ -129,10 +132,15 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             module[entry.out_key] = _pending_assembled(p.spec, srcs, n, m, tp.tp_rank, entry.out_key, culprit,
                                                        pages)
 
+    if tp.kind == LAYER_FILE:  # keep the saved module versions (``state_dict()._metadata``) as they were
+        meta = getattr(first, "_metadata", None)
+        if meta is not None:
+            module._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]
+        return module
     out: dict[str, Any] = {}
     for k, v in first.items():
         if k == plan.module_key:
-            out[k] = module
+            out[k] = None if tp.kind == PIPE_RANK_FILE else module
         elif k in plan.dropped:
             continue
         else:
@@ -141,6 +149,8 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
         out["mp_world_size"] = m
     if "args" in out and out["args"] is not None:
         out["args"] = retarget_args(out["args"], plan)
+    if tp.kind == PIPE_RANK_FILE:
+        retarget_rank_file(out, plan, first.get("mp_world_size"))
     if quant is not None:
         out[QUANT_KEY] = quant.record(len(source_ranks_for_target(n, m, tp.tp_rank)))
     return out

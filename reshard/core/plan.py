@@ -34,8 +34,9 @@ from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_f
 from reshard.core.rules import (MEGATRON_GPT_RULES, Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core,
                                 layer_index, resolve, with_layer)
 from reshard.core.safe_load import load_shard
-from reshard.core.source import (AUTO, DEEPSPEED, MEGATRON, MEGATRON_LATEST, SourceCheckpoint, choose_module_key,
-                                 iteration_text, locate, megatron_file_name, parse_version, rank_file_name)
+from reshard.core.source import (AUTO, DEEPSPEED, DEEPSPEED_PIPE, MEGATRON, MEGATRON_LATEST, SourceCheckpoint,
+                                 choose_module_key, iteration_text, locate, megatron_file_name, parse_version,
+                                 rank_file_name)
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
 DROPPED_ENTRIES: dict[str, str] = {
@@ -149,7 +150,9 @@ class TargetPlan:
     names themselves.
 
     ``tp_rank``/``pp_rank``: its place in the target grid; ``base_rank``: the source TP rank
-    that replicated tensors and top-level entries are taken from; ``params``: its module."""
+    that replicated tensors and top-level entries are taken from; ``params``: its module.
+    ``kind``: what the file holds (:data:`RANK_FILE`, or for DeepSpeed pipelines
+    :data:`LAYER_FILE` / :data:`PIPE_RANK_FILE`; see :mod:`reshard.core.ds_pipe`)."""
 
     rank: int
     name: str
@@ -160,6 +163,15 @@ class TargetPlan:
     pp_rank: int = 0
     base_rank: int = 0
     params: tuple[TargetParam, ...] = ()
+    kind: str = "rank"
+
+
+#: ``TargetPlan.kind``: top-level entries with the module under ``module_key``.
+RANK_FILE = "rank"
+#: A DeepSpeed pipeline layer file: the layer's module state dict itself, nothing around it.
+LAYER_FILE = "layer"
+#: A DeepSpeed pipeline ``mp_rank`` file: top-level entries, ``module`` None (weights are in layer files).
+PIPE_RANK_FILE = "pipe-rank"
 
 
 @dataclass(frozen=True)
@@ -228,9 +240,15 @@ class _Stage:
     modules: list[dict[str, Any]]
 
 
-def build_plan(src: str | SourceCheckpoint, options: ReshardOptions) -> Plan:
+def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> Plan:
     """Validate the source fully and decide every tensor's fate (reads shard metadata,
-    and replicated tensors to check they agree)."""
+    and replicated tensors to check they agree).
+
+    ``headers_only``: read just the first rank file of each pipeline stage and take it as
+    every rank of its stage. The layout (specs, targets, sources) then equals the full plan's
+    whenever the full checks pass, so a pipeline can start converting a target as soon as its
+    own sources arrive and run the cross-rank checks (``headers_only=False``) alongside —
+    publishing nothing until they pass."""
     source = src if isinstance(src, SourceCheckpoint) else locate(src)
     n, m = source.tp, options.target_tp
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
@@ -238,11 +256,18 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions) -> Plan:
     tpp = source.pp if options.target_pp is None else options.target_pp
     if not isinstance(tpp, int) or isinstance(tpp, bool) or tpp < 1:
         raise LayoutError(f"target PP {tpp!r} must be a positive integer", culprit="--target-pp")
+    if source.format == DEEPSPEED_PIPE:  # layer files: planned by their own module, same rules and engine
+        from reshard.core.ds_pipe import build_pipe_plan
+        return build_pipe_plan(source, options, tpp)
     if source.format == DEEPSPEED and tpp != 1:
         raise LayoutError(f"cannot write {tpp} pipeline stages in the DeepSpeed mp_rank_XX_model_states layout",
                           culprit="--target-pp", hint="pipeline stages can be changed for Megatron-LM "
                                                       "(iter_*/mp_rank_XX_YYY) checkpoints; use --target-pp 1")
-    shards = [load_shard(f) for f in source.files]
+    if headers_only:
+        heads = [load_shard(source.stage_files(s)[0]) for s in range(source.pp)]
+        shards = [heads[i // n] for i in range(len(source.files))]
+    else:
+        shards = [load_shard(f) for f in source.files]
     names = [str(f) for f in source.files]
     module_key, modules = _modules(shards, names, options, n)
     args = shards[0].get("args")
@@ -734,6 +759,8 @@ def _check_replicated(params: list[ParamPlan], stages: list[_Stage]) -> None:
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:  # a headers-only plan stands one file in for every rank of its stage
+        return True
     a, b = a.contiguous(), b.contiguous()
     if a.shape != b.shape or a.dtype != b.dtype:
         return False

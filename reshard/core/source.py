@@ -13,8 +13,17 @@ Two inputs are accepted:
   iteration folders ``iter_XXXXXXX`` / ``release``, with one ``mp_rank_TT[_PPP]/model_optim_rng.pt``
   per tensor-parallel rank ``TT`` and pipeline stage ``PPP`` (``_PPP`` only when PP > 1).
 
+* a DeepSpeed pipeline-parallel folder (``PipelineModule`` / Megatron-DeepSpeed ``GPTModelPipe``):
+  one ``layer_LL-model_TT-model_states.pt`` per layer that has weights and tensor-parallel rank
+  ``TT`` (``LL``: the layer's index in the whole pipeline, whatever stage held it), beside
+  ``mp_rank_KK_model_states.pt`` files whose ``module`` is None, one per (stage, TP rank),
+  ``KK = stage * TP + TT``. TP is the number of model ranks of the layer files, PP the number of
+  ``mp_rank`` files over TP (as DeepSpeed's ``reshape_3d_utils`` derives them).
+
 Files are kept as a grid ``stages[pp][tp]``; ``files`` is that grid flattened stage by stage, so a
-file's index is ``pp * TP + tp`` (for PP = 1, its tensor-parallel rank).
+file's index is ``pp * TP + tp`` (for PP = 1, its tensor-parallel rank). A DeepSpeed pipeline
+folder's layer files follow the ``mp_rank`` files as further rows of the grid, one row per layer
+(``layer_ids``), so ``files[(PP + g) * TP + tp]`` is layer ``layer_ids[g]`` of rank ``tp``.
 
 This module only deals with local paths; ``reshard.storage`` maps URLs onto it.
 """
@@ -30,6 +39,9 @@ from typing import Any
 from reshard.core.errors import CheckpointFormatError
 
 RANK_FILE_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+#: Layer files of a pipeline run without a model-parallel axis (``PipeDataParallelTopology``).
+LAYER_FILE_NO_MODEL_RE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(_\d+)?$")
 MEGATRON_FILE = "model_optim_rng.pt"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
@@ -38,6 +50,8 @@ ITER_DIR_RE = re.compile(r"^iter_(\d+)$")
 #: ``SourceCheckpoint.format`` values; outputs are written in the format they were read in.
 DEEPSPEED = "deepspeed"
 MEGATRON = "megatron"
+#: DeepSpeed pipeline parallelism: ``layer_LL-model_TT-model_states.pt`` plus module-less rank files.
+DEEPSPEED_PIPE = "deepspeed-pipeline"
 SUPPORTED_VERSIONS: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0)
 MODULE_KEYS: tuple[str, ...] = ("module", "model")
 AUTO = "auto"
@@ -58,10 +72,15 @@ class SourceCheckpoint:
     format: str = DEEPSPEED
     pp: int = 1
     iteration: str | None = None
+    layer_ids: tuple[int, ...] = ()
 
     @property
     def tp(self) -> int:
-        return len(self.files) // self.pp
+        return len(self.files) // (self.pp + len(self.layer_ids))
+
+    def layer_file_index(self, group: int, rank: int) -> int:
+        """Position in ``files`` of DeepSpeed pipeline layer ``layer_ids[group]``, TP rank ``rank``."""
+        return (self.pp + group) * self.tp + rank
 
     def stage_files(self, stage: int) -> tuple[Path, ...]:
         """Stage ``stage``'s rank files in tensor-parallel rank order."""
@@ -83,6 +102,12 @@ class SourceCheckpoint:
 def rank_file_name(rank: int) -> str:
     """DeepSpeed's name for a tensor-parallel rank's model-states file."""
     return f"mp_rank_{rank:02d}_model_states.pt"
+
+
+def layer_file_name(layer: int, rank: int) -> str:
+    """DeepSpeed's name for one pipeline layer's file of one tensor-parallel rank
+    (``PipelineModule.ckpt_layer_path``: ``layer_{idx:02d}-model_{rank:02d}-model_states.pt``)."""
+    return f"layer_{layer:02d}-model_{rank:02d}-model_states.pt"
 
 
 def megatron_file_name(iteration: str, rank: int, stage: int, pp: int) -> str:
@@ -116,20 +141,19 @@ def locate(src: str | Path) -> SourceCheckpoint:
 
 
 def _locate_folder(folder: Path) -> SourceCheckpoint:
+    if any(LAYER_FILE_RE.match(c.name) or LAYER_FILE_NO_MODEL_RE.match(c.name) for c in folder.iterdir()):
+        return _locate_deepspeed_pipeline(folder)
     by_rank: dict[int, list[Path]] = {}
     for child in sorted(folder.iterdir()):
         m = RANK_FILE_RE.match(child.name)
         if m and child.is_file():
             by_rank.setdefault(int(m.group(1)), []).append(child)
     if not by_rank:
-        layer_files = sorted(folder.glob("layer_*-model_*-model_states.pt"))
         dist = [c.name for c in folder.iterdir() if c.suffix == ".distcp" or c.name in (".metadata", "metadata.json")]
         iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
         if dist:
             hint = ("this is a torch_dist (distributed) checkpoint; save or convert it with Megatron-LM's "
                     "--ckpt-format torch first")
-        elif layer_files:
-            hint = "DeepSpeed pipeline-parallel layer files (layer_XX-model_YY) are not supported yet"
         elif iters:
             hint = f"a Megatron-LM run folder needs {MEGATRON_LATEST}, or point at one iteration folder ({iters[-1]})"
         else:
@@ -143,6 +167,45 @@ def _locate_folder(folder: Path) -> SourceCheckpoint:
                                     culprit=str(folder), hint="keep exactly one file per rank")
     _check_contiguous(sorted(by_rank), str(folder))
     return SourceCheckpoint(tuple(by_rank[r][0] for r in sorted(by_rank)), origin=str(folder))
+
+
+def _locate_deepspeed_pipeline(folder: Path) -> SourceCheckpoint:
+    """A DeepSpeed pipeline folder: every layer file for every TP rank, and TP x PP rank files."""
+    layers: dict[int, dict[int, Path]] = {}
+    ranks: list[int] = []
+    for child in sorted(folder.iterdir()):
+        if LAYER_FILE_NO_MODEL_RE.match(child.name):
+            raise CheckpointFormatError(f"{child.name} has no model-parallel rank in its name", culprit=str(folder),
+                                        hint="only pipelines saved with a model axis (PipeModelDataParallelTopology, "
+                                             "as Megatron-DeepSpeed does: layer_XX-model_YY-...) are supported")
+        m = LAYER_FILE_RE.match(child.name)
+        if m and child.is_file():
+            layers.setdefault(int(m.group(1)), {})[int(m.group(2))] = child
+        m = RANK_FILE_RE.match(child.name)
+        if m and child.is_file():
+            ranks.append(int(m.group(1)))
+    tp = 1 + max(r for by_rank in layers.values() for r in by_rank)
+    for layer, by_rank in sorted(layers.items()):
+        missing = sorted(set(range(tp)) - set(by_rank))
+        if missing:
+            raise CheckpointFormatError(f"layer {layer:02d} lacks the files of tensor-parallel ranks {missing} "
+                                        f"(other layers have {tp} ranks)",
+                                        culprit=str(folder / layer_file_name(layer, missing[0])),
+                                        hint="copy the missing layer files")
+    if not ranks:
+        raise CheckpointFormatError("holds DeepSpeed pipeline layer files but no mp_rank_XX_model_states.pt files",
+                                    culprit=str(folder), hint="copy the rank files (they hold args and the "
+                                                              "iteration) from the same global_step folder")
+    _check_contiguous(sorted(ranks), str(folder))
+    if len(ranks) % tp:
+        raise CheckpointFormatError(f"{len(ranks)} mp_rank files are not a multiple of the {tp} tensor-parallel "
+                                    f"ranks of the layer files", culprit=str(folder),
+                                    hint="supply one mp_rank file per (pipeline stage, TP rank)")
+    ids = tuple(sorted(layers))
+    files = [folder / rank_file_name(k) for k in range(len(ranks))]
+    files += [layers[layer][r] for layer in ids for r in range(tp)]
+    return SourceCheckpoint(tuple(files), origin=str(folder), format=DEEPSPEED_PIPE, pp=len(ranks) // tp,
+                            layer_ids=ids)
 
 
 def _check_contiguous(ranks: list[int], where: str) -> None:
