@@ -99,7 +99,9 @@ def task_states(flow_run_id: str, timeout: float = 30.0) -> dict[str, list[str]]
     with get_client(sync_client=True) as client:
         while True:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
-            if runs and all(r.state is not None and r.state.is_final() for r in runs) or time.monotonic() > deadline:
+            # "NotReady": never ran because an upstream task failed (a Pending state that stays)
+            if runs and all(r.state is not None and (r.state.is_final() or r.state.name == "NotReady")
+                            for r in runs) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     out: dict[str, list[str]] = {}

@@ -126,3 +126,29 @@ def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_fac
         run_flow(_params(src, tmp_path / "nolimit", tmp_path / "c2", target_tp=4,
                          gpu_concurrency_limit="no-such-limit"))
     assert not (tmp_path / "nolimit" / MANIFEST_NAME).exists()
+
+
+def _latest_flow_run_id() -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        return str(client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)[0].id)
+
+
+def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, tmp_path):
+    """8 -> 2 with rank file 7 corrupt: target 0 (sources 0-3) still converts — it does not wait
+    for every shard — while target 1 never starts, the cross-rank checks refuse the run, and
+    nothing is published at the destination."""
+    from reshard.core.errors import CorruptCheckpointError
+
+    src = sample_factory(8, 2.0)
+    bad = src / "mp_rank_07_model_states.pt"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError):
+        run_flow(_params(src, tmp_path / "dst", tmp_path, target_tp=2))
+    states = task_states(_latest_flow_run_id())
+    assert states["check-shard"].count("Failed") == 1, states
+    assert states["convert-target"].count("Completed") == 1, states
+    assert "Completed" not in states.get("upload-target", []), states
+    assert not (tmp_path / "dst").exists() or not any((tmp_path / "dst").rglob("*.pt"))

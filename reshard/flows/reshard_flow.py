@@ -4,9 +4,17 @@
 
     discover ─┬─ fetch(shard 0) ─ check(shard 0) ─┐
               ├─ fetch(shard 1) ─ check(shard 1) ─┤
-              └─ ...                              ┴─ plan (cross-shard checks, ZeRO gate, destination)
-                                                      ├─ convert(target 0) ─ upload(target 0) ─┐
-                                                      └─ convert(target 1) ─ upload(target 1) ─┴─ commit ─ report
+              └─ ...                              │
+    locate (view; header = first rank file per stage)
+    plan-layout (header files only: every target's sources; ZeRO gate)
+      convert(target t)  <- waits only for fetch+check of *its* source shards
+    plan-conversion (cross-rank checks over all shards, destination checks, claim) <- all checks
+      upload(target t)   <- convert(t) and plan-conversion
+    commit (sizes, descriptor, manifest last) ─ report
+
+A target converts into the conversion's private work folder, so it can start before every
+shard is fetched and before the cross-rank checks ran; it is only published (uploaded, or moved
+into the destination's staging folder) after they passed.
 
 Caching: fetch/check are keyed by the shard's identity, convert/upload by the conversion's
 identity (sources + options + code version) and stay valid while their output exists, so a
@@ -21,13 +29,14 @@ import contextlib
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.futures import wait
 
 from reshard.flows.params import ReshardParams
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
-from reshard.tasks.target_tasks import (cache_dir_of, commit_checkpoint, convert_target_rank, output_present,
-                                        plan_conversion, report, upload_target)
+from reshard.tasks.target_tasks import (cache_dir_of, commit_checkpoint, convert_target_rank, locate_source,
+                                        output_present, plan_conversion, plan_layout, report, upload_target)
 
 
 @flow(name="reshard", validate_parameters=True)
@@ -48,25 +57,36 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     fetches = {o["name"]: fetch_shard.with_options(
         refresh_cache=not (disc["is_local"] or cache.entry(RemoteObject(**o)).is_file())
     ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"]) for o in objects}
-    checks = [check_shard.submit(fetches[o["name"]], _identity(o), params.module_key) for o in objects]
-    fetched = {name: fut.result() for name, fut in fetches.items()}
-    for c in checks:
-        c.result()
+    checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key) for o in objects}
 
-    job = plan_conversion(base, disc, {} if disc["is_local"] else fetched, conversion_id(objects, options))
-    if job["up_to_date"]:
-        log.info("%s already holds this exact conversion; nothing new will be written", params.destination)
+    cid = conversion_id(objects, options)
+    metadata = {name: fut.result() for name, fut in fetches.items() if not name.endswith(".pt")}
+    located = locate_source(base, disc, metadata, cid)
+    headers = located["headers"]
+    _raise_first_failure([fetches[h] for h in headers] + [checks[h] for h in headers], wait_all=False)
+    layout = plan_layout(located, {h: fetches[h].result() for h in headers})
+    # cross-rank checks and the destination claim run alongside the conversions; nothing is
+    # published (uploaded, moved into staging) before they pass
+    job_f = plan_conversion.submit(layout, fetches, wait_for=list(checks.values()))
     converts, uploads = {}, {}
-    for t in job["targets"]:
+    for t in layout["targets"]:
         name = t["name"]
-        staged = output_present(job, name, accept_local_file=False)  # uploaded or committed
-        converted = staged or output_present(job, name, accept_local_file=True)
+        staged = output_present(layout, name, accept_local_file=False)  # uploaded or committed
+        converted = staged or output_present(layout, name, accept_local_file=True)
         with _gpu_annotation(params.gpu_resource):
+            # starts as soon as *its* source shards are fetched and checked, not all of them
             converts[name] = convert_target_rank.with_options(refresh_cache=not converted).submit(
-                job, name, t["rank"])
-        uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job, name, converts[name])
+                layout, name, t["rank"], {s: fetches[s] for s in t["sources"]},
+                wait_for=[checks[s] for s in t["sources"]])
+        uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job_f, name, converts[name])
+    # on a failure, let what is running finish (its results are cached for the re-run) and
+    # report the root cause — the first failed step in DAG order — not a downstream "not ready"
+    _raise_first_failure([*fetches.values(), *checks.values(), job_f, *converts.values(), *uploads.values()])
     records = [uploads[name].result() for name in converts]
     converted = [converts[name].result() for name in converts]
+    job = job_f.result()
+    if job["up_to_date"]:
+        log.info("%s already holds this exact conversion; nothing new will be written", params.destination)
     manifest = commit_checkpoint(job, records)
     report(job, converted, records)
     from prefect.runtime import flow_run
@@ -75,6 +95,18 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
             "target_tp": params.target_tp, "version": job["version"], "quantized": params.quantize,
             "up_to_date": job["up_to_date"], "conversion_id": job["conversion_id"],
             "files": manifest.get("files", []), "warnings": job["warnings"]}
+
+
+def _raise_first_failure(futures: list[Any], *, wait_all: bool = True) -> None:
+    """Wait for ``futures`` (all of them, or each in turn) and re-raise the first failed one's
+    own exception, in the order given."""
+    if wait_all:
+        wait(futures)
+    for fut in futures:
+        fut.wait()
+        state = fut.state
+        if state.is_failed() or state.is_crashed():
+            fut.result()  # raises the task's exception
 
 
 def _identity(obj: dict[str, Any]) -> str:

@@ -93,6 +93,10 @@ class Destination(ABC):
         """Local path the engine writes output ``name`` to."""
 
     @abstractmethod
+    def staged_size(self, name: str) -> int | None:
+        """Size of ``name`` where :meth:`commit` takes it from, or None when it is not staged."""
+
+    @abstractmethod
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
         """Output ``name`` is complete: stage it remotely; returns its manifest record.
         ``sha256``: the digest the writer computed while writing it (saves a read pass)."""
@@ -139,8 +143,8 @@ class Destination(ABC):
             age = time.time() - float(held.get("time", 0))
             if age < LOCK_STALE_SECONDS:
                 raise DestinationError(
-                    f"another conversion is writing here (host {held.get('host')}, pid {held.get('pid')}, "
-                    f"{age:.0f}s ago)", culprit=self.url,
+                    f"another conversion ({str(held.get('conversion_id'))[:12]}, not {conversion_id[:12]}) is "
+                    f"writing here (host {held.get('host')}, pid {held.get('pid')}, {age:.0f}s ago)", culprit=self.url,
                     hint="wait for it to finish, or choose another destination")
         self._lock_token, self._lock_conversion = token, conversion_id
         try:
@@ -246,6 +250,11 @@ class LocalDestination(Destination):
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
+    def staged_size(self, name: str) -> int | None:
+        """Size of staged output ``name``, or None when it is not staged."""
+        p = self.staged(name)
+        return p.stat().st_size if p.is_file() else None
+
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
         return _record(self.staged(name), name, sha256)
 
@@ -322,6 +331,9 @@ class RemoteDestination(Destination):
             if not self.loc.fs.exists(path):
                 return None
             return int(self.loc.fs.info(path)["size"])
+
+    def staged_size(self, name: str) -> int | None:
+        return self.staged_remote_size(name)
 
     def _put(self, local: Path, remote: str) -> None:
         kwargs = {"chunksize": self.chunksize} if "s3" in _protocols(self.loc.fs) else {}

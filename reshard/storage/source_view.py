@@ -14,7 +14,10 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -189,3 +192,44 @@ def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
     out.cached = cache.hits - hits0
     out.fetched = len(disc.objects) - out.cached
     return out
+
+
+# --- an incrementally filled view (the pipeline starts converting before every shard is here) ----
+
+def skeleton_view(disc: Discovery, view: Path) -> Path:
+    """The path to hand to ``core.source.locate`` before all shards are fetched.
+
+    Every object gets a *placeholder* under ``view``: an empty sparse file of the object's size,
+    so ``locate`` sees the full layout and sizes. Placeholders hold no bytes: whoever reads a
+    shard must first put it in place with :func:`link_into_view` (the pipeline's tasks do, for
+    exactly the shards they read). For a local source the view is the source itself."""
+    if disc.is_local:
+        return build_view(disc, {}, view)
+    for obj in disc.objects:
+        dst = view / obj.name
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.placeholder")
+            with open(tmp, "wb") as f:
+                f.truncate(obj.size)
+            os.replace(tmp, dst)
+    if disc.descriptor_name is not None:
+        view.mkdir(parents=True, exist_ok=True)
+        (view / disc.descriptor_name).write_bytes(disc.descriptor_bytes or b"")
+        return view / disc.descriptor_name
+    return view
+
+
+def link_into_view(fetched: Path, dst: Path) -> None:
+    """Replace ``dst`` (a placeholder or an earlier link) by the fetched file, atomically: a
+    concurrent reader sees either the placeholder or the whole file, never a partial copy, and
+    the cache file itself is never written through the view."""
+    if dst.exists() and os.path.samefile(fetched, dst):
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.link")
+    try:
+        os.link(fetched, tmp)
+    except OSError:
+        shutil.copyfile(fetched, tmp)
+    os.replace(tmp, dst)

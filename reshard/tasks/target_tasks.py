@@ -7,8 +7,13 @@ name) and rebuilds what it needs from local paths, so tasks stay stateless and c
 from __future__ import annotations
 
 import base64
+import errno
 import os
+import shutil
+import threading
 import time
+import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +24,13 @@ from reshard.core.engine import convert_target, pick_device
 from reshard.core.errors import DestinationError, StorageError
 from reshard.core.plan import ReshardOptions, build_plan
 from reshard.crashpoints import crash_point
-from reshard.direct import manifest_for, side_files, source_record, zero_gate
+from reshard.core.source import locate
+from reshard.direct import _source_folders, _urls_in_errors, manifest_for, side_files, source_record, zero_gate
 from reshard.flows import progress
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.destination import Destination, LocalDestination, open_destination
 from reshard.storage.location import open_location
-from reshard.storage.manifest import file_record
-from reshard.storage.source_view import Discovery, LocalSource, build_view
+from reshard.storage.source_view import Discovery, LocalSource, link_into_view, skeleton_view
 from reshard.tasks.cache_keys import target_key
 from reshard.tasks.shard_tasks import TRANSIENT_RETRIES
 
@@ -40,44 +45,125 @@ def destination_for(job: dict[str, Any]) -> Destination:
     return dest
 
 
+def converted_path(job: dict[str, Any], name: str) -> Path:
+    """Where convert writes target ``name``: this conversion's private work folder (for a remote
+    destination that is also its local staging path), never the destination itself — a target
+    may be converted before the destination is claimed."""
+    return Path(job["workdir"]) / "out" / name
+
+
 def output_present(job: dict[str, Any], name: str, *, accept_local_file: bool) -> bool:
-    """Is target ``name`` of this conversion already produced (staged or committed)?"""
+    """Is target ``name`` of this conversion already produced (staged, committed, or — with
+    ``accept_local_file`` — converted and waiting in the work folder)?"""
     dest = destination_for(job)
     manifest = dest.committed_manifest()
     if manifest and manifest.get("conversion_id") == job["conversion_id"]:
         return any(r.get("path") == name for r in manifest.get("files", []))
-    if isinstance(dest, LocalDestination) or accept_local_file:
-        if dest.staged(name).is_file():
-            return True
-    if not isinstance(dest, LocalDestination):
-        return dest.staged_remote_size(name) is not None
-    return False
+    if accept_local_file and converted_path(job, name).is_file():
+        return True
+    if isinstance(dest, LocalDestination):
+        return dest.staged(name).is_file()
+    return dest.staged_remote_size(name) is not None
 
 
 def _options(job: dict[str, Any]) -> ReshardOptions:
     return ReshardOptions(**job["options"])
 
 
-@task(name="plan-conversion", **TRANSIENT_RETRIES)
-def plan_conversion(base: dict[str, Any], discovery: dict[str, Any], fetched: dict[str, str],
-                    conversion_id: str) -> dict[str, Any]:
-    """Cross-shard checks (keys, shapes, replicated tensors, versions), the ZeRO gate and the
-    destination checks — everything that can refuse the conversion, before any output."""
-    disc = Discovery(discovery["url"], discovery["is_local"], [RemoteObject(**o) for o in discovery["objects"]],
-                     discovery["descriptor_name"],
-                     base64.b64decode(discovery["descriptor_b64"]) if discovery["descriptor_b64"] else None)
-    workdir = Path(base["cache_dir"]) / "work" / conversion_id[:24]
-    view = build_view(disc, {k: Path(v) for k, v in fetched.items()}, workdir / "source")
-    local = LocalSource(disc.url, view, disc.objects)
-    from reshard.direct import _source_folders, _urls_in_errors
+def _discovery(record: dict[str, Any]) -> Discovery:
+    return Discovery(record["url"], record["is_local"], [RemoteObject(**o) for o in record["objects"]],
+                     record["descriptor_name"],
+                     base64.b64decode(record["descriptor_b64"]) if record["descriptor_b64"] else None)
 
+
+def _link_fetched(job: dict[str, Any], fetched: dict[str, str]) -> None:
+    """Put fetched shards into the conversion's view (replacing placeholders)."""
+    if job["is_local"]:
+        return
+    root = Path(job["view_root"])
+    for name, path in fetched.items():
+        link_into_view(Path(path), root / name)
+
+
+_PLANS: OrderedDict[tuple[str, str], Any] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+
+
+def layout_plan(job: dict[str, Any]) -> Any:
+    """The headers-only plan of this conversion, built once per worker process (every convert
+    task of a run needs it; rebuilding it per task cost seconds on large models)."""
+    key = (job["view_path"], job["conversion_id"])
+    with _PLANS_LOCK:
+        if key in _PLANS:
+            _PLANS.move_to_end(key)
+            return _PLANS[key]
+    with _urls_in_errors(Path(job["view_path"]), job["source"]):
+        plan = build_plan(job["view_path"], _options(job), headers_only=True)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > 4:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+@task(name="locate-source", **TRANSIENT_RETRIES)
+def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dict[str, str],
+                  conversion_id: str) -> dict[str, Any]:
+    """Lay out the source as a local view (placeholders for shards not fetched yet) and name
+    the *header* files — the first rank file of each pipeline stage — that the layout plan reads."""
+    disc = _discovery(discovery)
+    workdir = Path(base["cache_dir"]) / "work" / conversion_id[:24]
+    view_root = workdir / "source"
+    view = skeleton_view(disc, view_root)
+    job = dict(base, conversion_id=conversion_id, workdir=str(workdir), view_path=str(view),
+               view_root=str(view_root), is_local=disc.is_local, source=disc.url, discovery=discovery)
+    _link_fetched(job, metadata)
     with _urls_in_errors(view, disc.url):
-        plan = build_plan(str(view), ReshardOptions(**base["options"]))
-        zero = zero_gate(plan, base["target_config"])
-    job = dict(base, conversion_id=conversion_id, workdir=str(workdir), view_path=str(view))
+        source = locate(str(view))
+    by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
+    names = [by_path.get(os.path.realpath(f)) for f in source.files]
+    if None in names:  # a local descriptor may list files outside its folder: no per-shard early start
+        names = [o.name for o in disc.objects if o.name.endswith(".pt")]
+        headers = names
+    elif source.layer_ids:  # DeepSpeed pipeline layer files: the layout is planned from all of them
+        headers = list(names)
+    else:
+        headers = [names[source.index(s, 0)] for s in range(source.pp)]
+    return dict(job, source_files=names, headers=headers)
+
+
+@task(name="plan-layout", **TRANSIENT_RETRIES)
+def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """Every tensor's fate from the header files alone (see ``build_plan(headers_only=True)``)
+    plus the ZeRO gate: which source shards each target rank reads, so its conversion can start
+    as soon as those are fetched. Cross-rank checks follow in ``plan-conversion``."""
+    job = dict(located)
+    _link_fetched(job, headers)
+    plan = layout_plan(job)
+    zero = zero_gate(plan, job["target_config"])
+    names = [t.name for t in plan.targets]
+    files = job["source_files"]
+    return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": [files[i] for i in t.sources],
+                               "bytes_written": t.bytes_written} for t in plan.targets],
+                warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files(plan, names),
+                source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version)
+
+
+@task(name="plan-conversion", **TRANSIENT_RETRIES)
+def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str, Any]:
+    """Cross-shard checks over every rank (keys, shapes, replicated tensors, versions) and the
+    destination checks — everything that can still refuse the conversion — then claim the
+    destination. No output is published before this succeeds."""
+    job = dict(layout)
+    _link_fetched(job, fetched)
+    disc = _discovery(job["discovery"])
+    view = Path(job["view_path"])
+    local = LocalSource(disc.url, view, disc.objects)
+    with _urls_in_errors(view, disc.url):
+        plan = build_plan(str(view), _options(job))
     dest = destination_for(job)
     committed = dest.committed_manifest()
-    up_to_date = bool(committed and committed.get("conversion_id") == conversion_id)
+    up_to_date = bool(committed and committed.get("conversion_id") == job["conversion_id"])
     if not up_to_date:
         if committed and not job["overwrite"]:
             raise DestinationError("already holds a committed checkpoint (of a different conversion)",
@@ -87,55 +173,77 @@ def plan_conversion(base: dict[str, Any], discovery: dict[str, Any], fetched: di
         dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
         from prefect.runtime import flow_run
 
-        dest.acquire(str(flow_run.id or conversion_id), conversion_id)
-        job["lock_token"] = str(flow_run.id or conversion_id)
+        token = str(flow_run.id or job["conversion_id"])
+        dest.acquire(token, job["conversion_id"])
+        job["lock_token"] = token
         dest.open(clean_staging=False)
-    names = [t.name for t in plan.targets]
     crash_point("planned")
-    return dict(job, up_to_date=up_to_date,
-                targets=[{"rank": t.rank, "name": t.name, "sources": list(t.sources),
-                          "bytes_written": t.bytes_written} for t in plan.targets],
-                warnings=list(plan.warnings), zero_stage=zero.source_stage,
-                side_files=side_files(plan, names), source_record=source_record(plan, local),
-                source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version)
+    return dict(job, up_to_date=up_to_date, source_record=source_record(plan, local))
 
 
 @task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True, tags=[GPU_TAG])
-def convert_target_rank(job: dict[str, Any], name: str, rank: int) -> dict[str, Any]:
-    """Merge/split/quantize one target rank from exactly the source shards it needs."""
-    plan = build_plan(job["view_path"], _options(job))
-    dest = destination_for(job)
-    out = dest.staged(name)
-    # same basename as the final file: torch.save records it inside the zip, so keeping it
-    # makes the bytes identical to the direct path's
-    partial = out.parent / ".partial" / out.name
+def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict[str, str]) -> dict[str, Any]:
+    """Merge/split/quantize one target rank from exactly the source shards it needs, into the
+    work folder (published by ``upload-target`` once the cross-rank checks passed)."""
+    _link_fetched(job, sources)
+    plan = layout_plan(job)
+    out = converted_path(job, name)
+    # a private folder per attempt (two runs of one conversion may convert the same target at
+    # once), and the final basename: torch.save records it inside the zip, so keeping it makes
+    # the bytes identical to the direct path's
+    partial = out.parent / ".partial" / uuid.uuid4().hex / out.name
     partial.parent.mkdir(parents=True, exist_ok=True)
     device = pick_device(job.get("device"))
     limit = job.get("gpu_concurrency_limit")
     t0 = time.perf_counter()
-    if limit:
-        from prefect.concurrency.sync import concurrency
+    try:
+        with _urls_in_errors(Path(job["view_path"]), job["source"]):
+            if limit:
+                from prefect.concurrency.sync import concurrency
 
-        with concurrency(limit, occupy=1, strict=True):
-            res = convert_target(plan, rank, partial, device)
-    else:
-        res = convert_target(plan, rank, partial, device)
-    os.replace(partial, out)
+                with concurrency(limit, occupy=1, strict=True):
+                    res = convert_target(plan, rank, partial, device, sha256=True)
+            else:
+                res = convert_target(plan, rank, partial, device, sha256=True)
+        os.replace(partial, out)
+    finally:
+        shutil.rmtree(partial.parent, ignore_errors=True)
     crash_point("converted")
-    return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources),
+    return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
 @task(name="upload-target", cache_key_fn=target_key("upload"), persist_result=True, **TRANSIENT_RETRIES)
 def upload_target(job: dict[str, Any], name: str, converted: dict[str, Any]) -> dict[str, Any]:
-    """Stage one output at the destination (multipart upload for remote stores) and record
-    its size and sha256 for the manifest."""
+    """Stage one output at the destination (a move for local folders, a multipart upload for
+    object stores) and record its size and sha256 (computed while it was written)."""
     dest = destination_for(job)
-    record = dest.publish(name)
+    if job["up_to_date"]:  # already committed by an earlier run: its manifest has the record
+        manifest = dest.committed_manifest() or {}
+        return next(r for r in manifest.get("files", []) if r.get("path") == name)
+    if isinstance(dest, LocalDestination):
+        _move_into(converted_path(job, name), dest.staged(name))
+    record = dest.publish(name, converted.get("sha256"))
     dest.heartbeat()
     crash_point("uploaded")
     progress.notify(dict(converted, sha256=record["sha256"]))
     return record
+
+
+def _move_into(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst`` atomically (copy to a temporary name first across file systems)."""
+    if not src.exists():
+        return  # moved by an earlier attempt (the staged file is checked by size at commit)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(src, dst)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        src.unlink()
 
 
 @task(name="commit-checkpoint", **TRANSIENT_RETRIES)
@@ -148,19 +256,12 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
     for name, text in job["side_files"].items():
         dest.staged(name).write_text(text)
         records.append(dest.publish(name))
-    side = set(job["side_files"])
-    if not isinstance(dest, LocalDestination):
-        for rec in records:
-            size = dest.staged_remote_size(rec["path"])
-            if size != rec["size"]:
-                raise StorageError(f"staged {rec['path']} has {size} bytes, expected {rec['size']}",
-                                   culprit=job["destination"], hint="re-run; the staged copy will be redone",
-                                   transient=False)
-    else:
-        for rec in records:
-            actual = file_record(dest.staged(rec["path"]), rec["path"]) if rec["path"] not in side else rec
-            if actual["sha256"] != rec["sha256"]:
-                raise StorageError(f"staged {rec['path']} changed since it was hashed", culprit=job["destination"])
+    for rec in records:  # sizes only: the sha256 were computed while writing and are not re-read
+        size = dest.staged_size(rec["path"])
+        if size != rec["size"]:
+            raise StorageError(f"staged {rec['path']} has {size} bytes, expected {rec['size']}",
+                               culprit=job["destination"], hint="re-run; the staged copy will be redone",
+                               transient=False)
     manifest = manifest_for(_options(job), job["warnings"], job["source_record"], job["destination"], records,
                             job["conversion_id"], job["target_pp"])
     crash_point("staged-all")
