@@ -450,22 +450,13 @@ class _FileSink(RecordSink):
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
         mv, hold = _as_bytes(data)
-        n = len(mv)
-        if self.pos + n > self.entry.size:
-            if release is not None:
-                release()
-            raise WriterError(f"producer of {self.name} wrote more than {self.entry.size} bytes")
-        if n == 0:
-            if release is not None:
-                release()
-            return
-        if len(self.head) < 8:
-            self.head += bytes(mv[:8 - len(self.head)])
-        self.crc = zlib.crc32(mv, self.crc)
-        self.writer.put((mv, self.entry.data_offset + self.pos, release, (keep, hold, data)))
-        self.pos += n
+        self._put([mv], release, (keep, hold, data), single=True)
 
     def writev(self, parts: list[memoryview], release: Callable[[], None] | None = None, keep: Any = None) -> None:
+        self._put(list(parts), release, keep, single=False)
+
+    def _put(self, parts: list[memoryview], release: Callable[[], None] | None, keep: Any, *, single: bool) -> None:
+        """CRC the parts here, queue them for ``pwrite`` (one buffer, or a ``pwritev`` list)."""
         n = sum(len(p) for p in parts)
         if self.pos + n > self.entry.size:
             if release is not None:
@@ -485,7 +476,7 @@ class _FileSink(RecordSink):
         for p in parts:
             crc = crc32(p, crc)
         self.crc = crc
-        self.writer.put((list(parts), self.entry.data_offset + self.pos, release, keep))
+        self.writer.put((parts[0] if single else parts, self.entry.data_offset + self.pos, release, keep))
         self.pos += n
 
     def finish(self) -> None:
