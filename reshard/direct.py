@@ -15,6 +15,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
         workdir = cache.new_workdir("run")
     try:
         dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir,
-                                source=src_loc, chunksize=cache.chunksize if cache else 32 << 20)
+                                source=src_loc)
         local = materialize(src, storage_options, cache, workdir)
         with _urls_in_errors(local.path, src):
             plan = build_plan(str(local.path), options)
@@ -165,15 +166,21 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             dest.acquire(uuid.uuid4().hex, cid)  # before touching staging: it may be another run's
             dest.open()
             names, records = [], []
-            for tp in plan.targets:
-                with _urls_in_errors(local.path, src):
-                    res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True)
-                records.append(dest.publish(tp.name, res.sha256))
-                dest.heartbeat()
-                report.results.append(res)
-                names.append(tp.name)
-                if on_target_done:
-                    on_target_done(res)
+            # target t uploads while target t+1 converts (one upload at a time: disk holds two outputs at most)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-publish") as uploader:
+                pending = []
+                for tp in plan.targets:
+                    with _urls_in_errors(local.path, src):
+                        res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True)
+                    if pending:
+                        pending[-1].result()  # surface an upload error before converting on
+                    pending.append(uploader.submit(dest.publish, tp.name, res.sha256))
+                    dest.heartbeat()
+                    report.results.append(res)
+                    names.append(tp.name)
+                    if on_target_done:
+                        on_target_done(res)
+                records.extend(f.result() for f in pending)
             for name, text in side_files(plan, list(names)).items():
                 dest.staged(name).write_text(text)
                 records.append(dest.publish(name))

@@ -257,3 +257,56 @@ def test_megatron_run_folder_on_s3_tp_and_pp_change(s3_server, s3_bucket, tmp_pa
     assert got == want and "latest_checkpointed_iteration.txt" in got
     assert "iter_0000200/mp_rank_00/model_optim_rng.pt" in got
     verify(f"{s3_bucket}/out", so)
+
+
+# --- S3 transfers: sliding-window multipart upload, concurrent server-side copy --------------------
+
+@pytest.mark.parametrize("kind", [None, "503", "reset"])
+def test_multipart_upload_and_copy_are_byte_exact_and_leave_no_parts(s3_server, s3_bucket, tmp_path, kind,
+                                                                     monkeypatch):
+    """A 3-part upload (through faults: botocore retries each part) and the commit's copy give
+    the exact bytes; no multipart upload is left open, also when one is aborted."""
+    import os
+
+    import s3fs
+    from faultproxy import FaultProxy
+
+    from reshard.storage import s3_transfer
+
+    data = os.urandom(11 << 20)  # parts of 5 MiB (the minimum): 5 + 5 + 1
+    local = tmp_path / "out.pt"
+    local.write_bytes(data)
+    bucket = s3_bucket[5:]
+    plain = s3fs.S3FileSystem(**s3_server.storage_options())
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        fs = s3fs.S3FileSystem(**s3_server.storage_options(endpoint_url=proxy.endpoint_url), skip_instance_cache=True)
+        assert s3_transfer.is_s3(fs)
+        if kind:
+            with proxy.faulting(kind, 3):
+                s3_transfer.put_multipart(fs, local, f"{bucket}/staging/out.pt", part_size=5 << 20, concurrency=3)
+            assert proxy.faults_injected > 0
+        else:
+            s3_transfer.put_multipart(fs, local, f"{bucket}/staging/out.pt", part_size=5 << 20, concurrency=3)
+        s3_transfer.copy_objects(fs, [(f"{bucket}/staging/out.pt", f"{bucket}/final/out.pt")],
+                                 {f"{bucket}/staging/out.pt": len(data)})
+    assert plain.cat_file(f"{bucket}/staging/out.pt") == data
+    assert plain.cat_file(f"{bucket}/final/out.pt") == data
+
+    missing = tmp_path / "gone.pt"  # nothing to read: refused before any upload starts
+    with pytest.raises(FileNotFoundError):
+        s3_transfer.put_multipart(plain, missing, f"{bucket}/x/gone.pt")
+    real_pread = os.pread
+    calls = {"n": 0}
+
+    def failing_pread(fd, n, off):  # the second part cannot be read: the upload must be aborted
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk error while uploading")
+        return real_pread(fd, n, off)
+
+    monkeypatch.setattr(s3_transfer.os, "pread", failing_pread)
+    with pytest.raises(OSError, match="disk error"):
+        s3_transfer.put_multipart(plain, local, f"{bucket}/x/big.pt", part_size=5 << 20, concurrency=1)
+    monkeypatch.undo()
+    assert plain.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+    assert not plain.exists(f"{bucket}/x/big.pt")

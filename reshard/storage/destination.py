@@ -28,8 +28,12 @@ from reshard.core.errors import DestinationError, StorageError
 from reshard.crashpoints import crash_point
 from reshard.storage.location import Location, open_location, storage_errors
 from reshard.storage.manifest import MANIFEST_NAME, file_record
+from reshard.storage.s3_transfer import copy_objects, is_s3, put_multipart
 
 STAGING_DIR = ".reshard-staging"
+#: S3 multipart uploads: part size and parts in flight (see :mod:`reshard.storage.s3_transfer`).
+UPLOAD_PART_BYTES = 16 << 20
+UPLOAD_CONCURRENCY = 10
 LOCK_NAME = ".reshard-lock.json"
 UPLOAD_ATTEMPTS = 3
 #: A lock not refreshed for this long belongs to a dead run and may be taken over.
@@ -302,9 +306,8 @@ class RemoteDestination(Destination):
     """An object store or other fsspec filesystem: staged files are uploaded (multipart for
     large ones) to the staging prefix as soon as each is written, then copied server-side."""
 
-    def __init__(self, loc: Location, *, overwrite: bool, workdir: Path, chunksize: int = 32 << 20):
+    def __init__(self, loc: Location, *, overwrite: bool, workdir: Path):
         super().__init__(loc, overwrite=overwrite, workdir=workdir / "out")
-        self.chunksize = max(chunksize, 5 << 20)  # S3's minimum multipart part size
         self.staging_prefix = loc.join(STAGING_DIR)
 
     def open(self, *, clean_staging: bool = True) -> None:
@@ -336,8 +339,10 @@ class RemoteDestination(Destination):
         return self.staged_remote_size(name)
 
     def _put(self, local: Path, remote: str) -> None:
-        kwargs = {"chunksize": self.chunksize} if "s3" in _protocols(self.loc.fs) else {}
-        self.loc.fs.put_file(str(local), remote, **kwargs)
+        if is_s3(self.loc.fs):
+            put_multipart(self.loc.fs, local, remote, part_size=UPLOAD_PART_BYTES, concurrency=UPLOAD_CONCURRENCY)
+        else:
+            self.loc.fs.put_file(str(local), remote)
 
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
         """Hash the staged file (unless the writer did), upload it to the staging prefix, check the size, free the disk."""
@@ -370,10 +375,17 @@ class RemoteDestination(Destination):
         fs = self.loc.fs
         self._assert_lock()
         with storage_errors(self.url):
-            for i, name in enumerate(names):
-                fs.copy(f"{self.staging_prefix}/{name}", self.loc.join(name))
-                if i == 0:
-                    crash_point("copying")
+            pairs = [(f"{self.staging_prefix}/{name}", self.loc.join(name)) for name in names]
+            if is_s3(fs):
+                sizes = {f"{self.staging_prefix}/{r['path']}": int(r["size"]) for r in manifest.get("files", [])}
+                copy_objects(fs, pairs[:1], sizes)
+                crash_point("copying")
+                copy_objects(fs, pairs[1:], sizes)
+            else:
+                for i, (src, dst) in enumerate(pairs):
+                    fs.copy(src, dst)
+                    if i == 0:
+                        crash_point("copying")
             for old in self._old_files:
                 if old not in names and fs.exists(self.loc.join(old)):
                     fs.rm_file(self.loc.join(old))
@@ -403,14 +415,8 @@ def _record(path: Path, name: str, sha256: str | None) -> dict[str, Any]:
     return {"path": name, "size": path.stat().st_size, "sha256": sha256}
 
 
-def _protocols(fs: Any) -> tuple[str, ...]:
-    p = fs.protocol
-    return (p,) if isinstance(p, str) else tuple(p)
-
-
 def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool,
-                     workdir: Path | None, source: Location | None = None, check: bool = True,
-                     chunksize: int = 32 << 20) -> Destination:
+                     workdir: Path | None, source: Location | None = None, check: bool = True) -> Destination:
     """The right :class:`Destination` for ``url``, checked unless ``check=False`` (nothing
     written yet)."""
     loc = open_location(url, storage_options)
@@ -419,7 +425,7 @@ def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwr
     else:
         if workdir is None:
             raise StorageError("a remote destination needs a local work folder", culprit=url)
-        dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir, chunksize=chunksize)
+        dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir)
     if check:
         dest.check(source)
     return dest
