@@ -32,7 +32,7 @@ from reshard.storage.s3_transfer import copy_objects, is_s3, put_multipart
 
 STAGING_DIR = ".reshard-staging"
 #: S3 multipart uploads: part size and parts in flight (see :mod:`reshard.storage.s3_transfer`).
-UPLOAD_PART_BYTES = 16 << 20
+UPLOAD_PART_BYTES = 8 << 20
 UPLOAD_CONCURRENCY = 10
 LOCK_NAME = ".reshard-lock.json"
 UPLOAD_ATTEMPTS = 3

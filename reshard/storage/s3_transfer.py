@@ -33,7 +33,7 @@ def is_s3(fs: Any) -> bool:
     return "s3" in ((p,) if isinstance(p, str) else tuple(p)) and hasattr(fs, "call_s3")
 
 
-def put_multipart(fs: Any, local: Path, remote: str, *, part_size: int = 16 << 20, concurrency: int = 10) -> None:
+def put_multipart(fs: Any, local: Path, remote: str, *, part_size: int = 8 << 20, concurrency: int = 10) -> None:
     """Upload ``local`` to ``remote`` (an s3fs path) with ``concurrency`` parts always in flight."""
     part_size = max(part_size, MIN_PART)
     bucket, key, _ = fs.split_path(remote)
