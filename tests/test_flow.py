@@ -142,7 +142,9 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     nothing is published at the destination."""
     from reshard.core.errors import CorruptCheckpointError
 
-    src = sample_factory(8, 2.0)
+    import shutil
+
+    src = shutil.copytree(sample_factory(8, 2.0), tmp_path / "src")  # the factory's samples are shared
     bad = src / "mp_rank_07_model_states.pt"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     with pytest.raises(CorruptCheckpointError):
