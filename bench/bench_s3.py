@@ -99,7 +99,7 @@ def measure(cmd: list[str], logfile: Path, env: dict[str, str]) -> dict[str, Any
     if lines:
         try:
             r["phases"] = json.loads(lines[-1])
-        except ValueError:
+        except ValueError:  # a command that printed no phase record: wall time and RSS only
             pass
     return r
 

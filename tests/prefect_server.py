@@ -59,7 +59,7 @@ def stop(proc: subprocess.Popen | None, grace: float = 10.0, sig: int = signal.S
     except subprocess.TimeoutExpired:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except ProcessLookupError:  # exited between the timeout and the kill
             pass
         proc.wait(timeout=10)
 

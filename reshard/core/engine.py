@@ -13,8 +13,8 @@ every tensor still a :class:`~reshard.core.torch_writer.PendingTensor` (shape an
 from the plan) and written by :func:`reshard.core.torch_writer.save` — the bytes ``torch.save``
 would write — as it is produced. A partitioned tensor is never assembled: along dim 0 its pieces
 are byte ranges of the memory-mapped sources, written straight from the mapping; along a later
-dim the sources' rows are gathered (``pwritev``) block by block. Pages of the sources are given
-back once written (:class:`~reshard.core.pages.PageDropper`), so memory is a few chunks
+dim the sources' rows are gathered block by block into reused scratch buffers. Pages of the
+sources are given back once read (:class:`~reshard.core.pages.PageDropper`), so memory is a few chunks
 (``CHUNK_BYTES``), not a shard or a target. Quantized weights are the exception: each is
 quantized whole (one int8 tensor at a time), with the cache-blocked quantizer.
 """

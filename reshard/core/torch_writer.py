@@ -17,7 +17,7 @@ the same file as a stream instead:
    CRC-32 runs at ~0.25 GB/s; ``zlib.crc32`` at ~2.5 GB/s).
 3. **Stream.** Each record's bytes are produced in file order, chunk by chunk (the engine never
    assembles a whole tensor: chunks are views of the memory-mapped sources, or gathers of their
-   rows), and written into its hole with ``pwrite``/``pwritev`` by a writer thread while the
+   rows), and written into its hole with ``pwrite`` by a writer thread while the
    producer reads the next chunk; CRC-32 is computed on the fly, and optionally the SHA-256 of the
    whole file, in file order (``save(..., sha256=True)``), so it need not be read again.
 4. **Patch.** The CRC fields (data descriptors and central directory) and the serialization id
@@ -87,14 +87,6 @@ class RecordSink(abc.ABC):
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
         """Append ``data`` (bytes-like or a contiguous CPU tensor). ``release`` is called once the
         bytes have been consumed (e.g. to drop the source pages); ``keep`` is held until then."""
-
-    def writev(self, parts: list[memoryview], release: Callable[[], None] | None = None, keep: Any = None) -> None:
-        """Append the byte views ``parts`` in order (a gather write: rows of several sources
-        interleaved without copying them into a buffer first)."""
-        for i, mv in enumerate(parts):
-            self.write(mv, release=release if i == len(parts) - 1 else None, keep=keep)
-        if not parts and release is not None:
-            release()
 
     def zeros(self, n: int) -> None:
         """Append ``n`` zero bytes."""
@@ -351,33 +343,6 @@ def _read_entries(fd: int) -> list[_Entry]:
 # --- streaming ----------------------------------------------------------------------------------
 
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024) or 16
-
-
-def _pwritev_all(fd: int, parts: list[memoryview], offset: int) -> None:
-    """Write ``parts`` back to back at ``offset`` (``pwritev``, any number of parts, retried
-    on short writes)."""
-    i = 0
-    while i < len(parts):
-        batch = parts[i:i + _IOV_MAX]
-        want = sum(len(b) for b in batch)
-        done = os.pwritev(fd, batch, offset)
-        offset += done
-        if done == want:
-            i += len(batch)
-            continue
-        # short write: skip what was written, continue with the rest of the batch
-        rest: list[memoryview] = []
-        for b in batch:
-            if done >= len(b):
-                done -= len(b)
-            else:
-                rest.append(b[done:])
-                done = 0
-        parts = rest + parts[i + len(batch):]
-        i = 0
-
-
 class _WriterThread:
     """Writes queued chunks with ``pwrite`` (and feeds them, in file order, to an optional
     SHA-256), then calls their release hooks. Items: ``(data, offset, release, keep)``; an
@@ -400,15 +365,11 @@ class _WriterThread:
             try:
                 if self.error is None:
                     if offset is not None:
-                        if isinstance(mv, list):
-                            _pwritev_all(self.fd, mv, offset)
-                        else:
-                            done = 0
-                            while done < len(mv):
-                                done += os.pwrite(self.fd, mv[done:], offset + done)
+                        done = 0
+                        while done < len(mv):
+                            done += os.pwrite(self.fd, mv[done:], offset + done)
                     if self.digest is not None:
-                        for part in (mv if isinstance(mv, list) else (mv,)):
-                            self.digest.update(part)
+                        self.digest.update(mv)
             except BaseException as exc:  # disk full, I/O error: reported to the producer
                 self.error = exc
             finally:
@@ -450,14 +411,7 @@ class _FileSink(RecordSink):
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
         mv, hold = _as_bytes(data)
-        self._put([mv], release, (keep, hold, data), single=True)
-
-    def writev(self, parts: list[memoryview], release: Callable[[], None] | None = None, keep: Any = None) -> None:
-        self._put(list(parts), release, keep, single=False)
-
-    def _put(self, parts: list[memoryview], release: Callable[[], None] | None, keep: Any, *, single: bool) -> None:
-        """CRC the parts here, queue them for ``pwrite`` (one buffer, or a ``pwritev`` list)."""
-        n = sum(len(p) for p in parts)
+        n = len(mv)
         if self.pos + n > self.entry.size:
             if release is not None:
                 release()
@@ -467,16 +421,9 @@ class _FileSink(RecordSink):
                 release()
             return
         if len(self.head) < 8:
-            for p in parts:
-                self.head += bytes(p[:8 - len(self.head)])
-                if len(self.head) >= 8:
-                    break
-        crc = self.crc
-        crc32 = zlib.crc32
-        for p in parts:
-            crc = crc32(p, crc)
-        self.crc = crc
-        self.writer.put((parts[0] if single else parts, self.entry.data_offset + self.pos, release, keep))
+            self.head += bytes(mv[:8 - len(self.head)])
+        self.crc = zlib.crc32(mv, self.crc)
+        self.writer.put((mv, self.entry.data_offset + self.pos, release, (keep, hold, data)))
         self.pos += n
 
     def finish(self) -> None:

@@ -255,7 +255,6 @@ class LocalDestination(Destination):
         return p
 
     def staged_size(self, name: str) -> int | None:
-        """Size of staged output ``name``, or None when it is not staged."""
         p = self.staged(name)
         return p.stat().st_size if p.is_file() else None
 

@@ -203,9 +203,7 @@ def skeleton_view(disc: Discovery, view: Path) -> Path:
     so ``locate`` sees the full layout and sizes. Placeholders hold no bytes: whoever reads a
     shard must first put it in place with :func:`link_into_view` (the pipeline's tasks do, for
     exactly the shards they read). For a local source the view is the source itself."""
-    if disc.is_local:
-        return build_view(disc, {}, view)
-    for obj in disc.objects:
+    for obj in [] if disc.is_local else disc.objects:
         dst = view / obj.name
         if not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -213,11 +211,7 @@ def skeleton_view(disc: Discovery, view: Path) -> Path:
             with open(tmp, "wb") as f:
                 f.truncate(obj.size)
             os.replace(tmp, dst)
-    if disc.descriptor_name is not None:
-        view.mkdir(parents=True, exist_ok=True)
-        (view / disc.descriptor_name).write_bytes(disc.descriptor_bytes or b"")
-        return view / disc.descriptor_name
-    return view
+    return build_view(disc, {}, view)  # the descriptor, if any; a local source in place
 
 
 def link_into_view(fetched: Path, dst: Path) -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
+import json
 import os
 import shutil
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,7 @@ def output_present(job: dict[str, Any], name: str, *, accept_local_file: bool) -
         return any(r.get("path") == name for r in manifest.get("files", []))
     if accept_local_file and converted_path(job, name).is_file():
         return True
-    if isinstance(dest, LocalDestination):
-        return dest.staged(name).is_file()
-    return dest.staged_remote_size(name) is not None
+    return dest.staged_size(name) is not None
 
 
 def _options(job: dict[str, Any]) -> ReshardOptions:
@@ -85,25 +83,16 @@ def _link_fetched(job: dict[str, Any], fetched: dict[str, str]) -> None:
         link_into_view(Path(path), root / name)
 
 
-_PLANS: OrderedDict[tuple[str, str], Any] = OrderedDict()
-_PLANS_LOCK = threading.Lock()
-
-
 def layout_plan(job: dict[str, Any]) -> Any:
     """The headers-only plan of this conversion, built once per worker process (every convert
     task of a run needs it; rebuilding it per task cost seconds on large models)."""
-    key = (job["view_path"], job["conversion_id"])
-    with _PLANS_LOCK:
-        if key in _PLANS:
-            _PLANS.move_to_end(key)
-            return _PLANS[key]
-    with _urls_in_errors(Path(job["view_path"]), job["source"]):
-        plan = build_plan(job["view_path"], _options(job), headers_only=True)
-    with _PLANS_LOCK:
-        _PLANS[key] = plan
-        while len(_PLANS) > 4:
-            _PLANS.popitem(last=False)
-    return plan
+    return _layout_plan(job["view_path"], job["conversion_id"], job["source"], json.dumps(job["options"]))
+
+
+@functools.lru_cache(maxsize=4)
+def _layout_plan(view_path: str, _conversion_id: str, source_url: str, options_json: str) -> Any:
+    with _urls_in_errors(Path(view_path), source_url):
+        return build_plan(view_path, ReshardOptions(**json.loads(options_json)), headers_only=True)
 
 
 @task(name="locate-source", **TRANSIENT_RETRIES)
