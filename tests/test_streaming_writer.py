@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import io
 import json
 import os
@@ -144,9 +146,39 @@ def test_producer_errors_propagate_and_nothing_hangs(tmp_path):
     assert threading.active_count() < 20  # writer threads were joined
 
 
-def test_writer_holds_a_bounded_number_of_chunks(tmp_path, monkeypatch):
-    """200 chunks streamed; never more than the queue depth (+ the one being written + the one
-    being produced) alive at once — each chunk is released as soon as it is on disk."""
+class _BrokenDigest:
+    def update(self, data):
+        raise OSError("hash engine failed")
+
+
+@pytest.mark.parametrize("broken", ["write", "hash"])
+def test_a_failing_write_or_hash_stage_reaches_the_producer_and_releases_every_chunk(tmp_path, broken):
+    """Either thread of the write pipeline failing: the producer gets that error (not a hang, not
+    a later symptom) and every chunk handed over is released exactly once."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY if broken == "write" else os.O_RDWR)  # read-only: pwrite fails
+    released: list[int] = []
+    digest = _BrokenDigest() if broken == "hash" else None
+    stage = torch_writer._writer_pipeline(fd, 2, digest)
+    handed = 0
+    with pytest.raises(OSError) as err:
+        for i in range(50):
+            stage.put((memoryview(b"x" * 64), i * 64, functools.partial(released.append, i), None))
+            handed += 1
+        stage.close()
+    with contextlib.suppress(OSError):
+        stage.close()  # after an error from put: the threads still stop
+    os.close(fd)
+    assert ("hash engine failed" in str(err.value)) == (broken == "hash")
+    assert sorted(released) == list(range(handed))
+    assert not stage.thread.is_alive()
+
+
+@pytest.mark.parametrize("sha256", [False, True])
+def test_writer_holds_a_bounded_number_of_chunks(tmp_path, sha256):
+    """200 chunks streamed; never more than ``IN_FLIGHT`` (+ the one being produced) alive at
+    once — each chunk is released as soon as it is on disk (and hashed)."""
     live, peak, lock = 0, 0, threading.Lock()
     chunk = 1 << 16
 
@@ -165,9 +197,10 @@ def test_writer_holds_a_bounded_number_of_chunks(tmp_path, monkeypatch):
 
             sink.write(buf, release=release)
 
-    torch_writer.save({"big": PendingTensor((200 * chunk,), torch.uint8, produce)}, tmp_path / "x.pt")
+    torch_writer.save({"big": PendingTensor((200 * chunk,), torch.uint8, produce)}, tmp_path / "x.pt", sha256=sha256)
     assert live == 0
-    assert peak <= torch_writer.QUEUE_DEPTH + 2
+    assert peak <= torch_writer.IN_FLIGHT + 1
+    assert peak >= torch_writer.QUEUE_DEPTH  # the bound is what is measured, not a loose one
     t = torch.load(tmp_path / "x.pt")["big"]
     assert t.numel() == 200 * chunk and int(t[-1]) == 199 % 251
 

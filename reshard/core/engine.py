@@ -48,7 +48,7 @@ from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
 from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.rules import QUANT_SLOT_ORDER
 from reshard.core.safe_load import load_shard
-from reshard.core.torch_writer import CHUNK_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, WriterError, tensor_bytes
+from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, RecordSink, WriterError, tensor_bytes
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
@@ -350,11 +350,11 @@ class _QuantState:
 
 class ScratchBuffers:
     """Reusable byte buffers for gathered blocks: taken by the producer, given back by the writer
-    thread once a block is on disk. At most ``QUEUE_DEPTH + 2`` exist (queued, being written,
-    being filled), so the producer waits for one rather than allocating — fresh memory is
-    expensive to fault in, in VMs especially."""
+    thread once a block is on disk (and hashed). At most ``IN_FLIGHT + 1`` exist (handed to the
+    writer, being filled), so the producer waits for one rather than allocating — fresh memory
+    is expensive to fault in, in VMs especially."""
 
-    def __init__(self, limit: int = QUEUE_DEPTH + 2) -> None:
+    def __init__(self, limit: int = IN_FLIGHT + 1) -> None:
         self.limit = limit
         self.made = 0
         self.free: "queue.Queue[torch.Tensor]" = queue.Queue()
@@ -418,6 +418,30 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+_intra_op = {"lock": threading.Lock(), "users": 0, "saved": 0}
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch's intra-op pool at one thread while streaming a target: the only torch work is the
+    row gathers (memory-bound strided copies), and after each one the idle OpenMP workers
+    busy-wait for more — about a tenth of the process's CPU on 2 cores, taken from the writer
+    and hashing threads. Process-wide, so nested/concurrent conversions count in: the first
+    in sets it, the last out restores it."""
+    with _intra_op["lock"]:
+        if _intra_op["users"] == 0:
+            _intra_op["saved"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _intra_op["users"] += 1
+    try:
+        yield
+    finally:
+        with _intra_op["lock"]:
+            _intra_op["users"] -= 1
+            if _intra_op["users"] == 0:
+                torch.set_num_threads(_intra_op["saved"])
+
+
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
                    device: torch.device | None = None, *, sha256: bool = False) -> TargetResult:
     """Write target ``tgt`` (an index into ``plan.targets``) to ``out_path``: the bytes
@@ -433,7 +457,10 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     pages = PageDropper(plan.source.files[i] for i in plan.targets[tgt].sources)
     sd = _target_layout(plan, tgt, shards, device, pages)
     pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(sd) else None
-    stats = torch_writer.save(sd, out_path, pickle_module=pickle_module, sha256=sha256)
+    # quantizing is compute: it keeps torch's threads
+    threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
+    with threads:
+        stats = torch_writer.save(sd, out_path, pickle_module=pickle_module, sha256=sha256)
     del sd, shards
     return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
                         time.perf_counter() - t0, stats.sha256)
