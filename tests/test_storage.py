@@ -4,6 +4,7 @@ staged commit; bad URLs; fault injection through a proxy. The source is never wr
 from __future__ import annotations
 
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -310,3 +311,46 @@ def test_multipart_upload_and_copy_are_byte_exact_and_leave_no_parts(s3_server, 
     monkeypatch.undo()
     assert plain.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
     assert not plain.exists(f"{bucket}/x/big.pt")
+
+
+@pytest.mark.parametrize("backend", ["file"])
+def test_two_conversions_claiming_one_destination_at_once_exactly_one_wins(backend, tmp_path, request):
+    """Both runs find no lock, both write theirs: the pause before reading it back lets the
+    earlier writer see the later one's and step back. (Without the pause both would go on: the
+    barrier makes both pass the "no lock here" check before either writes.) Not asserted on S3:
+    there two racing lock writes can land further apart than the pause (docs/reliability.md)."""
+    from reshard.storage.destination import Destination, open_destination
+
+    real_write = Destination._write_lock
+    both_checked = threading.Barrier(2, timeout=30)
+
+    def write_after_both_checked(self):
+        both_checked.wait()
+        real_write(self)
+
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setattr(Destination, "_write_lock", write_after_both_checked)
+
+    if backend == "s3":
+        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        so, root = server.storage_options(), f"{bucket}/race"
+    else:
+        so, root = {}, str(tmp_path / "race")
+    for trial in range(10):
+        dests = [open_destination(f"{root}/{trial}", dict(so), overwrite=False, workdir=tmp_path / f"w{trial}{i}")
+                 for i in range(2)]
+        outcomes = [None, None]
+        both_checked.reset()
+
+        def claim(i):
+            try:
+                dests[i].acquire(uuid.uuid4().hex, f"conversion-{i}")
+                outcomes[i] = "won"
+            except DestinationError as err:
+                outcomes[i] = str(err)
+
+        threads = [threading.Thread(target=claim, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert sorted(o == "won" for o in outcomes) == [False, True], (trial, outcomes)
+

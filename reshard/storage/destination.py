@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -38,8 +39,12 @@ LOCK_NAME = ".reshard-lock.json"
 UPLOAD_ATTEMPTS = 3
 #: A lock not refreshed for this long belongs to a dead run and may be taken over.
 LOCK_STALE_SECONDS = 600
-#: Pause between writing the lock and reading it back (see ``Destination.acquire``).
+#: Pause between writing the lock and reading it back (see ``Destination.acquire``): long enough
+#: for a racing writer's lock to become visible through an object store's front ends.
 LOCK_SETTLE_SECONDS = 0.3
+#: The same on a local filesystem, where a write is visible at once: the pause only has to
+#: cover the few milliseconds between a racing run's "no lock here" check and its write.
+LOCAL_LOCK_SETTLE_SECONDS = 0.1
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -50,6 +55,8 @@ def _inside(child: str, parent: str) -> bool:
 class Destination(ABC):
     """Where outputs go. Engines write to :meth:`staged` paths (always local), then call
     :meth:`publish`; :meth:`commit` makes the checkpoint visible, :meth:`abort` cleans up."""
+
+    lock_settle_seconds = LOCK_SETTLE_SECONDS
 
     def __init__(self, loc: Location, *, overwrite: bool, workdir: Path):
         self.loc = loc
@@ -135,7 +142,11 @@ class Destination(ABC):
         rec = {"token": self._lock_token, "conversion_id": self._lock_conversion, "host": socket.gethostname(),
                "pid": os.getpid(), "time": time.time()}
         with storage_errors(self.url):
-            self.loc.fs.pipe_file(self.loc.join(LOCK_NAME), json.dumps(rec).encode())
+            self._put_lock(json.dumps(rec).encode())
+
+    def _put_lock(self, data: bytes) -> None:
+        """Replace the lock file whole (an object PUT is atomic)."""
+        self.loc.fs.pipe_file(self.loc.join(LOCK_NAME), data)
 
     def acquire(self, token: str, conversion_id: str) -> None:
         """Claim the destination for this run. Another live run of a *different* conversion
@@ -162,7 +173,7 @@ class Destination(ABC):
             raise
         # object stores have no atomic create-if-absent everywhere: write, wait, read back. Of two
         # racing writers the later one wins and the earlier one sees it here.
-        time.sleep(LOCK_SETTLE_SECONDS)
+        time.sleep(self.lock_settle_seconds)
         held = self._read_lock()
         if held and held.get("token") != token and held.get("conversion_id") != conversion_id:
             self._lock_token = None
@@ -231,6 +242,16 @@ class Destination(ABC):
 
 class LocalDestination(Destination):
     """A local folder: staged files are renamed into place (atomic on one filesystem)."""
+
+    lock_settle_seconds = LOCAL_LOCK_SETTLE_SECONDS
+
+    def _put_lock(self, data: bytes) -> None:
+        """Write a private file, then rename it over the lock: two runs writing the lock at once
+        each leave a whole record, never a torn mix (which would read as "no lock")."""
+        final = self.folder / LOCK_NAME
+        tmp = final.with_name(f"{LOCK_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, final)
 
     def __init__(self, loc: Location, *, overwrite: bool):
         super().__init__(loc, overwrite=overwrite, workdir=Path(loc.path) / STAGING_DIR)
