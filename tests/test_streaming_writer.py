@@ -292,6 +292,30 @@ def test_peak_memory_is_bounded_by_chunks_not_tensors(tmp_path):
     os.remove(out)
 
 
+def test_streaming_runs_torch_single_threaded_and_restores_the_thread_count(tmp_path):
+    """Converting sets torch's intra-op threads to 1 (idle OpenMP workers spin otherwise) and
+    puts the caller's setting back — also when conversions overlap in threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with engine._one_intra_op_thread():
+            seen.append(torch.get_num_threads())
+            with engine._one_intra_op_thread():
+                seen.append(torch.get_num_threads())
+            seen.append(torch.get_num_threads())
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+        write_sample_checkpoint(tmp_path / "src", tp=4, cfg=GPTConfig(layers=1, hidden=64, heads=8, vocab=128, seq=16))
+        plan = build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=2))
+        threads = [threading.Thread(target=convert_target, args=(plan, t.rank, tmp_path / f"{t.rank}-{i}.pt"))
+                   for t in plan.targets for i in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_sha256_while_writing_equals_the_files(tmp_path):
     import hashlib
 
