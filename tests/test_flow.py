@@ -122,10 +122,24 @@ def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_fac
     src = sample_factory(8, 2.0)
     out = run_flow(_params(src, tmp_path / "limited", tmp_path, target_tp=4, gpu_concurrency_limit=name))
     assert len(out["files"]) == 5
+    assert _convert_tags(out["flow_run_id"]) == [["reshard-gpu"]] * 4
+    plain = run_flow(_params(src, tmp_path / "plain", tmp_path, target_tp=4))
+    assert _convert_tags(plain["flow_run_id"]) == [[]] * 4  # no GPU option: no tag, no slot round trip
     with pytest.raises(Exception):  # strict=True: a missing limit fails the run (never runs unlimited)
         run_flow(_params(src, tmp_path / "nolimit", tmp_path / "c2", target_tp=4,
                          gpu_concurrency_limit="no-such-limit"))
     assert not (tmp_path / "nolimit" / MANIFEST_NAME).exists()
+
+
+def _convert_tags(flow_run_id: str) -> list[list[str]]:
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return [sorted(r.tags) for r in runs if r.name.startswith("convert-target")]
 
 
 def _latest_flow_run_id() -> str:

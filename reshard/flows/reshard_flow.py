@@ -35,8 +35,9 @@ from reshard.flows.params import ReshardParams
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
-from reshard.tasks.target_tasks import (cache_dir_of, commit_checkpoint, convert_target_rank, locate_source,
-                                        output_present, plan_conversion, plan_layout, report, upload_target)
+from reshard.tasks.target_tasks import (GPU_TAG, cache_dir_of, commit_checkpoint, convert_target_rank,
+                                        locate_source, output_present, plan_conversion, plan_layout, report,
+                                        upload_target)
 
 
 @flow(name="reshard", validate_parameters=True)
@@ -69,13 +70,17 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     # published (uploaded, moved into staging) before they pass
     job_f = plan_conversion.submit(layout, fetches, wait_for=list(checks.values()))
     converts, uploads = {}, {}
+    # the GPU tag only when GPU handling was asked for: Prefect makes every tagged task acquire a
+    # concurrency slot per tag from the server first (measured: ~2 s before a conversion starts)
+    gpu_tags = [GPU_TAG] if (params.gpu_concurrency_limit or params.gpu_resource
+                             or (params.device or "cpu") != "cpu") else []
     for t in layout["targets"]:
         name = t["name"]
         staged = output_present(layout, name, accept_local_file=False)  # uploaded or committed
         converted = staged or output_present(layout, name, accept_local_file=True)
         with _gpu_annotation(params.gpu_resource):
             # starts as soon as *its* source shards are fetched and checked, not all of them
-            converts[name] = convert_target_rank.with_options(refresh_cache=not converted).submit(
+            converts[name] = convert_target_rank.with_options(refresh_cache=not converted, tags=gpu_tags).submit(
                 layout, name, t["rank"], {s: fetches[s] for s in t["sources"]},
                 wait_for=[checks[s] for s in t["sources"]])
         uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job_f, name, converts[name])

@@ -170,7 +170,7 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
     return dict(job, up_to_date=up_to_date, source_record=source_record(plan, local))
 
 
-@task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True, tags=[GPU_TAG])
+@task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True)
 def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict[str, str]) -> dict[str, Any]:
     """Merge/split/quantize one target rank from exactly the source shards it needs, into the
     work folder (published by ``upload-target`` once the cross-rank checks passed)."""
