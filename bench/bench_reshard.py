@@ -102,8 +102,8 @@ def measure(cmd: list[str], logfile: Path, env: dict[str, str] | None = None) ->
         _pid, status, ru = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
-    return {"wall": wall, "rss_mib": ru.ru_maxrss / 1024, "cpu": ru.ru_utime + ru.ru_stime, "rc": p.returncode,
-            "load1": load_before}
+    return {"wall": wall, "rss_mib": ru.ru_maxrss / 1024, "cpu": ru.ru_utime + ru.ru_stime, "user": ru.ru_utime,
+            "sys": ru.ru_stime, "rc": p.returncode, "load1": load_before}
 
 
 class Bench:
@@ -175,8 +175,19 @@ class Bench:
             elif self.cold_ok:
                 drop_caches()
             if self.cold_ok:
+                self.settle()
                 return
         warm(src)
+        self.settle()
+
+    def settle(self) -> None:
+        """Let memory freed by the previous run (its deleted output, its heap) go back to the host
+        before the next run starts. In a VM with free-page reporting (virtio-balloon; Linux
+        reports free pages after ~2 s) a run that starts at once writes into pages the guest still
+        holds, one that starts later faults fresh ones in from the host — 1-3 s per GB here. With
+        the pause every method starts from the same state instead of from whatever ran before it."""
+        if self.ns.settle > 0:
+            time.sleep(self.ns.settle)
 
     def run_one(self, method: str, src: Path, keep: bool = False) -> tuple[dict[str, Any], Path]:
         run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.tmp))
@@ -190,7 +201,7 @@ class Bench:
         r["out_bytes"] = folder_bytes(dst)
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-        log(f"{method:28s} {r['wall']:7.2f} s  {r['cpu']:7.2f} cpu-s  {r['rss_mib']:7.0f} MiB  "
+        log(f"{method:28s} {r['wall']:7.2f} s  {r['user']:6.2f} user  {r['sys']:6.2f} sys  {r['rss_mib']:7.0f} MiB  "
             f"(load {r['load1']:.1f})")
         return r, run_dir
 
@@ -255,18 +266,20 @@ def report(ns: argparse.Namespace, res: dict[str, Any]) -> str:
     floor_w, ds_w = med(main_[FLOOR], "wall"), med(main_.get(DS, main_[FLOOR]), "wall")
     loads = [r["load1"] for rs in main_.values() for r in rs if "load1" in r]
     lines = [f"Source: {res['source_gb']:.2f} GB, {res['layers']} layers, fp16, TP 8 -> {TARGET_TP}; "
-             f"{ns.runs} runs each, interleaved, {'cold' if res['cold'] else 'warm'} page cache; "
-             f"median (min–max); CPU s = user + system of the command's process tree; "
+             f"{ns.runs} runs each, interleaved, {'cold' if res['cold'] else 'warm'} page cache, "
+             f"{ns.settle:g} s pause before each run (memory back with the host); "
+             f"median (min–max); user / sys s = CPU time of the command's process tree (sys: mostly the "
+             f"kernel copying into the page cache, which varies run to run on this VM for every method alike); "
              f"1-min load average before each run {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} CPUs.", "",
-             "| method | wall s | range s | CPU s | peak RSS MiB | vs byte-copy floor | vs DeepSpeed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| method | wall s | range s | user s | sys s | peak RSS MiB | vs byte-copy floor | vs DeepSpeed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for m in ALL:
         if m not in main_:
             continue
         w = med(main_[m], "wall")
         ds = f"{w / ds_w:.2f}x" if DS in main_ else "–"
-        lines.append(f"| {m} | {w:.2f} | {spread(main_[m], 'wall')} | {med(main_[m], 'cpu'):.2f} | "
-                     f"{med(main_[m], 'rss_mib'):.0f} | {w / floor_w:.2f}x | {ds} |")
+        lines.append(f"| {m} | {w:.2f} | {spread(main_[m], 'wall')} | {med(main_[m], 'user'):.2f} | "
+                     f"{med(main_[m], 'sys'):.2f} | {med(main_[m], 'rss_mib'):.0f} | {w / floor_w:.2f}x | {ds} |")
     deep = res.get("deep")
     if deep:
         lines += ["", f"Depth scaling ({res['layers']} -> {res['deep_layers']} layers, "
@@ -299,6 +312,9 @@ def targets(res: dict[str, Any]) -> list[str]:
     d_w, d_rss = med(main_[DIRECT], "wall"), med(main_[DIRECT], "rss_mib")
     ok = lambda b: "met" if b else "NOT met"  # noqa: E731
     out.append(f"direct within 1.2x of the byte-copy floor: {d_w / floor_w:.2f}x — {ok(d_w / floor_w <= 1.2)}")
+    paired = sorted(d["wall"] / f["wall"] for d, f in zip(main_[DIRECT], main_[FLOOR]))
+    out.append("(same, per round — each --direct run over the floor run of its round: "
+               + " / ".join(f"{r:.2f}x" for r in paired) + f", median {statistics.median(paired):.2f}x)")
     out.append(f"peak RSS <= 1 GiB: {d_rss:.0f} MiB — {ok(d_rss <= 1024)}")
     if res.get("deep"):
         g = med(res["deep"][DIRECT], "rss_mib") / d_rss - 1
@@ -342,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root)")
+    ap.add_argument("--settle", type=float, default=4.0,
+                    help="seconds to wait before each run so memory freed by the previous one is back with "
+                         "the host (VM free-page reporting); 0: start at once, as before")
     ap.add_argument("--skip-flow", action="store_true")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-quant", action="store_true")
@@ -349,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if ns.quick:
         ns.runs = 1
+        ns.settle = min(ns.settle, 0.5)
     t_start = time.perf_counter()
     b = Bench(ns)
     try:
