@@ -9,9 +9,14 @@ reshard of the TP=N sample equals the TP=M sample bit for bit — padding rows i
 
 from __future__ import annotations
 
+import argparse
+import enum
 import io
 import itertools
+import pickle
 import shutil
+import types
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +26,7 @@ import torch
 from layout_helpers import convert, legacy_names
 from mcore_reference import Arch, core_logits
 from reshard.cli import main
+from reshard.core import foreign
 from reshard.core.errors import (CheckpointFormatError, LayoutError, MissingModelFactError,
                                  UnsafeCheckpointError)
 from reshard.core.layouts import pieces_for_target
@@ -216,6 +222,91 @@ def test_foreign_objects_load_safely_and_are_written_back_as_they_were(tmp_path)
     assert "rng_state" not in out
     safe = load_shard(_iter(tmp_path / "out") / "mp_rank_00" / "model_optim_rng.pt")
     assert type(safe["args"].lr).__name__.startswith("Foreign_")
+
+
+class _EnumByNamePickler(pickle.Pickler):
+    """Pickles enum members as ``getattr(EnumClass, name)``, as Python 3.11.2 does (3.11.7 does
+    not), so the by-name form is tested whichever Python runs the tests."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if obj is _GETATTR_ON_NAMESPACE:
+            return getattr, (argparse.Namespace, "__init__")
+        return NotImplemented
+
+
+_GETATTR_ON_NAMESPACE = object()
+_ENUM_BY_NAME = types.ModuleType("enum_by_name_pickle")  # the pickle_module torch.save takes
+_ENUM_BY_NAME.Pickler, _ENUM_BY_NAME.Unpickler = _EnumByNamePickler, pickle.Unpickler  # type: ignore[attr-defined]
+
+
+def test_enum_members_pickled_by_name_load_as_stand_ins_and_are_written_back(tmp_path):
+    from megatron.core.transformer.enums import AttnBackend
+
+    write_core_sample_checkpoint(tmp_path / "src", tp=2)
+    for f in (tmp_path / "src").rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].attention_backend = AttnBackend.auto
+        torch.save(sd, f, pickle_module=_ENUM_BY_NAME)
+        assert b"getattr" in zipfile.ZipFile(f).read(next(n for n in zipfile.ZipFile(f).namelist()
+                                                          if n.endswith("data.pkl")))
+    safe = load_shard(next((tmp_path / "src").rglob("model_optim_rng.pt")))
+    member = safe["args"].attention_backend
+    assert isinstance(member, foreign.ForeignMember) and member.foreign_args[1] == "auto"
+    assert member.foreign_args[0] is foreign.STAND_INS["megatron.core.transformer.enums.AttnBackend"]
+    convert(tmp_path / "src", tmp_path / "out", target_tp=1)
+    out = torch.load(_iter(tmp_path / "out") / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert out["args"].attention_backend is AttnBackend.auto
+
+
+def test_loads_resolve_to_stand_ins_whatever_else_is_in_torchs_allowlist(tmp_path):
+    """Importing megatron.core adds its real classes to torch's process-wide allowlist under the
+    names our stand-ins use; torch then picks either entry by set order. Decoys are added here
+    until a plain ``safe_globals(SAFE_GLOBALS)`` load *would* pick one, so the test cannot pass by
+    luck; reshard's load must still give the stand-in, and leave the caller's allowlist as it was."""
+    from torch._weights_only_unpickler import _get_user_allowed_globals
+
+    from reshard.core.safe_load import SAFE_GLOBALS
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    name = "megatron.core.transformer.enums.AttnBackend"
+    write_core_sample_checkpoint(tmp_path / "src", tp=1)
+    f = _iter(tmp_path / "src") / "mp_rank_00" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["args"].attention_backend = AttnBackend.auto  # by value or by name, as this Python pickles enums
+    torch.save(sd, f)
+    saved = torch.serialization.get_safe_globals()
+    try:
+        for i in range(64):
+            decoy = type(f"Decoy{i}", (), {"__init__": lambda self, *a: None})
+            torch.serialization.add_safe_globals([(decoy, name)])
+            with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+                if _get_user_allowed_globals()[name] is not foreign.STAND_INS[name]:
+                    break
+        else:
+            pytest.fail("could not make a decoy win torch's lookup")
+        before = torch.serialization.get_safe_globals()
+        got = load_shard(f)["args"].attention_backend
+        if isinstance(got, foreign.ForeignMember):  # this Python pickles enum members by name
+            assert got.foreign_args == (foreign.STAND_INS[name], "auto")
+        else:
+            assert type(got) is foreign.STAND_INS[name] and got.foreign_args == (5,)
+        assert set(torch.serialization.get_safe_globals()) == set(before)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
+
+
+def test_getattr_on_anything_but_a_stand_in_class_is_refused(tmp_path):
+    write_core_sample_checkpoint(tmp_path / "src", tp=1)
+    f = _iter(tmp_path / "src") / "mp_rank_00" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["args"].hook = _GETATTR_ON_NAMESPACE
+    torch.save(sd, f, pickle_module=_ENUM_BY_NAME)
+    with pytest.raises(UnsafeCheckpointError, match="getattr"):
+        build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=1))
 
 
 def test_unlisted_foreign_class_is_still_refused(tmp_path):

@@ -91,7 +91,34 @@ FOREIGN_NAMES: tuple[str, ...] = (
     "signal.Signals",
 )
 
-STAND_INS: dict[str, type[Foreign]] = {name: stand_in(name) for name in FOREIGN_NAMES}
+
+
+class ForeignMember(Foreign):
+    """``getattr(<stand-in class>, "name")``: an enum member pickled *by name*.
+
+    Some Python releases (3.11.2, Debian 12's ``python3``, for one; 3.11.7 pickles by value)
+    write every enum member as ``getattr(EnumClass, 'member')``, so a Megatron checkpoint saved
+    there references ``builtins.getattr`` for ``args.attention_backend``. The stand-in only
+    records the pair, and only for a stand-in class and a string name: a real ``getattr`` is
+    never called, and ``getattr`` on anything else is refused like any unlisted global.
+    """
+
+    qualname = "builtins.getattr"
+    __slots__ = ()
+
+    def __new__(cls, *args: Any) -> "Foreign":
+        if (len(args) != 2 or not (isinstance(args[0], type) and issubclass(args[0], Foreign))
+                or issubclass(args[0], ForeignMember) or type(args[1]) is not str):
+            raise pickle.UnpicklingError(
+                f"getattr is allowed only as an enum member by name on an allowlisted class, "
+                f"not getattr{args!r}")
+        return super().__new__(cls, *args)
+
+
+STAND_INS: dict[str, type[Foreign]] = {
+    **{name: stand_in(name) for name in FOREIGN_NAMES},
+    ForeignMember.qualname: ForeignMember,
+}
 
 #: ``(stand-in, qualified name)`` pairs for ``torch.serialization.safe_globals``.
 SAFE_STAND_INS: tuple[tuple[type[Foreign], str], ...] = tuple((cls, name) for name, cls in STAND_INS.items())

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import io
 import os
 import pickle
 import threading
 import types
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ import torch
 from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError
 from reshard.core.foreign import SAFE_STAND_INS
 
-# torch's safe_globals() context edits process-wide state; concurrent loads in threads would
-# race on it, so loads are serialized. With mmap=True a load only reads the pickle, not tensors.
+# torch's allowlist is process-wide state; concurrent loads in threads would race on it, so
+# loads are serialized. With mmap=True a load only reads the pickle, not tensors.
 _LOAD_LOCK = threading.Lock()
 
 #: Classes a checkpoint may reference besides tensors and builtin containers. Each entry is
@@ -43,6 +45,26 @@ SAFE_GLOBALS: tuple[Any, ...] = (
     # record their arguments and re-pickle under the original name (see reshard.core.foreign).
     *SAFE_STAND_INS,
 )
+
+
+@contextlib.contextmanager
+def _only_our_allowlist() -> Iterator[None]:
+    """Make :data:`SAFE_GLOBALS` torch's whole user allowlist for the duration of one load.
+
+    Others may have added to it: importing ``megatron.core`` registers the *real* megatron and
+    numpy classes under the very names our stand-ins use, and torch then resolves such a name to
+    either entry depending on set order (a real enum on one run, a stand-in on the next). Swapping
+    the list in, and the caller's back after, makes every load resolve to the stand-ins.
+    """
+    ser = torch.serialization
+    saved = ser.get_safe_globals()
+    ser.clear_safe_globals()
+    ser.add_safe_globals(list(SAFE_GLOBALS))
+    try:
+        yield
+    finally:
+        ser.clear_safe_globals()
+        ser.add_safe_globals(saved)
 
 
 def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, Any]:
@@ -62,7 +84,7 @@ def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, 
             "_use_new_zipfile_serialization=False format)", culprit=str(p),
             hint="re-copy the shard; legacy-format files must be re-saved with torch.save")
     try:
-        with _LOAD_LOCK, torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        with _LOAD_LOCK, _only_our_allowlist():
             obj = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
