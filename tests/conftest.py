@@ -87,8 +87,11 @@ def prefect_env(tmp_path_factory):
         yield env
 
 
-def task_states(flow_run_id: str, timeout: float = 30.0) -> dict[str, list[str]]:
-    """Final state names of a flow run's task runs, grouped by task name (e.g. 'fetch-shard')."""
+def task_states(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] | None = None) -> dict[str, list[str]]:
+    """Final state names of a flow run's task runs, grouped by task name (e.g. 'fetch-shard').
+
+    Task runs reach the server as events, a little after the flow returns: ``expect`` (task name
+    -> number of runs) waits until the server has at least that many of each."""
     import time
     import uuid
 
@@ -100,8 +103,10 @@ def task_states(flow_run_id: str, timeout: float = 30.0) -> dict[str, list[str]]
         while True:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
             # "NotReady": never ran because an upstream task failed (a Pending state that stays)
+            names = [r.name.rsplit("-", 1)[0] for r in runs]
             if runs and all(r.state is not None and (r.state.is_final() or r.state.name == "NotReady")
-                            for r in runs) or time.monotonic() > deadline:
+                            for r in runs) and all(names.count(k) >= n for k, n in (expect or {}).items()) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     out: dict[str, list[str]] = {}

@@ -65,7 +65,10 @@ def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, pr
     run_direct(str(src), str(tmp_path / "clean"), ReshardOptions(target_tp=8))
     args = ["run", str(src), str(tmp_path / "dst"), "--target-tp", "8", "--cache-dir", str(tmp_path / "cache"),
             "--json"]
+    results = Path(prefect_env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"])
+    before = set(os.listdir(results))
     killed = _cli(args, prefect_env, crash=crash)
+    written = [n.split(":", 1)[0] for n in set(os.listdir(results)) - before]  # cache records, "<kind>:<key>"
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "dst" / MANIFEST_NAME).exists(), "a killed run must not look committed"
     resumed = _cli(args, prefect_env)
@@ -73,12 +76,15 @@ def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, pr
     summary = json.loads(resumed.stdout)
     assert _files(tmp_path / "dst") == _files(tmp_path / "clean")
     assert _cli(["verify", str(tmp_path / "dst")], prefect_env).returncode == 0
-    states = task_states(summary["flow_run_id"])
+    states = task_states(summary["flow_run_id"], expect={"convert-target": 8, "upload-target": 8})
     if crash.startswith("uploaded"):
-        # the targets whose upload finished before the kill (the 3rd died inside its task) are
-        # neither converted nor uploaded again
-        assert states["convert-target"].count("Cached") >= 2, states
-        assert states["upload-target"].count("Cached") >= 2, states
+        # every step whose result the killed run recorded is reused, no more and no less. Which
+        # ones those are depends on timing: Prefect commits a task's cache record just *after* the
+        # task reports Completed, and uploads run concurrently, so the 3rd upload's SIGKILL can land
+        # before the 1st and 2nd were recorded (they are then redone; the output is the same).
+        assert written.count("convert") >= 1, written  # the 3rd upload ran, so conversions finished
+        assert states["convert-target"].count("Cached") == written.count("convert"), (states, written)
+        assert states["upload-target"].count("Cached") == written.count("upload"), (states, written)
         assert states["fetch-shard"] == ["Cached"] * 2
 
 
@@ -122,24 +128,32 @@ def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_fac
     src = sample_factory(8, 2.0)
     out = run_flow(_params(src, tmp_path / "limited", tmp_path, target_tp=4, gpu_concurrency_limit=name))
     assert len(out["files"]) == 5
-    assert _convert_tags(out["flow_run_id"]) == [["reshard-gpu"]] * 4
+    assert _convert_tags(out["flow_run_id"], 4) == [["reshard-gpu"]] * 4
     plain = run_flow(_params(src, tmp_path / "plain", tmp_path, target_tp=4))
-    assert _convert_tags(plain["flow_run_id"]) == [[]] * 4  # no GPU option: no tag, no slot round trip
+    assert _convert_tags(plain["flow_run_id"], 4) == [[]] * 4  # no GPU option: no tag, no slot round trip
     with pytest.raises(Exception):  # strict=True: a missing limit fails the run (never runs unlimited)
         run_flow(_params(src, tmp_path / "nolimit", tmp_path / "c2", target_tp=4,
                          gpu_concurrency_limit="no-such-limit"))
     assert not (tmp_path / "nolimit" / MANIFEST_NAME).exists()
 
 
-def _convert_tags(flow_run_id: str) -> list[list[str]]:
+def _convert_tags(flow_run_id: str, expected: int, timeout: float = 30.0) -> list[list[str]]:
+    """Tags of the flow run's convert-target task runs, once the server has all ``expected`` of
+    them (task runs reach the server as events, shortly after the flow returns)."""
+    import time
     import uuid
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
-    return [sorted(r.tags) for r in runs if r.name.startswith("convert-target")]
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+            tags = [sorted(r.tags) for r in runs if r.name.startswith("convert-target")]
+            if len(tags) >= expected or time.monotonic() > deadline:
+                return tags
+            time.sleep(0.2)
 
 
 def _latest_flow_run_id() -> str:
