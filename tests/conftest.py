@@ -87,11 +87,10 @@ def prefect_env(tmp_path_factory):
         yield env
 
 
-def task_states(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] | None = None) -> dict[str, list[str]]:
-    """Final state names of a flow run's task runs, grouped by task name (e.g. 'fetch-shard').
-
-    Task runs reach the server as events, a little after the flow returns: ``expect`` (task name
-    -> number of runs) waits until the server has at least that many of each."""
+def read_task_runs(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] | None = None) -> list[Any]:
+    """A flow run's task runs, once all are final (or "NotReady") and, per ``expect`` (task name ->
+    count), at least that many of each: task runs reach the server as events, a little after the
+    flow returns."""
     import time
     import uuid
 
@@ -102,17 +101,37 @@ def task_states(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] 
     with get_client(sync_client=True) as client:
         while True:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+            names = [task_name(r) for r in runs]
             # "NotReady": never ran because an upstream task failed (a Pending state that stays)
-            names = [r.name.rsplit("-", 1)[0] for r in runs]
-            if runs and all(r.state is not None and (r.state.is_final() or r.state.name == "NotReady")
-                            for r in runs) and all(names.count(k) >= n for k, n in (expect or {}).items()) \
+            settled = runs and all(r.state is not None and (r.state.is_final() or r.state.name == "NotReady")
+                                   for r in runs)
+            if settled and all(names.count(k) >= n for k, n in (expect or {}).items()) \
                     or time.monotonic() > deadline:
-                break
+                return runs
             time.sleep(0.2)
+
+
+def task_name(run: Any) -> str:
+    """'fetch-shard' for the task run 'fetch-shard-3'."""
+    return run.name.rsplit("-", 1)[0]
+
+
+def task_states(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] | None = None) -> dict[str, list[str]]:
+    """Final state names of a flow run's task runs, grouped by task name (e.g. 'fetch-shard')."""
     out: dict[str, list[str]] = {}
-    for r in runs:
-        out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name if r.state else "?")
+    for r in read_task_runs(flow_run_id, timeout, expect):
+        out.setdefault(task_name(r), []).append(r.state.name if r.state else "?")
     return out
+
+
+def cache_records(env: dict[str, str]) -> set[str]:
+    """Names of the Prefect cache records in the result store of ``env`` ("<kind>:<key>")."""
+    return set(os.listdir(env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]))
+
+
+def record_kinds(names: set[str]) -> list[str]:
+    """The kinds ("convert", "upload", ...) of cache record names, one per record."""
+    return [n.split(":", 1)[0] for n in names]
 
 
 def run_reshard_cli(args: list[str], env: dict[str, str], crash: str | None = None,

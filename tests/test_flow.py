@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_reshard_cli, task_states
+from conftest import cache_records, read_task_runs, record_kinds, run_reshard_cli, task_name, task_states
 from reshard.core.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.flows.params import ReshardParams
@@ -65,10 +65,9 @@ def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, pr
     run_direct(str(src), str(tmp_path / "clean"), ReshardOptions(target_tp=8))
     args = ["run", str(src), str(tmp_path / "dst"), "--target-tp", "8", "--cache-dir", str(tmp_path / "cache"),
             "--json"]
-    results = Path(prefect_env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"])
-    before = set(os.listdir(results))
+    before = cache_records(prefect_env)
     killed = _cli(args, prefect_env, crash=crash)
-    written = [n.split(":", 1)[0] for n in set(os.listdir(results)) - before]  # cache records, "<kind>:<key>"
+    written = record_kinds(cache_records(prefect_env) - before)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "dst" / MANIFEST_NAME).exists(), "a killed run must not look committed"
     resumed = _cli(args, prefect_env)
@@ -137,23 +136,9 @@ def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_fac
     assert not (tmp_path / "nolimit" / MANIFEST_NAME).exists()
 
 
-def _convert_tags(flow_run_id: str, expected: int, timeout: float = 30.0) -> list[list[str]]:
-    """Tags of the flow run's convert-target task runs, once the server has all ``expected`` of
-    them (task runs reach the server as events, shortly after the flow returns)."""
-    import time
-    import uuid
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
-            tags = [sorted(r.tags) for r in runs if r.name.startswith("convert-target")]
-            if len(tags) >= expected or time.monotonic() > deadline:
-                return tags
-            time.sleep(0.2)
+def _convert_tags(flow_run_id: str, expected: int) -> list[list[str]]:
+    return [sorted(r.tags) for r in read_task_runs(flow_run_id, expect={"convert-target": expected})
+            if task_name(r) == "convert-target"]
 
 
 def _latest_flow_run_id() -> str:

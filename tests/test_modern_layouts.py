@@ -249,8 +249,8 @@ def test_enum_members_pickled_by_name_load_as_stand_ins_and_are_written_back(tmp
         sd = torch.load(f, weights_only=False)
         sd["args"].attention_backend = AttnBackend.auto
         torch.save(sd, f, pickle_module=_ENUM_BY_NAME)
-        assert b"getattr" in zipfile.ZipFile(f).read(next(n for n in zipfile.ZipFile(f).namelist()
-                                                          if n.endswith("data.pkl")))
+        with zipfile.ZipFile(f) as z:
+            assert b"getattr" in z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     safe = load_shard(next((tmp_path / "src").rglob("model_optim_rng.pt")))
     member = safe["args"].attention_backend
     assert isinstance(member, foreign.ForeignMember) and member.foreign_args[1] == "auto"
@@ -265,11 +265,10 @@ def test_loads_resolve_to_stand_ins_whatever_else_is_in_torchs_allowlist(tmp_pat
     names our stand-ins use; torch then picks either entry by set order. Decoys are added here
     until a plain ``safe_globals(SAFE_GLOBALS)`` load *would* pick one, so the test cannot pass by
     luck; reshard's load must still give the stand-in, and leave the caller's allowlist as it was."""
+    from megatron.core.transformer.enums import AttnBackend
     from torch._weights_only_unpickler import _get_user_allowed_globals
 
     from reshard.core.safe_load import SAFE_GLOBALS
-
-    from megatron.core.transformer.enums import AttnBackend
 
     name = "megatron.core.transformer.enums.AttnBackend"
     write_core_sample_checkpoint(tmp_path / "src", tp=1)

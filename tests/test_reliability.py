@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_reshard_cli, task_states
+from conftest import cache_records, record_kinds, run_reshard_cli, task_states
 from reshard.cli import main
 from reshard.core.errors import (CheckpointFormatError, ConfigError, CorruptCheckpointError, DestinationError,
                                  InconsistentShardsError, LayoutError, ManifestMismatchError, StorageError,
@@ -91,11 +91,9 @@ def test_sigkill_anywhere_then_resume(s3_server, s3_source, prefect_env, tmp_pat
     env = _cli_env(prefect_env, s3_server, tmp_path)
     args = ["run", src, dst, "--target-tp", "2", "--json",
             "--storage-option", f"endpoint_url={s3_server.endpoint_url}", "--storage-option", "region_name=us-east-1"]
-    results = Path(prefect_env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"])
-    records_before = set(os.listdir(results))
+    records_before = cache_records(prefect_env)
     killed = _cli(args, env, crash)
-    # cache records the killed run committed ("<kind>:<key>" files)
-    written = [n.split(":", 1)[0] for n in set(os.listdir(results)) - records_before]
+    written = record_kinds(cache_records(prefect_env) - records_before)  # what the killed run recorded
     assert killed.returncode == -9, killed.stderr[-3000:]
     with pytest.raises(ManifestMismatchError):  # nothing committed is visible after a kill
         verify(dst, so)

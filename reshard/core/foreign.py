@@ -92,7 +92,6 @@ FOREIGN_NAMES: tuple[str, ...] = (
 )
 
 
-
 class ForeignMember(Foreign):
     """``getattr(<stand-in class>, "name")``: an enum member pickled *by name*.
 
