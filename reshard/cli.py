@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     _add_layout_options(p, target_required=True)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also list the model family's rules that matched no tensor")
     _add_storage_options(p)
 
     p = sub.add_parser("inspect", help="describe a checkpoint: format, version, TP, dtype, sizes")
@@ -310,7 +312,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
               f"({_fmt_bytes(t['bytes_read'])}), writes ~{_fmt_bytes(t['bytes_written'])}")
     print(f"total read {_fmt_bytes(rec['bytes_read'])}, written ~{_fmt_bytes(rec['bytes_written'])}, "
           f"peak memory ~{_fmt_bytes(rec['peak_memory_estimate'])}")
-    if rec["unused_rules"]:
+    if rec["unused_rules"] and ns.verbose:  # normal (e.g. no final_linear in GPT): a detail, not news
         print(f"rules that matched nothing: {', '.join(rec['unused_rules'])}")
     for w in rec["warnings"]:
         print(f"warning: {w}")
