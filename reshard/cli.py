@@ -226,16 +226,21 @@ def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
-    from reshard.flows.params import ReshardParams
-    from reshard.flows.runner import run_flow
-
     from pydantic import ValidationError
 
     from reshard.core.errors import LayoutError
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from reshard.storage.location import open_location
+    from reshard.storage.source_view import check_source_exists
+
+    # a missing source is told in a second, not after the embedded server has started
+    storage_options = _credentials_to_env(_storage(ns))
+    check_source_exists(open_location(ns.src, storage_options))
 
     try:
         params = ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
-                               storage_options=_credentials_to_env(_storage(ns)), overwrite=ns.overwrite, device=ns.device,
+                               storage_options=storage_options, overwrite=ns.overwrite, device=ns.device,
                                target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir)
     except ValidationError as exc:
         first = exc.errors()[0]

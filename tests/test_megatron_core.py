@@ -20,7 +20,7 @@ from layout_helpers import convert
 from mcore_fixtures import (MODELS, TOKENS, iteration_folder, mcore_checkpoints, mcore_forward, model_options,
                             needs_mcore, rank_module)
 from mcore_reference import Arch, core_logits
-from reshard.core.errors import LayoutError, MissingModelFactError
+from reshard.core.errors import LayoutError
 from reshard.core.safe_load import load_shard
 
 pytestmark = needs_mcore
@@ -150,9 +150,17 @@ def test_gqa_split_must_keep_whole_query_groups(mcore, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_ambiguous_vocab_padding_is_refused_until_the_size_is_given(mcore, tmp_path):
-    with pytest.raises(MissingModelFactError, match=r"one of \[112, 128\].*--vocab-size"):
-        convert(mcore[("padded", 2, 1)], tmp_path / "x", target_tp=1)
+def test_real_shards_merge_without_the_true_vocab_size_and_repad_exactly_with_it(mcore, tmp_path):
+    """megatron-core's TP 2 shards (true vocabulary 100, not saved) merge to TP 1 keeping their 128
+    rows, with a warning; given the size they take Megatron's own padding (112)."""
+    plan = convert(mcore[("padded", 2, 1)], tmp_path / "x", target_tp=1)
+    assert (plan.facts.padded_vocab_source, plan.facts.padded_vocab_target) == (128, 128)
+    assert any("kept the 128 vocabulary rows at TP 1" in w and "--vocab-size V" in w for w in plan.warnings)
+    merged = load_shard(iteration_folder(tmp_path / "x") / "mp_rank_00" / "model_optim_rng.pt")
+    parts = [load_shard(iteration_folder(mcore[("padded", 2, 1)]) / f"mp_rank_0{r}" / "model_optim_rng.pt")
+             for r in range(2)]
+    key = "embedding.word_embeddings.weight"
+    assert torch.equal(merged["model"][key], torch.cat([p["model"][key] for p in parts]))
     plan = convert(mcore[("padded", 2, 1)], tmp_path / "y", target_tp=1, vocab_size=100)
     assert (plan.facts.padded_vocab_source, plan.facts.padded_vocab_target) == (128, 112)
     out = load_shard(iteration_folder(tmp_path / "y") / "mp_rank_00" / "model_optim_rng.pt")

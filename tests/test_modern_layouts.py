@@ -13,6 +13,7 @@ import argparse
 import enum
 import io
 import itertools
+import json
 import pickle
 import shutil
 import types
@@ -433,15 +434,54 @@ def test_unknown_swiglu_is_refused_when_the_layout_changes(samples, tmp_path):
     build_plan(str(src), ReshardOptions(target_tp=2))  # N == M: the gate/up order is untouched
 
 
-def test_vocab_padding_needs_the_true_size_when_ambiguous(samples, tmp_path):
-    src = samples("mha", 4, save_vocab_size=False)
-    _refuses(tmp_path, src, MissingModelFactError, r"one of \[208, 224\] .*true vocabulary size \(193..224\)",
-             target_tp=2)
+def _vocab_rows(run: Path, tp: int) -> torch.Tensor:
+    return torch.cat([sd["model"]["embedding.word_embeddings.weight"] for sd in _load(run, tp)])
+
+
+def _vocab_warnings(plan) -> list[str]:
+    return [w for w in plan.warnings if "vocabulary rows" in w]
+
+
+def test_vocab_padding_without_the_true_size_keeps_the_rows_and_warns(samples, tmp_path):
+    """Megatron-LM rarely saves the true vocabulary size: the rows the checkpoint has are kept
+    when they remain a valid padding at the target, zero rows are appended up to the next valid
+    multiple when they do not, and one warning names the assumption and ``--vocab-size``."""
+    src = samples("mha", 4, save_vocab_size=False)  # 200 tokens padded to 224 rows (8 x 4)
+    ref_logits, ref_rows = _logits(src, 4, MHA), _vocab_rows(src, 4)
+    # 4 -> 2 (a merge): 224 is a multiple of 8 x 2 -> kept as they are (Megatron's own would be 208)
+    plan = convert(src, tmp_path / "merge", target_tp=2)
+    assert plan.facts.padded_vocab_target == 224
+    [w] = _vocab_warnings(plan)
+    assert "kept the 224 vocabulary rows at TP 2" in w and "--vocab-size V" in w
+    assert torch.equal(_vocab_rows(tmp_path / "merge", 2), ref_rows)
+    assert _load(tmp_path / "merge", 2)[0]["args"].padded_vocab_size == 224
+    torch.testing.assert_close(_logits(tmp_path / "merge", 2, MHA), ref_logits, atol=1e-4, rtol=0)
+    # 4 -> 3: 224 is no multiple of 8 x 3 -> zero rows up to 240
+    plan = convert(src, tmp_path / "odd", target_tp=3)
+    assert plan.facts.padded_vocab_target == 240
+    [w] = _vocab_warnings(plan)
+    assert "padded the 224 vocabulary rows with zero rows to 240 at TP 3" in w
+    rows = _vocab_rows(tmp_path / "odd", 3)
+    assert torch.equal(rows[:224], ref_rows) and torch.count_nonzero(rows[224:]) == 0
+    torch.testing.assert_close(_logits(tmp_path / "odd", 3, MHA), ref_logits, atol=1e-4, rtol=0)
+    # and back to TP 4: 240 is no multiple of 32 -> 256; rows are never dropped without --vocab-size
+    assert build_plan(str(tmp_path / "odd"), ReshardOptions(target_tp=4)).facts.padded_vocab_target == 256
+    # the true size given: Megatron's exact padding, no warning
     plan = convert(src, tmp_path / "ok", target_tp=2, vocab_size=200)
-    assert plan.facts.padded_vocab_target == 208
-    # a split is unambiguous: every candidate true size pads to the same rows
-    assert build_plan(str(src), ReshardOptions(target_tp=8)).facts.padded_vocab_target == 256
+    assert plan.facts.padded_vocab_target == 208 and not _vocab_warnings(plan)
+    # a split is unambiguous: every candidate true size pads to the same rows, no warning
+    plan = build_plan(str(src), ReshardOptions(target_tp=8))
+    assert plan.facts.padded_vocab_target == 256 and not _vocab_warnings(plan)
     _refuses(tmp_path, src, LayoutError, "vocabulary size 300 exceeds the 224", target_tp=2, vocab_size=300)
+
+
+def test_vocab_padding_decision_reaches_the_manifest_and_the_cli(samples, tmp_path, capsys):
+    src = samples("mha", 4, save_vocab_size=False)
+    assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--target-tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: kept the 224 vocabulary rows at TP 2" in out
+    manifest = json.loads((tmp_path / "out" / "reshard_manifest.json").read_text())
+    assert any("kept the 224 vocabulary rows" in w for w in manifest["warnings"])
 
 
 def test_legacy_version_without_groups_refuses_gqa(sample_factory, tmp_path):

@@ -32,8 +32,8 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.layouts import source_ranks_for_target
 from reshard.core.plan import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan, ReshardOptions,
                                TargetParam, TargetPlan, _bool_attr, _check_replicated, _check_same_keys, _collect,
-                               _decide_groups, _decide_swiglu, _decide_version, _decide_vocab, _head_facts, _int_attr,
-                               _spec_for, _SpecContext, _Stage, _target_size, target_ranks_needed)
+                               _decide_groups, _decide_version, _head_facts, _int_attr, _Stage, _target_size,
+                               target_ranks_needed, target_specs)
 from reshard.core.rules import MEGATRON_GPT_RULES, resolve
 from reshard.core.safe_load import load_shard
 from reshard.core.source import (DEEPSPEED_PIPE, SourceCheckpoint, choose_module_key, layer_file_name,
@@ -78,11 +78,8 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
     origin: dict[str, str] = {}
     hidden, heads, head_dim = _head_facts(options, args, raw, origin, source.origin)
     groups = _decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
-    swiglu = _decide_swiglu(options, args, raw, n, m, origin, source.origin)
-    vocab = _decide_vocab(options, args, raw, n, m, origin, source.origin)
-    ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, m)
-    params = [ParamPlan(r.key, r.rule, r.shape, r.dtype, _spec_for(r, ctx, vocab), r.layer, r.stage, r.src_key)
-              for r in raw]
+    swiglu, vocab, params = target_specs(raw, options, args, version, heads, groups, head_dim, n, m, origin,
+                                         source.origin)
     carried = [ParamPlan(r.key, r.rule, r.shape, r.dtype, None, r.layer, r.stage, r.src_key) for r in carried_raw]
     # from here on a parameter is found in its layer file under the file's own key
     params = [_with_file_key(p, stages, spp) for p in params]
@@ -94,7 +91,7 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
                                                                    per_group, tpp)
     targets = [dataclasses.replace(t, rank=i) for i, t in enumerate(targets)]
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
-    warnings = [f"dropped {k!r}: {why}" for k, why in dropped.items()]
+    warnings = [f"dropped {k!r}: {why}" for k, why in dropped.items()] + ([vocab.warning] if vocab.warning else [])
     ds_config = shards[0].get("ds_config")
     facts = ModelFacts("legacy", num_layers, hidden, heads, groups, head_dim, swiglu, tied, vocab.true,
                        vocab.source_rows, vocab.target_rows, vocab.divisible_by, _even_split(num_layers, spp),

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from reshard.core.errors import (CheckpointFormatError, InconsistentShardsError, LayoutError,
-                                 MissingModelFactError)
+                                 MissingModelFactError, ReshardError)
 from reshard.core.pages import PageDropper
 from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_for_target,
                                   source_ranks_for_target)
@@ -290,16 +290,12 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
     origin: dict[str, str] = {}
     hidden, num_heads, head_dim = _head_facts(options, args, raw, origin, source.origin)
     groups = _decide_groups(options, args, num_heads, raw, head_dim, n, origin, source.origin)
-    swiglu = _decide_swiglu(options, args, raw, n, m, origin, source.origin)
-    ctx = _SpecContext(version, num_heads, groups, head_dim, swiglu, n, m)
-    vocab = _decide_vocab(options, args, raw, n, m, origin, source.origin)
-
-    params = [ParamPlan(r.key, r.rule, r.shape, r.dtype, _spec_for(r, ctx, vocab), r.layer, r.stage, r.src_key)
-              for r in raw]
+    swiglu, vocab, params = target_specs(raw, options, args, version, num_heads, groups, head_dim, n, m, origin,
+                                         source.origin)
     carried = [ParamPlan(r.key, r.rule, r.shape, r.dtype, None, r.layer, r.stage, r.src_key) for r in carried_raw]
     _check_replicated(params, stages)
     tied = _decide_tied(args, naming, params, stages, origin, source)
-    warnings: list[str] = []
+    warnings: list[str] = [vocab.warning] if vocab.warning else []
     order = {r.key: i for i, r in enumerate(sorted(raw + carried_raw, key=lambda r: r.order))}
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
     placed, target_layers = _place(entries, naming, tied, layers_per_stage, source.pp, tpp, stages,
@@ -559,13 +555,15 @@ def _decide_swiglu(options: ReshardOptions, args: Any, raw: list[_Raw], n: int, 
 
 @dataclass(frozen=True)
 class _Vocab:
-    """Vocabulary rows: the true size (if known), source and target padded rows, divisor."""
+    """Vocabulary rows: the true size (if known), source and target padded rows, divisor, and the
+    warning to give when the target padding is an assumption rather than Megatron's own."""
 
     true: int | None
     source_rows: int | None
     target_rows: int | None
     divisible_by: int | None
     keep: int | None = None
+    warning: str | None = None
 
     @property
     def resized(self) -> bool:
@@ -575,8 +573,23 @@ class _Vocab:
 def _decide_vocab(options: ReshardOptions, args: Any, raw: list[_Raw], n: int, m: int,
                   origin: dict[str, str], where: str) -> _Vocab:
     """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``; at a new
-    TP the padded size changes. Rows of the true vocabulary are kept, the target's padding rows are
-    zeros. Without the divisor the rows are kept as they are (the pre-Megatron-LM behaviour)."""
+    TP the padded size may change.
+
+    ====================================  ===============================================================
+    what is known                         target rows
+    ====================================  ===============================================================
+    true size V (flag or args) and D      Megatron's: ceil(V / (D*M)) * D*M; rows past V are zeros
+    no divisor D                          the source's rows, unchanged (pre-Megatron-LM checkpoints)
+    D, and every V the source's padding   that one padding (exact, no warning)
+    allows pads alike at TP M
+    D only, source rows a multiple of     the source's rows, kept (every merge); warning: Megatron's
+    D*M                                   own padding may be smaller
+    D only, otherwise                     zero rows appended up to the next multiple of D*M; warning
+    ====================================  ===============================================================
+
+    Megatron-LM saves ``padded_vocab_size`` but, for most tokenizers, not the true size; keeping
+    the rows is what its own converter and DeepSpeed do. The warning names the assumption and
+    ``--vocab-size V`` for Megatron's exact padding."""
     vocab = [r for r in raw if r.rule.vocab]
     if not vocab:
         return _Vocab(None, None, None, None)
@@ -606,22 +619,22 @@ def _decide_vocab(options: ReshardOptions, args: Any, raw: list[_Raw], n: int, m
         return _Vocab(true, src_rows, target, d, keep=true if target != src_rows else None)
     if n == m:
         return _Vocab(None, src_rows, src_rows, d)
+    # the true sizes this padding allows (all of them if the rows are no multiple of D x N)
     unit_s = d * n
-    if src_rows % unit_s:
-        raise MissingModelFactError(
-            f"the vocabulary is padded to {src_rows} rows, not a multiple of {d} x {n} ranks, so the true "
-            f"vocabulary size that decides the padding at TP {m} cannot be bounded", culprit=where,
-            hint="pass --vocab-size V (the tokenizer's vocabulary size)")
-    lo = max(1, src_rows - unit_s + 1)
-    candidates = sorted({math.ceil(v / unit_t) * unit_t for v in range(lo, src_rows + 1)})
-    if len(candidates) > 1:
-        raise MissingModelFactError(
-            f"the vocabulary is padded to {src_rows} rows (multiple of {d} x {n}); at TP {m} Megatron pads it to "
-            f"one of {candidates} depending on the true vocabulary size ({lo}..{src_rows}), which the checkpoint "
-            f"does not record", culprit=where, hint="pass --vocab-size V (the tokenizer's vocabulary size)")
-    target = candidates[0]
-    origin["padded_vocab_target"] = "padded rows and divisor (unambiguous)"
-    return _Vocab(None, src_rows, target, d, keep=min(src_rows, target) if target != src_rows else None)
+    lo = max(1, src_rows - unit_s + 1) if src_rows % unit_s == 0 else 1
+    exact = {math.ceil(v / unit_t) * unit_t for v in (lo, src_rows)}
+    target = math.ceil(src_rows / unit_t) * unit_t
+    keep = min(src_rows, target) if target != src_rows else None
+    if exact == {target}:  # every allowed size pads to the same rows: Megatron's padding, exactly
+        origin["padded_vocab_target"] = "padded rows and divisor (unambiguous)"
+        return _Vocab(None, src_rows, target, d, keep=keep)
+    origin["padded_vocab_target"] = "source rows kept (true vocabulary size unknown)"
+    how = (f"kept the {src_rows} vocabulary rows" if target == src_rows else
+           f"padded the {src_rows} vocabulary rows with zero rows to {target}")
+    warning = (f"{how} at TP {m}, assuming they are a valid padding; the checkpoint does not record the true "
+               f"vocabulary size, so Megatron's own padding at TP {m} may be smaller (pass --vocab-size V for "
+               f"Megatron's exact padding)")
+    return _Vocab(None, src_rows, target, d, keep=keep, warning=warning)
 
 
 def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name: str, fact: str,
@@ -637,6 +650,44 @@ def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name
     if saved is not None:
         origin[fact] = "args"
     return saved
+
+
+#: Largest target TP tried when listing the ones that would work (a hint, not a limit).
+MAX_SUGGESTED_TP = 256
+
+
+def target_specs(raw: list[_Raw], options: ReshardOptions, args: Any, version: float, heads: int | None,
+                 groups: int | None, head_dim: int | None, n: int, m: int, origin: dict[str, str], where: str
+                 ) -> tuple[bool | None, "_Vocab", list[ParamPlan]]:
+    """The facts and partition specs that depend on the target TP ``m``: gated MLP, vocabulary
+    padding, and every parameter's spec. A target TP that some tensor cannot be divided over is
+    refused with the target TPs that satisfy *every* tensor at once (heads, query groups, FFN
+    width, vocabulary rows), so following the hint cannot fail on the next constraint."""
+
+    def at(tm: int, facts_origin: dict[str, str]) -> tuple[bool | None, _Vocab, list[ParamPlan]]:
+        swiglu = _decide_swiglu(options, args, raw, n, tm, facts_origin, where)
+        vocab = _decide_vocab(options, args, raw, n, tm, facts_origin, where)
+        ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
+        return swiglu, vocab, [ParamPlan(r.key, r.rule, r.shape, r.dtype, _spec_for(r, ctx, vocab), r.layer,
+                                         r.stage, r.src_key) for r in raw]
+
+    try:
+        return at(m, origin)
+    except MissingModelFactError:
+        raise
+    except LayoutError as err:
+        valid = []
+        for tm in range(1, MAX_SUGGESTED_TP + 1):
+            try:
+                at(tm, {})
+            except ReshardError:
+                continue
+            valid.append(tm)
+        if valid and m not in valid:
+            shown = ", ".join(map(str, valid))
+            err.hint = f"choose a target TP among {shown}" if len(valid) > 1 else f"use target TP {shown}"
+            err.args = (err.one_line(),)
+        raise
 
 
 @dataclass(frozen=True)

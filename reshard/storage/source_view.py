@@ -70,13 +70,23 @@ def _etag(info: Mapping[str, Any]) -> str | None:
     return f"mtime:{mtime}" if mtime else None
 
 
-def list_objects(loc: Location) -> list[RemoteObject]:
-    """Model-state objects under a folder URL, with size and ETag (their cache identity)."""
+def check_source_exists(loc: Location) -> None:
+    """Raise the one-line error for a source that is not there, worded for its kind of URL
+    (a local path has no bucket or credentials to check). Cheap: one stat or one request."""
     with storage_errors(loc.url):
         loc.fs.invalidate_cache()
-        if not loc.fs.exists(loc.path):
-            raise StorageError("no such bucket, prefix or object", culprit=loc.url,
-                               hint="check the URL (bucket and prefix) and the credentials")
+        if loc.fs.exists(loc.path):
+            return
+    if loc.is_local:
+        raise StorageError("no such file or folder", culprit=loc.url, hint="check the path")
+    raise StorageError("no such bucket, prefix or object", culprit=loc.url,
+                       hint="check the URL (bucket and prefix) and the credentials")
+
+
+def list_objects(loc: Location) -> list[RemoteObject]:
+    """Model-state objects under a folder URL, with size and ETag (their cache identity)."""
+    check_source_exists(loc)
+    with storage_errors(loc.url):
         found = loc.fs.find(loc.path, detail=True)
     base = loc.path.rstrip("/")
     objs = []
