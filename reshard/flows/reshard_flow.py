@@ -31,6 +31,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.futures import wait
 
+from reshard.core.shard_check import shard_role
 from reshard.flows.params import ReshardParams
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
@@ -58,7 +59,9 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     fetches = {o["name"]: fetch_shard.with_options(
         refresh_cache=not (disc["is_local"] or cache.entry(RemoteObject(**o)).is_file())
     ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"]) for o in objects}
-    checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key) for o in objects}
+    names = [o["name"] for o in objects]
+    checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key, o["url"],
+                                            shard_role(o["name"], names)) for o in objects}
 
     cid = conversion_id(objects, options)
     metadata = {name: fut.result() for name, fut in fetches.items() if not name.endswith(".pt")}

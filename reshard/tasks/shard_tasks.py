@@ -12,8 +12,7 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from reshard.core.safe_load import load_shard
-from reshard.core.source import choose_module_key, parse_version
+from reshard.core.shard_check import check_shard_file
 from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import open_location
@@ -48,15 +47,7 @@ def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any
 
 
 @task(name="check-shard", cache_key_fn=check_key, persist_result=True)
-def check_shard(path: str, identity: str, module_key: str) -> dict[str, Any]:
-    """Per-shard sanity check: readable with the safe loader, module key, tensor entries,
-    checkpoint version. Cross-shard consistency is checked in the plan step."""
-    if not path.endswith(".pt"):
-        return {"path": path, "kind": "metadata"}
-    sd = load_shard(path)
-    key = choose_module_key(sd, module_key, path)
-    module = sd[key]
-    return {"path": path, "kind": "shard", "module_key": key,
-            "tensors": len(module) if isinstance(module, dict) else 0,
-            "checkpoint_version": parse_version(sd.get("checkpoint_version", 0), path),
-            "mp_world_size": sd.get("mp_world_size")}
+def check_shard(path: str, identity: str, module_key: str, url: str, role: str) -> dict[str, Any]:
+    """Per-shard check for the file's role in its format (see :mod:`reshard.core.shard_check`),
+    on every fetched shard, local or remote. Cross-shard consistency is checked in the plan step."""
+    return dict(check_shard_file(path, role, module_key, url), path=path, role=role)
