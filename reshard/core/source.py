@@ -42,6 +42,9 @@ RANK_FILE_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 #: Layer files of a pipeline run without a model-parallel axis (``PipeDataParallelTopology``).
 LAYER_FILE_NO_MODEL_RE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+#: DeepSpeed ZeRO stage 3 saves one model-states file per (data-parallel rank, model-parallel rank),
+#: holding only placeholders; the weights are partitioned over the matching ``*_optim_states.pt``.
+ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(_\d+)?$")
 MEGATRON_FILE = "model_optim_rng.pt"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
@@ -149,6 +152,14 @@ def _locate_folder(folder: Path) -> SourceCheckpoint:
         if m and child.is_file():
             by_rank.setdefault(int(m.group(1)), []).append(child)
     if not by_rank:
+        zero3 = sorted(c.name for c in folder.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name))
+        if zero3:
+            raise CheckpointFormatError(
+                f"a DeepSpeed ZeRO stage 3 checkpoint ({zero3[0]}, ...): its model-states files hold only "
+                f"placeholders, the weights are partitioned over the *_optim_states.pt files of every "
+                f"data-parallel rank", culprit=str(folder),
+                hint="consolidate the weights with the zero_to_fp32.py script DeepSpeed saved beside the "
+                     "checkpoint, or save with stage3_gather_16bit_weights_on_model_save=true, and convert that")
         dist = [c.name for c in folder.iterdir() if c.suffix == ".distcp" or c.name in (".metadata", "metadata.json")]
         iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
         if dist:

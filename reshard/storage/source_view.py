@@ -33,6 +33,7 @@ from reshard.storage.location import Location, open_location, storage_errors
 MODEL_FILE_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"(^|/)mp_rank_\d+(_\d+)?_model_states\.pt$",
     r"(^|/)layer_\d+-model_\d+-model_states\.pt$",
+    r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$",  # ZeRO-3: listed to be recognized (and refused)
     r"(^|/)mp_rank_\d+(_\d+)?/model_optim_rng\.pt$",
     r"(^|/)[^/]+\.json$",
     r"(^|/)latest(_checkpointed_iteration\.txt)?$",
