@@ -175,38 +175,52 @@ def _target_config(path: str | None) -> dict[str, Any] | None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    m = ns.target_tp
-    done: set[int] = set()
+    import os
 
-    def progress(res: Any) -> None:
-        rec = res if isinstance(res, dict) else res.__dict__
-        done.add(rec["rank"])
-        bar = "".join("#" if r in done else "." for r in range(m))
-        print(f"[{bar}] target rank {rec['rank']} <- sources {list(rec['sources'])}  "
-              f"{_fmt_bytes(rec['size'])} in {rec['seconds']:.2f}s", file=sys.stderr)
+    from reshard.cli_progress import ProgressDisplay
 
-    if not ns.direct:
-        return _run_with_prefect(ns, None if ns.json else progress)
-    from reshard.direct import run_direct
-
-    report = run_direct(ns.src, ns.dst, _options(ns, m), overwrite=ns.overwrite, device=ns.device,
-                        storage_options=_storage(ns), cache=_cache(ns),
-                        target_config=_target_config(ns.target_config),
-                        on_target_done=None if ns.json else progress)
-    summary = {"source": report.plan.source.origin, "destination": report.destination,
-               "source_tp": report.plan.source_tp, "target_tp": report.plan.target_tp,
-               "version": report.plan.version, "quantized": report.plan.options.quantize,
-               "files": report.manifest["files"], "warnings": list(report.plan.warnings),
-               "seconds": round(report.seconds, 3)}
+    if ns.direct:
+        status = "reading the source"
+    elif os.environ.get("PREFECT_API_URL"):
+        status = f"connecting to Prefect at {os.environ['PREFECT_API_URL']}"
+    else:
+        status = "starting Prefect's embedded server"
+    display = ProgressDisplay(live=False if ns.json else None, status=status)
+    if ns.json:  # machine-readable: stdout holds the summary, stderr nothing but an error
+        display = contextlib.nullcontext()  # type: ignore[assignment]
+    with display:
+        summary = _run_direct(ns) if ns.direct else _run_with_prefect(ns)
     if ns.json:
         print(json.dumps(summary, indent=2))
+        return 0
+    total = sum(f["size"] for f in summary["files"])
+    head = (f"{summary['destination']}: TP {summary['source_tp']} -> {summary['target_tp']}, "
+            f"{len(summary['files'])} files, {_fmt_bytes(total)}")
+    steps, reused = summary.get("steps"), summary.get("reused", 0)
+    if summary["up_to_date"]:
+        how = (f"; {reused} of {steps} steps served from Prefect's cache" if steps else "")
+        print(f"up to date {head} (already holds this exact conversion: nothing written{how})")
     else:
-        total = sum(f["size"] for f in report.manifest["files"])
-        print(f"committed {report.destination}: TP {report.plan.source_tp} -> {report.plan.target_tp}, "
-              f"{len(report.manifest['files'])} files, {_fmt_bytes(total)}, {report.seconds:.2f}s")
-        for w in report.plan.warnings:
-            print(f"warning: {w}")
+        resumed = f" (resumed: {reused} of {steps} steps reused from an earlier run)" if reused else ""
+        took = f", {summary['seconds']:.2f}s" if "seconds" in summary else ""
+        print(f"committed {head}{took}{resumed}")
+    for w in summary["warnings"]:
+        print(f"warning: {w}")
     return 0
+
+
+def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
+    from reshard.direct import run_direct
+
+    report = run_direct(ns.src, ns.dst, _options(ns, ns.target_tp), overwrite=ns.overwrite, device=ns.device,
+                        storage_options=_storage(ns), cache=_cache(ns),
+                        target_config=_target_config(ns.target_config))
+    m = report.manifest
+    return {"source": m["source"]["url"], "destination": report.destination,
+            "source_tp": m["source"]["tp"], "target_tp": m["target"]["tp"],
+            "version": m["source"].get("version"), "quantized": bool(m["options"].get("quantize")),
+            "up_to_date": report.up_to_date, "conversion_id": m.get("conversion_id"),
+            "files": m["files"], "warnings": list(m.get("warnings", [])), "seconds": round(report.seconds, 3)}
 
 
 def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +239,7 @@ def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
+def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
     from pydantic import ValidationError
 
     from reshard.core.errors import LayoutError
@@ -248,18 +262,8 @@ def _run_with_prefect(ns: argparse.Namespace, progress: Any) -> int:
         shown = "" if field == "storage_options" else f" (got {first.get('input')!r})"
         raise LayoutError(f"{first['msg']}{shown}", culprit="--" + field.replace("_", "-"),
                           hint=f"fix --{field.replace('_', '-')}") from None
-    summary = run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
-                       on_target_done=progress, console_level="INFO" if ns.verbose else "WARNING")
-    if ns.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        total = sum(f["size"] for f in summary["files"])
-        state = "up to date" if summary["up_to_date"] else "committed"
-        print(f"{state} {summary['destination']}: TP {summary['source_tp']} -> {summary['target_tp']}, "
-              f"{len(summary['files'])} files, {_fmt_bytes(total)}")
-        for w in summary["warnings"]:
-            print(f"warning: {w}")
-    return 0
+    return run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
+                    console_level="INFO" if ns.verbose else "WARNING")
 
 
 def plan_record(plan: Any) -> dict[str, Any]:

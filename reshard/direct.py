@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard import __version__
+from reshard import __version__, progress
 from reshard.core.engine import TargetResult, convert_target, pick_device
 from reshard.core.errors import DestinationError, LayoutError, ReshardError
 from reshard.core.plan import Plan, ReshardOptions, build_plan
@@ -30,7 +30,7 @@ from reshard.storage.cache import ShardCache
 from reshard.storage.destination import open_destination
 from reshard.storage.location import open_location
 from reshard.storage.manifest import MANIFEST_FORMAT
-from reshard.storage.source_view import LocalSource, materialize
+from reshard.storage.source_view import LocalSource, discover, materialize
 from reshard.tasks.identity import code_version, conversion_id
 
 DESCRIPTOR_NAME = "ds_checkpoint.json"
@@ -38,9 +38,11 @@ DESCRIPTOR_NAME = "ds_checkpoint.json"
 
 @dataclass
 class RunReport:
-    """What a finished run did: enough for the CLI summary and the docs."""
+    """What a finished run did: enough for the CLI summary and the docs. ``plan`` is None when
+    the destination already held this exact conversion (``up_to_date``: nothing was read or
+    written; ``manifest`` is the committed one)."""
 
-    plan: Plan
+    plan: Plan | None
     destination: str
     results: list[TargetResult] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
@@ -48,6 +50,7 @@ class RunReport:
     fetched: int = 0
     cached: int = 0
     seconds: float = 0.0
+    up_to_date: bool = False
 
 
 def side_files(plan: Plan, names: list[str]) -> dict[str, str]:
@@ -152,32 +155,42 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
         cache = cache or ShardCache()
         workdir = cache.new_workdir("run")
     try:
+        disc = discover(src, storage_options)  # a listing: sizes and ETags, no tensor bytes
+        cid = conversion_id([dataclasses.asdict(o) for o in disc.objects], options.to_record())
         dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir,
-                                source=src_loc)
-        local = materialize(src, storage_options, cache, workdir)
+                                source=src_loc, check=False)
+        committed = dest.committed_manifest()
+        if committed and committed.get("conversion_id") == cid:  # this exact conversion is there already
+            return RunReport(None, dst, manifest=committed, up_to_date=True,
+                             seconds=time.perf_counter() - t0)
+        dest.check(src_loc)
+        local = materialize(src, storage_options, cache, workdir, disc=disc)
         with _urls_in_errors(local.path, src):
             plan = build_plan(str(local.path), options)
             report = RunReport(plan, dst, fetched=local.fetched, cached=local.cached)
             report.zero = zero_gate(plan, target_config)
         dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
         dev = pick_device(device)
-        cid = conversion_id([dataclasses.asdict(o) for o in local.objects], options.to_record())
         try:
             dest.acquire(uuid.uuid4().hex, cid)  # before touching staging: it may be another run's
             dest.open()
             names, records = [], []
             # target t uploads while target t+1 converts (one upload at a time: disk holds two outputs at most)
+            progress.planned((tp.name, tp.rank, tp.bytes_written) for tp in plan.targets)
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-publish") as uploader:
                 pending = []
                 for tp in plan.targets:
                     with _urls_in_errors(local.path, src):
-                        res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True)
+                        res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True,
+                                             on_bytes=progress.bytes_reporter(tp.name))
                     if pending:
                         pending[-1].result()  # surface an upload error before converting on
                     pending.append(uploader.submit(dest.publish, tp.name, res.sha256))
                     dest.heartbeat()
                     report.results.append(res)
                     names.append(tp.name)
+                    progress.target_done({"name": tp.name, "rank": res.rank, "sources": list(res.sources),
+                                          "size": res.size, "seconds": res.seconds})
                     if on_target_done:
                         on_target_done(res)
                 records.extend(f.result() for f in pending)

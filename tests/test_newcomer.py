@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -84,3 +85,70 @@ def test_missing_local_source_is_named_as_a_path_before_any_server_starts(tmp_pa
         assert res.returncode == 2
         assert res.stderr.splitlines() == [f"reshard: error: {missing}: no such file or folder (fix: check the path)"]
         assert not (tmp_path / "out").exists()
+
+
+def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True,
+                          env=env or dict(os.environ), timeout=600)
+
+
+def test_an_identical_direct_rerun_is_up_to_date_and_writes_nothing(sample_factory, tmp_path, capsys):
+    src, dst = str(sample_factory(8, 2.0)), tmp_path / "dst"
+    assert main(["run", "--direct", src, str(dst), "--target-tp", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"committed {dst}: TP 8 -> 2, 3 files")
+    before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
+    assert main(["run", "--direct", src, str(dst), "--target-tp", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(f"up to date {dst}: TP 8 -> 2, 3 files") and "nothing written" in out.out
+    assert out.err == ""
+    assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before
+    assert main(["run", "--direct", src, str(dst), "--target-tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["up_to_date"] is True
+
+
+def test_the_flows_second_run_says_it_was_served_from_cache(sample_factory, tmp_path, prefect_env):
+    args = ["run", str(sample_factory(4, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
+            "--cache-dir", str(tmp_path / "cache")]
+    first = _cli(args, prefect_env)
+    assert first.returncode == 0 and first.stdout.startswith("committed"), first.stderr[-2000:]
+    second = _cli(args, prefect_env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    # 4 fetches + 4 checks + 2 conversions + 2 uploads
+    assert "nothing written; 12 of 12 steps served from Prefect's cache" in second.stdout.splitlines()[0]
+
+
+def test_plain_progress_counts_every_output_of_the_plan(tmp_path):
+    """Target TP 2 x PP 2 = 4 outputs: the count and the bar run to 4, not to the target TP."""
+    from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint
+
+    write_core_sample_checkpoint(tmp_path / "src", tp=2, pp=1,
+                                 cfg=CoreGPTConfig(layers=2, hidden=64, heads=8, ffn=128, vocab=100, seq=16))
+    res = _cli(["run", "--direct", str(tmp_path / "src"), str(tmp_path / "dst"), "--target-tp", "2",
+                "--target-pp", "2"])
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    assert [line.split()[:2] for line in lines] == [["[#...]", "1/4"], ["[##..]", "2/4"], ["[###.]", "3/4"],
+                                                    ["[####]", "4/4"]]
+    assert "iter_0000100/mp_rank_01_001/model_optim_rng.pt <- source ranks [1]" in lines[3]
+
+
+def test_live_display_follows_bytes_of_every_output():
+    import io
+
+    from reshard import progress
+    from reshard.cli_progress import ProgressDisplay
+
+    stream = io.StringIO()
+    with ProgressDisplay(stream, live=True, status="starting Prefect's embedded server") as display:
+        overall = display._rich.tasks[0]
+        assert overall.description == "starting Prefect's embedded server" and overall.total is None
+        progress.planned([("a.pt", 0, 100), ("b.pt", 1, 300)])
+        assert overall.total == 400 and overall.description == "0/2 outputs"
+        assert display.live and progress.bytes_reporter("a.pt") is not None
+        progress.bytes_reporter("a.pt")(60)
+        progress.bytes_reporter("b.pt")(30)
+        assert overall.completed == 90
+        progress.target_done({"name": "a.pt", "rank": 0, "sources": [0], "size": 110, "seconds": 0.1})
+        assert overall.completed == 140 and overall.description == "1/2 outputs"
+    assert progress.bytes_reporter("a.pt") is None  # unsubscribed
+    assert "#" not in stream.getvalue()  # no plain lines in live mode

@@ -443,13 +443,15 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
-                   device: torch.device | None = None, *, sha256: bool = False) -> TargetResult:
+                   device: torch.device | None = None, *, sha256: bool = False,
+                   on_bytes: Callable[[int], None] | None = None) -> TargetResult:
     """Write target ``tgt`` (an index into ``plan.targets``) to ``out_path``: the bytes
     ``torch.save`` would write for :func:`build_target`'s dict (foreign stand-ins in carried
     entries under their real names), streamed — the pickle first, then each tensor as it is
     read, holding a few chunks at a time instead of the whole target (see
     :mod:`reshard.core.torch_writer`). ``sha256``: hash the file while writing it
-    (``TargetResult.sha256``), so a manifest needs no second read pass."""
+    (``TargetResult.sha256``), so a manifest needs no second read pass. ``on_bytes``: progress
+    (bytes of the file produced so far), see :func:`reshard.core.torch_writer.save`."""
     t0 = time.perf_counter()
     device = device or torch.device("cpu")
     out_path = Path(out_path)
@@ -460,7 +462,7 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     # quantizing is compute: it keeps torch's threads
     threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
     with threads:
-        stats = torch_writer.save(sd, out_path, pickle_module=pickle_module, sha256=sha256)
+        stats = torch_writer.save(sd, out_path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes)
     del sd, shards
     return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
                         time.perf_counter() - t0, stats.sha256)

@@ -493,11 +493,14 @@ def _skeleton_writer(path: str) -> tuple[Any, Any]:
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
-         depth: int = QUEUE_DEPTH, sha256: bool = False) -> SaveStats:
+         depth: int = QUEUE_DEPTH, sha256: bool = False,
+         on_bytes: Callable[[int], None] | None = None) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
     pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
 
-    ``sha256``: also hash the file as it is written (``SaveStats.sha256``), saving a read pass."""
+    ``sha256``: also hash the file as it is written (``SaveStats.sha256``), saving a read pass.
+    ``on_bytes``: called after each tensor record with the file offset produced so far (for a
+    progress display; it runs on this thread and must be cheap)."""
     path = os.fspath(path)
     base = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base)
@@ -557,6 +560,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                     crc_at[entry.descriptor + 4] = sink.crc
                 hashed_to = entry.data_offset + entry.size
                 stats.largest_record = max(stats.largest_record, rec.nbytes)
+                if on_bytes is not None:
+                    on_bytes(hashed_to)
         finally:
             wt.close()
         _patch(fd, entries, crcs, heads, small)

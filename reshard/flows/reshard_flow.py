@@ -31,6 +31,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.futures import wait
 
+from reshard import progress
 from reshard.core.shard_check import shard_role
 from reshard.flows.params import ReshardParams
 from reshard.storage.cache import RemoteObject, ShardCache
@@ -69,6 +70,7 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     headers = located["headers"]
     _raise_first_failure([fetches[h] for h in headers] + [checks[h] for h in headers], wait_all=False)
     layout = plan_layout(located, {h: fetches[h].result() for h in headers})
+    progress.planned((t["name"], t["rank"], t["bytes_written"]) for t in layout["targets"])
     # cross-rank checks and the destination claim run alongside the conversions; nothing is
     # published (uploaded, moved into staging) before they pass
     job_f = plan_conversion.submit(layout, fetches, wait_for=list(checks.values()))
@@ -90,6 +92,8 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     # on a failure, let what is running finish (its results are cached for the re-run) and
     # report the root cause — the first failed step in DAG order — not a downstream "not ready"
     _raise_first_failure([*fetches.values(), *checks.values(), job_f, *converts.values(), *uploads.values()])
+    steps = [*fetches.values(), *checks.values(), *converts.values(), *uploads.values()]
+    reused = sum(1 for fut in steps if fut.state.name == "Cached")  # served from an earlier run's records
     records = [uploads[name].result() for name in converts]
     converted = [converts[name].result() for name in converts]
     job = job_f.result()
@@ -102,7 +106,7 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     return {"flow_run_id": str(flow_run.id), "source": params.source, "destination": params.destination, "source_tp": job["source_tp"],
             "target_tp": params.target_tp, "version": job["version"], "quantized": params.quantize,
             "up_to_date": job["up_to_date"], "conversion_id": job["conversion_id"],
-            "files": manifest.get("files", []), "warnings": job["warnings"]}
+            "files": manifest.get("files", []), "warnings": job["warnings"], "steps": len(steps), "reused": reused}
 
 
 def _raise_first_failure(futures: list[Any], *, wait_all: bool = True) -> None:

@@ -42,7 +42,7 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
     from reshard.storage.cache import ShardCache
 
     prefect_environment(ShardCache(params.cache_dir).root)
-    from reshard.flows import progress
+    from reshard import progress
     from reshard.flows.reshard_flow import reshard_flow
 
     if console_level:
@@ -50,7 +50,12 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
 
     flow = reshard_flow.with_options(task_runner=task_runner(dask_address, dask_workers,
                                                              1 if params.gpu_resource else 0))
-    unsubscribe = progress.subscribe(on_target_done) if on_target_done else (lambda: None)
+
+    def done_only(event: dict[str, Any]) -> None:
+        if on_target_done is not None and event.get("event") == progress.TARGET_DONE:
+            on_target_done(event)
+
+    unsubscribe = progress.subscribe(done_only) if on_target_done else (lambda: None)
     try:
         return flow(params)
     finally:

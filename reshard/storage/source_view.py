@@ -187,9 +187,11 @@ def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path
 
 
 def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
-                cache: ShardCache | None = None, workdir: Path | None = None) -> LocalSource:
-    """Discover, fetch (4 at a time) and build the local view in one go."""
-    disc = discover(url, storage_options)
+                cache: ShardCache | None = None, workdir: Path | None = None,
+                disc: Discovery | None = None) -> LocalSource:
+    """Discover (unless ``disc`` is that listing already), fetch (4 at a time) and build the
+    local view in one go."""
+    disc = disc or discover(url, storage_options)
     if disc.is_local:
         return LocalSource(url, build_view(disc, {}, Path()), disc.objects)
     loc = open_location(url, storage_options)

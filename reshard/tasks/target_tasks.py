@@ -26,7 +26,7 @@ from reshard.core.plan import ReshardOptions, build_plan
 from reshard.crashpoints import crash_point
 from reshard.core.source import locate
 from reshard.direct import _source_folders, _urls_in_errors, manifest_for, side_files, source_record, zero_gate
-from reshard.flows import progress
+from reshard import progress
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.destination import Destination, LocalDestination, open_destination
 from reshard.storage.location import open_location
@@ -191,9 +191,10 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
                 from prefect.concurrency.sync import concurrency
 
                 with concurrency(limit, occupy=1, strict=True):
-                    res = convert_target(plan, rank, partial, device, sha256=True)
+                    res = convert_target(plan, rank, partial, device, sha256=True,
+                                         on_bytes=progress.bytes_reporter(name))
             else:
-                res = convert_target(plan, rank, partial, device, sha256=True)
+                res = convert_target(plan, rank, partial, device, sha256=True, on_bytes=progress.bytes_reporter(name))
         os.replace(partial, out)
     finally:
         shutil.rmtree(partial.parent, ignore_errors=True)
@@ -215,7 +216,7 @@ def upload_target(job: dict[str, Any], name: str, converted: dict[str, Any]) -> 
     record = dest.publish(name, converted.get("sha256"))
     dest.heartbeat()
     crash_point("uploaded")
-    progress.notify(dict(converted, sha256=record["sha256"]))
+    progress.target_done(dict(converted, sha256=record["sha256"]))
     return record
 
 
