@@ -254,11 +254,19 @@ def test_engine_never_assembles_a_whole_tensor(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "assemble", forbidden)
     monkeypatch.setattr(engine, "_owned", forbidden)
     monkeypatch.setattr(PendingTensor, "materialize", forbidden)
+    plans = {}
     for m in (1, 2, 8):
-        plan = build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=m))
+        plans[m] = plan = build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=m))
         (tmp_path / f"out{m}").mkdir()
         for t in plan.targets:
             convert_target(plan, t.rank, tmp_path / f"out{m}" / t.name)
+    monkeypatch.undo()  # the eager reference may assemble
+    for m, plan in plans.items():
+        for t in plan.targets:
+            ref = tmp_path / f"ref{m}" / t.name
+            ref.parent.mkdir(exist_ok=True)
+            foreign.save(build_target(plan, t.rank), ref)
+            assert (tmp_path / f"out{m}" / t.name).read_bytes() == ref.read_bytes(), (m, t.name)
 
 
 _RSS_CHILD = r"""
