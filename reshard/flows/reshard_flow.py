@@ -37,7 +37,7 @@ from reshard.flows.params import ReshardParams
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
-from reshard.tasks.target_tasks import (GPU_TAG, cache_dir_of, commit_checkpoint, convert_target_rank,
+from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, cache_dir_of, commit_checkpoint, convert_target_rank,
                                         locate_source, output_present, plan_conversion, plan_layout, report,
                                         upload_target)
 
@@ -91,15 +91,22 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
         uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job_f, name, converts[name])
     # on a failure, let what is running finish (its results are cached for the re-run) and
     # report the root cause — the first failed step in DAG order — not a downstream "not ready"
-    _raise_first_failure([*fetches.values(), *checks.values(), job_f, *converts.values(), *uploads.values()])
-    steps = [*fetches.values(), *checks.values(), *converts.values(), *uploads.values()]
-    reused = sum(1 for fut in steps if fut.state.name == "Cached")  # served from an earlier run's records
-    records = [uploads[name].result() for name in converts]
-    converted = [converts[name].result() for name in converts]
-    job = job_f.result()
-    if job["up_to_date"]:
-        log.info("%s already holds this exact conversion; nothing new will be written", params.destination)
-    manifest = commit_checkpoint(job, records)
+    try:
+        _raise_first_failure([*fetches.values(), *checks.values(), job_f, *converts.values(), *uploads.values()])
+        steps = [*fetches.values(), *checks.values(), *converts.values(), *uploads.values()]
+        reused = sum(1 for fut in steps if fut.state.name == "Cached")  # served from an earlier run's records
+        records = [uploads[name].result() for name in converts]
+        converted = [converts[name].result() for name in converts]
+        job = job_f.result()
+        if job["up_to_date"]:
+            log.info("%s already holds this exact conversion; nothing new will be written", params.destination)
+        manifest = commit_checkpoint(job, records)
+    except BaseException:
+        # give up the destination claim (staged outputs stay for the resume); a SIGKILL skips
+        # this, and the resumed run takes its own claim over
+        if job_f.state.is_completed():
+            abandon_claim(job_f.result())
+        raise
     report(job, converted, records)
     from prefect.runtime import flow_run
 

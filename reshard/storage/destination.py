@@ -16,6 +16,7 @@ Protocol, the same everywhere:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -29,7 +30,9 @@ from reshard.core.errors import DestinationError, StorageError
 from reshard.crashpoints import crash_point
 from reshard.storage.location import Location, open_location, storage_errors
 from reshard.storage.manifest import MANIFEST_NAME, file_record
-from reshard.storage.s3_transfer import copy_objects, is_s3, put_multipart
+from reshard.storage.s3_transfer import abort_incomplete_uploads, copy_objects, is_s3, put_multipart
+
+log = logging.getLogger(__name__)
 
 STAGING_DIR = ".reshard-staging"
 #: S3 multipart uploads: part size and parts in flight (see :mod:`reshard.storage.s3_transfer`).
@@ -119,6 +122,21 @@ class Destination(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Remove what this run staged (best effort); never writes a manifest."""
+
+    def abandon(self) -> None:
+        """A failed run that may be resumed (the flow) gives up its claim: our lock goes, and what a
+        resume cannot reuse (an empty staging folder, incomplete multipart uploads); staged outputs
+        stay for the resume. Nothing is touched when the lock is not (or no longer) ours. Best effort."""
+        if not self._owns_lock():
+            return
+        try:
+            self._drop_unusable_staging()
+            self._release_lock()
+        except Exception:  # best effort: a stale lock is taken over after LOCK_STALE_SECONDS
+            log.warning("could not release %s after a failed run", self.url, exc_info=True)
+
+    def _drop_unusable_staging(self) -> None:
+        """What :meth:`abandon` removes besides the lock."""
 
     # -- the writer lock --------------------------------------------------------------------
     _lock_token: str | None = None
@@ -268,7 +286,8 @@ class LocalDestination(Destination):
             manifest.unlink()
         if clean_staging:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        self.workdir.mkdir(exist_ok=True)
+        # the staging folder itself is made by the first staged() write: a run that fails before
+        # writing an output leaves none behind
 
     def staged(self, name: str) -> Path:
         p = self.workdir / name
@@ -276,8 +295,11 @@ class LocalDestination(Destination):
         return p
 
     def staged_size(self, name: str) -> int | None:
-        p = self.staged(name)
+        p = self.workdir / name  # a question only: never creates the staging folder (unlike staged())
         return p.stat().st_size if p.is_file() else None
+
+    def _drop_unusable_staging(self) -> None:
+        _remove_empty_dirs(self.workdir)
 
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
         return _record(self.staged(name), name, sha256)
@@ -310,11 +332,11 @@ class LocalDestination(Destination):
     def abort(self) -> None:
         if not self._owns_lock():
             return  # not (or no longer) ours: the staging area may be another run's
+        shutil.rmtree(self.workdir, ignore_errors=True)  # before the lock: then another run may stage here
         try:
             self._release_lock()
         except Exception:  # best effort; a stale lock is taken over after LOCK_STALE_SECONDS
             pass
-        shutil.rmtree(self.workdir, ignore_errors=True)
         if self._created:
             try:
                 self.folder.rmdir()
@@ -340,6 +362,8 @@ class RemoteDestination(Destination):
                 fs.rm_file(manifest)
             if clean_staging and fs.exists(self.staging_prefix):
                 fs.rm(self.staging_prefix, recursive=True)
+            if clean_staging:
+                self._abort_incomplete_uploads()
 
     def staged(self, name: str) -> Path:
         p = self.workdir / name
@@ -414,19 +438,56 @@ class RemoteDestination(Destination):
             fs.pipe_file(self.loc.join(MANIFEST_NAME), json.dumps(manifest, indent=2, sort_keys=True).encode())
             # staging goes only after the commit: a crash before the manifest leaves it for the resume
             fs.rm(self.staging_prefix, recursive=True)
+        try:  # orphans of earlier (killed) runs and of lost CreateMultipartUpload responses
+            self._abort_incomplete_uploads()
+        except Exception:  # committed all the same; the orphans only cost storage until a lifecycle rule
+            log.warning("could not abort incomplete multipart uploads under %s", self.staging_prefix, exc_info=True)
         self._release_lock()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _abort_incomplete_uploads(self) -> None:
+        """Abort every incomplete multipart upload under the staging prefix (S3 only). Run when
+        nothing of this run is being uploaded: at a fresh start, after the commit, on abort."""
+        if is_s3(self.loc.fs):
+            abort_incomplete_uploads(self.loc.fs, self.staging_prefix)
+
+    def _drop_unusable_staging(self) -> None:
+        with storage_errors(self.url):
+            self._abort_incomplete_uploads()
 
     def abort(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)  # this run's private local folder
         if not self._owns_lock():
             return  # not (or no longer) ours: the staging prefix may be another run's
+        # staging first, the lock last: once released, another run may start staging here
         try:
-            self._release_lock()
             if self.loc.fs.exists(self.staging_prefix):
                 self.loc.fs.rm(self.staging_prefix, recursive=True)
         except Exception:  # best effort: the next run cleans leftovers; nothing reads them as committed
             pass
+        try:
+            self._abort_incomplete_uploads()
+        except Exception:  # best effort, as above
+            pass
+        try:
+            self._release_lock()
+        except Exception:  # best effort; a stale lock is taken over after LOCK_STALE_SECONDS
+            pass
+
+
+def _remove_empty_dirs(root: Path) -> None:
+    """Remove ``root`` and the folders under it that hold no file (deepest first)."""
+    if not root.is_dir():
+        return
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty
+            pass
+    try:
+        root.rmdir()
+    except OSError:
+        pass
 
 
 def _record(path: Path, name: str, sha256: str | None) -> dict[str, Any]:

@@ -9,6 +9,8 @@ fsspec only when their protocol is used.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -20,6 +22,10 @@ from reshard.core.errors import ReshardError, StorageError
 
 #: botocore retry policy applied to s3 unless the caller passes its own ``config_kwargs.retries``.
 DEFAULT_S3_RETRIES: dict[str, Any] = {"max_attempts": 10, "mode": "standard"}
+
+#: How long a garbage-collected S3 filesystem's finalizer waits for its client to close (only in a
+#: thread that runs no event loop of its own, e.g. the main thread at exit; never blocks a loop).
+CLIENT_CLOSE_WAIT_SECONDS = 1.0
 
 _EXTRAS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
            "abfss": "adlfs"}
@@ -62,6 +68,56 @@ def _with_defaults(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
     return opts
 
 
+def close_client_on_its_loop(loop: Any, creator: Any) -> None:
+    """Close an s3fs filesystem's aiobotocore client on ``loop``, the loop that created it.
+
+    Installed as the filesystem's ``close_session`` (s3fs registers it as the instance's
+    ``weakref.finalize`` callback). s3fs's own version schedules the close on whatever loop is
+    *running in the thread where the garbage collector happens to free the filesystem*: in a
+    process that also runs other event loops (Prefect's API/log/event threads, an ASGI server,
+    a Dask worker) that is another loop, and aiohttp fails with "Future attached to a different
+    loop", logged by asyncio as "Task exception was never retrieved". Here the close always
+    runs on ``loop`` (fsspec's IO loop for every synchronous filesystem reshard opens).
+    """
+    if creator is None:
+        return
+    if loop is not None and loop.is_running() and not loop.is_closed():
+        closing = creator.__aexit__(None, None, None)
+        try:
+            future = asyncio.run_coroutine_threadsafe(closing, loop)
+        except RuntimeError:  # the loop closed meanwhile: close the sockets below
+            closing.close()
+        else:
+            future.add_done_callback(_retrieve)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # a plain thread (e.g. the main thread at exit): wait a little
+                try:
+                    future.result(timeout=CLIENT_CLOSE_WAIT_SECONDS)
+                except (Exception, concurrent.futures.CancelledError):  # not closed in time, or failed
+                    pass
+            return
+    try:  # no loop left to run the close (interpreter shutdown): close the sockets themselves
+        creator._client._endpoint.http_session._connector._close()
+    except Exception:  # best effort at shutdown: the process is going away with its sockets
+        pass
+
+
+def _retrieve(future: concurrent.futures.Future[Any]) -> None:
+    """Mark a close's outcome as seen (an error closing a client at GC time is not reportable)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _close_clients_on_their_loop(fs: Any) -> None:
+    """Make an s3fs filesystem close its client(s) on their own loop (see
+    :func:`close_client_on_its_loop`); other filesystems are left alone."""
+    for each in (fs, getattr(fs, "fs", None)):  # the filesystem, or the one a caching wrapper wraps
+        if type(each).__module__.split(".", 1)[0] == "s3fs" and hasattr(each, "close_session"):
+            # an instance attribute: s3fs registers ``self.close_session`` as the finalizer when it connects
+            each.close_session = close_client_on_its_loop
+
+
 def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
     """Resolve ``url`` into a :class:`Location`; a missing backend package is a clear error."""
     from fsspec.core import url_to_fs
@@ -76,6 +132,7 @@ def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any
                            hint=f"pip install {pkg}") from None
     except ValueError as exc:
         raise StorageError(f"cannot open: {exc}", culprit=url, hint="check the URL and storage options") from None
+    _close_clients_on_their_loop(fs)
     return Location(fs, path, url)
 
 

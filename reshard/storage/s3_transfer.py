@@ -12,7 +12,10 @@ most of the gap to ``aws s3 cp``. Here:
   limit; larger ones fall back to s3fs's managed copy), all objects at once.
 
 Request retries stay where they are configured (botocore, via s3fs); a failed multipart
-upload is aborted so no orphaned parts are left behind.
+upload is aborted so no orphaned parts are left behind. An upload can still be orphaned
+without this process knowing its id — the response to ``CreateMultipartUpload`` is lost and
+botocore's retry creates a second one, or the process is killed mid-upload — so a destination
+also sweeps its staging prefix with :func:`abort_incomplete_uploads`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,38 @@ def put_multipart(fs: Any, local: Path, remote: str, *, part_size: int = 8 << 20
         except Exception:  # best effort: the original error is what the caller must see
             pass
         raise
+
+
+#: Listing rounds of :func:`abort_incomplete_uploads` (each aborts up to a listing page, 1000).
+ABORT_ROUNDS = 100
+
+
+def abort_incomplete_uploads(fs: Any, prefix: str) -> int:
+    """Abort every incomplete multipart upload whose key lies under ``prefix`` (an s3fs path,
+    ``bucket/key/prefix``, taken as a folder); returns how many were aborted.
+
+    Lists from the start again after each page rather than following the listing's markers
+    (SeaweedFS, for one, ends a listing early when given them): aborted uploads drop out of
+    the listing. An upload gone meanwhile (``NoSuchUpload``: completed or aborted by someone
+    else) is skipped and not asked for again; any other error is raised."""
+    bucket, key, _ = fs.split_path(prefix)
+    key_prefix = key.rstrip("/") + "/" if key else ""
+    tried: set[str] = set()
+    aborted = 0
+    for _ in range(ABORT_ROUNDS):
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix)
+        todo = [u for u in page.get("Uploads") or []
+                if str(u.get("Key", "")).startswith(key_prefix) and u.get("UploadId") not in tried]
+        if not todo:
+            break
+        for upload in todo:
+            tried.add(upload["UploadId"])
+            try:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+            except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+                pass
+    return aborted
 
 
 def copy_objects(fs: Any, pairs: list[tuple[str, str]], sizes: dict[str, int], *, concurrency: int = 8) -> None:

@@ -45,6 +45,13 @@ def destination_for(job: dict[str, Any]) -> Destination:
     return dest
 
 
+def abandon_claim(job: dict[str, Any]) -> None:
+    """After a failed run: release this run's destination lock and what a resume cannot reuse
+    (an empty staging folder, incomplete uploads); nothing when the run never claimed it."""
+    if job.get("lock_token"):
+        destination_for(job).abandon()
+
+
 def converted_path(job: dict[str, Any], name: str) -> Path:
     """Where convert writes target ``name``: this conversion's private work folder (for a remote
     destination that is also its local staging path), never the destination itself — a target
