@@ -30,8 +30,8 @@ the deployment's ``storage_options``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from reshard.core.errors import ConfigError
@@ -92,10 +92,27 @@ def emit_training_completed(url: str, tp: int, step: int | None = None, targets:
     if event is None:
         raise ConfigError("Prefect events are disabled in this environment", culprit="PREFECT_API_ENABLE_EVENTS",
                           hint="unset PREFECT_API_ENABLE_EVENTS / PREFECT_EVENTS_* overrides")
-    # Flush: drain (stop) the events worker holding the event; a later emit starts a new one.
-    # In a helper thread, where no event loop runs, so that drain_all waits synchronously.
-    with ThreadPoolExecutor(1) as pool:
-        _, pending = pool.submit(EventsWorker.drain_all, timeout, False).result()
-    if pending:
+    if not _flush_events(EventsWorker.instance(), timeout):
         raise ConfigError(f"sending the event did not finish within {timeout:.0f}s", culprit=api)
     return str(event.id)
+
+
+def _flush_events(worker: Any, timeout: float) -> bool:
+    """Wait until ``worker`` (the events worker holding the event) has sent everything queued,
+    then drain (stop) it, within ``timeout`` seconds; a later emit starts a new worker.
+
+    Waiting first matters: a worker drained while it still holds items reports "Still processing
+    items: N items remaining..." on the console (its queue then holds the item and the stop
+    marker), and right after ``emit_event`` the item is still queued: the worker is connecting.
+    Both waits run in a helper thread (no event loop there, so Prefect's calls block) that is
+    left behind, a daemon, if the timeout passes.
+    """
+    done = threading.Event()
+
+    def flush() -> None:
+        worker.wait_until_empty()
+        worker.drain()
+        done.set()
+
+    threading.Thread(target=flush, name="reshard-emit-flush", daemon=True).start()
+    return done.wait(max(timeout, 0.0))
