@@ -281,6 +281,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "facts": plan.facts.to_record(),
         "rules": {p.key: p.rule.name for p in plan.params},
         "unused_rules": list(plan.unused_rules),
+        "dropped": dict(plan.dropped),
         "warnings": list(plan.warnings),
     }
 

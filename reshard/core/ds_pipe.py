@@ -33,7 +33,7 @@ from reshard.core.layouts import source_ranks_for_target
 from reshard.core.plan import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan, ReshardOptions,
                                TargetParam, TargetPlan, _bool_attr, _check_replicated, _check_same_keys, _collect,
                                _decide_groups, _decide_version, _head_facts, _int_attr, _Stage, _target_size,
-                               target_ranks_needed, target_specs)
+                               dropped_warning, target_ranks_needed, target_specs)
 from reshard.core.rules import MEGATRON_GPT_RULES, resolve
 from reshard.core.safe_load import load_shard
 from reshard.core.source import (DEEPSPEED_PIPE, SourceCheckpoint, choose_module_key, layer_file_name,
@@ -91,7 +91,7 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
                                                                    per_group, tpp)
     targets = [dataclasses.replace(t, rank=i) for i, t in enumerate(targets)]
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
-    warnings = [f"dropped {k!r}: {why}" for k, why in dropped.items()] + ([vocab.warning] if vocab.warning else [])
+    warnings = dropped_warning(dropped) + ([vocab.warning] if vocab.warning else [])
     ds_config = shards[0].get("ds_config")
     facts = ModelFacts("legacy", num_layers, hidden, heads, groups, head_dim, swiglu, tied, vocab.true,
                        vocab.source_rows, vocab.target_rows, vocab.divisible_by, _even_split(num_layers, spp),

@@ -217,6 +217,14 @@ class Plan:
         return max((t.bytes_written for t in self.targets), default=0) + largest_src
 
 
+def dropped_warning(dropped: Mapping[str, str]) -> list[str]:
+    """One line for the top-level entries left out (the reason per entry is in ``Plan.dropped``)."""
+    if not dropped:
+        return []
+    return [f"dropped training state that belongs to the old layout: {', '.join(dropped)} "
+            f"(the output holds the model and its args)"]
+
+
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype | None) -> int:
     return 0 if dtype is None else _elems(shape) * dtype.itemsize
 
@@ -305,7 +313,7 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
     targets = tuple(_target_plan(s, t, placed[s], source, options, n, m, tpp) for s in range(tpp) for t in range(m))
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
     ds_config = shards[0].get("ds_config")
-    warnings = [f"dropped {k!r}: {why}" for k, why in dropped.items()] + warnings
+    warnings = dropped_warning(dropped) + warnings
     facts = ModelFacts(naming, num_layers, hidden, num_heads, groups, head_dim, swiglu, tied, vocab.true,
                        vocab.source_rows, vocab.target_rows, vocab.divisible_by, tuple(layers_per_stage),
                        tuple(target_layers), dict(origin))
