@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from reshard.core.engine import convert_target
-from reshard.core.plan import ReshardOptions, build_plan
+from reshard.core.plan import ReshardOptions
+from reshard.core.planner import build_plan
 
 
 def main(argv: list[str] | None = None) -> int:

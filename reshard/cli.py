@@ -307,7 +307,7 @@ def _local_view(ns: argparse.Namespace) -> Iterator[Any]:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from reshard.core.plan import build_plan
+    from reshard.core.planner import build_plan
 
     with _local_view(ns) as path:
         plan = build_plan(path, _options(ns, ns.target_tp))
@@ -330,7 +330,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
-    from reshard.core.plan import ReshardOptions, build_plan
+    from reshard.core.plan import ReshardOptions
+    from reshard.core.planner import build_plan
     from reshard.core.source import locate
 
     with _local_view(ns) as path:

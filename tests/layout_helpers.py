@@ -11,7 +11,8 @@ def convert(src: Path | str, dst: Path, **options: Any) -> Any:
     """Plan and write a conversion with the core API only (what a writer does): every target under
     its planned name, then ``plan.extra_files``. Returns the plan."""
     from reshard.core.engine import convert_target
-    from reshard.core.plan import ReshardOptions, build_plan
+    from reshard.core.plan import ReshardOptions
+    from reshard.core.planner import build_plan
 
     plan = build_plan(str(src), ReshardOptions(**options))
     for t in plan.targets:

@@ -34,9 +34,8 @@ from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_f
 from reshard.core.rules import (MEGATRON_GPT_RULES, Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core,
                                 layer_index, resolve, with_layer)
 from reshard.core.safe_load import load_shard
-from reshard.core.source import (AUTO, DEEPSPEED, DEEPSPEED_PIPE, MEGATRON, MEGATRON_LATEST, SourceCheckpoint,
-                                 choose_module_key, iteration_text, locate, megatron_file_name, parse_version,
-                                 rank_file_name)
+from reshard.core.source import (AUTO, DEEPSPEED, MEGATRON, MEGATRON_LATEST, SourceCheckpoint, choose_module_key,
+                                 iteration_text, megatron_file_name, parse_version, rank_file_name)
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
 DROPPED_ENTRIES: dict[str, str] = {
@@ -248,25 +247,18 @@ class _Stage:
     modules: list[dict[str, Any]]
 
 
-def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> Plan:
-    """Validate the source fully and decide every tensor's fate (reads shard metadata,
-    and replicated tensors to check they agree).
+def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int, *,
+                    headers_only: bool = False) -> Plan:
+    """The plan of a checkpoint whose files form a (stage, TP rank) grid of module dicts
+    (DeepSpeed ``mp_rank_XX`` files, Megatron-LM folders) at target PP ``tpp``; see
+    :func:`reshard.core.planner.build_plan`, which validates the degrees and picks the planner.
 
     ``headers_only``: read just the first rank file of each pipeline stage and take it as
     every rank of its stage. The layout (specs, targets, sources) then equals the full plan's
     whenever the full checks pass, so a pipeline can start converting a target as soon as its
     own sources arrive and run the cross-rank checks (``headers_only=False``) alongside —
     publishing nothing until they pass."""
-    source = src if isinstance(src, SourceCheckpoint) else locate(src)
     n, m = source.tp, options.target_tp
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise LayoutError(f"target TP {m!r} must be a positive integer", culprit="--target-tp")
-    tpp = source.pp if options.target_pp is None else options.target_pp
-    if not isinstance(tpp, int) or isinstance(tpp, bool) or tpp < 1:
-        raise LayoutError(f"target PP {tpp!r} must be a positive integer", culprit="--target-pp")
-    if source.format == DEEPSPEED_PIPE:  # layer files: planned by their own module, same rules and engine
-        from reshard.core.ds_pipe import build_pipe_plan
-        return build_pipe_plan(source, options, tpp)
     if source.format == DEEPSPEED and tpp != 1:
         raise LayoutError(f"cannot write {tpp} pipeline stages in the DeepSpeed mp_rank_XX_model_states layout",
                           culprit="--target-pp", hint="pipeline stages can be changed for Megatron-LM "

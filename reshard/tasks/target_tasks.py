@@ -22,10 +22,11 @@ from prefect.artifacts import create_markdown_artifact
 
 from reshard.core.engine import convert_target, pick_device
 from reshard.core.errors import DestinationError, StorageError
-from reshard.core.plan import ReshardOptions, build_plan
+from reshard.core.plan import ReshardOptions
+from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
 from reshard.core.source import locate
-from reshard.direct import _source_folders, _urls_in_errors, manifest_for, side_files, source_record, zero_gate
+from reshard.conversion import manifest_for, side_files, source_folders, source_record, urls_in_errors, zero_gate
 from reshard import progress
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.destination import Destination, LocalDestination, open_destination
@@ -98,7 +99,7 @@ def layout_plan(job: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _layout_plan(view_path: str, _conversion_id: str, source_url: str, options_json: str) -> Any:
-    with _urls_in_errors(Path(view_path), source_url):
+    with urls_in_errors(Path(view_path), source_url):
         return build_plan(view_path, ReshardOptions(**json.loads(options_json)), headers_only=True)
 
 
@@ -114,7 +115,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     job = dict(base, conversion_id=conversion_id, workdir=str(workdir), view_path=str(view),
                view_root=str(view_root), is_local=disc.is_local, source=disc.url, discovery=discovery)
     _link_fetched(job, metadata)
-    with _urls_in_errors(view, disc.url):
+    with urls_in_errors(view, disc.url):
         source = locate(str(view))
     by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
     names = [by_path.get(os.path.realpath(f)) for f in source.files]
@@ -155,7 +156,7 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
     disc = _discovery(job["discovery"])
     view = Path(job["view_path"])
     local = LocalSource(disc.url, view, disc.objects)
-    with _urls_in_errors(view, disc.url):
+    with urls_in_errors(view, disc.url):
         plan = build_plan(str(view), _options(job))
     dest = destination_for(job)
     committed = dest.committed_manifest()
@@ -166,7 +167,7 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
                                    culprit=job["destination"],
                                    hint="pass overwrite=True / --overwrite to replace it, or choose another destination")
         src_loc = open_location(disc.url, job["storage_options"])
-        dest.check_outside(src_loc, _source_folders(plan, local, src_loc))
+        dest.check_outside(src_loc, source_folders(plan, local))
         from prefect.runtime import flow_run
 
         token = str(flow_run.id or job["conversion_id"])
@@ -193,7 +194,7 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
     limit = job.get("gpu_concurrency_limit")
     t0 = time.perf_counter()
     try:
-        with _urls_in_errors(Path(job["view_path"]), job["source"]):
+        with urls_in_errors(Path(job["view_path"]), job["source"]):
             if limit:
                 from prefect.concurrency.sync import concurrency
 

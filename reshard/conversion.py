@@ -1,0 +1,115 @@
+"""What the two ways of running a conversion share: ``reshard run --direct`` (:mod:`reshard.direct`)
+and the Prefect tasks (:mod:`reshard.tasks`).
+
+Both must write identical bytes and the same side files and manifest, refuse the same inputs
+(the ZeRO gate) and name the user's URLs in errors, so each of these facts lives here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from reshard import __version__
+from reshard.core.errors import LayoutError, ReshardError
+from reshard.core.plan import Plan, ReshardOptions
+from reshard.core.source import DEEPSPEED
+from reshard.core.zero_config import ZeroDecision, decide_conversion
+from reshard.storage.manifest import MANIFEST_FORMAT
+from reshard.storage.source_view import LocalSource
+from reshard.tasks.identity import code_version
+
+DESCRIPTOR_NAME = "ds_checkpoint.json"
+
+
+def side_files(plan: Plan, names: list[str]) -> dict[str, str]:
+    """Small files written beside the shards: the DeepSpeed descriptor (DeepSpeed layout) or
+    Megatron's ``latest_checkpointed_iteration.txt`` (Megatron-LM layout)."""
+    files = dict(plan.extra_files)
+    if plan.output_format == DEEPSPEED:
+        files[DESCRIPTOR_NAME] = json.dumps(descriptor_for(plan, names), indent=2)
+    return files
+
+
+def descriptor_for(plan: Plan, names: list[str]) -> dict[str, Any]:
+    """DeepSpeed checkpoint descriptor of the new layout (loadable by DeepSpeed's factory)."""
+    d: dict[str, Any] = {"type": "Megatron", "version": plan.version, "checkpoints": names,
+                         "parallelization": "tp", "mp_size": plan.target_tp, "quantized": plan.options.quantize}
+    if plan.options.quantize:
+        d["quantization"] = {"bits": plan.options.bits, "groups": plan.options.groups,
+                             "mlp_extra_grouping": plan.options.mlp_extra_grouping,
+                             "key": "reshard_quantization"}
+    return d
+
+
+def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
+    """What the manifest says about the source: URL, TP, and each file's size (and ETag)."""
+    root = local.path if local.path.is_dir() else local.path.parent
+    etags = {o.name: o.etag for o in local.objects}
+    files = []
+    for f in plan.source.files:
+        rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
+        rec: dict[str, Any] = {"path": rel, "size": f.stat().st_size}
+        if rel in etags:
+            rec["etag"] = etags[rel]
+        files.append(rec)
+    return {"url": local.url, "tp": plan.source_tp, "pp": plan.source_pp, "format": plan.source.format,
+            "version": plan.version, "files": files}
+
+
+def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,
+                 records: list[dict[str, Any]], conversion_id: str, target_pp: int = 1) -> dict[str, Any]:
+    """The commit marker. ``conversion_id`` lets a later identical run see it is up to date."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool": "reshard",
+        "tool_version": __version__,
+        "code_version": code_version(),
+        "conversion_id": conversion_id,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": source,
+        "target": {"url": dst, "tp": options.target_tp, "pp": target_pp},
+        "options": options.to_record(),
+        "warnings": list(warnings),
+        "files": records,
+    }
+
+
+def zero_gate(plan: Plan, target_config: Mapping[str, Any] | None) -> ZeroDecision:
+    """Validate the source's saved ZeRO config (and the user's target config) before any
+    transfer; ZeRO-3 placeholders are refused."""
+    decision = decide_conversion(plan.ds_config, dict(target_config) if target_config else None)
+    if decision.verify_full_tensors:
+        empty = [p.key for p in plan.params if 0 in p.shape]
+        if empty:
+            raise LayoutError(f"ZeRO-3 checkpoint holds empty placeholder tensors ({empty[0]}, ...)",
+                              culprit=plan.source.origin,
+                              hint="consolidate with DeepSpeed's zero_to_fp32.py first")
+    return decision
+
+
+def source_folders(plan: Plan, local: LocalSource) -> list[str]:
+    """Folders (on the source's filesystem) holding the files the plan reads."""
+    if local.objects:
+        return sorted({o.path.rsplit("/", 1)[0] for o in local.objects})
+    return sorted({f.resolve().parent.as_posix() for f in plan.source.files})
+
+
+@contextlib.contextmanager
+def urls_in_errors(local: Path, url: str) -> Iterator[None]:
+    """Errors raised on the local view of a remote source name the user's URL instead."""
+    try:
+        yield
+    except ReshardError as err:
+        if local.as_posix() != url:
+            base = local.as_posix() if local.is_dir() else local.parent.as_posix()
+            target = url if local.is_dir() else url.rsplit("/", 1)[0]
+            if err.culprit:
+                err.culprit = err.culprit.replace(base, target)
+            err.message = err.message.replace(base, target)
+            err.args = (err.one_line(),)
+        raise

@@ -1,0 +1,133 @@
+"""The layering, enforced on the source (every import statement, module level or inside a
+function): pure core below, storage beside it, Prefect tasks and flows on top, no cycles.
+
+================  =====================================================================
+package           must not import
+================  =====================================================================
+reshard.core      reshard.storage/tasks/flows/formats, the CLI, fsspec, s3fs, prefect, dask
+reshard.models    the same, and reshard.formats (a model family knows no file layout)
+reshard.formats   reshard.tasks/flows, the CLI, prefect, dask
+reshard.storage   reshard.tasks/flows, the CLI, prefect, dask
+reshard.tasks     reshard.flows, the CLI (a task does not know its flow)
+================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "reshard"
+
+_LOWER = ("reshard.cli", "prefect", "dask", "distributed", "prefect_dask")
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "reshard.core": ("reshard.storage", "reshard.tasks", "reshard.flows", "reshard.formats", "fsspec", "s3fs",
+                     *_LOWER),
+    "reshard.models": ("reshard.storage", "reshard.tasks", "reshard.flows", "reshard.formats", "fsspec", "s3fs",
+                       *_LOWER),
+    "reshard.formats": ("reshard.tasks", "reshard.flows", *_LOWER),
+    "reshard.storage": ("reshard.tasks", "reshard.flows", *_LOWER),
+    "reshard.tasks": ("reshard.flows", "reshard.cli"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every absolute module name ``path`` imports (``from a.b import c`` gives ``a.b`` and, if
+    it is a module of ours, ``a.b.c``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
+    return found
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for mod, path in modules.items():
+        for package, banned in FORBIDDEN.items():
+            if _under(mod, package):
+                bad += [f"{mod} imports {imp}" for imp in sorted(imports_of(path, modules))
+                        if any(_under(imp, b) for b in banned)]
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    return {m: {i for i in imports_of(p, modules) if i in modules and i != m and i != "reshard"}
+            for m, p in modules.items()}
+
+
+def test_each_layer_imports_only_what_it_may():
+    assert violations(_modules()) == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph(_modules())) == []
+
+
+# the checks themselves catch what they are for
+
+def test_the_rules_catch_a_forbidden_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from reshard.storage.location import open_location\n    import prefect\n")
+    assert violations({"reshard.core.bad": bad}) == ["reshard.core.bad imports prefect",
+                                                     "reshard.core.bad imports reshard.storage.location"]
+
+
+@pytest.mark.parametrize("graph,expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b"}, "b": set()}, []),
+])
+def test_the_cycle_check_finds_cycles(graph, expected):
+    assert cycles(graph) == expected
