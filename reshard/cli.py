@@ -271,8 +271,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
     return {
         "source": plan.source.origin, "layout": plan.source.format, "source_tp": plan.source_tp,
         "target_tp": plan.target_tp, "source_pp": plan.source_pp, "target_pp": plan.target_pp,
-        "version": plan.version, "module_key": plan.module_key, "num_heads": plan.num_heads,
-        "hidden": plan.hidden,
+        "version": plan.version, "module_key": plan.module_key, "num_heads": plan.facts.heads,
+        "hidden": plan.facts.hidden,
         "targets": [{"rank": t.rank, "sources": list(t.sources), "bytes_read": t.bytes_read,
                      "bytes_written": t.bytes_written} for t in plan.targets],
         "bytes_read": sum(f.stat().st_size for f in plan.source.files),
@@ -344,8 +344,8 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     rec = {"format": "descriptor" if source.descriptor is not None else "folder",
            "source": ns.src, "tp": source.tp, "version": plan.version, "module_key": plan.module_key,
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
-           "bytes": total_bytes, "num_heads": plan.num_heads,
-           "hidden": plan.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
+           "bytes": total_bytes, "num_heads": plan.facts.heads,
+           "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
            "layout": source.format, "pp": source.pp, "facts": plan.facts.to_record(),
            "files": list(source.relative_names)}
     if ns.json:

@@ -80,7 +80,7 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
     groups = _decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, heads, groups, head_dim, n, m, origin,
                                          source.origin)
-    carried = [ParamPlan(r.key, r.rule, r.shape, r.dtype, None, r.layer, r.stage, r.src_key) for r in carried_raw]
+    carried = [r.planned(None) for r in carried_raw]
     # from here on a parameter is found in its layer file under the file's own key
     params = [_with_file_key(p, stages, spp) for p in params]
     carried = [_with_file_key(p, stages, spp) for p in carried]
@@ -93,12 +93,16 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
     warnings = dropped_warning(dropped) + ([vocab.warning] if vocab.warning else [])
     ds_config = shards[0].get("ds_config")
-    facts = ModelFacts("legacy", num_layers, hidden, heads, groups, head_dim, swiglu, tied, vocab.true,
-                       vocab.source_rows, vocab.target_rows, vocab.divisible_by, _even_split(num_layers, spp),
-                       _even_split(num_layers, tpp), dict(origin))
-    return Plan(source, options, module_key, version, heads, hidden, tuple(params), tuple(targets),
-                resolution.unused_rules, dropped, copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
-                tuple(warnings), facts, tuple(carried), tpp, DEEPSPEED_PIPE, {})
+    facts = ModelFacts(naming="legacy", num_layers=num_layers, hidden=hidden, heads=heads, query_groups=groups,
+                       head_dim=head_dim, swiglu=swiglu, tied_embeddings=tied, vocab_size=vocab.true,
+                       padded_vocab_source=vocab.source_rows, padded_vocab_target=vocab.target_rows,
+                       make_vocab_size_divisible_by=vocab.divisible_by,
+                       source_pp_layers=_even_split(num_layers, spp), target_pp_layers=_even_split(num_layers, tpp),
+                       origin=dict(origin))
+    return Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
+                targets=tuple(targets), unused_rules=resolution.unused_rules, dropped=dropped, facts=facts,
+                ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
+                warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=DEEPSPEED_PIPE)
 
 
 # --- reading ----------------------------------------------------------------------------------------
@@ -259,9 +263,12 @@ def _layer_targets(source: SourceCheckpoint, options: ReshardOptions, entries: l
             for p in mine:
                 files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, t))
             srcs = tuple(sorted(files))
-            out.append(TargetPlan(0, layer_file_name(layer, t), srcs, sum(source.files[i].stat().st_size for i in srcs),
-                                  sum(_target_size(p, n, m, False) for p in mine), t, stage, base,
-                                  tuple(TargetParam(p.src_key, p) for p in mine), kind=LAYER_FILE))
+            out.append(TargetPlan(rank=0, name=layer_file_name(layer, t), sources=srcs,
+                                  bytes_read=sum(source.files[i].stat().st_size for i in srcs),
+                                  bytes_written=sum(_target_size(p, n, m, False) for p in mine), tp_rank=t,
+                                  pp_rank=stage, base_rank=base,
+                                  params=tuple(TargetParam(out_key=p.src_key, param=p) for p in mine),
+                                  kind=LAYER_FILE))
     return out
 
 
@@ -275,8 +282,8 @@ def _rank_targets(source: SourceCheckpoint, options: ReshardOptions, tpp: int) -
             base = source_ranks_for_target(n, m, t)[0]
             i = source.index(min(s, spp - 1), base)
             size = source.files[i].stat().st_size
-            out.append(TargetPlan(0, rank_file_name(s * m + t), (i,), size, size, t, s, base, (),
-                                  kind=PIPE_RANK_FILE))
+            out.append(TargetPlan(rank=0, name=rank_file_name(s * m + t), sources=(i,), bytes_read=size,
+                                  bytes_written=size, tp_rank=t, pp_rank=s, base_rank=base, kind=PIPE_RANK_FILE))
     return out
 
 

@@ -83,7 +83,7 @@ class ReshardOptions:
         return dict(self.__dict__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """The model facts the layout depends on, and where each came from (``origin``:
     fact -> ``args`` / ``--flag`` / ``shapes`` / ``tensors``). None: unknown (and not needed)."""
@@ -112,7 +112,7 @@ class ModelFacts:
         return rec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParamPlan:
     """One logical module entry: its rule, per-source-rank shape, and partition spec.
 
@@ -133,7 +133,7 @@ class ParamPlan:
         return self.rule.quant
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TargetParam:
     """One entry of a target's module: its name there and the logical parameter it holds."""
 
@@ -141,7 +141,7 @@ class TargetParam:
     param: ParamPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TargetPlan:
     """One output file: its index in ``Plan.targets`` (``rank``), its path relative to the
     destination, which source files feed it (indices into ``source.files``; for PP = 1 these
@@ -173,7 +173,7 @@ LAYER_FILE = "layer"
 PIPE_RANK_FILE = "pipe-rank"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A validated conversion. ``extra_files``: small text files the writer must also write
     (relative name -> content), e.g. Megatron's ``latest_checkpointed_iteration.txt``.
@@ -183,15 +183,13 @@ class Plan:
     options: ReshardOptions
     module_key: str
     version: float
-    num_heads: int | None
-    hidden: int | None
     params: tuple[ParamPlan, ...]
     targets: tuple[TargetPlan, ...]
     unused_rules: tuple[str, ...]
     dropped: dict[str, str]
+    facts: ModelFacts
     ds_config: dict[str, Any] | None = None
     warnings: tuple[str, ...] = field(default=())
-    facts: ModelFacts | None = None
     carried: tuple[ParamPlan, ...] = ()
     target_pp: int = 1
     output_format: str = DEEPSPEED
@@ -292,7 +290,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     groups = _decide_groups(options, args, num_heads, raw, head_dim, n, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, num_heads, groups, head_dim, n, m, origin,
                                          source.origin)
-    carried = [ParamPlan(r.key, r.rule, r.shape, r.dtype, None, r.layer, r.stage, r.src_key) for r in carried_raw]
+    carried = [r.planned(None) for r in carried_raw]
     _check_replicated(params, stages)
     tied = _decide_tied(args, naming, params, stages, origin, source)
     warnings: list[str] = [vocab.warning] if vocab.warning else []
@@ -306,13 +304,17 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
     ds_config = shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
-    facts = ModelFacts(naming, num_layers, hidden, num_heads, groups, head_dim, swiglu, tied, vocab.true,
-                       vocab.source_rows, vocab.target_rows, vocab.divisible_by, tuple(layers_per_stage),
-                       tuple(target_layers), dict(origin))
+    facts = ModelFacts(naming=naming, num_layers=num_layers, hidden=hidden, heads=num_heads, query_groups=groups,
+                       head_dim=head_dim, swiglu=swiglu, tied_embeddings=tied, vocab_size=vocab.true,
+                       padded_vocab_source=vocab.source_rows, padded_vocab_target=vocab.target_rows,
+                       make_vocab_size_divisible_by=vocab.divisible_by, source_pp_layers=tuple(layers_per_stage),
+                       target_pp_layers=tuple(target_layers), origin=dict(origin))
     extra = {MEGATRON_LATEST: iteration_text(source.iteration or "release")} if source.format == MEGATRON else {}
-    return Plan(source, options, module_key, version, num_heads, hidden, tuple(params), targets,
-                resolution.unused_rules, dropped, copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
-                tuple(warnings), facts, tuple(carried), tpp, source.format, extra)
+    return Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
+                targets=targets, unused_rules=resolution.unused_rules, dropped=dropped, facts=facts,
+                ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
+                warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=source.format,
+                extra_files=extra)
 
 
 def _modules(shards: list[dict[str, Any]], names: list[str], options: ReshardOptions, n: int
@@ -382,6 +384,11 @@ class _Raw:
     stage: int
     src_key: str
     order: int
+
+    def planned(self, spec: PartitionSpec | None) -> ParamPlan:
+        """This parameter's plan with its partition spec (None: replicated or carried)."""
+        return ParamPlan(key=self.key, rule=self.rule, shape=self.shape, dtype=self.dtype, spec=spec,
+                         layer=self.layer, stage=self.stage, src_key=self.src_key)
 
 
 def _collect(stages: list[_Stage], by_key: Mapping[str, Rule], source: SourceCheckpoint
@@ -668,8 +675,7 @@ def target_specs(raw: list[_Raw], options: ReshardOptions, args: Any, version: f
         swiglu = _decide_swiglu(options, args, raw, n, tm, facts_origin, where)
         vocab = _decide_vocab(options, args, raw, n, tm, facts_origin, where)
         ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
-        return swiglu, vocab, [ParamPlan(r.key, r.rule, r.shape, r.dtype, _spec_for(r, ctx, vocab), r.layer,
-                                         r.stage, r.src_key) for r in raw]
+        return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab)) for r in raw]
 
     try:
         return at(m, origin)
@@ -868,7 +874,7 @@ def _place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_
     placed: list[list[TargetParam]] = [[] for _ in range(tpp)]
     if tpp == spp:
         for p in entries:
-            placed[p.stage].append(TargetParam(p.src_key, p))
+            placed[p.stage].append(TargetParam(out_key=p.src_key, param=p))
         return placed, list(layers_per_stage)
     num_layers = sum(layers_per_stage)
     if num_layers % tpp:
@@ -884,17 +890,17 @@ def _place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_
             warnings.append(f"dropped {p.key}: the tied copy of the word embeddings is not stored at PP 1")
             continue
         if p.rule.place is Place.FIRST:
-            placed[0].append(TargetParam(p.key, p))
+            placed[0].append(TargetParam(out_key=p.key, param=p))
         elif p.rule.place is Place.LAST:
-            placed[tpp - 1].append(TargetParam(p.key, p))
+            placed[tpp - 1].append(TargetParam(out_key=p.key, param=p))
         else:
             layer = p.layer if p.layer is not None else 0
-            placed[layer // per].append(TargetParam(with_layer(p.key, layer % per), p))
+            placed[layer // per].append(TargetParam(out_key=with_layer(p.key, layer % per), param=p))
     if tied and spp == 1 and tpp > 1 and emb is not None:
         head_key = TIED_HEAD_KEYS[naming]
         last = placed[tpp - 1]
         at = next((i for i, tp in enumerate(last) if tp.out_key.startswith("output_layer.")), len(last))
-        last.insert(at, TargetParam(head_key, emb))
+        last.insert(at, TargetParam(out_key=head_key, param=emb))
     return placed, [per] * tpp
 
 
@@ -979,5 +985,6 @@ def _target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCh
         name = megatron_file_name(source.iteration or "release", t, stage, tpp)
     else:
         name = rank_file_name(t)
-    return TargetPlan(stage * m + t, name, srcs, read, written, t, stage, base, tuple(params))
+    return TargetPlan(rank=stage * m + t, name=name, sources=srcs, bytes_read=read, bytes_written=written,
+                      tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params))
 
