@@ -19,30 +19,26 @@ from reshard.core.errors import ReshardError
 
 
 def _add_layout_options(p: argparse.ArgumentParser, *, target_required: bool) -> None:
-    p.add_argument("--target-tp", type=int, required=target_required, metavar="M",
-                   help="tensor-parallel degree of the output")
-    p.add_argument("--version", type=float, default=None, metavar="V",
-                   help="override the checkpoint version that decides the QKV layout (0, 1.0, 2.0, 3.0)")
-    p.add_argument("--num-heads", type=int, default=None, metavar="H",
-                   help="attention heads, when the checkpoint has no saved args (needed to split safely)")
-    p.add_argument("--module-key", default="auto", metavar="KEY",
-                   help="state-dict entry holding the module ('auto': exactly one of module/model)")
-    p.add_argument("--quantize", action="store_true", help="int8-quantize qkv, dense, h_to_4h, 4h_to_h weights")
-    p.add_argument("--bits", type=int, default=8, help="quantization bits (default 8)")
-    p.add_argument("--groups", type=int, default=64, help="quantization groups per weight piece (default 64)")
-    p.add_argument("--no-mlp-extra-grouping", dest="mlp_extra_grouping", action="store_false",
-                   help="do not double the groups for MLP weights")
-    p.add_argument("--target-pp", type=int, default=None, metavar="P",
-                   help="pipeline-parallel stages of the output (default: as the source; Megatron-LM layout only)")
-    p.add_argument("--num-query-groups", type=int, default=None, metavar="G",
-                   help="query groups (GQA), when the saved args lack them (needed to split safely)")
-    p.add_argument("--swiglu", dest="swiglu", action="store_true", default=None,
-                   help="the MLP is gated (SwiGLU), when neither args nor shapes tell")
-    p.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="the MLP is not gated")
-    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
-                   help="true (unpadded) vocabulary size, when the saved args lack it and the padding changes")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="D",
-                   help="Megatron's vocabulary padding divisor, when the saved args lack it")
+    """One flag per :class:`~reshard.core.options.ReshardOptions` field, made from the field (name,
+    type, default, help): the options are defined once, for the CLI, the flow and the core."""
+    import typing
+
+    from reshard.core.options import ReshardOptions, flag_of
+
+    for name, field in ReshardOptions.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        types = [t for t in typing.get_args(field.annotation) if t is not type(None)] or [field.annotation]
+        if types[0] is bool:
+            if field.default is not True:  # --flag sets True (None or False otherwise)
+                p.add_argument(flag_of(name), dest=name, action="store_true", default=field.default,
+                               help=field.description)
+            if "negative_flag" in extra:
+                p.add_argument(str(extra["negative_flag"]), dest=name, action="store_false",
+                               help=str(extra["negative_help"]))
+            continue
+        p.add_argument(flag_of(name), dest=name, type=types[0], metavar=extra.get("metavar"),
+                       default=None if field.is_required() else field.default, help=field.description,
+                       required=field.is_required() and target_required)
 
 
 def _add_storage_options(p: argparse.ArgumentParser) -> None:
@@ -131,14 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(ns: argparse.Namespace, target_tp: int) -> Any:
-    from reshard.core.plan import ReshardOptions
+    from reshard.core.options import ReshardOptions
 
-    return ReshardOptions(target_tp=target_tp, version=ns.version, module_key=ns.module_key,
-                          num_heads=ns.num_heads, quantize=ns.quantize, bits=ns.bits, groups=ns.groups,
-                          mlp_extra_grouping=ns.mlp_extra_grouping, target_pp=getattr(ns, "target_pp", None),
-                          num_query_groups=getattr(ns, "num_query_groups", None),
-                          swiglu=getattr(ns, "swiglu", None), vocab_size=getattr(ns, "vocab_size", None),
-                          make_vocab_size_divisible_by=getattr(ns, "make_vocab_size_divisible_by", None))
+    return ReshardOptions.from_fields({**vars(ns), "target_tp": target_tp})
 
 
 def _fmt_bytes(n: int) -> str:
@@ -330,7 +321,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
-    from reshard.core.plan import ReshardOptions
+    from reshard.core.options import ReshardOptions
     from reshard.core.planner import build_plan
     from reshard.core.source import locate
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from reshard import __version__
 from reshard.core.errors import LayoutError, ReshardError
-from reshard.core.plan import Plan, ReshardOptions
+from reshard.core.options import ReshardOptions
+from reshard.core.plan import Plan
 from reshard.core.source import DEEPSPEED
 from reshard.core.zero_config import ZeroDecision, decide_conversion
 from reshard.storage.manifest import MANIFEST_FORMAT

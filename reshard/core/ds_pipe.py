@@ -30,10 +30,11 @@ from typing import Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.layouts import source_ranks_for_target
-from reshard.core.plan import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan, ReshardOptions,
+from reshard.core.plan import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan,
                                TargetParam, TargetPlan, _bool_attr, _check_replicated, _check_same_keys, _collect,
                                _decide_groups, _decide_version, _head_facts, _int_attr, _Stage, _target_size,
                                dropped_warning, target_ranks_needed, target_specs)
+from reshard.core.options import ReshardOptions
 from reshard.core.rules import MEGATRON_GPT_RULES, resolve
 from reshard.core.safe_load import load_shard
 from reshard.core.source import (DEEPSPEED_PIPE, SourceCheckpoint, choose_module_key, layer_file_name,

@@ -31,10 +31,11 @@ from reshard.core.errors import (CheckpointFormatError, InconsistentShardsError,
 from reshard.core.pages import PageDropper
 from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_for_target,
                                   source_ranks_for_target)
+from reshard.core.options import ReshardOptions
 from reshard.core.rules import (MEGATRON_GPT_RULES, Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core,
                                 layer_index, resolve, with_layer)
 from reshard.core.safe_load import load_shard
-from reshard.core.source import (AUTO, DEEPSPEED, MEGATRON, MEGATRON_LATEST, SourceCheckpoint, choose_module_key,
+from reshard.core.source import (DEEPSPEED, MEGATRON, MEGATRON_LATEST, SourceCheckpoint, choose_module_key,
                                  iteration_text, megatron_file_name, parse_version, rank_file_name)
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
@@ -55,32 +56,6 @@ DROPPED_ENTRIES: dict[str, str] = {
 #: Names of the last stage's tied copy of the word embeddings, per naming family.
 TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
 _OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
-
-
-@dataclass(frozen=True)
-class ReshardOptions:
-    """What the user asked for. Only these affect the output bytes (besides the source).
-
-    ``target_pp`` None keeps the source's pipeline stages; the model-fact options (query groups,
-    SwiGLU, vocabulary) are only needed when the checkpoint's saved ``args`` lack them.
-    """
-
-    target_tp: int
-    version: float | None = None
-    module_key: str = AUTO
-    num_heads: int | None = None
-    quantize: bool = False
-    bits: int = 8
-    groups: int = 64
-    mlp_extra_grouping: bool = True
-    target_pp: int | None = None
-    num_query_groups: int | None = None
-    swiglu: bool | None = None
-    vocab_size: int | None = None
-    make_vocab_size_divisible_by: int | None = None
-
-    def to_record(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -460,9 +435,7 @@ def _decide_version(shards: list[dict[str, Any]], names: list[str], source: Sour
 
 def _decide_heads(options: ReshardOptions, args: Any, where: str) -> int | None:
     saved = _int_attr(args, "num_attention_heads")
-    if options.num_heads is not None:
-        if options.num_heads < 1:
-            raise LayoutError(f"--num-heads {options.num_heads} must be positive", culprit="--num-heads")
+    if options.num_heads is not None:  # positive: checked by ReshardOptions
         if saved is not None and saved != options.num_heads:
             raise LayoutError(f"--num-heads {options.num_heads} contradicts the saved "
                               f"args.num_attention_heads={saved}", culprit=where,
@@ -491,8 +464,6 @@ def _decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: l
         saved = heads
     flag = options.num_query_groups
     if flag is not None:
-        if flag < 1:
-            raise LayoutError(f"--num-query-groups {flag} must be positive", culprit="--num-query-groups")
         if saved is not None and saved != flag:
             raise LayoutError(f"--num-query-groups {flag} contradicts the saved args (num_query_groups={saved})",
                               culprit=where, hint="drop --num-query-groups or correct it")
@@ -646,9 +617,7 @@ def _decide_vocab(options: ReshardOptions, args: Any, raw: list[_Raw], n: int, m
 
 def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name: str, fact: str,
                  origin: dict[str, str], where: str) -> int | None:
-    if flag is not None:
-        if flag < 1:
-            raise LayoutError(f"{flag_name} {flag} must be positive", culprit=flag_name)
+    if flag is not None:  # positive: checked by ReshardOptions
         if saved is not None and saved != flag:
             raise LayoutError(f"{flag_name} {flag} contradicts the saved {saved_name}={saved}", culprit=where,
                               hint=f"drop {flag_name} or correct it")
@@ -919,11 +888,7 @@ def quant_groups_for(p: ParamPlan, options: ReshardOptions) -> int:
 
 
 def _check_quantization(plans: list[ParamPlan], options: ReshardOptions, n: int, m: int) -> None:
-    if not 1 <= options.bits <= 8:
-        raise LayoutError(f"--bits {options.bits} does not fit int8", culprit="--bits", hint="use 1..8")
-    if options.groups < 1:
-        raise LayoutError(f"--groups {options.groups} must be positive", culprit="--groups")
-    for p in plans:
+    for p in plans:  # bits and groups themselves: checked by ReshardOptions
         if p.quant_slot is None:
             continue
         if p.layer is None:

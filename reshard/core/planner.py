@@ -1,4 +1,4 @@
-"""The entry point of planning: locate the source, check the requested degrees, and hand the
+"""The entry point of planning: locate the source and hand the
 checkpoint to the planner of its file layout — the (stage, TP rank) grid of module dicts
 (:mod:`reshard.core.plan`) or DeepSpeed's pipeline layer files (:mod:`reshard.core.ds_pipe`).
 Both planners share the rule table, the model-fact deciders and the engine; keeping the choice
@@ -7,25 +7,20 @@ here keeps them free of each other (no import cycle)."""
 from __future__ import annotations
 
 from reshard.core.ds_pipe import build_pipe_plan
-from reshard.core.errors import LayoutError
-from reshard.core.plan import Plan, ReshardOptions, build_grid_plan
+from reshard.core.options import ReshardOptions
+from reshard.core.plan import Plan, build_grid_plan
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, locate
 
 
 def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> Plan:
-    """Validate the source fully and decide every tensor's fate (reads shard metadata, and
+    """Validate the source fully against ``options`` and decide every tensor's fate (reads shard metadata, and
     replicated tensors to check they agree) before any byte is written.
 
     ``headers_only`` (grid layouts): plan from the first rank file of each pipeline stage, so
     conversions can start before every shard is fetched; see
     :func:`reshard.core.plan.build_grid_plan`."""
     source = src if isinstance(src, SourceCheckpoint) else locate(src)
-    m = options.target_tp
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise LayoutError(f"target TP {m!r} must be a positive integer", culprit="--target-tp")
-    tpp = source.pp if options.target_pp is None else options.target_pp
-    if not isinstance(tpp, int) or isinstance(tpp, bool) or tpp < 1:
-        raise LayoutError(f"target PP {tpp!r} must be a positive integer", culprit="--target-pp")
+    tpp = source.pp if options.target_pp is None else options.target_pp  # both degrees positive: ReshardOptions
     if source.format == DEEPSPEED_PIPE:  # layer files: their own planner, same rules and engine
         return build_pipe_plan(source, options, tpp)
     return build_grid_plan(source, options, tpp, headers_only=headers_only)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from reshard.core.plan import ReshardOptions
+from reshard.core.options import ReshardOptions
 
 
 #: Storage-option names that carry credentials. Flow parameters are stored in Prefect's
@@ -28,28 +28,14 @@ def find_secret_options(options: Any, path: str = "") -> list[str]:
     return found
 
 
-class ReshardParams(BaseModel):
-    """Everything a conversion needs. Only ``options()`` fields change the output bytes."""
-
-    model_config = ConfigDict(extra="forbid")
+class ReshardParams(ReshardOptions):
+    """Everything a conversion needs: the options (:class:`~reshard.core.options.ReshardOptions`,
+    the only fields that change the output bytes) plus where to read and write, and how to run."""
 
     source: str = Field(description="checkpoint folder or descriptor JSON URL (s3://, gs://, file path, ...)")
     destination: str = Field(description="output folder URL; must not hold a different committed checkpoint")
-    target_tp: int = Field(ge=1, description="tensor-parallel degree of the output")
-    quantize: bool = False
-    bits: int = Field(default=8, ge=1, le=8)
-    groups: int = Field(default=64, ge=1)
-    mlp_extra_grouping: bool = True
-    version: float | None = Field(default=None, description="override the checkpoint version (QKV layout)")
-    num_heads: int | None = Field(default=None, ge=1)
-    module_key: str = "auto"
-    target_pp: int | None = Field(default=None, ge=1, description="pipeline stages of the output (default: as source)")
-    num_query_groups: int | None = Field(default=None, ge=1)
-    swiglu: bool | None = None
-    vocab_size: int | None = Field(default=None, ge=1)
-    make_vocab_size_divisible_by: int | None = Field(default=None, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict,
-                                            description="fsspec options (endpoint_url, key, secret, ...)")
+                                            description="fsspec options (endpoint_url, region_name, ...)")
     overwrite: bool = False
     device: str | None = Field(default=None, description="torch device; default cuda when present, else cpu")
     target_config: dict[str, Any] | None = Field(default=None, description="DeepSpeed config of the loading job")
@@ -70,6 +56,5 @@ class ReshardParams(BaseModel):
         return value
 
     def options(self) -> ReshardOptions:
-        """The core's options: every field of ReshardOptions, taken by name."""
-        names = ReshardOptions.__dataclass_fields__
-        return ReshardOptions(**{k: v for k, v in self.model_dump().items() if k in names})
+        """The core's options (this model's option fields)."""
+        return ReshardOptions(**self.to_record())

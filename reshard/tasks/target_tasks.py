@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from reshard.core.engine import convert_target, pick_device
 from reshard.core.errors import DestinationError, StorageError
-from reshard.core.plan import ReshardOptions
+from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
 from reshard.core.source import locate

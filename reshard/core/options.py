@@ -1,0 +1,98 @@
+"""The conversion options: one model, read by the CLI (its flags are made from these fields),
+the Prefect flow parameters (``ReshardParams`` extends it) and the core (the planner).
+
+Only these fields change the output bytes (besides the source). ``target_pp`` None keeps the
+source's pipeline stages; the model-fact fields (heads, query groups, SwiGLU, vocabulary) are
+only needed when the checkpoint's saved ``args`` lack them.
+
+Values are checked here, once, into the error type every front end reports as one line
+(:class:`~reshard.core.errors.LayoutError`, naming the flag); what depends on the checkpoint
+(divisibility, contradictions with saved ``args``) is the planner's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from reshard.core.errors import LayoutError
+from reshard.core.source import AUTO
+
+
+def _opt(default: Any = None, description: str = "", *, metavar: str | None = None, minimum: int | None = None,
+         negative: tuple[str, str] | None = None) -> Any:
+    """A field with what the CLI needs to make its flag (``metavar``; ``negative``: the flag that
+    sets a bool False, and its help) and the JSON-schema bounds a deployment's form shows."""
+    extra: dict[str, Any] = {}
+    if metavar:
+        extra["metavar"] = metavar
+    if negative:
+        extra["negative_flag"], extra["negative_help"] = negative
+    if minimum is not None:
+        extra["minimum"] = minimum
+    return Field(default=default, description=description, json_schema_extra=extra or None)
+
+
+#: Fields that must be positive integers when given.
+_POSITIVE = ("target_tp", "target_pp", "num_heads", "num_query_groups", "vocab_size", "make_vocab_size_divisible_by",
+             "groups")
+
+
+def flag_of(field: str) -> str:
+    """The CLI flag of an option field (``target_tp`` -> ``--target-tp``)."""
+    return "--" + field.replace("_", "-")
+
+
+class ReshardOptions(BaseModel):
+    """What the user asked for (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target_tp: int = _opt(..., "tensor-parallel degree of the output", metavar="M", minimum=1)
+    version: float | None = _opt(None, "override the checkpoint version that decides the QKV layout "
+                                       "(0, 1.0, 2.0, 3.0)", metavar="V")
+    module_key: str = _opt(AUTO, "state-dict entry holding the module ('auto': exactly one of module/model)",
+                           metavar="KEY")
+    num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
+                                       "safely)", metavar="H", minimum=1)
+    quantize: bool = _opt(False, "int8-quantize qkv, dense, h_to_4h, 4h_to_h weights")
+    bits: int = _opt(8, "quantization bits (1..8, default 8)", minimum=1)
+    groups: int = _opt(64, "quantization groups per weight piece (default 64)", minimum=1)
+    mlp_extra_grouping: bool = _opt(True, "double the quantization groups for MLP weights (DeepSpeed's default)",
+                                    negative=("--no-mlp-extra-grouping", "do not double the groups for MLP weights"))
+    target_pp: int | None = _opt(None, "pipeline-parallel stages of the output (default: as the source)",
+                                 metavar="P", minimum=1)
+    num_query_groups: int | None = _opt(None, "query groups (GQA), when the saved args lack them (needed to split "
+                                              "safely)", metavar="G", minimum=1)
+    swiglu: bool | None = _opt(None, "the MLP is gated (SwiGLU), when neither args nor shapes tell",
+                               negative=("--no-swiglu", "the MLP is not gated"))
+    vocab_size: int | None = _opt(None, "true (unpadded) vocabulary size, for Megatron's exact padding when the "
+                                        "saved args lack it", metavar="V", minimum=1)
+    make_vocab_size_divisible_by: int | None = _opt(None, "Megatron's vocabulary padding divisor, when the saved "
+                                                          "args lack it", metavar="D", minimum=1)
+
+    @model_validator(mode="after")
+    def _check_values(self) -> ReshardOptions:
+        for name in _POSITIVE:
+            if name in type(self).model_fields:
+                value = getattr(self, name)
+                if value is not None and (isinstance(value, bool) or value < 1):
+                    raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name))
+        if not 1 <= self.bits <= 8:
+            raise LayoutError(f"{self.bits} does not fit int8", culprit="--bits", hint="use 1..8")
+        return self
+
+    def to_record(self) -> dict[str, Any]:
+        """The options as plain data (manifest, conversion identity, task parameters)."""
+        return {name: getattr(self, name) for name in ReshardOptions.model_fields}
+
+    @classmethod
+    def from_fields(cls, values: Any) -> ReshardOptions:
+        """The options among ``values`` (a mapping or an object with attributes), by field name;
+        absent ones take their defaults."""
+        get = values.get if isinstance(values, dict) else (lambda k, d=None: getattr(values, k, d))
+        return cls(**{k: get(k) for k in cls.model_fields if get(k, _MISSING) is not _MISSING})
+
+
+_MISSING = object()
