@@ -323,7 +323,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_inspect(ns: argparse.Namespace) -> int:
     from reshard.core.options import ReshardOptions
     from reshard.core.planner import build_plan
-    from reshard.core.source import locate
+    from reshard.formats import locate
 
     with _local_view(ns) as path:
         source = locate(path)

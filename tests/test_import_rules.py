@@ -4,7 +4,7 @@ function): pure core below, storage beside it, Prefect tasks and flows on top, n
 ================  =====================================================================
 package           must not import
 ================  =====================================================================
-reshard.core      reshard.storage/tasks/flows/formats, the CLI, fsspec, s3fs, prefect, dask
+reshard.core      reshard.storage/tasks/flows, the CLI, fsspec, s3fs, prefect, dask
 reshard.models    the same, and reshard.formats (a model family knows no file layout)
 reshard.formats   reshard.tasks/flows, the CLI, prefect, dask
 reshard.storage   reshard.tasks/flows, the CLI, prefect, dask
@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "reshard"
 
 _LOWER = ("reshard.cli", "prefect", "dask", "distributed", "prefect_dask")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "reshard.core": ("reshard.storage", "reshard.tasks", "reshard.flows", "reshard.formats", "fsspec", "s3fs",
+    "reshard.core": ("reshard.storage", "reshard.tasks", "reshard.flows", "fsspec", "s3fs",
                      *_LOWER),
     "reshard.models": ("reshard.storage", "reshard.tasks", "reshard.flows", "reshard.formats", "fsspec", "s3fs",
                        *_LOWER),

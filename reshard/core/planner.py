@@ -9,7 +9,8 @@ from __future__ import annotations
 from reshard.core.ds_pipe import build_pipe_plan
 from reshard.core.options import ReshardOptions
 from reshard.core.plan import Plan, build_grid_plan
-from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, locate
+from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint
+from reshard.formats import locate
 
 
 def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> Plan:

@@ -1,36 +1,20 @@
-"""Find a checkpoint's rank files and read the facts the layout depends on.
+"""A located checkpoint (:class:`SourceCheckpoint`), the file names of the built-in layouts, and
+the few facts read from a rank file's top level (checkpoint version, module key).
 
-Two inputs are accepted:
-
-* a folder of ``mp_rank_XX_model_states.pt`` files (one per tensor-parallel rank);
-* a DeepSpeed checkpoint descriptor JSON::
-
-      {"type": "Megatron", "checkpoints": [...], "version": 2.0,
-       "parallelization": "tp", "mp_size": 8, "base_dir": "..."}
-
-  whose file list is relative to ``base_dir`` (or the JSON's folder);
-* a Megatron-LM run folder (holding ``latest_checkpointed_iteration.txt``) or one of its
-  iteration folders ``iter_XXXXXXX`` / ``release``, with one ``mp_rank_TT[_PPP]/model_optim_rng.pt``
-  per tensor-parallel rank ``TT`` and pipeline stage ``PPP`` (``_PPP`` only when PP > 1).
-
-* a DeepSpeed pipeline-parallel folder (``PipelineModule`` / Megatron-DeepSpeed ``GPTModelPipe``):
-  one ``layer_LL-model_TT-model_states.pt`` per layer that has weights and tensor-parallel rank
-  ``TT`` (``LL``: the layer's index in the whole pipeline, whatever stage held it), beside
-  ``mp_rank_KK_model_states.pt`` files whose ``module`` is None, one per (stage, TP rank),
-  ``KK = stage * TP + TT``. TP is the number of model ranks of the layer files, PP the number of
-  ``mp_rank`` files over TP (as DeepSpeed's ``reshape_3d_utils`` derives them).
+Which files form a checkpoint is each format's business (:mod:`reshard.formats`: Megatron-LM
+folders, DeepSpeed ``mp_rank_XX`` files and descriptors, DeepSpeed pipeline layer files); they
+all produce this one grid, which is all the planner sees.
 
 Files are kept as a grid ``stages[pp][tp]``; ``files`` is that grid flattened stage by stage, so a
 file's index is ``pp * TP + tp`` (for PP = 1, its tensor-parallel rank). A DeepSpeed pipeline
 folder's layer files follow the ``mp_rank`` files as further rows of the grid, one row per layer
 (``layer_ids``), so ``files[(PP + g) * TP + tp]`` is layer ``layer_ids[g]`` of rank ``tp``.
 
-This module only deals with local paths; ``reshard.storage`` maps URLs onto it.
+This module only deals with local paths; ``reshard.storage`` maps URLs onto them.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,166 +109,10 @@ def iteration_text(iteration: str) -> str:
     return str(int(m.group(1))) if m else iteration
 
 
-def locate(src: str | Path) -> SourceCheckpoint:
-    """Resolve a folder or descriptor JSON into its ordered rank files (validated)."""
-    p = Path(src)
-    if not p.exists():
-        raise CheckpointFormatError("no such file or folder", culprit=str(p),
-                                    hint="pass a folder of mp_rank_XX_model_states.pt files or a descriptor JSON")
-    if p.is_dir():
-        if (p / MEGATRON_LATEST).is_file():
-            return _locate_megatron_run(p)
-        if any(MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in p.iterdir()):
-            return _locate_megatron_iteration(p, str(p))
-        return _locate_folder(p)
-    if p.suffix.lower() == ".json":
-        return _locate_descriptor(p)
-    raise CheckpointFormatError("not a checkpoint folder or descriptor JSON", culprit=str(p),
-                                hint="pass the folder that holds mp_rank_XX_model_states.pt files")
 
 
-def _locate_folder(folder: Path) -> SourceCheckpoint:
-    if any(LAYER_FILE_RE.match(c.name) or LAYER_FILE_NO_MODEL_RE.match(c.name) for c in folder.iterdir()):
-        return _locate_deepspeed_pipeline(folder)
-    by_rank: dict[int, list[Path]] = {}
-    for child in sorted(folder.iterdir()):
-        m = RANK_FILE_RE.match(child.name)
-        if m and child.is_file():
-            by_rank.setdefault(int(m.group(1)), []).append(child)
-    if not by_rank:
-        zero3 = sorted(c.name for c in folder.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name))
-        if zero3:
-            raise CheckpointFormatError(
-                f"a DeepSpeed ZeRO stage 3 checkpoint ({zero3[0]}, ...): its model-states files hold only "
-                f"placeholders, the weights are partitioned over the *_optim_states.pt files of every "
-                f"data-parallel rank", culprit=str(folder),
-                hint="consolidate the weights with the zero_to_fp32.py script DeepSpeed saved beside the "
-                     "checkpoint, or save with stage3_gather_16bit_weights_on_model_save=true, and convert that")
-        dist = [c.name for c in folder.iterdir() if c.suffix == ".distcp" or c.name in (".metadata", "metadata.json")]
-        iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
-        if dist:
-            hint = ("this is a torch_dist (distributed) checkpoint; save or convert it with Megatron-LM's "
-                    "--ckpt-format torch first")
-        elif iters:
-            hint = f"a Megatron-LM run folder needs {MEGATRON_LATEST}, or point at one iteration folder ({iters[-1]})"
-        else:
-            hint = "point at the global_stepN folder that holds the model-states files"
-        raise CheckpointFormatError("holds no mp_rank_XX_model_states.pt files", culprit=str(folder),
-                                    hint=hint)
-    dups = {r: fs for r, fs in by_rank.items() if len(fs) > 1}
-    if dups:
-        r, fs = next(iter(dups.items()))
-        raise CheckpointFormatError(f"rank {r} appears in {len(fs)} files: {', '.join(f.name for f in fs)}",
-                                    culprit=str(folder), hint="keep exactly one file per rank")
-    _check_contiguous(sorted(by_rank), str(folder))
-    return SourceCheckpoint(tuple(by_rank[r][0] for r in sorted(by_rank)), origin=str(folder))
 
 
-def _locate_deepspeed_pipeline(folder: Path) -> SourceCheckpoint:
-    """A DeepSpeed pipeline folder: every layer file for every TP rank, and TP x PP rank files."""
-    layers: dict[int, dict[int, Path]] = {}
-    ranks: list[int] = []
-    for child in sorted(folder.iterdir()):
-        if LAYER_FILE_NO_MODEL_RE.match(child.name):
-            raise CheckpointFormatError(f"{child.name} has no model-parallel rank in its name", culprit=str(folder),
-                                        hint="only pipelines saved with a model axis (PipeModelDataParallelTopology, "
-                                             "as Megatron-DeepSpeed does: layer_XX-model_YY-...) are supported")
-        m = LAYER_FILE_RE.match(child.name)
-        if m and child.is_file():
-            layers.setdefault(int(m.group(1)), {})[int(m.group(2))] = child
-        m = RANK_FILE_RE.match(child.name)
-        if m and child.is_file():
-            ranks.append(int(m.group(1)))
-    tp = 1 + max(r for by_rank in layers.values() for r in by_rank)
-    for layer, by_rank in sorted(layers.items()):
-        missing = sorted(set(range(tp)) - set(by_rank))
-        if missing:
-            raise CheckpointFormatError(f"layer {layer:02d} lacks the files of tensor-parallel ranks {missing} "
-                                        f"(other layers have {tp} ranks)",
-                                        culprit=str(folder / layer_file_name(layer, missing[0])),
-                                        hint="copy the missing layer files")
-    if not ranks:
-        raise CheckpointFormatError("holds DeepSpeed pipeline layer files but no mp_rank_XX_model_states.pt files",
-                                    culprit=str(folder), hint="copy the rank files (they hold args and the "
-                                                              "iteration) from the same global_step folder")
-    _check_contiguous(sorted(ranks), str(folder))
-    if len(ranks) % tp:
-        raise CheckpointFormatError(f"{len(ranks)} mp_rank files are not a multiple of the {tp} tensor-parallel "
-                                    f"ranks of the layer files", culprit=str(folder),
-                                    hint="supply one mp_rank file per (pipeline stage, TP rank)")
-    ids = tuple(sorted(layers))
-    files = [folder / rank_file_name(k) for k in range(len(ranks))]
-    files += [layers[layer][r] for layer in ids for r in range(tp)]
-    return SourceCheckpoint(tuple(files), origin=str(folder), format=DEEPSPEED_PIPE, pp=len(ranks) // tp,
-                            layer_ids=ids)
-
-
-def _check_contiguous(ranks: list[int], where: str) -> None:
-    expected = list(range(len(ranks)))
-    if ranks != expected:
-        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
-        raise CheckpointFormatError(
-            f"rank files are not 0..N-1: found ranks {ranks}" + (f", missing {missing}" if missing else ""),
-            culprit=where, hint="copy the missing rank files, or remove stray extra ones")
-
-
-def _locate_megatron_run(run: Path) -> SourceCheckpoint:
-    """A Megatron-LM run folder: ``latest_checkpointed_iteration.txt`` names the iteration."""
-    latest = run / MEGATRON_LATEST
-    text = latest.read_text().strip()
-    if text == "release":
-        name = "release"
-    elif text.isdigit():
-        name = f"iter_{int(text):07d}"
-    else:
-        raise CheckpointFormatError(f"holds {text[:40]!r}, not an iteration number or 'release'",
-                                    culprit=str(latest), hint="point at the iteration folder instead")
-    folder = run / name
-    if not folder.is_dir():
-        raise CheckpointFormatError(f"names iteration {text} but {name}/ does not exist", culprit=str(latest),
-                                    hint="point at an existing iteration folder instead")
-    return _locate_megatron_iteration(folder, str(run))
-
-
-def _locate_megatron_iteration(folder: Path, origin: str) -> SourceCheckpoint:
-    """An iteration folder of ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files, as a (pp, tp) grid."""
-    grid: dict[tuple[int, int], Path] = {}
-    staged: set[bool] = set()
-    for child in sorted(folder.iterdir()):
-        m = MEGATRON_RANK_DIR_RE.match(child.name)
-        if not (m and child.is_dir()):
-            continue
-        if m.group(3):
-            raise CheckpointFormatError(f"{child.name}: expert-parallel (MoE) checkpoints are not supported",
-                                        culprit=str(folder), hint="reshard handles dense GPT models only")
-        f = child / MEGATRON_FILE
-        if not f.is_file():
-            raise CheckpointFormatError(f"{child.name}/ holds no {MEGATRON_FILE}", culprit=str(folder),
-                                        hint="copy the missing rank file (distributed-optimizer files alone "
-                                             "hold no weights)")
-        tp, pp = int(m.group(1)), int(m.group(2)) if m.group(2) is not None else 0
-        staged.add(m.group(2) is not None)
-        if (pp, tp) in grid:
-            raise CheckpointFormatError(f"rank {tp} of stage {pp} appears twice ({child.name})", culprit=str(folder),
-                                        hint="keep exactly one folder per rank")
-        grid[(pp, tp)] = f
-    if len(staged) > 1:
-        raise CheckpointFormatError("mixes mp_rank_TT and mp_rank_TT_PPP folders", culprit=str(folder),
-                                    hint="remove stray folders from another pipeline layout")
-    n_pp = 1 + max(pp for pp, _ in grid)
-    n_tp = 1 + max(tp for _, tp in grid)
-    for stage in range(n_pp):
-        ranks = sorted(tp for pp, tp in grid if pp == stage)
-        if not ranks:
-            raise CheckpointFormatError(f"pipeline stage {stage} has no rank folders", culprit=str(folder),
-                                        hint="copy the missing mp_rank_TT_PPP folders")
-        _check_contiguous(ranks, f"{folder} (stage {stage})")
-        if len(ranks) != n_tp:
-            missing = sorted(set(range(n_tp)) - set(ranks))
-            raise CheckpointFormatError(f"stage {stage} lacks tensor-parallel ranks {missing}", culprit=str(folder),
-                                        hint="copy the missing rank folders")
-    files = tuple(grid[(s, t)] for s in range(n_pp) for t in range(n_tp))
-    return SourceCheckpoint(files, origin=origin, format=MEGATRON, pp=n_pp, iteration=folder.name)
 
 
 def parse_version(value: Any, where: str) -> float:
@@ -298,49 +126,6 @@ def parse_version(value: Any, where: str) -> float:
                                     hint="supported versions are 0, 1.0, 2.0, 3.0; override with --version")
     return v
 
-
-def _locate_descriptor(path: Path) -> SourceCheckpoint:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointFormatError(f"malformed descriptor JSON: {exc}", culprit=str(path),
-                                    hint="fix the JSON syntax") from None
-    if not isinstance(data, dict):
-        raise CheckpointFormatError("descriptor must be a JSON object", culprit=str(path))
-    kind = data.get("type")
-    if not isinstance(kind, str) or kind.lower() != "megatron":
-        raise CheckpointFormatError(f"descriptor type {kind!r} is not supported", culprit=str(path),
-                                    hint='only "type": "Megatron" checkpoints can be resharded')
-    par = data.get("parallelization", "pp")
-    if par != "tp":
-        raise CheckpointFormatError(f'parallelization {par!r} is not supported', culprit=str(path),
-                                    hint='set "parallelization": "tp" for tensor-parallel shards')
-    ckpts = data.get("checkpoints")
-    if not isinstance(ckpts, list) or not ckpts or not all(isinstance(c, str) for c in ckpts):
-        raise CheckpointFormatError('"checkpoints" must be a non-empty list of file names',
-                                    culprit=str(path))
-    base = data.get("base_dir")
-    base_dir = (path.parent / base) if isinstance(base, str) and base else path.parent
-    files = []
-    for entry in ckpts:
-        rel = Path(entry)
-        if rel.is_absolute() or ".." in rel.parts:
-            raise CheckpointFormatError(f"checkpoint entry {entry!r} escapes base_dir", culprit=str(path),
-                                        hint="list files relative to base_dir, without '..'")
-        f = base_dir / rel
-        if not f.is_file():
-            raise CheckpointFormatError(f"listed checkpoint {entry!r} does not exist under {base_dir}",
-                                        culprit=str(path), hint="fix base_dir or the file list")
-        files.append(f)
-    if len(set(files)) != len(files):
-        raise CheckpointFormatError("the same file is listed twice", culprit=str(path))
-    mp = data.get("mp_size")
-    if mp is not None and mp != len(files):
-        raise CheckpointFormatError(f"mp_size {mp} but {len(files)} checkpoints listed", culprit=str(path),
-                                    hint="list exactly one file per tensor-parallel rank")
-    version = data.get("version")
-    dv = None if version is None else parse_version(version, str(path))
-    return SourceCheckpoint(tuple(files), origin=str(path), descriptor_version=dv, descriptor=data)
 
 
 def choose_module_key(sd: dict[str, Any], requested: str, where: str) -> str:

@@ -8,14 +8,13 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 2. :func:`fetch` brings one object local: a local file is used in place (never copied, never
    written), a remote one goes through the :class:`~reshard.storage.cache.ShardCache`;
 3. :func:`build_view` hard-links the fetched files into a private folder that mirrors the
-   remote names, so ``core.source.locate`` sees what it would see locally.
+   remote names, so ``reshard.formats.locate`` sees what it would see locally.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -26,18 +25,10 @@ from typing import Any
 
 from reshard.core.errors import StorageError
 from reshard.crashpoints import crash_point
+from reshard.formats import listing_patterns
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import Location, open_location, storage_errors
 
-#: Files of a checkpoint folder that hold model weights or describe them.
-MODEL_FILE_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
-    r"(^|/)mp_rank_\d+(_\d+)?_model_states\.pt$",
-    r"(^|/)layer_\d+-model_\d+-model_states\.pt$",
-    r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$",  # ZeRO-3: listed to be recognized (and refused)
-    r"(^|/)mp_rank_\d+(_\d+)?/model_optim_rng\.pt$",
-    r"(^|/)[^/]+\.json$",
-    r"(^|/)latest(_checkpointed_iteration\.txt)?$",
-))
 LATEST_ITER_FILE = "latest_checkpointed_iteration.txt"
 
 
@@ -54,7 +45,7 @@ class Discovery:
 
 @dataclass
 class LocalSource:
-    """A source made local: pass ``path`` to ``core.source.locate``."""
+    """A source made local: pass ``path`` to ``reshard.formats.locate``."""
 
     url: str
     path: Path
@@ -91,9 +82,10 @@ def list_objects(loc: Location) -> list[RemoteObject]:
         found = loc.fs.find(loc.path, detail=True)
     base = loc.path.rstrip("/")
     objs = []
+    wanted = listing_patterns()  # what some registered format reads
     for path, info in sorted(found.items()):
         rel = path[len(base):].lstrip("/") if path.startswith(base) else PurePosixPath(path).name
-        if info.get("type", "file") != "file" or not any(p.search(rel) for p in MODEL_FILE_PATTERNS):
+        if info.get("type", "file") != "file" or not any(p.search(rel) for p in wanted):
             continue
         if rel.startswith(".reshard"):
             continue
@@ -136,7 +128,7 @@ def _discover_descriptor(loc: Location) -> Discovery:
         raw = loc.fs.cat_file(loc.path)
     name = PurePosixPath(loc.path).name
     if loc.is_local:  # core validates local descriptors itself (absolute base_dir allowed there)
-        from reshard.core.source import locate
+        from reshard.formats import locate
 
         files = locate(loc.path).files
         objs = [RemoteObject(url=str(f), path=str(f), name=f.name, size=f.stat().st_size,
@@ -174,7 +166,7 @@ def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None) -> Path:
 
 
 def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path:
-    """The local path to hand to ``core.source.locate``."""
+    """The local path to hand to ``reshard.formats.locate``."""
     if disc.is_local:
         return Path(open_location(disc.url).path)  # used in place
     for name, path in fetched.items():
@@ -210,7 +202,7 @@ def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
 # --- an incrementally filled view (the pipeline starts converting before every shard is here) ----
 
 def skeleton_view(disc: Discovery, view: Path) -> Path:
-    """The path to hand to ``core.source.locate`` before all shards are fetched.
+    """The path to hand to ``reshard.formats.locate`` before all shards are fetched.
 
     Every object gets a *placeholder* under ``view``: an empty sparse file of the object's size,
     so ``locate`` sees the full layout and sizes. Placeholders hold no bytes: whoever reads a

@@ -25,7 +25,7 @@ from reshard.core.errors import DestinationError, StorageError
 from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
-from reshard.core.source import locate
+from reshard.formats import locate
 from reshard.conversion import manifest_for, side_files, source_folders, source_record, urls_in_errors, zero_gate
 from reshard import progress
 from reshard.storage.cache import RemoteObject, ShardCache

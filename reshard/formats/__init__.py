@@ -1,0 +1,59 @@
+"""On-disk checkpoint formats, as plug-ins (see :mod:`reshard.formats.base`).
+
+``locate(path)`` asks the registered formats, in priority order, which one holds ``path`` and
+returns its :class:`~reshard.core.source.SourceCheckpoint`; ``listing_patterns()`` are the
+object names remote discovery fetches. Built-in: Megatron-LM folders, DeepSpeed pipeline layer
+files, DeepSpeed ``mp_rank_XX`` files and descriptors (and ZeRO stage 3 folders, recognized to
+be refused). Add one with :func:`register_format` or the ``reshard.formats`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from reshard.core.errors import CheckpointFormatError
+from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
+from reshard.formats.base import CheckpointFormat
+from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
+
+__all__ = ["CheckpointFormat", "available", "get_format", "listing_patterns", "locate", "register_format",
+           "registry", "unregister_format"]
+
+
+def locate(src: str | Path) -> SourceCheckpoint:
+    """The checkpoint at ``src`` (a local folder or file), laid out by the format that holds it."""
+    p = Path(src)
+    if not p.exists():
+        raise CheckpointFormatError("no such file or folder", culprit=str(p),
+                                    hint="pass a folder of mp_rank_XX_model_states.pt files or a descriptor JSON")
+    formats = available()
+    if p.is_dir():
+        for fmt in formats:
+            if fmt.detect(p):
+                return fmt.locate(p)
+        raise _no_format(p)
+    for fmt in formats:
+        if fmt.detect_file(p):
+            return fmt.locate(p)
+    raise CheckpointFormatError("not a checkpoint folder or descriptor JSON", culprit=str(p),
+                                hint="pass the folder that holds mp_rank_XX_model_states.pt files")
+
+
+def listing_patterns() -> tuple[re.Pattern[str], ...]:
+    """Names (relative to a checkpoint's root) that some registered format reads."""
+    return tuple(p for fmt in available() for p in fmt.patterns)
+
+
+def _no_format(folder: Path) -> CheckpointFormatError:
+    """What a folder that no format holds most likely is, and what to do."""
+    dist = [c.name for c in folder.iterdir() if c.suffix == ".distcp" or c.name in (".metadata", "metadata.json")]
+    iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
+    if dist:
+        hint = ("this is a torch_dist (distributed) checkpoint; save or convert it with Megatron-LM's "
+                "--ckpt-format torch first")
+    elif iters:
+        hint = f"a Megatron-LM run folder needs {MEGATRON_LATEST}, or point at one iteration folder ({iters[-1]})"
+    else:
+        hint = "point at the global_stepN folder that holds the model-states files"
+    return CheckpointFormatError("holds no mp_rank_XX_model_states.pt files", culprit=str(folder), hint=hint)

@@ -1,0 +1,122 @@
+"""DeepSpeed's per-rank layout: a folder of ``mp_rank_XX_model_states.pt`` files (one per
+tensor-parallel rank, the module under ``module``), or a DeepSpeed checkpoint descriptor JSON::
+
+    {"type": "Megatron", "checkpoints": [...], "version": 2.0,
+     "parallelization": "tp", "mp_size": 8, "base_dir": "..."}
+
+whose file list is relative to ``base_dir`` (or the JSON's folder). Also recognized, to be
+refused with what to do: a ZeRO stage 3 engine folder (``zero_pp_rank_R_mp_rank_TT_model_states.pt``
+holding placeholders; the weights are partitioned over the optimizer files).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from reshard.core.errors import CheckpointFormatError
+from reshard.core.source import DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, parse_version
+from reshard.formats.base import CheckpointFormat, check_contiguous
+
+
+class DeepSpeedFormat(CheckpointFormat):
+    name = DEEPSPEED
+    priority = 30
+    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?_model_states\.pt$"), re.compile(r"(^|/)latest$"))
+
+    def detect(self, folder: Path) -> bool:
+        return any(RANK_FILE_RE.match(c.name) and c.is_file() for c in folder.iterdir())
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        folder = path
+        by_rank: dict[int, list[Path]] = {}
+        for child in sorted(folder.iterdir()):
+            m = RANK_FILE_RE.match(child.name)
+            if m and child.is_file():
+                by_rank.setdefault(int(m.group(1)), []).append(child)
+        dups = {r: fs for r, fs in by_rank.items() if len(fs) > 1}
+        if dups:
+            r, fs = next(iter(dups.items()))
+            raise CheckpointFormatError(f"rank {r} appears in {len(fs)} files: {', '.join(f.name for f in fs)}",
+                                        culprit=str(folder), hint="keep exactly one file per rank")
+        check_contiguous(sorted(by_rank), str(folder))
+        return SourceCheckpoint(tuple(by_rank[r][0] for r in sorted(by_rank)), origin=str(folder))
+
+
+class DeepSpeedZero3Format(CheckpointFormat):
+    """A ZeRO stage 3 engine folder: recognized so that it is refused for the right reason."""
+
+    name = "deepspeed-zero3"
+    priority = 40
+    patterns = (re.compile(r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$"),)
+
+    def detect(self, folder: Path) -> bool:
+        return any(ZERO3_MODEL_FILE_RE.match(c.name) for c in folder.iterdir())
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        first = min(c.name for c in path.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name))
+        raise CheckpointFormatError(
+            f"a DeepSpeed ZeRO stage 3 checkpoint ({first}, ...): its model-states files hold only "
+            f"placeholders, the weights are partitioned over the *_optim_states.pt files of every "
+            f"data-parallel rank", culprit=str(path),
+            hint="consolidate the weights with the zero_to_fp32.py script DeepSpeed saved beside the "
+                 "checkpoint, or save with stage3_gather_16bit_weights_on_model_save=true, and convert that")
+
+
+class DeepSpeedDescriptorFormat(CheckpointFormat):
+    """The descriptor JSON; what it locates is a DeepSpeed per-rank checkpoint."""
+
+    name = "deepspeed-descriptor"
+    priority = 90
+    patterns = (re.compile(r"(^|/)[^/]+\.json$"),)
+
+    def detect_file(self, path: Path) -> bool:
+        return path.suffix.lower() == ".json"
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        return _locate_descriptor(path)
+
+
+def _locate_descriptor(path: Path) -> SourceCheckpoint:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"malformed descriptor JSON: {exc}", culprit=str(path),
+                                    hint="fix the JSON syntax") from None
+    if not isinstance(data, dict):
+        raise CheckpointFormatError("descriptor must be a JSON object", culprit=str(path))
+    kind = data.get("type")
+    if not isinstance(kind, str) or kind.lower() != "megatron":
+        raise CheckpointFormatError(f"descriptor type {kind!r} is not supported", culprit=str(path),
+                                    hint='only "type": "Megatron" checkpoints can be resharded')
+    par = data.get("parallelization", "pp")
+    if par != "tp":
+        raise CheckpointFormatError(f'parallelization {par!r} is not supported', culprit=str(path),
+                                    hint='set "parallelization": "tp" for tensor-parallel shards')
+    ckpts = data.get("checkpoints")
+    if not isinstance(ckpts, list) or not ckpts or not all(isinstance(c, str) for c in ckpts):
+        raise CheckpointFormatError('"checkpoints" must be a non-empty list of file names',
+                                    culprit=str(path))
+    base = data.get("base_dir")
+    base_dir = (path.parent / base) if isinstance(base, str) and base else path.parent
+    files = []
+    for entry in ckpts:
+        rel = Path(entry)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise CheckpointFormatError(f"checkpoint entry {entry!r} escapes base_dir", culprit=str(path),
+                                        hint="list files relative to base_dir, without '..'")
+        f = base_dir / rel
+        if not f.is_file():
+            raise CheckpointFormatError(f"listed checkpoint {entry!r} does not exist under {base_dir}",
+                                        culprit=str(path), hint="fix base_dir or the file list")
+        files.append(f)
+    if len(set(files)) != len(files):
+        raise CheckpointFormatError("the same file is listed twice", culprit=str(path))
+    mp = data.get("mp_size")
+    if mp is not None and mp != len(files):
+        raise CheckpointFormatError(f"mp_size {mp} but {len(files)} checkpoints listed", culprit=str(path),
+                                    hint="list exactly one file per tensor-parallel rank")
+    version = data.get("version")
+    dv = None if version is None else parse_version(version, str(path))
+    return SourceCheckpoint(tuple(files), origin=str(path), descriptor_version=dv, descriptor=data)

@@ -1,0 +1,89 @@
+"""Megatron-LM's own layout: a run folder (``latest_checkpointed_iteration.txt`` naming the
+iteration) or one iteration folder (``iter_XXXXXXX`` / ``release``), with one
+``mp_rank_TT[_PPP]/model_optim_rng.pt`` per tensor-parallel rank ``TT`` and pipeline stage ``PPP``
+(``_PPP`` only when PP > 1), the module under ``model`` and Megatron's ``args`` beside it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from reshard.core.errors import CheckpointFormatError
+from reshard.core.source import MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint
+from reshard.formats.base import CheckpointFormat, check_contiguous
+
+
+class MegatronFormat(CheckpointFormat):
+    name = MEGATRON
+    priority = 10
+    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?/model_optim_rng\.pt$"),
+                re.compile(r"(^|/)latest_checkpointed_iteration\.txt$"))
+
+    def detect(self, folder: Path) -> bool:
+        return (folder / MEGATRON_LATEST).is_file() or any(
+            MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in folder.iterdir())
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        if (path / MEGATRON_LATEST).is_file():
+            return _locate_run(path)
+        return _locate_iteration(path, str(path))
+
+
+def _locate_run(run: Path) -> SourceCheckpoint:
+    """A Megatron-LM run folder: ``latest_checkpointed_iteration.txt`` names the iteration."""
+    latest = run / MEGATRON_LATEST
+    text = latest.read_text().strip()
+    if text == "release":
+        name = "release"
+    elif text.isdigit():
+        name = f"iter_{int(text):07d}"
+    else:
+        raise CheckpointFormatError(f"holds {text[:40]!r}, not an iteration number or 'release'",
+                                    culprit=str(latest), hint="point at the iteration folder instead")
+    folder = run / name
+    if not folder.is_dir():
+        raise CheckpointFormatError(f"names iteration {text} but {name}/ does not exist", culprit=str(latest),
+                                    hint="point at an existing iteration folder instead")
+    return _locate_iteration(folder, str(run))
+
+
+def _locate_iteration(folder: Path, origin: str) -> SourceCheckpoint:
+    """An iteration folder of ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files, as a (pp, tp) grid."""
+    grid: dict[tuple[int, int], Path] = {}
+    staged: set[bool] = set()
+    for child in sorted(folder.iterdir()):
+        m = MEGATRON_RANK_DIR_RE.match(child.name)
+        if not (m and child.is_dir()):
+            continue
+        if m.group(3):
+            raise CheckpointFormatError(f"{child.name}: expert-parallel (MoE) checkpoints are not supported",
+                                        culprit=str(folder), hint="reshard handles dense GPT models only")
+        f = child / MEGATRON_FILE
+        if not f.is_file():
+            raise CheckpointFormatError(f"{child.name}/ holds no {MEGATRON_FILE}", culprit=str(folder),
+                                        hint="copy the missing rank file (distributed-optimizer files alone "
+                                             "hold no weights)")
+        tp, pp = int(m.group(1)), int(m.group(2)) if m.group(2) is not None else 0
+        staged.add(m.group(2) is not None)
+        if (pp, tp) in grid:
+            raise CheckpointFormatError(f"rank {tp} of stage {pp} appears twice ({child.name})", culprit=str(folder),
+                                        hint="keep exactly one folder per rank")
+        grid[(pp, tp)] = f
+    if len(staged) > 1:
+        raise CheckpointFormatError("mixes mp_rank_TT and mp_rank_TT_PPP folders", culprit=str(folder),
+                                    hint="remove stray folders from another pipeline layout")
+    n_pp = 1 + max(pp for pp, _ in grid)
+    n_tp = 1 + max(tp for _, tp in grid)
+    for stage in range(n_pp):
+        ranks = sorted(tp for pp, tp in grid if pp == stage)
+        if not ranks:
+            raise CheckpointFormatError(f"pipeline stage {stage} has no rank folders", culprit=str(folder),
+                                        hint="copy the missing mp_rank_TT_PPP folders")
+        check_contiguous(ranks, f"{folder} (stage {stage})")
+        if len(ranks) != n_tp:
+            missing = sorted(set(range(n_tp)) - set(ranks))
+            raise CheckpointFormatError(f"stage {stage} lacks tensor-parallel ranks {missing}", culprit=str(folder),
+                                        hint="copy the missing rank folders")
+    files = tuple(grid[(s, t)] for s in range(n_pp) for t in range(n_tp))
+    return SourceCheckpoint(files, origin=origin, format=MEGATRON, pp=n_pp, iteration=folder.name)
