@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,33 +17,16 @@ from reshard import __version__
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan import Plan
-from reshard.core.source import DEEPSPEED
 from reshard.core.zero_config import ZeroDecision, decide_conversion
+from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT
 from reshard.storage.source_view import LocalSource
 from reshard.tasks.identity import code_version
 
-DESCRIPTOR_NAME = "ds_checkpoint.json"
-
-
 def side_files(plan: Plan, names: list[str]) -> dict[str, str]:
-    """Small files written beside the shards: the DeepSpeed descriptor (DeepSpeed layout) or
-    Megatron's ``latest_checkpointed_iteration.txt`` (Megatron-LM layout)."""
-    files = dict(plan.extra_files)
-    if plan.output_format == DEEPSPEED:
-        files[DESCRIPTOR_NAME] = json.dumps(descriptor_for(plan, names), indent=2)
-    return files
-
-
-def descriptor_for(plan: Plan, names: list[str]) -> dict[str, Any]:
-    """DeepSpeed checkpoint descriptor of the new layout (loadable by DeepSpeed's factory)."""
-    d: dict[str, Any] = {"type": "Megatron", "version": plan.version, "checkpoints": names,
-                         "parallelization": "tp", "mp_size": plan.target_tp, "quantized": plan.options.quantize}
-    if plan.options.quantize:
-        d["quantization"] = {"bits": plan.options.bits, "groups": plan.options.groups,
-                             "mlp_extra_grouping": plan.options.mlp_extra_grouping,
-                             "key": "reshard_quantization"}
-    return d
+    """Small files written beside the outputs, as the output's format wants them (Megatron's
+    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor)."""
+    return {**plan.extra_files, **get_format(plan.output_format).side_files(plan, names)}
 
 
 def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The layering, enforced on the source (every import statement, module level or inside a
-function): pure core below, storage beside it, Prefect tasks and flows on top, no cycles.
+"""The layering, enforced on the source (every import statement that runs, module level or inside
+a function; ``if TYPE_CHECKING:`` imports are annotations only): pure core below, formats and
+storage beside it, Prefect tasks and flows on top, no cycles.
 
 ================  =====================================================================
 package           must not import
@@ -41,11 +42,22 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _runtime_nodes(node: ast.AST):
+    """Every node except the bodies of ``if TYPE_CHECKING:`` (imports for annotations only, never run)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+            for other in child.orelse:
+                yield from _runtime_nodes(other)
+            continue
+        yield from _runtime_nodes(child)
+
+
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Every absolute module name ``path`` imports (``from a.b import c`` gives ``a.b`` and, if
-    it is a module of ours, ``a.b.c``)."""
+    """Every absolute module name ``path`` imports at run time (``from a.b import c`` gives ``a.b``
+    and, if it is a module of ours, ``a.b.c``)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -123,6 +135,12 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     bad.write_text("def f():\n    from reshard.storage.location import open_location\n    import prefect\n")
     assert violations({"reshard.core.bad": bad}) == ["reshard.core.bad imports prefect",
                                                      "reshard.core.bad imports reshard.storage.location"]
+
+
+def test_type_checking_imports_are_not_run_time_edges(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import prefect\nelse:\n    import dask\n")
+    assert imports_of(f, {}) == {"typing", "dask"}
 
 
 @pytest.mark.parametrize("graph,expected", [

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from reshard.core import foreign, torch_writer
+from reshard.core import foreign
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
@@ -47,7 +47,7 @@ from reshard.core.plan import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, Targe
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
 from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.rules import QUANT_SLOT_ORDER
-from reshard.core.safe_load import load_shard
+from reshard.formats.registry import get_format
 from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, RecordSink, WriterError, tensor_bytes
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
@@ -98,7 +98,8 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
 
 def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
     """The source shards target ``tgt`` reads, memory-mapped (tensors are read on first touch)."""
-    return {i: load_shard(plan.source.files[i]) for i in plan.targets[tgt].sources}
+    fmt = get_format(plan.source.format)
+    return {i: fmt.load(plan.source.files[i]) for i in plan.targets[tgt].sources}
 
 
 def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], device: torch.device,
@@ -462,7 +463,8 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     # quantizing is compute: it keeps torch's threads
     threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
     with threads:
-        stats = torch_writer.save(sd, out_path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes)
+        stats = get_format(plan.output_format).write(sd, out_path, pickle_module=pickle_module, sha256=sha256,
+                                                     on_bytes=on_bytes)
     del sd, shards
     return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
                         time.perf_counter() - t0, stats.sha256)

@@ -34,9 +34,8 @@ from reshard.core.layouts import (FILL, PartitionSpec, check_divisible, pieces_f
 from reshard.core.options import ReshardOptions
 from reshard.core.rules import (MEGATRON_GPT_RULES, Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core,
                                 layer_index, resolve, with_layer)
-from reshard.core.safe_load import load_shard
-from reshard.core.source import (DEEPSPEED, MEGATRON, MEGATRON_LATEST, SourceCheckpoint, choose_module_key,
-                                 iteration_text, megatron_file_name, parse_version, rank_file_name)
+from reshard.core.source import DEEPSPEED, SourceCheckpoint, choose_module_key, parse_version
+from reshard.formats.registry import get_format
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
 DROPPED_ENTRIES: dict[str, str] = {
@@ -232,19 +231,17 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     own sources arrive and run the cross-rank checks (``headers_only=False``) alongside —
     publishing nothing until they pass."""
     n, m = source.tp, options.target_tp
-    if source.format == DEEPSPEED and tpp != 1:
-        raise LayoutError(f"cannot write {tpp} pipeline stages in the DeepSpeed mp_rank_XX_model_states layout",
-                          culprit="--target-pp", hint="pipeline stages can be changed for Megatron-LM "
-                                                      "(iter_*/mp_rank_XX_YYY) checkpoints; use --target-pp 1")
+    fmt = get_format(source.format)  # reads the files, names and writes the outputs
+    fmt.check_target(tpp)
     if headers_only:
-        heads = [load_shard(source.stage_files(s)[0]) for s in range(source.pp)]
+        heads = [fmt.load(source.stage_files(s)[0]) for s in range(source.pp)]
         shards = [heads[i // n] for i in range(len(source.files))]
     else:
-        shards = [load_shard(f) for f in source.files]
+        shards = [fmt.load(f) for f in source.files]
     names = [str(f) for f in source.files]
     module_key, modules = _modules(shards, names, options, n)
     args = shards[0].get("args")
-    _check_saved_degrees(args, source)
+    fmt.check_saved_degrees(args, source)
     stages = [_Stage(s, list(names[s * n:(s + 1) * n]), modules[s * n:(s + 1) * n]) for s in range(source.pp)]
     for st in stages:
         _check_same_keys(st.modules, st.names)
@@ -284,7 +281,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
                        padded_vocab_source=vocab.source_rows, padded_vocab_target=vocab.target_rows,
                        make_vocab_size_divisible_by=vocab.divisible_by, source_pp_layers=tuple(layers_per_stage),
                        target_pp_layers=tuple(target_layers), origin=dict(origin))
-    extra = {MEGATRON_LATEST: iteration_text(source.iteration or "release")} if source.format == MEGATRON else {}
+    extra = fmt.extra_files(source)
     return Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
                 targets=targets, unused_rules=resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
@@ -335,18 +332,6 @@ def _head_facts(options: ReshardOptions, args: Any, raw: list[_Raw], origin: dic
         head_dim = hidden // heads
         origin["head_dim"] = "hidden/heads"
     return hidden, heads, head_dim
-
-
-def _check_saved_degrees(args: Any, source: SourceCheckpoint) -> None:
-    """A Megatron checkpoint's args name its TP and PP: fewer files means a partial copy."""
-    if source.format != MEGATRON:
-        return
-    for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
-                              ("pipeline_model_parallel_size", source.pp, "pipeline stages")):
-        saved = _int_attr(args, name)
-        if saved is not None and saved != found:
-            raise CheckpointFormatError(f"args.{name} is {saved} but {found} {what} were found",
-                                        culprit=source.origin, hint="supply all rank folders of the checkpoint")
 
 
 @dataclass(frozen=True)
@@ -946,10 +931,7 @@ def _target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCh
     srcs = tuple(sorted(files))
     read = sum(source.files[i].stat().st_size for i in srcs)
     written = sum(_target_size(tp.param, n, m, options.quantize) for tp in params)
-    if source.format == MEGATRON:
-        name = megatron_file_name(source.iteration or "release", t, stage, tpp)
-    else:
-        name = rank_file_name(t)
+    name = get_format(source.format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
     return TargetPlan(rank=stage * m + t, name=name, sources=srcs, bytes_read=read, bytes_written=written,
                       tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params))
 

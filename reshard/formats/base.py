@@ -9,13 +9,20 @@ fetches exactly the objects some format's ``patterns`` name.
 
 from __future__ import annotations
 
+import os
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from reshard.core.errors import CheckpointFormatError
+from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.safe_load import load_shard
 from reshard.core.source import SourceCheckpoint
+
+if TYPE_CHECKING:
+    from reshard.core.plan import Plan
+    from reshard.core.torch_writer import SaveStats
 
 
 class CheckpointFormat(ABC):
@@ -42,6 +49,48 @@ class CheckpointFormat(ABC):
     def locate(self, path: Path) -> SourceCheckpoint:
         """The checkpoint at ``path`` as a validated grid of files; raises
         :class:`~reshard.core.errors.CheckpointFormatError` naming the file and the fix."""
+
+    # -- reading -----------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """One file's state dict (tensors may be lazy: memory-mapped), the module under ``module``
+        or ``model``. Default: a torch zip file through the weights-only loader and allowlist."""
+        return load_shard(path)
+
+    def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
+        """Refuse a partial copy when the saved ``args`` name more ranks than were found."""
+
+    # -- writing (outputs are written in the format they were read in) -------------------------
+    #: Can this layout hold several pipeline stages of per-rank files?
+    writes_pipeline_stages: ClassVar[bool] = False
+    #: How errors name the layout (default: ``name``).
+    title: ClassVar[str] = ""
+
+    def check_target(self, target_pp: int) -> None:
+        """Refuse a target layout this format cannot write."""
+        if target_pp != 1 and not self.writes_pipeline_stages:
+            raise LayoutError(f"cannot write {target_pp} pipeline stages in the {self.title or self.name} layout",
+                              culprit="--target-pp", hint="pipeline stages can be changed for Megatron-LM "
+                                                          "(iter_*/mp_rank_XX_YYY) checkpoints; use --target-pp 1")
+
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
+        """Path, relative to the destination, of the output file of (tp_rank, pp_rank)."""
+        raise NotImplementedError(f"the {self.name} format does not write per-rank files")
+
+    def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
+        """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""
+        return {}
+
+    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str]:
+        """Small text files written beside the outputs once their names are known (a descriptor)."""
+        return {}
+
+    def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
+              on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+        """Write one output file from ``obj`` (a state dict whose tensors may be pending, see
+        :mod:`reshard.core.torch_writer`). Default: exactly the bytes ``torch.save`` writes, streamed."""
+        from reshard.core import torch_writer
+
+        return torch_writer.save(obj, path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

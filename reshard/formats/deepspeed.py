@@ -14,19 +14,34 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError
-from reshard.core.source import DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, parse_version
+from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, parse_version,
+                                 rank_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
+
+if TYPE_CHECKING:
+    from reshard.core.plan import Plan
+
+#: The descriptor written beside DeepSpeed-layout outputs (loadable by DeepSpeed's SDLoaderFactory).
+DESCRIPTOR_NAME = "ds_checkpoint.json"
 
 
 class DeepSpeedFormat(CheckpointFormat):
     name = DEEPSPEED
+    title = "DeepSpeed mp_rank_XX_model_states"
     priority = 30
     patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?_model_states\.pt$"), re.compile(r"(^|/)latest$"))
 
     def detect(self, folder: Path) -> bool:
         return any(RANK_FILE_RE.match(c.name) and c.is_file() for c in folder.iterdir())
+
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
+        return rank_file_name(tp_rank)
+
+    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str]:
+        return {DESCRIPTOR_NAME: json.dumps(descriptor_for(plan, names), indent=2)}
 
     def locate(self, path: Path) -> SourceCheckpoint:
         folder = path
@@ -120,3 +135,14 @@ def _locate_descriptor(path: Path) -> SourceCheckpoint:
     version = data.get("version")
     dv = None if version is None else parse_version(version, str(path))
     return SourceCheckpoint(tuple(files), origin=str(path), descriptor_version=dv, descriptor=data)
+
+
+def descriptor_for(plan: Plan, names: list[str]) -> dict[str, Any]:
+    """DeepSpeed checkpoint descriptor of the new layout (loadable by DeepSpeed's factory)."""
+    d: dict[str, Any] = {"type": "Megatron", "version": plan.version, "checkpoints": names,
+                         "parallelization": "tp", "mp_size": plan.target_tp, "quantized": plan.options.quantize}
+    if plan.options.quantize:
+        d["quantization"] = {"bits": plan.options.bits, "groups": plan.options.groups,
+                             "mlp_extra_grouping": plan.options.mlp_extra_grouping,
+                             "key": "reshard_quantization"}
+    return d

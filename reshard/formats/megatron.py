@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
-from reshard.core.source import MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint
+from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
+                                 iteration_text, megatron_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
 
 
@@ -23,6 +25,22 @@ class MegatronFormat(CheckpointFormat):
     def detect(self, folder: Path) -> bool:
         return (folder / MEGATRON_LATEST).is_file() or any(
             MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in folder.iterdir())
+
+    writes_pipeline_stages = True
+
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
+        return megatron_file_name(source.iteration or "release", tp_rank, pp_rank, pp)
+
+    def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
+        return {MEGATRON_LATEST: iteration_text(source.iteration or "release")}
+
+    def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
+        for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
+                                  ("pipeline_model_parallel_size", source.pp, "pipeline stages")):
+            saved = getattr(args, name, None) if args is not None else None
+            if isinstance(saved, int) and not isinstance(saved, bool) and saved > 0 and saved != found:
+                raise CheckpointFormatError(f"args.{name} is {saved} but {found} {what} were found",
+                                            culprit=source.origin, hint="supply all rank folders of the checkpoint")
 
     def locate(self, path: Path) -> SourceCheckpoint:
         if (path / MEGATRON_LATEST).is_file():
