@@ -1,16 +1,18 @@
 """Formats are plug-ins: a registry in the style of fsspec's (a private dict behind a read-only
 view, conflicting registration raises), and a format defined in the tests folder
-(``plugin_format.py``) reshards through the CLI, ``--direct`` and the Prefect flow with no edit
-inside reshard."""
+(``plugin_format.py``: one safetensors file per rank) reshards through the CLI, ``--direct`` and
+the Prefect flow with no edit inside reshard — read, planned, written in its own layout."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from plugin_format import ShardOfFormat, write_as_shard_of
+import torch
+
+from conftest import load_modules
+from plugin_format import SafetensorsPerRank, read_modules, write_as_safetensors
 from reshard.cli import main
 from reshard.core.options import ReshardOptions
 from reshard.direct import run_direct
@@ -21,7 +23,7 @@ from reshard.storage.manifest import MANIFEST_NAME
 
 @pytest.fixture
 def plugin():
-    fmt = register_format(ShardOfFormat)
+    fmt = register_format(SafetensorsPerRank)
     try:
         yield fmt
     finally:
@@ -53,18 +55,26 @@ def test_the_registry_is_read_only_and_refuses_a_conflicting_registration(plugin
     with pytest.raises(ValueError, match="already registered"):
         register_format(Other)
     assert registry[plugin.name] is plugin
-    register_format(ShardOfFormat)  # the same format again: no conflict
+    register_format(SafetensorsPerRank)  # the same format again: no conflict
     assert isinstance(register_format(Other, clobber=True), Other)
-    register_format(ShardOfFormat, clobber=True)
+    register_format(SafetensorsPerRank, clobber=True)
 
 
 def test_a_registered_format_is_located_and_discovered(plugin, sample_factory, tmp_path):
-    src = write_as_shard_of(sample_factory(4, 2.0), tmp_path / "shards")
-    assert [f.name for f in locate(src).files] == [f"shard-{r:02d}-of-04.pt" for r in range(4)]
-    assert any(p.search("run/shard-00-of-04.pt") for p in listing_patterns())
+    src = write_as_safetensors(sample_factory(4, 2.0), tmp_path / "st")
+    located = locate(src)
+    assert located.format == plugin.name and [f.name for f in located.files] == \
+        [f"rank-{r:02d}.safetensors" for r in range(4)]
+    assert any(p.search("run/rank-00.safetensors") for p in listing_patterns())
     unregister_format(plugin.name)
     with pytest.raises(Exception, match="holds no mp_rank_XX_model_states.pt files"):
         locate(src)
+
+
+def _same_modules(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in y)
 
 
 def test_a_plugin_format_reshards_through_direct_cli_and_flow(plugin, sample_factory, tmp_path, prefect_env, capsys):
@@ -72,14 +82,18 @@ def test_a_plugin_format_reshards_through_direct_cli_and_flow(plugin, sample_fac
     from reshard.flows.runner import run_flow
 
     ref = sample_factory(4, 2.0)
-    run_direct(str(ref), str(tmp_path / "ref"), ReshardOptions(target_tp=2))
-    src = write_as_shard_of(ref, tmp_path / "shards")
+    run_direct(str(ref), str(tmp_path / "ref"), ReshardOptions(target_tp=2))  # the built-in layout, TP 2
+    src = write_as_safetensors(ref, tmp_path / "st")
     run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(target_tp=2))
     assert main(["run", "--direct", str(src), str(tmp_path / "cli"), "--target-tp", "2"]) == 0
     assert capsys.readouterr().out.startswith("committed")
     run_flow(ReshardParams(source=str(src), destination=str(tmp_path / "flow"), target_tp=2,
                            cache_dir=str(tmp_path / "cache")))
+    want = load_modules(tmp_path / "ref")
     for out in ("direct", "cli", "flow"):
-        assert _pt(tmp_path / out) == _pt(tmp_path / "ref"), out
-        assert (tmp_path / out / MANIFEST_NAME).is_file()
-    assert re.match(r"mp_rank_0[01]_model_states\.pt", sorted(_pt(tmp_path / "flow"))[0])
+        names = sorted(p.name for p in (tmp_path / out).iterdir())
+        assert names == ["rank-00.safetensors", "rank-01.safetensors", MANIFEST_NAME], (out, names)
+        _same_modules(read_modules(tmp_path / out), want)
+    # and back to TP 4 in its own format: the original tensors
+    run_direct(str(tmp_path / "direct"), str(tmp_path / "back"), ReshardOptions(target_tp=4))
+    _same_modules(read_modules(tmp_path / "back"), read_modules(src))

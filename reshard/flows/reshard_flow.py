@@ -34,6 +34,7 @@ from prefect.futures import wait
 from reshard import progress
 from reshard.core.shard_check import shard_role
 from reshard.flows.params import ReshardParams
+from reshard.formats import is_marker
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
@@ -65,7 +66,7 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
                                             shard_role(o["name"], names)) for o in objects}
 
     cid = conversion_id(objects, options)
-    metadata = {name: fut.result() for name, fut in fetches.items() if not name.endswith(".pt")}
+    metadata = {name: fut.result() for name, fut in fetches.items() if is_marker(name)}
     located = locate_source(base, disc, metadata, cid)
     headers = located["headers"]
     _raise_first_failure([fetches[h] for h in headers] + [checks[h] for h in headers], wait_all=False)

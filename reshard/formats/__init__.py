@@ -17,7 +17,7 @@ from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
 
-__all__ = ["CheckpointFormat", "available", "get_format", "listing_patterns", "locate", "register_format",
+__all__ = ["CheckpointFormat", "available", "get_format", "is_marker", "listing_patterns", "locate", "register_format",
            "registry", "unregister_format"]
 
 
@@ -42,7 +42,14 @@ def locate(src: str | Path) -> SourceCheckpoint:
 
 def listing_patterns() -> tuple[re.Pattern[str], ...]:
     """Names (relative to a checkpoint's root) that some registered format reads."""
-    return tuple(p for fmt in available() for p in fmt.patterns)
+    return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers))
+
+
+def is_marker(name: str) -> bool:
+    """Is ``name`` a small file that tells where the weights are (not weights itself)?"""
+    formats = available()
+    return (any(p.search(name) for fmt in formats for p in fmt.markers)
+            and not any(p.search(name) for fmt in formats for p in fmt.patterns))
 
 
 def _no_format(folder: Path) -> CheckpointFormatError:

@@ -33,9 +33,12 @@ class CheckpointFormat(ABC):
     name: ClassVar[str]
     #: Detection order: lower first (a Megatron-LM run folder before a plain folder of files).
     priority: ClassVar[int] = 100
-    #: Object names (relative to the checkpoint's root) this format reads; remote discovery
-    #: fetches the objects that match any registered format's patterns, nothing else.
+    #: Names (relative to the checkpoint's root) of the files holding the weights; remote
+    #: discovery fetches the objects that match any registered format's patterns or markers.
     patterns: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    #: Names of small files that tell where the weights are (``latest`` markers, descriptors):
+    #: fetched whole before the checkpoint is located.
+    markers: ClassVar[tuple[re.Pattern[str], ...]] = ()
 
     def detect(self, folder: Path) -> bool:
         """Does this local folder hold a checkpoint of this format? (Names only.)"""

@@ -32,7 +32,8 @@ class DeepSpeedFormat(CheckpointFormat):
     name = DEEPSPEED
     title = "DeepSpeed mp_rank_XX_model_states"
     priority = 30
-    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?_model_states\.pt$"), re.compile(r"(^|/)latest$"))
+    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?_model_states\.pt$"),)
+    markers = (re.compile(r"(^|/)latest$"),)
 
     def detect(self, folder: Path) -> bool:
         return any(RANK_FILE_RE.match(c.name) and c.is_file() for c in folder.iterdir())
@@ -84,7 +85,7 @@ class DeepSpeedDescriptorFormat(CheckpointFormat):
 
     name = "deepspeed-descriptor"
     priority = 90
-    patterns = (re.compile(r"(^|/)[^/]+\.json$"),)
+    markers = (re.compile(r"(^|/)[^/]+\.json$"),)
 
     def detect_file(self, path: Path) -> bool:
         return path.suffix.lower() == ".json"

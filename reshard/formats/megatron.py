@@ -19,8 +19,8 @@ from reshard.formats.base import CheckpointFormat, check_contiguous
 class MegatronFormat(CheckpointFormat):
     name = MEGATRON
     priority = 10
-    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?/model_optim_rng\.pt$"),
-                re.compile(r"(^|/)latest_checkpointed_iteration\.txt$"))
+    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?/model_optim_rng\.pt$"),)
+    markers = (re.compile(r"(^|/)latest_checkpointed_iteration\.txt$"),)
 
     def detect(self, folder: Path) -> bool:
         return (folder / MEGATRON_LATEST).is_file() or any(

@@ -25,7 +25,7 @@ from typing import Any
 
 from reshard.core.errors import StorageError
 from reshard.crashpoints import crash_point
-from reshard.formats import listing_patterns
+from reshard.formats import is_marker, listing_patterns
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import Location, open_location, storage_errors
 
@@ -116,8 +116,8 @@ def discover(url: str, storage_options: Mapping[str, Any] | None = None) -> Disc
     if is_file:
         return _discover_descriptor(loc)
     objs = _only_latest_iteration(loc, list_objects(loc))
-    if not any(o.name.endswith(".pt") for o in objs):
-        raise StorageError("holds no checkpoint (no model-state .pt files under this prefix)", culprit=url,
+    if all(is_marker(o.name) for o in objs):
+        raise StorageError("holds no checkpoint (no model-state files under this prefix)", culprit=url,
                            hint="point at the folder that holds mp_rank_XX_model_states.pt files")
     return Discovery(url, loc.is_local, objs)
 

@@ -25,7 +25,7 @@ from reshard.core.errors import DestinationError, StorageError
 from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
-from reshard.formats import locate
+from reshard.formats import is_marker, locate
 from reshard.conversion import manifest_for, side_files, source_folders, source_record, urls_in_errors, zero_gate
 from reshard import progress
 from reshard.storage.cache import RemoteObject, ShardCache
@@ -120,7 +120,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
     names = [by_path.get(os.path.realpath(f)) for f in source.files]
     if None in names:  # a local descriptor may list files outside its folder: no per-shard early start
-        names = [o.name for o in disc.objects if o.name.endswith(".pt")]
+        names = [o.name for o in disc.objects if not is_marker(o.name)]
         headers = names
     elif source.layer_ids:  # DeepSpeed pipeline layer files: the layout is planned from all of them
         headers = list(names)
