@@ -97,3 +97,24 @@ def test_a_plugin_format_reshards_through_direct_cli_and_flow(plugin, sample_fac
     # and back to TP 4 in its own format: the original tensors
     run_direct(str(tmp_path / "direct"), str(tmp_path / "back"), ReshardOptions(target_tp=4))
     _same_modules(read_modules(tmp_path / "back"), read_modules(src))
+
+
+def test_the_flow_checks_each_plugin_file_with_the_plugins_own_reader(plugin, sample_factory, tmp_path, prefect_env):
+    from reshard.core.errors import CheckpointFormatError
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from reshard.formats import shard_role
+
+    src = write_as_safetensors(sample_factory(4, 2.0), tmp_path / "st")
+    names = sorted(p.name for p in src.iterdir())
+    assert shard_role("rank-03.safetensors", names) == (plugin.name, "rank")
+    bad = src / "rank-03.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])
+    from reshard.formats import check_file
+
+    with pytest.raises(CheckpointFormatError, match="cannot read safetensors"):  # what the check-shard task runs
+        check_file(str(bad), *shard_role(bad.name, names), "auto", str(bad))
+    with pytest.raises(CheckpointFormatError, match="cannot read safetensors") as info:
+        run_flow(ReshardParams(source=str(src), destination=str(tmp_path / "out"), target_tp=2,
+                               cache_dir=str(tmp_path / "cache")))
+    assert info.value.culprit == str(bad)

@@ -1,7 +1,8 @@
 """The per-shard check: what one source file must hold, decided by its role in the checkpoint.
 
-The role comes from the file's *name in the source listing* (never from where a cache keeps
-it), so a shard fetched from object storage is checked exactly like the same file on disk.
+The role comes from the file's format and its *name in the source listing* (never from where a
+cache keeps it; see ``reshard.formats.shard_role``), so a shard fetched from object storage is
+checked exactly like the same file on disk.
 Cross-shard consistency (same keys, degrees, versions) is the planner's job; this check only
 catches a file that cannot be what its name says, as early as the file arrives.
 
@@ -17,42 +18,26 @@ role           files                                                   check
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from pathlib import PurePosixPath
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from reshard.core.errors import CheckpointFormatError, ReshardError
 from reshard.core.safe_load import load_shard
-from reshard.core.source import (LAYER_FILE_NO_MODEL_RE, LAYER_FILE_RE, MEGATRON_FILE, RANK_FILE_RE,
-                                 choose_module_key, parse_version)
+from reshard.core.source import choose_module_key, parse_version
 
 RANK, PIPE_RANK, LAYER, METADATA = "rank", "pipe-rank", "layer", "metadata"
 
 
-def shard_role(name: str, listing: Iterable[str]) -> str:
-    """The role of ``name`` (a path relative to the source) among the source's ``listing``."""
-    base = PurePosixPath(name).name
-    if LAYER_FILE_RE.match(base) or LAYER_FILE_NO_MODEL_RE.match(base):
-        return LAYER
-    if RANK_FILE_RE.match(base):
-        folder = PurePosixPath(name).parent
-        beside = (PurePosixPath(n) for n in listing)
-        if any(p.parent == folder and LAYER_FILE_RE.match(p.name) for p in beside):
-            return PIPE_RANK
-        return RANK
-    if base == MEGATRON_FILE:
-        return RANK
-    return METADATA
-
-
-def check_shard_file(path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
+def check_shard_file(path: str, role: str, module_key: str, where: str,
+                     load: Callable[[str], dict[str, Any]] = load_shard) -> dict[str, Any]:
     """Check one fetched file for its ``role``; returns a small record (for logs and the UI).
-    ``where`` names the file in errors (the user's URL, not a cache path)."""
+    ``where`` names the file in errors (the user's URL, not a cache path); ``load`` is the
+    file's format's reader."""
     if role == METADATA:
         return {"kind": METADATA}
-    sd = _load(path, where)
+    sd = _load(path, where, load)
     if role == LAYER:
         bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
         if bad:
@@ -71,9 +56,9 @@ def check_shard_file(path: str, role: str, module_key: str, where: str) -> dict[
             "checkpoint_version": version, "mp_world_size": sd.get("mp_world_size")}
 
 
-def _load(path: str, where: str) -> dict[str, Any]:
+def _load(path: str, where: str, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     try:
-        return load_shard(path)
+        return load(path)
     except ReshardError as err:  # name the user's file, not the cache entry it was fetched to
         if err.culprit == str(path) and where != str(path):
             err.culprit = where

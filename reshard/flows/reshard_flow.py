@@ -32,9 +32,8 @@ from prefect import flow, get_run_logger
 from prefect.futures import wait
 
 from reshard import progress
-from reshard.core.shard_check import shard_role
 from reshard.flows.params import ReshardParams
-from reshard.formats import is_marker
+from reshard.formats import is_marker, shard_role
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
@@ -63,7 +62,7 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"]) for o in objects}
     names = [o["name"] for o in objects]
     checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key, o["url"],
-                                            shard_role(o["name"], names)) for o in objects}
+                                            *shard_role(o["name"], names)) for o in objects}
 
     cid = conversion_id(objects, options)
     metadata = {name: fut.result() for name, fut in fetches.items() if is_marker(name)}

@@ -10,14 +10,17 @@ be refused). Add one with :func:`register_format` or the ``reshard.formats`` ent
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
+from reshard.core.shard_check import METADATA
 from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
 
-__all__ = ["CheckpointFormat", "available", "get_format", "is_marker", "listing_patterns", "locate", "register_format",
+__all__ = ["CheckpointFormat", "available", "check_file", "get_format", "is_marker", "listing_patterns", "locate", "register_format",
            "registry", "unregister_format"]
 
 
@@ -50,6 +53,25 @@ def is_marker(name: str) -> bool:
     formats = available()
     return (any(p.search(name) for fmt in formats for p in fmt.markers)
             and not any(p.search(name) for fmt in formats for p in fmt.patterns))
+
+
+def shard_role(name: str, listing: Sequence[str]) -> tuple[str | None, str]:
+    """(format, role) of the object ``name`` among the source's ``listing`` (names relative to
+    its root): the first registered format, in priority order, that claims it; markers and
+    unclaimed files are ``(None, "metadata")`` (read by the locator, not checked one by one)."""
+    if not is_marker(name):
+        for fmt in available():
+            role = fmt.shard_role(name, listing)
+            if role is not None:
+                return fmt.name, role
+    return None, METADATA
+
+
+def check_file(path: str, fmt: str | None, role: str, module_key: str, where: str) -> dict[str, Any]:
+    """The per-shard check of one fetched file, by its format (see :func:`shard_role`)."""
+    if fmt is None or role == METADATA:
+        return {"kind": METADATA}
+    return get_format(fmt).check_file(path, role, module_key, where)
 
 
 def _no_format(folder: Path) -> CheckpointFormatError:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.safe_load import load_shard
+from reshard.core.shard_check import RANK, check_shard_file
 from reshard.core.source import SourceCheckpoint
 
 if TYPE_CHECKING:
@@ -54,6 +55,15 @@ class CheckpointFormat(ABC):
         :class:`~reshard.core.errors.CheckpointFormatError` naming the file and the fix."""
 
     # -- reading -----------------------------------------------------------------------------
+    def shard_role(self, name: str, listing: Sequence[str]) -> str | None:
+        """The role of ``name`` (relative to the checkpoint's root) in this format, given the whole
+        ``listing``; None when it is not this format's file. Default: a weight file is a rank file."""
+        return RANK if any(p.search(name) for p in self.patterns) else None
+
+    def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
+        """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""
+        return check_shard_file(path, role, module_key, where, load=self.load)
+
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """One file's state dict (tensors may be lazy: memory-mapped), the module under ``module``
         or ``model``. Default: a torch zip file through the weights-only loader and allowlist."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,9 @@ class DeepSpeedZero3Format(CheckpointFormat):
 
     def detect(self, folder: Path) -> bool:
         return any(ZERO3_MODEL_FILE_RE.match(c.name) for c in folder.iterdir())
+
+    def shard_role(self, name: str, listing: Sequence[str]) -> str | None:
+        return None  # refused when located; its files are not checked one by one
 
     def locate(self, path: Path) -> SourceCheckpoint:
         first = min(c.name for c in path.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name))

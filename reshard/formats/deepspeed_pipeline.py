@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
 
 from reshard.core.errors import CheckpointFormatError
+from reshard.core.shard_check import LAYER, PIPE_RANK
 from reshard.core.source import (DEEPSPEED_PIPE, LAYER_FILE_NO_MODEL_RE, LAYER_FILE_RE, RANK_FILE_RE,
                                  SourceCheckpoint, layer_file_name, rank_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
@@ -25,6 +27,18 @@ class DeepSpeedPipelineFormat(CheckpointFormat):
 
     def detect(self, folder: Path) -> bool:
         return any(LAYER_FILE_RE.match(c.name) or LAYER_FILE_NO_MODEL_RE.match(c.name) for c in folder.iterdir())
+
+    def shard_role(self, name: str, listing: Sequence[str]) -> str | None:
+        """Layer files, and the module-less rank files *beside layer files* (elsewhere an
+        ``mp_rank_XX_model_states.pt`` is a DeepSpeed rank file holding a module)."""
+        path = PurePosixPath(name)
+        if LAYER_FILE_RE.match(path.name) or LAYER_FILE_NO_MODEL_RE.match(path.name):
+            return LAYER
+        if RANK_FILE_RE.match(path.name) and any(
+                PurePosixPath(n).parent == path.parent and LAYER_FILE_RE.match(PurePosixPath(n).name)
+                for n in listing):
+            return PIPE_RANK
+        return None
 
     def locate(self, path: Path) -> SourceCheckpoint:
         return _locate_pipeline(path)

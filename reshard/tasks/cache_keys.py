@@ -22,7 +22,7 @@ def fetch_key(_ctx: Any, p: dict[str, Any]) -> str:
 
 
 def check_key(_ctx: Any, p: dict[str, Any]) -> str:
-    return "check:" + digest(p["identity"], p["module_key"], p["role"], code_version())
+    return "check:" + digest(p["identity"], p["module_key"], p["fmt"], p["role"], code_version())
 
 
 def target_key(kind: str):

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from reshard.core.shard_check import check_shard_file
+from reshard.formats import check_file
 from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import open_location
@@ -47,7 +47,7 @@ def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any
 
 
 @task(name="check-shard", cache_key_fn=check_key, persist_result=True)
-def check_shard(path: str, identity: str, module_key: str, url: str, role: str) -> dict[str, Any]:
-    """Per-shard check for the file's role in its format (see :mod:`reshard.core.shard_check`),
-    on every fetched shard, local or remote. Cross-shard consistency is checked in the plan step."""
-    return dict(check_shard_file(path, role, module_key, url), path=path, role=role)
+def check_shard(path: str, identity: str, module_key: str, url: str, fmt: str | None, role: str) -> dict[str, Any]:
+    """Per-shard check by the file's format and role (see ``reshard.formats.shard_role``), on every
+    fetched shard, local or remote. Cross-shard consistency is checked in the plan step."""
+    return dict(check_file(path, fmt, role, module_key, url), path=path, role=role)
