@@ -16,7 +16,7 @@ from typing import Any
 from reshard import __version__
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
-from reshard.core.plan import Plan
+from reshard.core.plan_types import Plan
 from reshard.core.zero_config import ZeroDecision, decide_conversion
 from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT

@@ -22,7 +22,7 @@ from reshard.conversion import (manifest_for, side_files, source_folders, source
 from reshard.core.engine import TargetResult, convert_target, pick_device
 from reshard.core.errors import DestinationError
 from reshard.core.options import ReshardOptions
-from reshard.core.plan import Plan
+from reshard.core.plan_types import Plan
 from reshard.core.planner import build_plan
 from reshard.core.zero_config import ZeroDecision
 from reshard.storage.cache import ShardCache

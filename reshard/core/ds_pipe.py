@@ -28,17 +28,19 @@ import copy
 import dataclasses
 from typing import Any
 
+from reshard.core.checks import check_replicated, check_same_keys
 from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.facts import bool_arg, decide_groups, decide_version, head_facts, int_arg
 from reshard.core.layouts import source_ranks_for_target
-from reshard.core.plan import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan,
-                               TargetParam, TargetPlan, _bool_attr, _check_replicated, _check_same_keys, _collect,
-                               _decide_groups, _decide_version, _head_facts, _int_attr, _Stage, _target_size,
-                               dropped_warning, target_ranks_needed, target_specs)
 from reshard.core.options import ReshardOptions
+from reshard.core.placement import target_ranks_needed, target_size
+from reshard.core.plan import collect
+from reshard.core.plan_types import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan,
+                                     SourceStage, TargetParam, TargetPlan, dropped_warning)
 from reshard.core.rules import MEGATRON_GPT_RULES, resolve
 from reshard.core.safe_load import load_shard
-from reshard.core.source import (DEEPSPEED_PIPE, SourceCheckpoint, choose_module_key, layer_file_name,
-                                 rank_file_name)
+from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, choose_module_key, layer_file_name, rank_file_name
+from reshard.core.specs import target_specs
 
 #: Layer roles, told apart by their keys.
 EMBEDDING, TRANSFORMER, FINAL_NORM, LM_HEAD = "embedding", "transformer", "final norm", "lm_head"
@@ -61,14 +63,14 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
     module_key = _check_rank_files(shards, rank_names, options)
     args = shards[0].get("args")
     _check_degrees(shards, rank_names, args, source)
-    version = _decide_version(shards, rank_names, source, options)
+    version = decide_version(shards, rank_names, source, options)
 
     stages, roles = _layer_stages(source)
     all_keys = list(dict.fromkeys(k for st in stages for k in st.modules[0]))
     resolution = resolve(all_keys, MEGATRON_GPT_RULES, source=source.origin)
-    raw, carried_raw, per_group = _collect(stages, resolution.by_key, source)
+    raw, carried_raw, per_group = collect(stages, resolution.by_key, source)
     num_layers = sum(per_group)
-    saved_layers = _int_attr(args, "num_layers")
+    saved_layers = int_arg(args, "num_layers")
     if saved_layers is not None and saved_layers != num_layers:
         raise CheckpointFormatError(f"args.num_layers is {saved_layers} but the layer files hold {num_layers} "
                                     f"transformer layers", culprit=source.origin, hint="copy the missing layer files")
@@ -77,15 +79,15 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
                           culprit=source.origin, hint=f"choose a target PP that divides {num_layers}")
 
     origin: dict[str, str] = {}
-    hidden, heads, head_dim = _head_facts(options, args, raw, origin, source.origin)
-    groups = _decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
+    hidden, heads, head_dim = head_facts(options, args, raw, origin, source.origin)
+    groups = decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, heads, groups, head_dim, n, m, origin,
                                          source.origin)
     carried = [r.planned(None) for r in carried_raw]
     # from here on a parameter is found in its layer file under the file's own key
     params = [_with_file_key(p, stages, spp) for p in params]
     carried = [_with_file_key(p, stages, spp) for p in carried]
-    _check_replicated(params, _grid_rows(stages, spp))
+    check_replicated(params, _grid_rows(stages, spp))
     tied = _decide_tied(args, roles, origin, source)
 
     targets = _rank_targets(source, options, tpp) + _layer_targets(source, options, params + carried, roles,
@@ -139,23 +141,23 @@ def _check_degrees(shards: list[dict[str, Any]], names: list[str], args: Any, so
                                         culprit=name, hint="supply every layer and rank file of the checkpoint")
     for attr, found, what in (("tensor_model_parallel_size", n, "tensor-parallel ranks"),
                               ("pipeline_model_parallel_size", pp, "pipeline stages")):
-        saved = _int_attr(args, attr)
+        saved = int_arg(args, attr)
         if saved is not None and saved != found:
             raise CheckpointFormatError(f"args.{attr} is {saved} but {found} {what} were found", culprit=names[0],
                                         hint="supply every layer and rank file of the checkpoint")
 
 
-def _layer_stages(source: SourceCheckpoint) -> tuple[list[_Stage], list[str]]:
+def _layer_stages(source: SourceCheckpoint) -> tuple[list[SourceStage], list[str]]:
     """Every layer file row with its keys under legacy names, and each row's role."""
     n, stages, roles = source.tp, [], []
     for g, layer in enumerate(source.layer_ids):
         idx = [source.layer_file_index(g, r) for r in range(n)]
         names = [str(source.files[i]) for i in idx]
         modules = [_layer_dict(load_shard(source.files[i]), name) for i, name in zip(idx, names)]
-        _check_same_keys(modules, names)
+        check_same_keys(modules, names)
         role = _role(modules[0], names[0])
         roles.append(role)
-        stages.append(_Stage(source.pp + g, names, [{_legacy_key(k, role): v for k, v in mod.items()}
+        stages.append(SourceStage(source.pp + g, names, [{_legacy_key(k, role): v for k, v in mod.items()}
                                                     for mod in modules]))
     _check_order(roles, source)
     return stages, roles
@@ -205,7 +207,7 @@ def _check_order(roles: list[str], source: SourceCheckpoint) -> None:
 def _decide_tied(args: Any, roles: list[str], origin: dict[str, str], source: SourceCheckpoint) -> bool:
     """Tied embeddings keep no head file (the tied ``EmbeddingPipe`` runs through ``forward_fn``);
     an untied head is ``LMHeadPipe`` (``lm_head.weight``)."""
-    untie = _bool_attr(args, "untie_embeddings_and_output_weights")
+    untie = bool_arg(args, "untie_embeddings_and_output_weights")
     has_head = LM_HEAD in roles
     if untie is not None and untie != has_head:
         raise CheckpointFormatError(f"args.untie_embeddings_and_output_weights={untie} but the layer files "
@@ -215,14 +217,14 @@ def _decide_tied(args: Any, roles: list[str], origin: dict[str, str], source: So
     return not has_head
 
 
-def _with_file_key(p: ParamPlan, stages: list[_Stage], spp: int) -> ParamPlan:
+def _with_file_key(p: ParamPlan, stages: list[SourceStage], spp: int) -> ParamPlan:
     """The parameter's key in its own layer file (the legacy name was for the rule table)."""
     st = stages[p.stage - spp]
     local = next(k for k, lk in zip(_file_keys(st), st.modules[0]) if lk == p.src_key)
     return dataclasses.replace(p, src_key=local)
 
 
-def _file_keys(st: _Stage) -> list[str]:
+def _file_keys(st: SourceStage) -> list[str]:
     """Row ``st``'s keys as saved, in order (the legacy keys were made from them key by key)."""
     out = []
     for lk in st.modules[0]:
@@ -234,11 +236,11 @@ def _file_keys(st: _Stage) -> list[str]:
     return out
 
 
-def _grid_rows(stages: list[_Stage], spp: int) -> list[_Stage]:
+def _grid_rows(stages: list[SourceStage], spp: int) -> list[SourceStage]:
     """Rows indexed like the source grid (rank-file rows empty), each layer file under its own keys."""
-    files = [_Stage(st.index, st.names, [dict(zip(_file_keys(st), mod.values())) for mod in st.modules])
+    files = [SourceStage(st.index, st.names, [dict(zip(_file_keys(st), mod.values())) for mod in st.modules])
              for st in stages]
-    return [_Stage(s, [], []) for s in range(spp)] + files
+    return [SourceStage(s, [], []) for s in range(spp)] + files
 
 
 def _even_split(layers: int, pp: int) -> tuple[int, ...]:
@@ -266,7 +268,7 @@ def _layer_targets(source: SourceCheckpoint, options: ReshardOptions, entries: l
             srcs = tuple(sorted(files))
             out.append(TargetPlan(rank=0, name=layer_file_name(layer, t), sources=srcs,
                                   bytes_read=sum(source.files[i].stat().st_size for i in srcs),
-                                  bytes_written=sum(_target_size(p, n, m, False) for p in mine), tp_rank=t,
+                                  bytes_written=sum(target_size(p, n, m, False) for p in mine), tp_rank=t,
                                   pp_rank=stage, base_rank=base,
                                   params=tuple(TargetParam(out_key=p.src_key, param=p) for p in mine),
                                   kind=LAYER_FILE))

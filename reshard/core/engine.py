@@ -43,7 +43,8 @@ from reshard.core.errors import CorruptCheckpointError
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
 from reshard.core.ds_pipe import retarget_rank_file
-from reshard.core.plan import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan, quant_groups_for
+from reshard.core.plan_types import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan
+from reshard.core.specs import quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
 from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.rules import QUANT_SLOT_ORDER

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from reshard.core.ds_pipe import build_pipe_plan
 from reshard.core.options import ReshardOptions
-from reshard.core.plan import Plan, build_grid_plan
+from reshard.core.plan import build_grid_plan
+from reshard.core.plan_types import Plan
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint
 from reshard.formats import locate
 

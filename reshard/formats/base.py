@@ -22,7 +22,7 @@ from reshard.core.shard_check import RANK, check_shard_file
 from reshard.core.source import SourceCheckpoint
 
 if TYPE_CHECKING:
-    from reshard.core.plan import Plan
+    from reshard.core.plan_types import Plan
     from reshard.core.torch_writer import SaveStats
 
 

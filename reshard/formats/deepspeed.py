@@ -23,7 +23,7 @@ from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, S
 from reshard.formats.base import CheckpointFormat, check_contiguous
 
 if TYPE_CHECKING:
-    from reshard.core.plan import Plan
+    from reshard.core.plan_types import Plan
 
 #: The descriptor written beside DeepSpeed-layout outputs (loadable by DeepSpeed's SDLoaderFactory).
 DESCRIPTOR_NAME = "ds_checkpoint.json"

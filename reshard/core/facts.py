@@ -1,0 +1,297 @@
+"""Model-fact inference: heads, query groups, head size, gated MLP, vocabulary padding, tied
+embeddings and checkpoint version, each from the options (flags), the saved Megatron ``args`` or
+the tensors' shapes, in that order of precedence, with where each came from recorded in
+``origin``. A fact that is needed and still unknown is refused (:class:`MissingModelFactError`),
+never guessed; a flag that contradicts the saved ``args`` is refused too."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.core.checks import bit_equal
+from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError, MissingModelFactError
+from reshard.core.options import ReshardOptions
+from reshard.core.plan_types import OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, RawParam, SourceStage
+from reshard.core.rules import Place, QuantSlot
+from reshard.core.source import SourceCheckpoint, parse_version
+
+
+def int_arg(args: Any, name: str) -> int | None:
+    v = getattr(args, name, None) if args is not None else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def bool_arg(args: Any, name: str) -> bool | None:
+    v = getattr(args, name, None) if args is not None else None
+    return v if isinstance(v, bool) else None
+
+
+def head_facts(options: ReshardOptions, args: Any, raw: list[RawParam], origin: dict[str, str], where: str
+               ) -> tuple[int | None, int | None, int | None]:
+    """(hidden size, attention heads, head dim): args and flags first, hidden from the QKV shape."""
+    hidden = int_arg(args, "hidden_size")
+    if hidden is not None:
+        origin["hidden"] = "args"
+    heads = _decide_heads(options, args, where)
+    if heads is not None:
+        origin["heads"] = "--num-heads" if options.num_heads is not None else "args"
+    for r in raw:
+        if r.rule.quant is QuantSlot.QKV and len(r.shape) == 2 and hidden is None:
+            hidden = r.shape[1]
+            origin["hidden"] = "shapes"
+    head_dim = int_arg(args, "kv_channels")
+    if head_dim is not None:
+        origin["head_dim"] = "args"
+    elif heads is not None and hidden is not None:
+        if hidden % heads:
+            raise LayoutError(f"hidden size {hidden} is not divisible by {heads} heads", culprit=where,
+                              hint="check --num-heads")
+        head_dim = hidden // heads
+        origin["head_dim"] = "hidden/heads"
+    return hidden, heads, head_dim
+
+
+def decide_version(shards: list[dict[str, Any]], names: list[str], source: SourceCheckpoint,
+                   options: ReshardOptions) -> float:
+    saved = [parse_version(sd.get("checkpoint_version", 0), name) for sd, name in zip(shards, names)]
+    if len(set(saved)) > 1:
+        raise InconsistentShardsError(f"ranks disagree on checkpoint_version: {sorted(set(saved))}",
+                                      culprit=source.origin, hint="pass --version to state the QKV layout")
+    if options.version is not None:
+        return parse_version(options.version, "--version")
+    if source.descriptor_version is not None:
+        return source.descriptor_version
+    return saved[0]
+
+
+def _decide_heads(options: ReshardOptions, args: Any, where: str) -> int | None:
+    saved = int_arg(args, "num_attention_heads")
+    if options.num_heads is not None:  # positive: checked by ReshardOptions
+        if saved is not None and saved != options.num_heads:
+            raise LayoutError(f"--num-heads {options.num_heads} contradicts the saved "
+                              f"args.num_attention_heads={saved}", culprit=where,
+                              hint="drop --num-heads or correct it")
+        return options.num_heads
+    return saved
+
+
+def _qkv_rows(raw: list[RawParam]) -> int | None:
+    """Rows of one source rank's QKV weight (all layers agree, checked by shapes per layer)."""
+    for r in raw:
+        if r.rule.quant is QuantSlot.QKV:
+            return r.shape[0]
+    return None
+
+
+def decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: list[RawParam], hn: int | None,
+                  n: int, origin: dict[str, str], where: str) -> int | None:
+    """Query groups: the flag, else args (``group_query_attention``/``num_query_groups``), else MHA
+    when the QKV shape holds exactly ``3 * heads`` head rows; None when unknown."""
+    saved = None
+    gqa = bool_arg(args, "group_query_attention")
+    if gqa is True:
+        saved = int_arg(args, "num_query_groups")
+    elif gqa is False:
+        saved = heads
+    flag = options.num_query_groups
+    if flag is not None:
+        if saved is not None and saved != flag:
+            raise LayoutError(f"--num-query-groups {flag} contradicts the saved args (num_query_groups={saved})",
+                              culprit=where, hint="drop --num-query-groups or correct it")
+        groups, origin["query_groups"] = flag, "--num-query-groups"
+    elif saved is not None:
+        groups, origin["query_groups"] = saved, "args"
+    else:
+        rows = _qkv_rows(raw)
+        if heads is not None and hn is not None and rows is not None and rows * n == 3 * heads * hn:
+            groups, origin["query_groups"] = heads, "shapes (multi-head: 3 x heads rows)"
+        else:
+            return None
+    if heads is not None and heads % groups:
+        raise LayoutError(f"{heads} attention heads do not form {groups} equal query groups", culprit=where,
+                          hint="check --num-heads / --num-query-groups")
+    return groups
+
+
+def decide_swiglu(options: ReshardOptions, args: Any, raw: list[RawParam], n: int, m: int,
+                  origin: dict[str, str], where: str) -> bool | None:
+    """Whether fc1 is gated ([W; V] per rank): decided exactly by the shapes — a gated fc1 has twice
+    the rows fc2 has input columns — and cross-checked against args.swiglu and --swiglu."""
+    fc1 = {r.layer: r for r in raw if r.rule.quant is QuantSlot.H_TO_4H}
+    fc2 = {r.layer: r for r in raw if r.rule.quant is QuantSlot.FOUR_H_TO_H}
+    seen: set[bool] = set()
+    for layer, a in fc1.items():
+        b = fc2.get(layer)
+        if b is None or len(a.shape) != 2 or len(b.shape) != 2:
+            continue
+        rows, cols = a.shape[0], b.shape[1]
+        if rows == 2 * cols:
+            seen.add(True)
+        elif rows == cols:
+            seen.add(False)
+        else:
+            raise LayoutError(f"fc1 has {rows * n} output rows but fc2 {cols * n} input columns: neither a plain "
+                              f"nor a gated (SwiGLU) MLP", culprit=a.key, hint="the checkpoint is inconsistent")
+    if len(seen) > 1:
+        raise LayoutError("some layers have a gated (SwiGLU) MLP and some do not", culprit=where,
+                          hint="reshard needs one MLP kind for all layers")
+    shaped = next(iter(seen)) if seen else None
+    saved = bool_arg(args, "swiglu")
+    for value, name in ((saved, "args.swiglu"), (options.swiglu, "--swiglu/--no-swiglu")):
+        if value is not None and shaped is not None and value != shaped:
+            raise LayoutError(f"{name} says {'gated' if value else 'plain'} but fc1/fc2 shapes are "
+                              f"{'gated' if shaped else 'plain'}", culprit=where,
+                              hint="correct or drop the flag; the tensors decide")
+    if options.swiglu is not None and saved is not None and options.swiglu != saved:
+        raise LayoutError(f"--{'' if options.swiglu else 'no-'}swiglu contradicts the saved args.swiglu={saved}",
+                          culprit=where, hint="drop the flag")
+    if shaped is not None:
+        origin["swiglu"] = "shapes (fc1 rows vs fc2 columns)"
+        return shaped
+    if options.swiglu is not None:
+        origin["swiglu"] = "--swiglu/--no-swiglu"
+        return options.swiglu
+    if saved is not None:
+        origin["swiglu"] = "args"
+        return saved
+    if fc1 and n != m:
+        key = next(iter(fc1.values())).key
+        raise MissingModelFactError(
+            f"whether the MLP is gated (SwiGLU) is unknown, and {n} -> {m} ranks moves its gate and "
+            f"up halves differently", culprit=key, hint="pass --swiglu or --no-swiglu")
+    return None
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Vocabulary rows: the true size (if known), source and target padded rows, divisor, and the
+    warning to give when the target padding is an assumption rather than Megatron's own."""
+
+    true: int | None
+    source_rows: int | None
+    target_rows: int | None
+    divisible_by: int | None
+    keep: int | None = None
+    warning: str | None = None
+
+    @property
+    def resized(self) -> bool:
+        return self.source_rows != self.target_rows
+
+
+def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int, m: int,
+                 origin: dict[str, str], where: str) -> Vocab:
+    """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``; at a new
+    TP the padded size may change.
+
+    ====================================  ===============================================================
+    what is known                         target rows
+    ====================================  ===============================================================
+    true size V (flag or args) and D      Megatron's: ceil(V / (D*M)) * D*M; rows past V are zeros
+    no divisor D                          the source's rows, unchanged (pre-Megatron-LM checkpoints)
+    D, and every V the source's padding   that one padding (exact, no warning)
+    allows pads alike at TP M
+    D only, source rows a multiple of     the source's rows, kept (every merge); warning: Megatron's
+    D*M                                   own padding may be smaller
+    D only, otherwise                     zero rows appended up to the next multiple of D*M; warning
+    ====================================  ===============================================================
+
+    Megatron-LM saves ``padded_vocab_size`` but, for most tokenizers, not the true size; keeping
+    the rows is what its own converter and DeepSpeed do. The warning names the assumption and
+    ``--vocab-size V`` for Megatron's exact padding."""
+    vocab = [r for r in raw if r.rule.vocab]
+    if not vocab:
+        return Vocab(None, None, None, None)
+    rows = {r.shape[0] * n for r in vocab}
+    if len(rows) > 1:
+        raise InconsistentShardsError(f"vocabulary-parallel tensors disagree on the vocabulary rows: {sorted(rows)}",
+                                      culprit=where, hint="the checkpoint is inconsistent")
+    src_rows = rows.pop()
+    saved_padded = int_arg(args, "padded_vocab_size")
+    if saved_padded is not None and saved_padded != src_rows:
+        raise CheckpointFormatError(f"args.padded_vocab_size is {saved_padded} but the embeddings hold {src_rows} rows",
+                                    culprit=where, hint="the args do not belong to these tensors")
+    d = _flag_or_arg(options.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by",
+                     int_arg(args, "make_vocab_size_divisible_by"), "args.make_vocab_size_divisible_by",
+                     "make_vocab_size_divisible_by", origin, where)
+    true = _flag_or_arg(options.vocab_size, "--vocab-size", int_arg(args, "vocab_size"), "args.vocab_size",
+                        "vocab_size", origin, where)
+    if true is not None and true > src_rows:
+        raise LayoutError(f"vocabulary size {true} exceeds the {src_rows} embedding rows", culprit=where,
+                          hint="check --vocab-size")
+    if d is None:
+        return Vocab(true, src_rows, src_rows, None)
+    unit_t = d * m
+    if true is not None:
+        target = math.ceil(true / unit_t) * unit_t
+        origin["padded_vocab_target"] = "vocab_size and divisor"
+        return Vocab(true, src_rows, target, d, keep=true if target != src_rows else None)
+    if n == m:
+        return Vocab(None, src_rows, src_rows, d)
+    # the true sizes this padding allows (all of them if the rows are no multiple of D x N)
+    unit_s = d * n
+    lo = max(1, src_rows - unit_s + 1) if src_rows % unit_s == 0 else 1
+    exact = {math.ceil(v / unit_t) * unit_t for v in (lo, src_rows)}
+    target = math.ceil(src_rows / unit_t) * unit_t
+    keep = min(src_rows, target) if target != src_rows else None
+    if exact == {target}:  # every allowed size pads to the same rows: Megatron's padding, exactly
+        origin["padded_vocab_target"] = "padded rows and divisor (unambiguous)"
+        return Vocab(None, src_rows, target, d, keep=keep)
+    origin["padded_vocab_target"] = "source rows kept (true vocabulary size unknown)"
+    how = (f"kept the {src_rows} vocabulary rows" if target == src_rows else
+           f"padded the {src_rows} vocabulary rows with zero rows to {target}")
+    warning = (f"{how} at TP {m}, assuming they are a valid padding; the checkpoint does not record the true "
+               f"vocabulary size, so Megatron's own padding at TP {m} may be smaller (pass --vocab-size V for "
+               f"Megatron's exact padding)")
+    return Vocab(None, src_rows, target, d, keep=keep, warning=warning)
+
+
+def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name: str, fact: str,
+                 origin: dict[str, str], where: str) -> int | None:
+    if flag is not None:  # positive: checked by ReshardOptions
+        if saved is not None and saved != flag:
+            raise LayoutError(f"{flag_name} {flag} contradicts the saved {saved_name}={saved}", culprit=where,
+                              hint=f"drop {flag_name} or correct it")
+        origin[fact] = flag_name
+        return flag
+    if saved is not None:
+        origin[fact] = "args"
+    return saved
+
+
+def decide_tied(args: Any, naming: str, params: list[ParamPlan], stages: list[SourceStage],
+                origin: dict[str, str], source: SourceCheckpoint) -> bool | None:
+    """Whether output and input embeddings are one tensor: ``args.untie_embeddings_and_output_weights``,
+    else the structure (PP = 1: an output layer exists only when untied; legacy PP > 1: the head
+    copy is named ``word_embeddings_for_head``), else a megatron-core last-stage ``output_layer``
+    bit-identical to the word embeddings on every rank (tied weights are kept identical)."""
+    keys = {p.key: p for p in params}
+    emb = next((p for p in params if p.rule.vocab and p.rule.place is Place.FIRST), None)
+    out = next((keys[k] for k in OUTPUT_KEYS if k in keys), None)
+    head = keys.get(TIED_HEAD_KEYS["legacy"])
+    untie = bool_arg(args, "untie_embeddings_and_output_weights")
+    if emb is None:
+        return None
+    if untie is not None:
+        origin["tied_embeddings"] = "args"
+        tied = not untie
+        if source.pp == 1 and (out is None) != tied:
+            has = "has none" if out is None else f"has {out.key}"
+            raise CheckpointFormatError(f"args.untie_embeddings_and_output_weights={untie} but the checkpoint {has}",
+                                        culprit=source.origin, hint="the args do not belong to these tensors")
+        return tied
+    if head is not None:
+        origin["tied_embeddings"] = "structure (word_embeddings_for_head)"
+        return True
+    if source.pp == 1:
+        origin["tied_embeddings"] = "structure (output layer present or not)"
+        return out is None
+    if out is None:
+        return None
+    first, last = stages[emb.stage], stages[out.stage]
+    same = all(bit_equal(a[emb.src_key], b[out.src_key]) for a, b in zip(first.modules, last.modules))
+    origin["tied_embeddings"] = "tensors (last-stage output layer equals the word embeddings)" if same else \
+        "tensors (last-stage output layer differs from the word embeddings)"
+    return same

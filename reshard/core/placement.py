@@ -1,0 +1,97 @@
+"""Pipeline placement and output files: which target stage holds each parameter (layers
+renumbered per stage, embeddings first, final norm and output layer last, the tied head copy on
+the last stage), which source files each output reads, its bytes, and its name."""
+
+from __future__ import annotations
+
+from reshard.core.checks import check_head_equals_embeddings
+from reshard.core.errors import LayoutError
+from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_target
+from reshard.core.options import ReshardOptions
+from reshard.core.plan_types import (OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, SourceStage, TargetParam, TargetPlan,
+                                     elems, nbytes)
+from reshard.core.rules import Place, with_layer
+from reshard.core.source import SourceCheckpoint
+from reshard.formats.registry import get_format
+
+
+def place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_stage: list[int], spp: int,
+          tpp: int, stages: list[SourceStage], warnings: list[str], where: str
+          ) -> tuple[list[list[TargetParam]], list[int]]:
+    """Assign every logical entry to a target stage under its output name (local layer numbers).
+
+    Same PP: every entry stays where the source has it, under its source name. Another PP:
+    layers split evenly, embeddings to the first stage, final norm and output to the last; the
+    tied head copy is dropped when PP becomes 1 (after checking it equals the embeddings) and
+    recreated on the last stage when PP grows from 1."""
+    placed: list[list[TargetParam]] = [[] for _ in range(tpp)]
+    if tpp == spp:
+        for p in entries:
+            placed[p.stage].append(TargetParam(out_key=p.src_key, param=p))
+        return placed, list(layers_per_stage)
+    num_layers = sum(layers_per_stage)
+    if num_layers % tpp:
+        raise LayoutError(f"{num_layers} layers cannot be split evenly over {tpp} pipeline stages", culprit=where,
+                          hint=f"choose a target PP that divides {num_layers}")
+    per = num_layers // tpp
+    emb = next((p for p in entries if p.rule.vocab and p.rule.place is Place.FIRST), None)
+    for p in entries:
+        is_head = p.rule.tied_head or (tied and spp > 1 and p.key in OUTPUT_KEYS and naming == "megatron-core")
+        if is_head and tpp == 1:
+            if emb is not None and p.spec is not None:
+                check_head_equals_embeddings(p, emb, stages)
+            warnings.append(f"dropped {p.key}: the tied copy of the word embeddings is not stored at PP 1")
+            continue
+        if p.rule.place is Place.FIRST:
+            placed[0].append(TargetParam(out_key=p.key, param=p))
+        elif p.rule.place is Place.LAST:
+            placed[tpp - 1].append(TargetParam(out_key=p.key, param=p))
+        else:
+            layer = p.layer if p.layer is not None else 0
+            placed[layer // per].append(TargetParam(out_key=with_layer(p.key, layer % per), param=p))
+    if tied and spp == 1 and tpp > 1 and emb is not None:
+        head_key = TIED_HEAD_KEYS[naming]
+        last = placed[tpp - 1]
+        at = next((i for i, tp in enumerate(last) if tp.out_key.startswith("output_layer.")), len(last))
+        last.insert(at, TargetParam(out_key=head_key, param=emb))
+    return placed, [per] * tpp
+
+
+def target_ranks_needed(p: ParamPlan, n: int, m: int, t: int) -> list[int]:
+    """Source TP ranks whose rows target TP rank ``t`` copies for ``p`` (empty if all zero fill)."""
+    if p.spec is None:
+        return []
+    part_len = p.shape[p.spec.dim] // p.spec.parts
+    return sorted({pc.src for pc in pieces_for_target(part_len, n, m, t, p.spec.keep, p.spec.total)
+                   if pc.src != FILL})
+
+
+def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
+    if p.dtype is None:
+        return 0
+    if p.spec is None:
+        size = nbytes(p.shape, p.dtype)
+    else:
+        rows = p.shape[p.spec.dim] * n if p.spec.total is None else p.spec.total * p.spec.parts
+        size = elems(p.shape) // p.shape[p.spec.dim] * (rows // m) * p.dtype.itemsize
+    if quantize and p.quant_slot is not None:
+        size //= p.dtype.itemsize
+    return size
+
+
+def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
+                options: ReshardOptions, n: int, m: int, tpp: int) -> TargetPlan:
+    base = source_ranks_for_target(n, m, t)[0]
+    files: set[int] = set()
+    for tp in params:
+        p = tp.param
+        files.add(source.index(p.stage, base))
+        files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, t))
+    if not files:
+        files.add(source.index(0, base))
+    srcs = tuple(sorted(files))
+    read = sum(source.files[i].stat().st_size for i in srcs)
+    written = sum(target_size(tp.param, n, m, options.quantize) for tp in params)
+    name = get_format(source.format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
+    return TargetPlan(rank=stage * m + t, name=name, sources=srcs, bytes_read=read, bytes_written=written,
+                      tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params))

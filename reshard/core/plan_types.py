@@ -1,0 +1,219 @@
+"""The plan's data: what a validated conversion is (:class:`Plan`), per parameter (:class:`ParamPlan`),
+per output file (:class:`TargetPlan`), and the model facts it was decided from (:class:`ModelFacts`);
+plus the records the planners collect from the source on the way (:class:`SourceStage`,
+:class:`RawParam`). No logic beyond small derived values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.core.layouts import PartitionSpec
+from reshard.core.options import ReshardOptions
+from reshard.core.rules import QuantSlot, Rule
+from reshard.core.source import DEEPSPEED, SourceCheckpoint
+
+#: Top-level entries that are wrong after a reshard; dropped with the reason reported.
+DROPPED_ENTRIES: dict[str, str] = {
+    "optimizer": "optimizer state is partitioned for the old layout",
+    "optimizer_state_dict": "optimizer state is partitioned for the old layout",
+    "lr_scheduler": "scheduler state belongs with the dropped optimizer",
+    "opt_param_scheduler": "scheduler state belongs with the dropped optimizer",
+    "rng_state": "per-rank RNG state has no meaning at a new TP degree",
+    "random_rng_state": "per-rank RNG state has no meaning at a new TP degree",
+    "np_rng_state": "per-rank RNG state has no meaning at a new TP degree",
+    "torch_rng_state": "per-rank RNG state has no meaning at a new TP degree",
+    "cuda_rng_state": "per-rank RNG state has no meaning at a new TP degree",
+    "rng_tracker_states": "per-rank RNG state has no meaning at a new TP degree",
+    "param_shapes": "per-rank ZeRO parameter shapes describe the old layout",
+}
+
+
+#: Names of the last stage's tied copy of the word embeddings, per naming family.
+TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
+
+
+OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """The model facts the layout depends on, and where each came from (``origin``:
+    fact -> ``args`` / ``--flag`` / ``shapes`` / ``tensors``). None: unknown (and not needed)."""
+
+    naming: str
+    num_layers: int
+    hidden: int | None
+    heads: int | None
+    query_groups: int | None
+    head_dim: int | None
+    swiglu: bool | None
+    tied_embeddings: bool | None
+    vocab_size: int | None
+    padded_vocab_source: int | None
+    padded_vocab_target: int | None
+    make_vocab_size_divisible_by: int | None
+    source_pp_layers: tuple[int, ...]
+    target_pp_layers: tuple[int, ...]
+    origin: Mapping[str, str] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        rec = {k: v for k, v in self.__dict__.items() if k != "origin"}
+        rec["source_pp_layers"] = list(self.source_pp_layers)
+        rec["target_pp_layers"] = list(self.target_pp_layers)
+        rec["origin"] = dict(self.origin)
+        return rec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    """One logical module entry: its rule, per-source-rank shape, and partition spec.
+
+    ``key`` is the logical name (global layer numbers); ``stage``/``src_key`` say where the
+    source holds it. Carried non-tensor entries (``_extra_state``) have ``dtype`` None."""
+
+    key: str
+    rule: Rule
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    spec: PartitionSpec | None
+    layer: int | None
+    stage: int = 0
+    src_key: str = ""
+
+    @property
+    def quant_slot(self) -> QuantSlot | None:
+        return self.rule.quant
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetParam:
+    """One entry of a target's module: its name there and the logical parameter it holds."""
+
+    out_key: str
+    param: ParamPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetPlan:
+    """One output file: its index in ``Plan.targets`` (``rank``), its path relative to the
+    destination, which source files feed it (indices into ``source.files``; for PP = 1 these
+    are the source TP ranks) and the bytes it moves. Writers iterate these; they never build
+    names themselves.
+
+    ``tp_rank``/``pp_rank``: its place in the target grid; ``base_rank``: the source TP rank
+    that replicated tensors and top-level entries are taken from; ``params``: its module.
+    ``kind``: what the file holds (:data:`RANK_FILE`, or for DeepSpeed pipelines
+    :data:`LAYER_FILE` / :data:`PIPE_RANK_FILE`; see :mod:`reshard.core.ds_pipe`)."""
+
+    rank: int
+    name: str
+    sources: tuple[int, ...]
+    bytes_read: int
+    bytes_written: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    base_rank: int = 0
+    params: tuple[TargetParam, ...] = ()
+    kind: str = "rank"
+
+
+#: ``TargetPlan.kind``: top-level entries with the module under ``module_key``.
+RANK_FILE = "rank"
+
+
+#: A DeepSpeed pipeline layer file: the layer's module state dict itself, nothing around it.
+LAYER_FILE = "layer"
+
+
+#: A DeepSpeed pipeline ``mp_rank`` file: top-level entries, ``module`` None (weights are in layer files).
+PIPE_RANK_FILE = "pipe-rank"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A validated conversion. ``extra_files``: small text files the writer must also write
+    (relative name -> content), e.g. Megatron's ``latest_checkpointed_iteration.txt``.
+    ``params``: logical tensors; ``carried``: opaque non-tensor module entries."""
+
+    source: SourceCheckpoint
+    options: ReshardOptions
+    module_key: str
+    version: float
+    params: tuple[ParamPlan, ...]
+    targets: tuple[TargetPlan, ...]
+    unused_rules: tuple[str, ...]
+    dropped: dict[str, str]
+    facts: ModelFacts
+    ds_config: dict[str, Any] | None = None
+    warnings: tuple[str, ...] = field(default=())
+    carried: tuple[ParamPlan, ...] = ()
+    target_pp: int = 1
+    output_format: str = DEEPSPEED
+    extra_files: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def source_tp(self) -> int:
+        return self.source.tp
+
+    @property
+    def source_pp(self) -> int:
+        return self.source.pp
+
+    @property
+    def target_tp(self) -> int:
+        return self.options.target_tp
+
+    @property
+    def peak_memory_estimate(self) -> int:
+        """Bytes held at once by the engine: one target rank's tensors plus one source tensor."""
+        largest_src = max((nbytes(p.shape, p.dtype) for p in self.params), default=0)
+        return max((t.bytes_written for t in self.targets), default=0) + largest_src
+
+
+def dropped_warning(dropped: Mapping[str, str]) -> list[str]:
+    """One line for the top-level entries left out (the reason per entry is in ``Plan.dropped``)."""
+    if not dropped:
+        return []
+    return [f"dropped training state that belongs to the old layout: {', '.join(dropped)} "
+            f"(the output holds the model and its args)"]
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else elems(shape) * dtype.itemsize
+
+
+@dataclass
+class SourceStage:
+    """One source pipeline stage while planning: its files' names and module dicts."""
+
+    index: int
+    names: list[str]
+    modules: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RawParam:
+    key: str
+    rule: Rule
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    layer: int | None
+    stage: int
+    src_key: str
+    order: int
+
+    def planned(self, spec: PartitionSpec | None) -> ParamPlan:
+        """This parameter's plan with its partition spec (None: replicated or carried)."""
+        return ParamPlan(key=self.key, rule=self.rule, shape=self.shape, dtype=self.dtype, spec=spec,
+                         layer=self.layer, stage=self.stage, src_key=self.src_key)
+
+
+def elems(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
