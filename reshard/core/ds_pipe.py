@@ -37,10 +37,10 @@ from reshard.core.placement import target_ranks_needed, target_size
 from reshard.core.plan import collect
 from reshard.core.plan_types import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ModelFacts, ParamPlan, Plan,
                                      SourceStage, TargetParam, TargetPlan, dropped_warning)
-from reshard.core.rules import MEGATRON_GPT_RULES, resolve
 from reshard.core.safe_load import load_shard
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, choose_module_key, layer_file_name, rank_file_name
 from reshard.core.specs import target_specs
+from reshard.models import resolve_family
 
 #: Layer roles, told apart by their keys.
 EMBEDDING, TRANSFORMER, FINAL_NORM, LM_HEAD = "embedding", "transformer", "final norm", "lm_head"
@@ -67,7 +67,7 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
 
     stages, roles = _layer_stages(source)
     all_keys = list(dict.fromkeys(k for st in stages for k in st.modules[0]))
-    resolution = resolve(all_keys, MEGATRON_GPT_RULES, source=source.origin)
+    _family, resolution = resolve_family(all_keys, source=source.origin)
     raw, carried_raw, per_group = collect(stages, resolution.by_key, source)
     num_layers = sum(per_group)
     saved_layers = int_arg(args, "num_layers")

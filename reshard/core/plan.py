@@ -30,10 +30,11 @@ from reshard.core.facts import decide_groups, decide_tied, decide_version, head_
 from reshard.core.options import ReshardOptions
 from reshard.core.placement import place, target_plan
 from reshard.core.plan_types import DROPPED_ENTRIES, ModelFacts, Plan, RawParam, SourceStage, dropped_warning
-from reshard.core.rules import MEGATRON_GPT_RULES, Kind, Rule, is_megatron_core, layer_index, resolve, with_layer
+from reshard.core.rules import Kind, Rule, layer_index, with_layer
 from reshard.core.source import SourceCheckpoint, choose_module_key
 from reshard.core.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
+from reshard.models import resolve_family
 
 
 def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int, *,
@@ -65,8 +66,8 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     version = decide_version(shards, names, source, options)
 
     all_keys = list(dict.fromkeys(k for st in stages for k in st.modules[0]))
-    resolution = resolve(all_keys, MEGATRON_GPT_RULES, source=source.origin)
-    naming = "megatron-core" if is_megatron_core(all_keys) else "legacy"
+    family, resolution = resolve_family(all_keys, source=source.origin)
+    naming = family.naming(all_keys)
     raw, carried_raw, layers_per_stage = collect(stages, resolution.by_key, source)
     num_layers = sum(layers_per_stage)
     saved_layers = int_arg(args, "num_layers")

@@ -1,0 +1,25 @@
+"""Model families as plug-ins: each a rule table plus what depends on its naming (see
+:mod:`reshard.models.base`). Built-in: Megatron GPT (legacy and megatron-core names).
+``resolve_family(keys)`` picks the family that claims a checkpoint's parameter names and
+resolves every name to its rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from reshard.core.errors import UnknownParameterError
+from reshard.core.rules import Resolution, resolve
+from reshard.models.base import ModelFamily
+from reshard.models.registry import families, register_family, registry, unregister_family
+
+__all__ = ["ModelFamily", "families", "register_family", "registry", "resolve_family", "unregister_family"]
+
+
+def resolve_family(keys: Sequence[str], source: str = "checkpoint") -> tuple[ModelFamily, Resolution]:
+    """The family that claims ``keys`` and every key's rule in its table (an unknown key raises
+    :class:`~reshard.core.errors.UnknownParameterError` listing them all)."""
+    for family in families():
+        if family.claims(keys):
+            return family, resolve(keys, family.rules, source=source)
+    raise UnknownParameterError(f"no model family claims these parameters ({', '.join(list(keys)[:5])}, ...)",
+                                culprit=source, hint=f"registered families: {sorted(registry)}")

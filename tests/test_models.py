@@ -1,0 +1,64 @@
+"""Model families are plug-ins: each a rule table (name -> partitioning) in a registry like the
+formats'. A family defined here, extending the built-in table by one name, makes a checkpoint
+plannable that the built-in family refuses — with no edit inside reshard."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from reshard.core.errors import UnknownParameterError
+from reshard.core.options import ReshardOptions
+from reshard.core.planner import build_plan
+from reshard.core.rules import Kind, Place, Rule
+from reshard.models import ModelFamily, families, register_family, registry, resolve_family, unregister_family
+from reshard.models.megatron_gpt import MEGATRON_GPT_RULES
+
+
+class GPTWithLMHead(ModelFamily):
+    """Legacy GPT plus an untied ``lm_head.weight`` (vocabulary-parallel, last stage)."""
+
+    name = "test-gpt-lm-head"
+    priority = 10
+    rules = MEGATRON_GPT_RULES + (Rule("lm_head", r"^lm_head\.weight$", Kind.COLUMN, vocab=True, place=Place.LAST),)
+
+    def claims(self, keys: Sequence[str]) -> bool:
+        return "lm_head.weight" in keys
+
+    def naming(self, keys: Sequence[str]) -> str:
+        return "legacy"  # the facts' deciders treat it as legacy GPT
+
+
+def test_builtin_family_and_registry_rules():
+    assert [f.name for f in families()] == ["megatron-gpt"]
+    family, res = resolve_family(["transformer.layers.0.attention.dense.weight"])
+    assert family.name == "megatron-gpt" and family.naming(["decoder.layers.0.x"]) == "megatron-core"
+    assert res.by_key["transformer.layers.0.attention.dense.weight"].name == "attn.dense.weight"
+    with pytest.raises(TypeError):
+        registry["x"] = family  # type: ignore[index]
+
+    class Clash(GPTWithLMHead):
+        name = "megatron-gpt"
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_family(Clash)
+
+
+def test_a_plugin_family_makes_a_new_parameter_name_plannable(sample_factory, tmp_path):
+    src = shutil.copytree(sample_factory(2, 2.0), tmp_path / "src")
+    for r, f in enumerate(sorted(src.glob("mp_rank_*_model_states.pt"))):
+        sd = torch.load(f, weights_only=False)
+        sd["module"]["lm_head.weight"] = torch.full((64, 64), float(r))  # 128 vocab rows over 2 ranks
+        torch.save(sd, f)
+    with pytest.raises(UnknownParameterError, match="lm_head.weight"):
+        build_plan(str(src), ReshardOptions(target_tp=1))
+    register_family(GPTWithLMHead)
+    try:
+        plan = build_plan(str(src), ReshardOptions(target_tp=1))
+        head = next(p for p in plan.params if p.key == "lm_head.weight")
+        assert head.rule.name == "lm_head" and head.spec is not None and head.spec.dim == 0
+    finally:
+        unregister_family(GPTWithLMHead.name)
