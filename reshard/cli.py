@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from reshard import __version__
+from reshard.cli_progress import fmt_bytes
 from reshard.core.errors import ReshardError
 
 
@@ -132,14 +133,6 @@ def _options(ns: argparse.Namespace, target_tp: int) -> Any:
     return ReshardOptions.from_fields({**vars(ns), "target_tp": target_tp})
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _storage(ns: argparse.Namespace) -> dict[str, Any]:
     from reshard.storage.location import parse_storage_options
 
@@ -186,7 +179,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         return 0
     total = sum(f["size"] for f in summary["files"])
     head = (f"{summary['destination']}: TP {summary['source_tp']} -> {summary['target_tp']}, "
-            f"{len(summary['files'])} files, {_fmt_bytes(total)}")
+            f"{len(summary['files'])} files, {fmt_bytes(total)}")
     steps, reused = summary.get("steps"), summary.get("reused", 0)
     if summary["up_to_date"]:
         how = (f"; {reused} of {steps} steps served from Prefect's cache" if steps else "")
@@ -310,9 +303,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
           f"{rec['target_pp']} ({rec['layout']} layout, checkpoint version {rec['version']})")
     for t in rec["targets"]:
         print(f"  target rank {t['rank']}: reads source ranks {t['sources']} "
-              f"({_fmt_bytes(t['bytes_read'])}), writes ~{_fmt_bytes(t['bytes_written'])}")
-    print(f"total read {_fmt_bytes(rec['bytes_read'])}, written ~{_fmt_bytes(rec['bytes_written'])}, "
-          f"peak memory ~{_fmt_bytes(rec['peak_memory_estimate'])}")
+              f"({fmt_bytes(t['bytes_read'])}), writes ~{fmt_bytes(t['bytes_written'])}")
+    print(f"total read {fmt_bytes(rec['bytes_read'])}, written ~{fmt_bytes(rec['bytes_written'])}, "
+          f"peak memory ~{fmt_bytes(rec['peak_memory_estimate'])}")
     if rec["unused_rules"] and ns.verbose:  # normal (e.g. no final_linear in GPT): a detail, not news
         print(f"rules that matched nothing: {', '.join(rec['unused_rules'])}")
     for w in rec["warnings"]:

@@ -19,7 +19,8 @@ from typing import Any, TextIO
 from reshard import progress
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """``1.5 MiB``: binary units, one decimal (bytes as a whole number)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -83,7 +84,7 @@ class ProgressDisplay:
         total = max(len(self.targets), len(self.done))
         bar = "#" * len(self.done) + "." * (total - len(self.done))
         print(f"[{bar}] {len(self.done)}/{total} {rec['name']} <- source ranks {list(rec['sources'])}  "
-              f"{_fmt_bytes(rec['size'])} in {rec['seconds']:.2f}s", file=self.stream, flush=True)
+              f"{fmt_bytes(rec['size'])} in {rec['seconds']:.2f}s", file=self.stream, flush=True)
 
     # -- the live display --------------------------------------------------------------------------
     def _start_live(self) -> None:
