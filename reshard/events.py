@@ -92,27 +92,27 @@ def emit_training_completed(url: str, tp: int, step: int | None = None, targets:
     if event is None:
         raise ConfigError("Prefect events are disabled in this environment", culprit="PREFECT_API_ENABLE_EVENTS",
                           hint="unset PREFECT_API_ENABLE_EVENTS / PREFECT_EVENTS_* overrides")
-    if not _flush_events(EventsWorker.instance(), timeout):
+    if not flush_worker(EventsWorker.instance(), timeout):
         raise ConfigError(f"sending the event did not finish within {timeout:.0f}s", culprit=api)
     return str(event.id)
 
 
-def _flush_events(worker: Any, timeout: float) -> bool:
-    """Wait until ``worker`` (the events worker holding the event) has sent everything queued,
-    then drain (stop) it, within ``timeout`` seconds; a later emit starts a new worker.
+def flush_worker(worker: Any, timeout: float, *, wait_empty: bool = True) -> bool:
+    """Send what a Prefect queue worker (events, logs) holds, then drain (stop) it, within
+    ``timeout`` seconds; a later use starts a new worker. True when done in time.
 
-    Waiting first matters: a worker drained while it still holds items reports "Still processing
-    items: N items remaining..." on the console (its queue then holds the item and the stop
-    marker), and right after ``emit_event`` the item is still queued: the worker is connecting.
-    Both waits run in a helper thread (no event loop there, so Prefect's calls block) that is
-    left behind, a daemon, if the timeout passes.
-    """
+    Waiting for an empty queue first (``wait_empty``) matters: a worker drained while it still
+    holds items reports "Still processing items: N items remaining..." on the console, and right
+    after ``emit_event`` the item is still queued (the worker is connecting). Both steps run in a
+    helper thread (no event loop there, so Prefect's calls block), left behind as a daemon if the
+    timeout passes."""
     done = threading.Event()
 
     def flush() -> None:
-        worker.wait_until_empty()
+        if wait_empty:
+            worker.wait_until_empty()
         worker.drain()
         done.set()
 
-    threading.Thread(target=flush, name="reshard-emit-flush", daemon=True).start()
+    threading.Thread(target=flush, name="reshard-flush", daemon=True).start()
     return done.wait(max(timeout, 0.0))

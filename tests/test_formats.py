@@ -118,3 +118,27 @@ def test_the_flow_checks_each_plugin_file_with_the_plugins_own_reader(plugin, sa
         run_flow(ReshardParams(source=str(src), destination=str(tmp_path / "out"), target_tp=2,
                                cache_dir=str(tmp_path / "cache")))
     assert info.value.culprit == str(bad)
+
+
+def test_a_format_that_cannot_write_is_refused_in_one_typed_error(sample_factory, tmp_path):
+    from reshard.core.errors import LayoutError
+    from reshard.core.planner import build_plan
+
+    class ReadOnly(SafetensorsPerRank):
+        name = "test-read-only"
+        priority = 40
+        target_name = CheckpointFormat.target_name
+
+        def locate(self, path):
+            import dataclasses
+
+            return dataclasses.replace(super().locate(path), format=self.name)
+
+    fmt = register_format(ReadOnly)
+    try:
+        src = write_as_safetensors(sample_factory(4, 2.0), tmp_path / "st")
+        with pytest.raises(LayoutError, match="test-read-only format is read-only") as info:
+            build_plan(str(src), ReshardOptions(target_tp=2))
+        assert info.value.hint and info.value.culprit == str(src)
+    finally:
+        unregister_format(fmt.name)

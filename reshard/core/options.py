@@ -75,10 +75,9 @@ class ReshardOptions(BaseModel):
     @model_validator(mode="after")
     def _check_values(self) -> ReshardOptions:
         for name in _POSITIVE:
-            if name in type(self).model_fields:
-                value = getattr(self, name)
-                if value is not None and (isinstance(value, bool) or value < 1):
-                    raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name))
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name))
         if not 1 <= self.bits <= 8:
             raise LayoutError(f"{self.bits} does not fit int8", culprit="--bits", hint="use 1..8")
         return self

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from reshard.events import flush_worker
 from reshard.flows.params import ReshardParams
 
 
@@ -202,11 +203,13 @@ class _Watchdog:
         self.pid: int | None = None
 
     def _say(self, line: str) -> None:
+        stdin = self.proc.stdin
+        if stdin is None:  # never: Popen was given stdin=PIPE
+            return
         try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError, AssertionError):
+            stdin.write(line + "\n")
+            stdin.flush()
+        except (OSError, ValueError):  # the watchdog is gone (or its pipe closed): nothing to tell
             pass
 
     def watch(self, pid: int) -> None:
@@ -218,10 +221,10 @@ class _Watchdog:
         """The server was stopped normally: let the watchdog end without doing anything."""
         self._say("release")
         try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
             self.proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - exiting anyway
+        except Exception:  # noqa: BLE001 - exiting anyway: an unreaped watchdog exits by itself on EOF
             pass
 
 
@@ -264,17 +267,6 @@ class _TaskRunLedger:
     def ids(self) -> list[Any]:
         with self._lock:
             return list(self._last)
-
-
-def _in_thread(fn: Callable[[], Any], timeout: float) -> bool:
-    """Run ``fn`` in a daemon thread (no event loop there, so Prefect's drain calls block);
-    True when it returned within ``timeout`` seconds."""
-    import threading
-
-    t = threading.Thread(target=fn, name="reshard-settle", daemon=True)
-    t.start()
-    t.join(max(timeout, 0.0))
-    return not t.is_alive()
 
 
 class _EmbeddedServer:
@@ -383,18 +375,15 @@ class _EmbeddedServer:
 
     @staticmethod
     def _flush(service: Any, deadline: float, *, wait_empty: bool) -> None:
-        """Send everything queued, then stop the worker (a later use starts a new one).
-        Draining an item-by-item worker (EventsWorker) that still holds items makes it log
-        "Still processing items", so first wait until its queue is empty (``wait_empty``; a
-        batched worker, APILogWorker, never reports its queue empty, nor logs that)."""
+        """Send everything queued, then stop the worker (see :func:`reshard.events.flush_worker`;
+        a batched worker, APILogWorker, never reports its queue empty, nor logs "Still processing")."""
         import time
 
         try:
             worker = service.instance()
         except Exception:  # noqa: BLE001 - nothing to flush
             return
-        if not wait_empty or _in_thread(worker.wait_until_empty, deadline - time.monotonic()):
-            _in_thread(worker.drain, deadline - time.monotonic())
+        flush_worker(worker, deadline - time.monotonic(), wait_empty=wait_empty)
 
     def _wait_recorded(self, deadline: float) -> None:
         import time

@@ -87,7 +87,8 @@ class CheckpointFormat(ABC):
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         """Path, relative to the destination, of the output file of (tp_rank, pp_rank)."""
-        raise NotImplementedError(f"the {self.name} format does not write per-rank files")
+        raise LayoutError(f"the {self.name} format is read-only here: reshard cannot write it", culprit=source.origin,
+                          hint="convert to a format reshard writes (DeepSpeed or Megatron-LM layout)")
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
+from reshard.core.facts import int_arg
 from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
                                  iteration_text, megatron_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
@@ -37,8 +38,8 @@ class MegatronFormat(CheckpointFormat):
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
                                   ("pipeline_model_parallel_size", source.pp, "pipeline stages")):
-            saved = getattr(args, name, None) if args is not None else None
-            if isinstance(saved, int) and not isinstance(saved, bool) and saved > 0 and saved != found:
+            saved = int_arg(args, name)
+            if saved is not None and saved != found:
                 raise CheckpointFormatError(f"args.{name} is {saved} but {found} {what} were found",
                                             culprit=source.origin, hint="supply all rank folders of the checkpoint")
 
