@@ -321,7 +321,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     with _local_view(ns) as path:
         source = locate(path)
         plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
-        total_bytes = sum(f.stat().st_size for f in source.files)
+        total_bytes = sum(f.stat().st_size for f in (*source.files, *source.aux))
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in plan.params})
     n_params = sum(_numel(p.shape) * (plan.source_tp if p.spec is not None else 1) for p in plan.params)
     zero = (plan.ds_config or {}).get("zero_optimization")
@@ -330,8 +330,8 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
            "bytes": total_bytes, "num_heads": plan.facts.heads,
            "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-           "layout": source.format, "pp": source.pp, "facts": plan.facts.to_record(),
-           "files": list(source.relative_names)}
+           "layout": source.format, "pp": source.pp, "dropped": sorted(plan.dropped),
+           "facts": plan.facts.to_record(), "files": list(source.relative_names) + list(source.relative_aux)}
     if ns.json:
         print(json.dumps(rec, indent=2))
     else:

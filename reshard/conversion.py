@@ -34,7 +34,7 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
     root = local.path if local.path.is_dir() else local.path.parent
     etags = {o.name: o.etag for o in local.objects}
     files = []
-    for f in plan.source.files:
+    for f in (*plan.source.files, *plan.source.aux):
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
         rec: dict[str, Any] = {"path": rel, "size": f.stat().st_size}
         if rel in etags:

@@ -83,6 +83,25 @@ def mcore_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
     return _CACHE[key]
 
 
+#: (model, tp, pp, with Adam state) saved as Megatron-LM's ``--ckpt-format torch_dist`` (same seeds,
+#: so the same logical weights as the per-rank checkpoints above).
+DIST_LAYOUTS: tuple[tuple[str, int, int, bool], ...] = (
+    ("mha", 2, 1, False), ("gqa_swiglu", 2, 1, True), ("swiglu", 4, 1, False), ("gqa", 1, 1, False),
+    ("padded", 2, 1, False), ("mha", 1, 2, False))
+
+
+def mcore_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
+    """Every torch_dist run folder of :data:`DIST_LAYOUTS`, written once under ``root``."""
+    key = "dist"
+    if key not in _CACHE:
+        out = {lay[:3]: root / f"{lay[0]}_tp{lay[1]}_pp{lay[2]}_dist" for lay in DIST_LAYOUTS}
+        jobs = [{"kind": "write_dist", "out": str(out[lay[:3]]), "tp": lay[1], "pp": lay[2], "adam": lay[3],
+                 "model": model_options(lay[0]), "tokens": TOKENS} for lay in DIST_LAYOUTS]
+        _run_harness(jobs, root)
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
 def mcore_forward(cases: list[tuple[str, Path, int]], workdir: Path) -> list[torch.Tensor]:
     """megatron-core logits for each (model, checkpoint folder, tp): load strict, run, gather."""
     jobs = []

@@ -14,10 +14,11 @@ Run as a script: ``python mcore_harness.py jobs.json``. The launcher imports meg
 * ``forward``: build the model at tp (pp 1), ``load_state_dict(strict=True)`` the rank files of
   the Megatron checkpoint ``ckpt`` (a run or iteration folder) and save its logits to ``out``.
 
-Three CPU shims, for code paths that assume CUDA even when ``use_cpu_initialization`` is set:
+Four CPU shims, for code paths that assume CUDA even when ``use_cpu_initialization`` is set:
 ``torch.cuda.current_device`` returns "cpu" (a scratch buffer's device), ``Tensor.cuda`` is the
 identity (the tied-embedding sync across pipeline stages moves the weight to CUDA before its
-all-reduce) and the CUDA RNG tracker's ``fork`` is a no-op (dropout is 0 in eval anyway). A
+all-reduce), ``torch.cuda.synchronize`` is a no-op (``dist_checkpointing``'s save waits for
+device copies) and the CUDA RNG tracker's ``fork`` is a no-op (dropout is 0 in eval anyway). A
 causal mask is passed explicitly.
 """
 
@@ -91,7 +92,8 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
         num_layers_per_virtual_pipeline_stage=None, attention_backend=AttnBackend.auto,
-        params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt")
+        params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt",
+        transformer_impl="local")
 
 
 def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
@@ -112,6 +114,7 @@ def _rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
 def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]  # dist_checkpointing's preload
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -142,6 +145,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                 logits = _logits(model, job["tokens"])
                 if rank == 0:
                     torch.save(logits, out / "logits.pt")
+        elif job["kind"] == "write_dist":
+            _write_dist(job, model, tp, pp)
         elif job["kind"] == "forward":
             ckpt = Path(job["ckpt"])
             if (ckpt / "latest_checkpointed_iteration.txt").exists():
@@ -156,6 +161,41 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
+    """Save as Megatron-LM's ``--ckpt-format torch_dist`` does: ``dist_checkpointing.save`` of the
+    model's sharded state dict plus the common entries, into ``<out>/iter_XXXXXXX``. With
+    ``adam``: Adam moments as ShardedTensors under ``optimizer.state.exp_avg[_sq].<key>``, sharded
+    like their parameters (the keys megatron-core's ``optim_state_to_sharding_state`` gives)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = Path(job["out"])
+    folder = out / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    args = megatron_args(job["model"], tp, pp)
+    args.ckpt_format = "torch_dist"
+    model_sd = model.sharded_state_dict()
+    sd: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
+                          "opt_param_scheduler": {"num_steps": ITERATION}, "num_floating_point_operations_so_far": 0}
+    if job.get("adam"):
+        state: dict[str, Any] = {}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            for name, sh in model_sd.items():
+                if isinstance(sh, ShardedTensor):
+                    state[f"{moment}.{name}"] = sh.__class__(**{**sh.__dict__, "key": f"optimizer.state.{moment}.{sh.key}",
+                                                               "data": torch.randn_like(sh.data)})
+        sd["optimizer"] = {"state": state, "param_groups": [{"lr": 1e-4, "step": ITERATION}]}
+    dist_checkpointing.save(sd, str(folder))
+    if dist.get_rank() == 0:
+        (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    if pp == 1:
+        logits = _logits(model, job["tokens"])
+        if dist.get_rank() == 0:
+            torch.save(logits, out / "logits.pt")
 
 
 def _free_port() -> int:

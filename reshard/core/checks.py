@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from reshard.core.errors import InconsistentShardsError
+from reshard.core.lazy import materialized
 from reshard.core.pages import PageDropper
 from reshard.core.plan_types import ParamPlan, SourceStage
 
@@ -46,7 +47,7 @@ def check_replicated(params: list[ParamPlan], stages: list[SourceStage]) -> None
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b:  # a headers-only plan stands one file in for every rank of its stage
         return True
-    a, b = a.contiguous(), b.contiguous()
+    a, b = materialized(a).contiguous(), materialized(b).contiguous()  # type: ignore[attr-defined]
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.numel() == 0:

@@ -40,6 +40,7 @@ import torch
 
 from reshard.core import foreign
 from reshard.core.errors import CorruptCheckpointError
+from reshard.core.lazy import LazyTensor, materialized
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
 from reshard.core.ds_pipe import retarget_rank_file
@@ -126,8 +127,12 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
         if p.spec is None:
             value = modules[src.index(p.stage, tp.base_rank)][p.src_key]
             culprit = str(src.files[src.index(p.stage, tp.base_rank)])
-            module[entry.out_key] = _pending_copy(value, entry.out_key, culprit, pages) \
-                if isinstance(value, torch.Tensor) else value
+            if isinstance(value, LazyTensor):
+                module[entry.out_key] = _pending_lazy(value, entry.out_key, culprit)
+            elif isinstance(value, torch.Tensor):
+                module[entry.out_key] = _pending_copy(value, entry.out_key, culprit, pages)
+            else:
+                module[entry.out_key] = value
             continue
         srcs = {r: modules[src.index(p.stage, r)][p.src_key] for r in range(n)
                 if src.index(p.stage, r) in modules}
@@ -199,6 +204,46 @@ def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "PageDrop
     return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
 
 
+def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
+    """A replicated tensor of a lazy source, read whole while it is written."""
+    def produce(sink: RecordSink) -> None:
+        with _read_errors(culprit):
+            t = value.materialize()
+        sink.write(t, keep=t)
+
+    return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
+
+
+def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
+                            name: str, culprit: str) -> PendingTensor:
+    """A partitioned parameter's target slice from lazy sources: each segment along ``spec.dim``
+    is read as one box (only the rows this target needs); along dim 0 the boxes are written as
+    they come, along a later dim they are joined first (memory: the target's tensor)."""
+    any_src = next(iter(sources.values()))
+    d = spec.dim
+    segs = _segments(spec, any_src.shape[d] // spec.parts, n, m, tgt)
+    shape = list(any_src.shape)
+    shape[d] = sum(length for _, _, length in segs)
+    dtype = any_src.dtype
+
+    def box(s: int, start: int, length: int) -> torch.Tensor:
+        if s == FILL:
+            return torch.zeros([length if i == d else x for i, x in enumerate(any_src.shape)], dtype=dtype)
+        return sources[s].read(d, start, length)
+
+    def produce(sink: RecordSink) -> None:
+        with _read_errors(culprit):
+            if d == 0 or math.prod(any_src.shape[:d]) == 1:
+                for seg in segs:
+                    t = box(*seg)
+                    sink.write(t, keep=t)
+            else:
+                t = torch.cat([box(*seg) for seg in segs], dim=d)
+                sink.write(t, keep=t)
+
+    return PendingTensor(tuple(shape), dtype, produce, False, name)
+
+
 def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: "PageDropper") -> None:
     """Write ``nbytes`` of a (memory-mapped) source from address ``addr`` in chunks; each chunk's
     pages are dropped from this process once written."""
@@ -223,6 +268,8 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
     along dim 0 each piece is one contiguous byte range of a source; along a later dim the
     output is built in blocks of rows (``CHUNK_BYTES`` each)."""
     any_src = next(iter(sources.values()))
+    if isinstance(any_src, LazyTensor):
+        return _pending_lazy_assembled(spec, sources, n, m, tgt, name, culprit)  # type: ignore[arg-type]
     d = spec.dim
     part_len = any_src.shape[d] // spec.parts
     segs = _segments(spec, part_len, n, m, tgt)
@@ -385,6 +432,7 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
                         plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     groups = quant_groups_for(p, plan.options)
     piece_scales: list[torch.Tensor] = []
+    srcs = {r: materialized(t) for r, t in srcs.items()}  # type: ignore[misc]
 
     def quantize_piece(_pc: Piece, x: torch.Tensor) -> torch.Tensor:
         q, s = quantize_groups_blocked(x.to(device), plan.options.bits, groups, p.key)

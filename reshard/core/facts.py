@@ -182,7 +182,7 @@ class Vocab:
 
 
 def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int, m: int,
-                 origin: dict[str, str], where: str) -> Vocab:
+                 origin: dict[str, str], where: str, padded_for: int | None = None) -> Vocab:
     """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``; at a new
     TP the padded size may change.
 
@@ -200,7 +200,11 @@ def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int
 
     Megatron-LM saves ``padded_vocab_size`` but, for most tokenizers, not the true size; keeping
     the rows is what its own converter and DeepSpeed do. The warning names the assumption and
-    ``--vocab-size V`` for Megatron's exact padding."""
+    ``--vocab-size V`` for Megatron's exact padding.
+
+    ``padded_for``: the TP the source rows were padded at, when not the grid's ``n`` (a torch_dist
+    checkpoint's global rows were padded at the TP it was saved with)."""
+    padded_for = n if padded_for is None else padded_for
     vocab = [r for r in raw if r.rule.vocab]
     if not vocab:
         return Vocab(None, None, None, None)
@@ -228,10 +232,10 @@ def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int
         target = math.ceil(true / unit_t) * unit_t
         origin["padded_vocab_target"] = "vocab_size and divisor"
         return Vocab(true, src_rows, target, d, keep=true if target != src_rows else None)
-    if n == m:
+    if padded_for == m:
         return Vocab(None, src_rows, src_rows, d)
     # the true sizes this padding allows (all of them if the rows are no multiple of D x N)
-    unit_s = d * n
+    unit_s = d * padded_for
     lo = max(1, src_rows - unit_s + 1) if src_rows % unit_s == 0 else 1
     exact = {math.ceil(v / unit_t) * unit_t for v in (lo, src_rows)}
     target = math.ceil(src_rows / unit_t) * unit_t

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
@@ -68,7 +70,7 @@ class PageDropper:
 
     def drop_tensor(self, t: Any) -> None:
         """Drop the pages of ``t``'s whole storage (a CPU tensor of a mapped shard)."""
-        if self._madvise is None:
+        if self._madvise is None or not isinstance(t, torch.Tensor):
             return
         try:
             if t.device.type != "cpu":

@@ -80,7 +80,7 @@ def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
 
 
 def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
-                options: ReshardOptions, n: int, m: int, tpp: int) -> TargetPlan:
+                options: ReshardOptions, n: int, m: int, tpp: int, output_format: str) -> TargetPlan:
     base = source_ranks_for_target(n, m, t)[0]
     files: set[int] = set()
     for tp in params:
@@ -90,8 +90,8 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
     if not files:
         files.add(source.index(0, base))
     srcs = tuple(sorted(files))
-    read = sum(source.files[i].stat().st_size for i in srcs)
+    read = sum(source.files[i].stat().st_size for i in srcs) + sum(f.stat().st_size for f in source.aux)
     written = sum(target_size(tp.param, n, m, options.quantize) for tp in params)
-    name = get_format(source.format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
+    name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
     return TargetPlan(rank=stage * m + t, name=name, sources=srcs, bytes_read=read, bytes_written=written,
                       tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params))

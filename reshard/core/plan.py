@@ -27,6 +27,7 @@ import torch
 from reshard.core.checks import check_replicated, check_same_keys
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
 from reshard.core.facts import decide_groups, decide_tied, decide_version, head_facts, int_arg
+from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
 from reshard.core.placement import place, target_plan
 from reshard.core.plan_types import DROPPED_ENTRIES, ModelFacts, Plan, RawParam, SourceStage, dropped_warning
@@ -49,8 +50,9 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     own sources arrive and run the cross-rank checks (``headers_only=False``) alongside —
     publishing nothing until they pass."""
     n, m = source.tp, options.target_tp
-    fmt = get_format(source.format)  # reads the files, names and writes the outputs
-    fmt.check_target(tpp)
+    fmt = get_format(source.format)  # reads the files
+    out_fmt = get_format(fmt.writes_as or source.format)  # names and writes the outputs
+    out_fmt.check_target(tpp)
     if headers_only:
         heads = [fmt.load(source.stage_files(s)[0]) for s in range(source.pp)]
         shards = [heads[i // n] for i in range(len(source.files))]
@@ -79,7 +81,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     hidden, num_heads, head_dim = head_facts(options, args, raw, origin, source.origin)
     groups = decide_groups(options, args, num_heads, raw, head_dim, n, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, num_heads, groups, head_dim, n, m, origin,
-                                         source.origin)
+                                         source.origin, fmt.padding_tp(args, source))
     carried = [r.planned(None) for r in carried_raw]
     check_replicated(params, stages)
     tied = decide_tied(args, naming, params, stages, origin, source)
@@ -90,7 +92,8 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
                                   warnings, source.origin)
     if options.quantize:
         check_quantization(params, options, n, m)
-    targets = tuple(target_plan(s, t, placed[s], source, options, n, m, tpp) for s in range(tpp) for t in range(m))
+    targets = tuple(target_plan(s, t, placed[s], source, options, n, m, tpp, out_fmt.name)
+                    for s in range(tpp) for t in range(m))
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
     ds_config = shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
@@ -99,11 +102,11 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
                        padded_vocab_source=vocab.source_rows, padded_vocab_target=vocab.target_rows,
                        make_vocab_size_divisible_by=vocab.divisible_by, source_pp_layers=tuple(layers_per_stage),
                        target_pp_layers=tuple(target_layers), origin=dict(origin))
-    extra = fmt.extra_files(source)
+    extra = out_fmt.extra_files(source)
     return Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
                 targets=targets, unused_rules=resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
-                warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=source.format,
+                warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
                 extra_files=extra)
 
 
@@ -154,12 +157,12 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
                 shape, dtype = (tuple(v0.shape), v0.dtype) if isinstance(v0, torch.Tensor) else ((), None)
                 carried.append(RawParam(logical, rule, shape, dtype, glob, st.index, key, len(seen)))
                 continue
-            if not isinstance(v0, torch.Tensor):
+            if not isinstance(v0, (torch.Tensor, LazyTensor)):
                 raise CheckpointFormatError(f"module entry {key} is a {type(v0).__name__}, not a tensor",
                                             culprit=st.names[0])
             for mod, name in zip(st.modules[1:], st.names[1:]):
                 t = mod[key]
-                if not isinstance(t, torch.Tensor) or t.shape != v0.shape or t.dtype != v0.dtype:
+                if not isinstance(t, (torch.Tensor, LazyTensor)) or t.shape != v0.shape or t.dtype != v0.dtype:
                     what = (f"{tuple(t.shape)}/{t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__)
                     raise InconsistentShardsError(
                         f"{key}: shape/dtype {what} differs from rank 0's {tuple(v0.shape)}/{v0.dtype}",

@@ -101,6 +101,25 @@ def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, 
     return obj
 
 
+def safe_torch_load(f: Any, *, allowlist: bool = False) -> Any:
+    """``torch.load`` of one in-memory blob (a torch_dist chunk or byte item) with the
+    weights-only unpickler and, as the only extra globals, :data:`SAFE_GLOBALS` (``allowlist``)
+    or none at all (tensor chunks). Errors are torch's; the caller names the blob."""
+    with _LOAD_LOCK, _only_our_allowlist() if allowlist else _no_allowlist():
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
+@contextlib.contextmanager
+def _no_allowlist() -> Iterator[None]:
+    ser = torch.serialization
+    saved = ser.get_safe_globals()
+    ser.clear_safe_globals()
+    try:
+        yield
+    finally:
+        ser.add_safe_globals(saved)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     # torch's weights-only message is long; keep the sentence naming the culprit global.

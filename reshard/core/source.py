@@ -49,7 +49,10 @@ class SourceCheckpoint:
     """A located checkpoint: rank files (stage by stage, rank order) plus format-level settings.
 
     ``pp``: pipeline stages (the grid is ``files[s * tp : (s + 1) * tp]`` per stage);
-    ``iteration``: a Megatron iteration folder's name (``iter_0000100``, ``release``).
+    ``iteration``: a Megatron iteration folder's name (``iter_0000100``, ``release``);
+    ``aux``: files every grid file reads its tensors from (a torch_dist checkpoint's grid is its
+    ``.metadata``; its ``common.pt`` and ``.distcp`` files are ``aux``): fetched, checked and
+    recorded like the grid's files, needed by every target.
     """
 
     files: tuple[Path, ...]
@@ -60,6 +63,7 @@ class SourceCheckpoint:
     pp: int = 1
     iteration: str | None = None
     layer_ids: tuple[int, ...] = ()
+    aux: tuple[Path, ...] = ()
 
     @property
     def tp(self) -> int:
@@ -81,9 +85,17 @@ class SourceCheckpoint:
     def relative_names(self) -> tuple[str, ...]:
         """Each file's path relative to the folder it was located from (Megatron rank files are
         all named ``model_optim_rng.pt``; their folders tell them apart)."""
+        return self._relative(self.files)
+
+    @property
+    def relative_aux(self) -> tuple[str, ...]:
+        """``aux`` relative to the folder the checkpoint was located from."""
+        return self._relative(self.aux)
+
+    def _relative(self, paths: tuple[Path, ...]) -> tuple[str, ...]:
         root = Path(self.origin)
         root = root if root.is_dir() else root.parent
-        return tuple(f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name for f in self.files)
+        return tuple(f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name for f in paths)
 
 
 def rank_file_name(rank: int) -> str:
@@ -109,12 +121,6 @@ def iteration_text(iteration: str) -> str:
     return str(int(m.group(1))) if m else iteration
 
 
-
-
-
-
-
-
 def parse_version(value: Any, where: str) -> float:
     """Checkpoint version as a float in SUPPORTED_VERSIONS; anything else is refused."""
     try:
@@ -125,7 +131,6 @@ def parse_version(value: Any, where: str) -> float:
         raise CheckpointFormatError(f"unknown checkpoint_version {value!r}", culprit=where,
                                     hint="supported versions are 0, 1.0, 2.0, 3.0; override with --version")
     return v
-
 
 
 def choose_module_key(sd: dict[str, Any], requested: str, where: str) -> str:

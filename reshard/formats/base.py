@@ -72,7 +72,15 @@ class CheckpointFormat(ABC):
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         """Refuse a partial copy when the saved ``args`` name more ranks than were found."""
 
-    # -- writing (outputs are written in the format they were read in) -------------------------
+    def padding_tp(self, args: Any, source: SourceCheckpoint) -> int:
+        """The TP degree the vocabulary rows were padded for (Megatron pads to a multiple of
+        ``make_vocab_size_divisible_by * TP``): the grid's TP, unless the format stores global
+        tensors saved at another TP."""
+        return source.tp
+
+    # -- writing (outputs are written in the format they were read in, or in ``writes_as``) ------
+    #: The format outputs are written in when this one is read (None: this one).
+    writes_as: ClassVar[str | None] = None
     #: Can this layout hold several pipeline stages of per-rank files?
     writes_pipeline_stages: ClassVar[bool] = False
     #: How errors name the layout (default: ``name``).

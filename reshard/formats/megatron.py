@@ -51,6 +51,12 @@ class MegatronFormat(CheckpointFormat):
 
 def _locate_run(run: Path) -> SourceCheckpoint:
     """A Megatron-LM run folder: ``latest_checkpointed_iteration.txt`` names the iteration."""
+    return _locate_iteration(iteration_folder(run), str(run))
+
+
+def iteration_folder(run: Path) -> Path:
+    """The iteration folder a Megatron-LM run folder's ``latest_checkpointed_iteration.txt`` names
+    (shared by every Megatron-LM layout: per-rank files and torch_dist)."""
     latest = run / MEGATRON_LATEST
     text = latest.read_text().strip()
     if text == "release":
@@ -64,7 +70,7 @@ def _locate_run(run: Path) -> SourceCheckpoint:
     if not folder.is_dir():
         raise CheckpointFormatError(f"names iteration {text} but {name}/ does not exist", culprit=str(latest),
                                     hint="point at an existing iteration folder instead")
-    return _locate_iteration(folder, str(run))
+    return folder
 
 
 def _locate_iteration(folder: Path, origin: str) -> SourceCheckpoint:

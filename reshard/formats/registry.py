@@ -11,6 +11,7 @@ from reshard.plugins import PluginRegistry
 
 #: Built-in formats, as "module:class" (imported on first use).
 BUILTIN: tuple[str, ...] = (
+    "reshard.formats.torch_dist:TorchDistFormat",
     "reshard.formats.megatron:MegatronFormat",
     "reshard.formats.deepspeed_pipeline:DeepSpeedPipelineFormat",
     "reshard.formats.deepspeed:DeepSpeedFormat",

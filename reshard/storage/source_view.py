@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from reshard.core.errors import StorageError
+from reshard.core.errors import CheckpointFormatError, StorageError
 from reshard.crashpoints import crash_point
 from reshard.formats import is_marker, listing_patterns
 from reshard.storage.cache import RemoteObject, ShardCache
@@ -105,7 +105,11 @@ def _only_latest_iteration(loc: Location, objs: list[RemoteObject]) -> list[Remo
     with storage_errors(tracker.url):
         text = loc.fs.cat_file(tracker.path).decode().strip()
     prefix = f"iter_{int(text):07d}/" if text.isdigit() else f"{text}/"
-    return [o for o in objs if o.name == LATEST_ITER_FILE or o.name.startswith(prefix)]
+    kept = [o for o in objs if o.name == LATEST_ITER_FILE or o.name.startswith(prefix)]
+    if len(kept) == 1 and len(objs) > 1:
+        raise CheckpointFormatError(f"names iteration {text} but {prefix} does not exist", culprit=tracker.url,
+                                    hint="point at an existing iteration folder instead")
+    return kept
 
 
 def discover(url: str, storage_options: Mapping[str, Any] | None = None) -> Discovery:

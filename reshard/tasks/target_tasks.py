@@ -119,14 +119,15 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
         source = locate(str(view))
     by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
     names = [by_path.get(os.path.realpath(f)) for f in source.files]
-    if None in names:  # a local descriptor may list files outside its folder: no per-shard early start
+    aux = [by_path.get(os.path.realpath(f)) for f in source.aux]
+    if None in names or None in aux:  # a local descriptor may list files outside its folder: no per-shard early start
         names = [o.name for o in disc.objects if not is_marker(o.name)]
-        headers = names
+        headers, aux = names, []
     elif source.layer_ids:  # DeepSpeed pipeline layer files: the layout is planned from all of them
         headers = list(names)
     else:
         headers = [names[source.index(s, 0)] for s in range(source.pp)]
-    return dict(job, source_files=names, headers=headers)
+    return dict(job, source_files=names, source_aux=aux, headers=headers + aux)
 
 
 @task(name="plan-layout", **TRANSIENT_RETRIES)
@@ -140,7 +141,8 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     zero = zero_gate(plan, job["target_config"])
     names = [t.name for t in plan.targets]
     files = job["source_files"]
-    return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": [files[i] for i in t.sources],
+    aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
+    return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": [files[i] for i in t.sources] + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
                 warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files(plan, names),
                 source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version)

@@ -1,0 +1,58 @@
+"""A source tensor read on demand, box by box: :class:`LazyTensor`.
+
+Most formats hand the planner real tensors that are memory-mapped (a rank file's tensor is one
+byte range of its file). A format whose tensors are spread over several blobs — a
+``torch_dist`` parameter is chunks in several ``.distcp`` files — hands a :class:`LazyTensor`
+instead: its shape and dtype are known from the index, and the engine reads only the box a
+target needs (:meth:`LazyTensor.read`), while that target's tensor is being written. Memory is
+the box plus the blob being copied from, never the checkpoint.
+
+============================  ========================================================
+call                          returns
+============================  ========================================================
+``read(dim, start, length)``  all of the tensor but rows ``[start, start+length)`` of
+                              ``dim``: shape ``shape`` with ``shape[dim] = length``
+``read_box(offsets, sizes)``  the box; a new contiguous tensor that owns its bytes
+``materialize()``             the whole tensor (for checks on small replicated tensors)
+============================  ========================================================
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class LazyTensor(ABC):
+    """A tensor of known ``shape`` and ``dtype`` whose bytes are read when asked for."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    @abstractmethod
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box of this tensor at ``offsets`` of size ``sizes``."""
+
+    def read(self, dim: int, start: int, length: int) -> torch.Tensor:
+        offsets = tuple(start if i == dim else 0 for i in range(len(self.shape)))
+        sizes = tuple(length if i == dim else d for i, d in enumerate(self.shape))
+        return self.read_box(offsets, sizes)
+
+    def materialize(self) -> torch.Tensor:
+        return self.read_box(tuple(0 for _ in self.shape), tuple(self.shape))
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def materialized(t: object) -> object:
+    """``t`` itself, or its bytes when it is a :class:`LazyTensor`."""
+    return t.materialize() if isinstance(t, LazyTensor) else t

@@ -1,0 +1,282 @@
+"""megatron-core's ``torch_dist`` format (Megatron-LM ``--ckpt-format torch_dist``), read without a cluster.
+
+A torch_dist checkpoint is an iteration folder (``iter_XXXXXXX``, ``release``), alone or in a
+Megatron-LM run folder (``latest_checkpointed_iteration.txt``), holding a
+``torch.distributed.checkpoint`` folder: ``.metadata`` (the index, see
+:mod:`reshard.core.dcp_metadata`), ``__R_K.distcp`` (the chunks every rank wrote), ``common.pt``
+(``args``, ``iteration``, ... — a torch file) and ``metadata.json`` (the backend).
+
+Keys are *global*: one entry per parameter whatever the TP, chunks of it from every rank; the
+per-layer parameters of ``decoder.layers`` are stacked along a leading layer axis (or stored
+per layer). Global tensors are exactly the TP 1 tensors of megatron-core's per-rank layout
+(fused QKV grouped per query group, SwiGLU fc1 ``[all gate; all up]``, padded vocabulary rows),
+so the checkpoint is laid out as a TP 1, PP 1 grid of one "file" (its ``.metadata``) whose module
+holds :class:`~reshard.core.lazy.LazyTensor` s: a target reads only its rows of each chunk.
+
+Names, torch_dist -> megatron-core per-rank (this module's one table, :data:`LOCAL_SPEC_NAMES`,
+plus the layer axis):
+
+=================================================  ================================================
+torch_dist                                         per-rank module entry
+=================================================  ================================================
+``decoder.layers.X`` (leading axis: layer ``i``)   ``decoder.layers.{i}.X``
+``decoder.layers.X._extra_state/shard_{i}_{L}``    ``decoder.layers.{i}.X._extra_state``
+``...linear_qkv.layer_norm_weight`` (local spec)   ``...input_layernorm.weight``
+``...linear_fc1.layer_norm_weight`` (local spec)   ``...pre_mlp_layernorm.weight``
+(absent)                                           ``output_layer._extra_state`` = None
+=================================================  ================================================
+
+The local-spec renames apply when the saved ``args.transformer_impl`` is ``local`` (Transformer
+Engine's fused layer norms keep the torch_dist names). Optimizer state (``optimizer.*``) and RNG
+state are skipped, reported as dropped, and never read. Outputs are written in Megatron-LM's
+per-rank layout (``writes_as``).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.core.dcp_metadata import DcpMetadata, DcpTensor, check_storage, read_metadata
+from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.lazy import LazyTensor
+from reshard.core.safe_load import load_shard, safe_torch_load
+from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint
+from reshard.formats.base import CheckpointFormat
+from reshard.formats.megatron import iteration_folder
+
+TORCH_DIST = "torch_dist"
+INDEX = ".metadata"
+COMMON = "common.pt"
+CONFIG = "metadata.json"
+#: Global keys that are not the model: skipped (never read), reported under these top-level names.
+SKIPPED_ROOTS: dict[str, str] = {"optimizer.": "optimizer", "rng_state": "rng_state",
+                                 "rerun_state_machine_state": "rerun_state_machine"}
+#: Layer-norm names of megatron-core's local spec (``sharded_state_dict_keys_map``): torch_dist
+#: stores them under Transformer Engine's fused names.
+LOCAL_SPEC_NAMES: dict[str, str] = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+                                    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+#: Entries megatron-core's per-rank state dict holds that torch_dist does not store.
+PER_RANK_ONLY: dict[str, Any] = {"output_layer._extra_state": None}
+LAYERS = "decoder.layers."
+_SHARD_RE = re.compile(r"^(?P<base>.+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
+
+
+class TorchDistFormat(CheckpointFormat):
+    name = TORCH_DIST
+    title = "torch_dist"
+    priority = 5  # before Megatron-LM's per-rank layout: both use latest_checkpointed_iteration.txt
+    patterns = (re.compile(r"(^|/)__\d+_\d+\.distcp$"), re.compile(r"(^|/)common\.pt$"))
+    markers = (re.compile(r"(^|/)\.metadata$"), re.compile(r"(^|/)metadata\.json$"))
+    writes_as = MEGATRON
+
+    def detect(self, folder: Path) -> bool:
+        if (folder / INDEX).is_file():
+            return True
+        if (folder / MEGATRON_LATEST).is_file():
+            try:
+                return (iteration_folder(folder) / INDEX).is_file()
+            except CheckpointFormatError:
+                return False  # the per-rank layout reports the broken marker
+        return False
+
+    def shard_role(self, name: str, listing: Any) -> str | None:
+        return None  # the index is read whole by locate; its blobs are checked against it there
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        folder = path if (path / INDEX).is_file() else iteration_folder(path)
+        _check_backend(folder)
+        meta = _metadata(folder / INDEX)
+        model = model_keys(meta)
+        if not model:
+            raise CheckpointFormatError("the torch_dist index holds no model parameters (only "
+                                        f"{', '.join(sorted(_skipped(meta))) or 'nothing'})", culprit=str(folder),
+                                        hint="point at a checkpoint saved with the model's state")
+        sizes = {f.name: f.stat().st_size for f in folder.iterdir() if f.suffix == ".distcp" and f.is_file()}
+        check_storage(meta, sizes, set(model), str(folder))
+        aux = ([folder / COMMON] if (folder / COMMON).is_file() else []) + \
+            [folder / f for f in sorted(meta.files(set(model)))]
+        return SourceCheckpoint((folder / INDEX,), origin=str(path), format=TORCH_DIST, pp=1,
+                                iteration=folder.name, aux=tuple(aux))
+
+    def load(self, path: Any) -> dict[str, Any]:
+        p = Path(path)
+        meta = _metadata(p)
+        folder = p.parent
+        common = load_shard(folder / COMMON) if (folder / COMMON).is_file() else {}
+        out = {k: v for k, v in common.items() if k != "model"}
+        for root in sorted(_skipped(meta)):
+            out.setdefault(root, None)  # reported as dropped by the planner, never read
+        out["model"] = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
+        return out
+
+    def padding_tp(self, args: Any, source: SourceCheckpoint) -> int:
+        saved = getattr(args, "tensor_model_parallel_size", None)
+        return saved if isinstance(saved, int) and saved > 0 else 1
+
+
+def _check_backend(folder: Path) -> None:
+    cfg = folder / CONFIG
+    if not cfg.is_file():
+        return  # plain torch.distributed.checkpoint folders have none
+    try:
+        backend = json.loads(cfg.read_text()).get("sharded_backend")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        raise CorruptCheckpointError("is not a JSON object", culprit=str(cfg), hint="re-copy the checkpoint") from None
+    if backend != TORCH_DIST:
+        raise CheckpointFormatError(f"sharded backend is {backend!r}; reshard reads torch_dist", culprit=str(cfg),
+                                    hint="re-save with Megatron-LM's --ckpt-format torch_dist (or torch)")
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata_cached(path: str, _mtime: int, _size: int) -> DcpMetadata:
+    return read_metadata(path)
+
+
+def _metadata(path: Path) -> DcpMetadata:
+    st = path.stat()
+    return _metadata_cached(str(path), st.st_mtime_ns, st.st_size)
+
+
+def _skipped(meta: DcpMetadata) -> set[str]:
+    return {root for k in meta.keys for prefix, root in SKIPPED_ROOTS.items() if k.startswith(prefix)}
+
+
+def model_keys(meta: DcpMetadata) -> list[str]:
+    """The global keys that belong to the model (everything but optimizer and RNG state)."""
+    return [k for k in meta.keys if not any(k.startswith(p) for p in SKIPPED_ROOTS)]
+
+
+def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> dict[str, Any]:
+    """The module of megatron-core's per-rank layout at TP 1, tensors lazy (see the name table above)."""
+    keys = set(model_keys(meta))
+    stacked = [meta.tensors[k] for k in keys if k in meta.tensors and _is_stacked(k)]
+    depths = {t.shape[0] if t.shape else None for t in stacked}
+    if len(depths) > 1 or None in depths:
+        raise CorruptCheckpointError(f"stacked layer parameters disagree on the number of layers: {sorted(map(str, depths))}",
+                                     culprit=str(folder / INDEX), hint="the checkpoint is inconsistent")
+    # module order: megatron-core's (the index lists keys in module order, each layer's as one run)
+    position: dict[str, int] = {}
+    for k in model_keys(meta):
+        m = _SHARD_RE.match(k)
+        position.setdefault(m.group("base") if m else k, len(position))
+    entries: list[tuple[tuple[int, int, int], str, Any]] = []  # (sort key, name, value)
+    for t in (meta.tensors[k] for k in keys if k in meta.tensors):
+        if _is_stacked(t.key):
+            for i in range(t.shape[0]):
+                entries.append(((1, i, position[t.key]), _layer_name(t.key, i), DistTensor(t, folder, i)))
+        else:
+            entries.append((_order(t.key, position), t.key, DistTensor(t, folder, None)))
+    for item in (meta.byte_items[k] for k in keys if k in meta.byte_items):
+        m = _SHARD_RE.match(item.key)
+        base, offsets = (m.group("base"), [int(x) for x in m.group("offsets").split(".")]) if m else (item.key, [])
+        layered = _is_stacked(base) and offsets
+        if any(offsets[1 if layered else 0:]):
+            continue  # a per-TP-rank copy: rank 0's is the one carried
+        if layered:
+            entries.append(((1, offsets[0], position[base]), _layer_name(base, offsets[0]), _ByteItem(item, folder)))
+        else:
+            entries.append((_order(base, position), base, _ByteItem(item, folder)))
+    names = LOCAL_SPEC_NAMES if transformer_impl == "local" else {}
+    module: dict[str, Any] = {}
+    for _, name, value in sorted(entries, key=lambda e: e[0]):
+        for fused, local in names.items():
+            name = name.replace(fused, local)
+        module[name] = value.load() if isinstance(value, _ByteItem) else value
+    for name, value in PER_RANK_ONLY.items():
+        module.setdefault(name, value)
+    return module
+
+
+def _is_stacked(key: str) -> bool:
+    return key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit()
+
+
+def _layer_name(key: str, i: int) -> str:
+    return f"{LAYERS}{i}.{key[len(LAYERS):]}"
+
+
+def _order(key: str, position: dict[str, int]) -> tuple[int, int, int]:
+    """Module order: embeddings, layers, then the rest (final norm, output layer), each as indexed."""
+    return (0 if key.startswith("embedding.") else 1 if key.startswith(LAYERS) else 2, 0, position[key])
+
+
+class DistTensor(LazyTensor):
+    """One parameter (one layer of a stacked one) of a torch_dist checkpoint: reads the chunks
+    that overlap the box asked for, one ``torch.save`` blob at a time."""
+
+    def __init__(self, t: DcpTensor, folder: Path, layer: int | None) -> None:
+        self.t, self.folder, self.layer = t, folder, layer
+        self.shape = t.shape[1:] if layer is not None else t.shape
+        self.dtype = t.dtype
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        out = torch.empty(sizes, dtype=self.dtype)
+        if 0 in sizes:
+            return out
+        if self.layer is not None:
+            offsets, sizes = (self.layer, *offsets), (1, *sizes)
+        for c in self.t.chunks:
+            lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            chunk = self._chunk(c)
+            src = chunk[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            if self.layer is not None:
+                src, dst = src[0], dst[1:]
+            out[dst] = src
+            del chunk
+        return out
+
+    def _chunk(self, c: Any) -> torch.Tensor:
+        path = self.folder / c.file
+        with open(path, "rb") as f:
+            f.seek(c.offset)
+            blob = f.read(c.length)
+        where = f"{path} ({self.t.key} at {c.offsets})"
+        if len(blob) != c.length:
+            raise CorruptCheckpointError(f"{c.file} is truncated", culprit=where, hint="re-copy the file")
+        t = _load_blob(blob, where)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.sizes or t.dtype != self.dtype:
+            what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CorruptCheckpointError(f"chunk holds {what}, the index says {c.sizes} {self.dtype}",
+                                         culprit=where, hint="the checkpoint is inconsistent; re-copy it")
+        return t
+
+    def __repr__(self) -> str:
+        return f"DistTensor({self.t.key!r}, layer={self.layer}, shape={self.shape}, dtype={self.dtype})"
+
+
+class _ByteItem:
+    def __init__(self, item: Any, folder: Path) -> None:
+        self.item, self.folder = item, folder
+
+    def load(self) -> Any:
+        path = self.folder / self.item.file
+        with open(path, "rb") as f:
+            f.seek(self.item.offset)
+            blob = f.read(self.item.length)
+        value = _load_blob(blob, f"{path} ({self.item.key})", allowlist=True)
+        # megatron-core saves a sharded object as the list of its rank's objects under that key
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _load_blob(blob: bytes, where: str, *, allowlist: bool = False) -> Any:
+    try:
+        return safe_torch_load(io.BytesIO(blob), allowlist=allowlist)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"refused to unpickle: {str(exc).splitlines()[0][:200]}; nothing from it was "
+                                    "executed", culprit=where, hint="only load checkpoints from sources you trust") \
+            from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CorruptCheckpointError(f"cannot read the blob: {str(exc).splitlines()[0][:200]}", culprit=where,
+                                     hint="the .distcp file is truncated or corrupt; re-copy it") from None

@@ -1,0 +1,210 @@
+"""megatron-core ``torch_dist`` checkpoints in: checked against real megatron-core (0.16.1, CPU, gloo).
+
+The torch_dist checkpoints are written by megatron-core's own ``dist_checkpointing.save`` of
+``GPTModel.sharded_state_dict()`` (``mcore_harness.py``, job ``write_dist``) with the same seeds
+as the per-rank checkpoints of ``test_megatron_core.py``, so they hold the same logical weights.
+Reading one at TP M must give, entry for entry and in megatron-core's module order, the shards
+megatron-core itself wrote at TP M; megatron-core's forward on them must give the saved logits.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from layout_helpers import convert
+from mcore_fixtures import mcore_checkpoints, mcore_dist_checkpoints, mcore_forward, needs_mcore, rank_module
+from reshard.cli import main
+from reshard.core.dcp_metadata import ChunkRef, DcpTensor, check_tiling, read_metadata
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.safe_load import load_shard
+
+pytestmark = needs_mcore
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory):
+    return mcore_dist_checkpoints(tmp_path_factory.mktemp("mcore_dist"))
+
+
+@pytest.fixture(scope="session")
+def mcore(tmp_path_factory):
+    return mcore_checkpoints(tmp_path_factory.mktemp("mcore"))
+
+
+def _module(folder: Path, tp_rank: int, pp_rank: int | None = None) -> dict:
+    return rank_module(folder, tp_rank, pp_rank)
+
+
+def _assert_same_module(got: dict, want: dict, where: str) -> None:
+    assert list(got) == list(want), where  # same entries, in megatron-core's module order
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{where}: {k}"
+        else:
+            assert got[k] == v, f"{where}: {k}"
+
+
+CASES = [  # (model, source tp, target tp, extra options)
+    ("mha", 2, 1, {}), ("mha", 2, 2, {}), ("mha", 2, 4, {}),
+    ("gqa_swiglu", 2, 1, {}), ("gqa_swiglu", 2, 4, {}),
+    ("swiglu", 4, 1, {}), ("swiglu", 4, 2, {}),
+    ("gqa", 1, 2, {}),
+    # true vocabulary 100 (args do not say), padded to 128 at the saving TP 2 and at TP 4
+    ("padded", 2, 4, {"vocab_size": 100}), ("padded", 2, 4, {}),
+]
+
+
+@pytest.mark.parametrize("name,n,m,extra", CASES, ids=[f"{c[0]}-tp{c[1]}-to{c[2]}{'-v' if c[3] else ''}" for c in CASES])
+def test_read_equals_megatron_cores_own_shards(dist, mcore, tmp_path, name, n, m, extra):
+    out = tmp_path / "out"
+    plan = convert(dist[(name, n, 1)], out, target_tp=m, **extra)
+    assert plan.source.format == "torch_dist" and plan.output_format == "megatron"
+    for r in range(m):
+        _assert_same_module(_module(out, r), _module(mcore[(name, m, 1)], r), f"{name} tp{n}->{m} rank {r}")
+    args = load_shard(out / "iter_0000007/mp_rank_00/model_optim_rng.pt", mmap=False)["args"]
+    assert args.tensor_model_parallel_size == m and args.ckpt_format == "torch_dist"
+
+
+def test_pipeline_stages_read_into_megatron_cores_per_rank_stages(dist, mcore, tmp_path):
+    out = tmp_path / "out"
+    convert(dist[("mha", 1, 2)], out, target_tp=1, target_pp=2)
+    for stage in range(2):
+        _assert_same_module(_module(out, 0, stage), _module(mcore[("mha", 1, 2)], 0, stage), f"stage {stage}")
+
+
+def test_megatron_core_runs_the_converted_model_with_the_saved_logits(dist, tmp_path):
+    """Also when the vocabulary padding changes (padded: 128 rows at TP 2, megatron-core's 112 at TP 1;
+    the logits of the 100 real tokens must not change)."""
+    runs = (("mha", 2, 1, {}), ("gqa_swiglu", 2, 2, {}), ("swiglu", 4, 2, {}), ("padded", 2, 1, {"vocab_size": 100}))
+    cases = []
+    for name, n, m, extra in runs:
+        out = tmp_path / f"{name}_{m}"
+        convert(dist[(name, n, 1)], out, target_tp=m, **extra)
+        cases.append((name, out, m))
+    got = mcore_forward(cases, tmp_path / "fwd")
+    for (name, n, m, extra), logits in zip(runs, got):
+        want = torch.load(dist[(name, n, 1)] / "logits.pt")
+        cols = extra.get("vocab_size", want.shape[-1])
+        torch.testing.assert_close(logits[:, :cols], want[:, :cols], atol=1e-5, rtol=0, msg=f"{name} at TP {m}")
+
+
+def test_optimizer_state_is_skipped_reported_and_never_read(dist, mcore, tmp_path, capsys):
+    src = Path(shutil.copytree(dist[("gqa_swiglu", 2, 1)], tmp_path / "src"))
+    folder = src / "iter_0000007"
+    meta = read_metadata(folder / ".metadata")
+    optim = [c for k, t in meta.tensors.items() if k.startswith("optimizer.") for c in t.chunks]
+    assert optim, "the fixture carries Adam state"
+    for c in optim:  # wreck every optimizer blob: a reader that touches one fails
+        with open(folder / c.file, "r+b") as f:
+            f.seek(c.offset)
+            f.write(b"\xff" * c.length)
+    assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--target-tp", "2"]) == 0
+    cap = capsys.readouterr()
+    said = cap.out + cap.err
+    assert "dropped" in said and "optimizer" in said
+    for r in range(2):
+        _assert_same_module(_module(tmp_path / "out", r), _module(mcore[("gqa_swiglu", 2, 1)], r), f"rank {r}")
+
+
+def test_inspect_and_plan_describe_a_torch_dist_checkpoint(dist, capsys):
+    import json
+
+    src = dist[("gqa_swiglu", 2, 1)]
+    assert main(["inspect", str(src), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["layout"] == "torch_dist" and "optimizer" in rec["dropped"]
+    assert rec["facts"]["query_groups"] == 4 and rec["facts"]["swiglu"] is True
+    assert any(f.endswith(".distcp") for f in rec["files"]) and rec["bytes"] > 100_000
+    assert main(["plan", str(src), "--target-tp", "4"]) == 0
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+
+def _cli(capsys, args: list[str]) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def _refused(capsys, src: Path, dst: Path, *needles: str) -> None:
+    code, err = _cli(capsys, ["run", "--direct", str(src), str(dst), "--target-tp", "1"])
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert not dst.exists()
+
+
+class _Boom:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_index_never_runs_code(dist, tmp_path, capsys):
+    src = Path(shutil.copytree(dist[("mha", 2, 1)], tmp_path / "src"))
+    marker = tmp_path / "pwned"
+    (src / "iter_0000007" / ".metadata").write_bytes(pickle.dumps({"x": _Boom(str(marker))}))
+    before = sorted(p.name for p in (src / "iter_0000007").iterdir())
+    _refused(capsys, src, tmp_path / "out", "refused to unpickle", "posix.system")
+    assert not marker.exists()
+    assert sorted(p.name for p in (src / "iter_0000007").iterdir()) == before
+
+
+def test_a_truncated_distcp_file_is_refused(dist, tmp_path, capsys):
+    src = Path(shutil.copytree(dist[("mha", 2, 1)], tmp_path / "src"))
+    f = src / "iter_0000007" / "__1_0.distcp"
+    os.truncate(f, f.stat().st_size // 2)
+    _refused(capsys, src, tmp_path / "out", "__1_0.distcp is truncated")
+
+
+def test_an_index_naming_a_missing_file_is_refused(dist, tmp_path, capsys):
+    src = Path(shutil.copytree(dist[("mha", 2, 1)], tmp_path / "src"))
+    (src / "iter_0000007" / "__0_1.distcp").unlink()
+    _refused(capsys, src, tmp_path / "out", "__0_1.distcp, which does not exist")
+
+
+def test_a_run_folder_naming_a_missing_iteration_is_refused(dist, tmp_path, capsys):
+    src = Path(shutil.copytree(dist[("mha", 2, 1)], tmp_path / "src"))
+    (src / "latest_checkpointed_iteration.txt").write_text("9")
+    _refused(capsys, src, tmp_path / "out", "names iteration 9", "iter_0000009/ does not exist")
+
+
+def test_a_corrupt_chunk_blob_is_refused_naming_the_file(dist, tmp_path, capsys):
+    src = Path(shutil.copytree(dist[("mha", 2, 1)], tmp_path / "src"))
+    meta = read_metadata(src / "iter_0000007" / ".metadata")
+    c = meta.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks[0]
+    with open(src / "iter_0000007" / c.file, "r+b") as f:
+        f.seek(c.offset)
+        f.write(struct.pack("<I", 0))  # the zip's first local header
+    _refused(capsys, src, tmp_path / "out", c.file, "linear_qkv.weight")
+
+
+def _t(*chunks: tuple[tuple[int, ...], tuple[int, ...]], shape=(4, 6)) -> DcpTensor:
+    return DcpTensor("w", shape, torch.float32, tuple(ChunkRef(o, s, "__0_0.distcp", 0, 1) for o, s in chunks))
+
+
+@pytest.mark.parametrize("chunks,problem", [
+    ((((0, 0), (4, 6)),), None),
+    ((((0, 0), (2, 6)), ((2, 0), (2, 3)), ((2, 3), (2, 3))), None),
+    ((((0, 0), (2, 6)), ((1, 0), (3, 6))), "overlap"),
+    ((((0, 0), (2, 6)), ((2, 0), (2, 3))), "uncovered"),
+    ((((0, 0), (4, 3)), ((0, 2), (4, 4))), "overlap"),
+    ((((0, 0), (4, 6)), ((3, 5), (2, 2))), "outside"),
+])
+def test_chunks_must_tile_the_tensor_exactly(chunks, problem):
+    if problem is None:
+        check_tiling(_t(*chunks), "idx")
+    else:
+        with pytest.raises(CorruptCheckpointError, match=problem):
+            check_tiling(_t(*chunks), "idx")
