@@ -178,7 +178,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     total = sum(f["size"] for f in summary["files"])
-    head = (f"{summary['destination']}: TP {summary['source_tp']} -> {summary['target_tp']}, "
+    target = summary["target_tp"] if summary["target_tp"] is not None else summary.get("target_format")
+    head = (f"{summary['destination']}: TP {summary['source_tp']} -> {target}, "
             f"{len(summary['files'])} files, {fmt_bytes(total)}")
     steps, reused = summary.get("steps"), summary.get("reused", 0)
     if summary["up_to_date"]:
@@ -201,7 +202,7 @@ def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
                         target_config=_target_config(ns.target_config))
     m = report.manifest
     return {"source": m["source"]["url"], "destination": report.destination,
-            "source_tp": m["source"]["tp"], "target_tp": m["target"]["tp"],
+            "source_tp": m["source"]["tp"], "target_tp": m["target"]["tp"], "target_format": m["target"]["format"],
             "version": m["source"].get("version"), "quantized": bool(m["options"].get("quantize")),
             "up_to_date": report.up_to_date, "conversion_id": m.get("conversion_id"),
             "files": m["files"], "warnings": list(m.get("warnings", [])), "seconds": round(report.seconds, 3)}

@@ -7,6 +7,7 @@ Both must write identical bytes and the same side files and manifest, refuse the
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as _dt
 from collections.abc import Iterator, Mapping
@@ -23,10 +24,20 @@ from reshard.storage.manifest import MANIFEST_FORMAT
 from reshard.storage.source_view import LocalSource
 from reshard.tasks.identity import code_version
 
-def side_files(plan: Plan, names: list[str]) -> dict[str, str]:
+def side_files(plan: Plan, names: list[str]) -> dict[str, bytes]:
     """Small files written beside the outputs, as the output's format wants them (Megatron's
-    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor)."""
-    return {**plan.extra_files, **get_format(plan.output_format).side_files(plan, names)}
+    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor, torch_dist's index)."""
+    files = {**plan.extra_files, **get_format(plan.output_format).side_files(plan, names)}
+    return {name: v.encode() if isinstance(v, str) else v for name, v in files.items()}
+
+
+def side_files_record(files: dict[str, bytes]) -> dict[str, str]:
+    """:func:`side_files` as task-result data (base64), and back with :func:`side_files_from_record`."""
+    return {name: base64.b64encode(v).decode() for name, v in files.items()}
+
+
+def side_files_from_record(record: dict[str, str]) -> dict[str, bytes]:
+    return {name: base64.b64decode(v) for name, v in record.items()}
 
 
 def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
@@ -45,7 +56,8 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
 
 
 def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,
-                 records: list[dict[str, Any]], conversion_id: str, target_pp: int = 1) -> dict[str, Any]:
+                 records: list[dict[str, Any]], conversion_id: str, target_pp: int = 1,
+                 output_format: str | None = None) -> dict[str, Any]:
     """The commit marker. ``conversion_id`` lets a later identical run see it is up to date."""
     return {
         "format": MANIFEST_FORMAT,
@@ -55,7 +67,7 @@ def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str,
         "conversion_id": conversion_id,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source,
-        "target": {"url": dst, "tp": options.target_tp, "pp": target_pp},
+        "target": {"url": dst, "format": output_format, "tp": options.target_tp, "pp": target_pp},
         "options": options.to_record(),
         "warnings": list(warnings),
         "files": records,

@@ -101,12 +101,12 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
                     if on_target_done:
                         on_target_done(res)
                 records.extend(f.result() for f in pending)
-            for name, text in side_files(plan, list(names)).items():
-                dest.staged(name).write_text(text)
+            for name, data in side_files(plan, list(names)).items():
+                dest.staged(name).write_bytes(data)
                 records.append(dest.publish(name))
                 names.append(name)
             report.manifest = manifest_for(options, list(plan.warnings), source_record(plan, local), dst, records,
-                                           cid, plan.target_pp)
+                                           cid, plan.target_pp, plan.output_format)
             dest.commit(names, report.manifest)
         except BaseException as exc:
             lost = not isinstance(exc, KeyboardInterrupt) and dest.lost_lock()

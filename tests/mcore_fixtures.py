@@ -112,6 +112,15 @@ def mcore_forward(cases: list[tuple[str, Path, int]], workdir: Path) -> list[tor
     return [torch.load(j["out"]) for j in jobs]
 
 
+def mcore_forward_dist(cases: list[tuple[str, Path, int]], workdir: Path) -> list[torch.Tensor]:
+    """megatron-core logits for each (model, torch_dist folder, tp): ``dist_checkpointing.load`` of
+    the model's sharded state dict at that TP, strict ``load_state_dict``, forward, gather."""
+    jobs = [{"kind": "forward_dist", "ckpt": str(ckpt), "tp": tp, "model": model_options(name), "tokens": TOKENS,
+             "out": str(workdir / f"logits_dist_{i}.pt")} for i, (name, ckpt, tp) in enumerate(cases)]
+    _run_harness(jobs, workdir)
+    return [torch.load(j["out"]) for j in jobs]
+
+
 def iteration_folder(run: Path) -> Path:
     return run / f"iter_{int((run / 'latest_checkpointed_iteration.txt').read_text()):07d}"
 

@@ -147,6 +147,18 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                     torch.save(logits, out / "logits.pt")
         elif job["kind"] == "write_dist":
             _write_dist(job, model, tp, pp)
+        elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
+            from megatron.core import dist_checkpointing
+
+            ckpt = Path(job["ckpt"])
+            if (ckpt / "latest_checkpointed_iteration.txt").exists():
+                text = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+                ckpt = ckpt / (f"iter_{int(text):07d}" if text.isdigit() else text)
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))["model"]
+            model.load_state_dict(state, strict=True)
+            logits = _logits(model, job["tokens"])
+            if rank == 0:
+                torch.save(logits, job["out"])
         elif job["kind"] == "forward":
             ckpt = Path(job["ckpt"])
             if (ckpt / "latest_checkpointed_iteration.txt").exists():

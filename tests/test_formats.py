@@ -36,7 +36,8 @@ def _pt(folder: Path) -> dict[str, bytes]:
 
 def test_builtin_formats_in_detection_order():
     names = [f.name for f in available()]
-    assert names[:5] == ["megatron", "deepspeed-pipeline", "deepspeed", "deepspeed-zero3", "deepspeed-descriptor"]
+    assert names[:6] == ["torch_dist", "megatron", "deepspeed-pipeline", "deepspeed", "deepspeed-zero3",
+                         "deepspeed-descriptor"]
     assert get_format("deepspeed").name == "deepspeed"
     with pytest.raises(KeyError, match="no checkpoint format 'nope'"):
         get_format("nope")

@@ -69,7 +69,7 @@ def test_read_equals_megatron_cores_own_shards(dist, mcore, tmp_path, name, n, m
     for r in range(m):
         _assert_same_module(_module(out, r), _module(mcore[(name, m, 1)], r), f"{name} tp{n}->{m} rank {r}")
     args = load_shard(out / "iter_0000007/mp_rank_00/model_optim_rng.pt", mmap=False)["args"]
-    assert args.tensor_model_parallel_size == m and args.ckpt_format == "torch_dist"
+    assert args.tensor_model_parallel_size == m and args.ckpt_format == "torch"
 
 
 def test_pipeline_stages_read_into_megatron_cores_per_rank_stages(dist, mcore, tmp_path):
@@ -208,3 +208,95 @@ def test_chunks_must_tile_the_tensor_exactly(chunks, problem):
     else:
         with pytest.raises(CorruptCheckpointError, match=problem):
             check_tiling(_t(*chunks), "idx")
+
+
+# --- torch_dist out -------------------------------------------------------------------------------
+
+
+def _global_tensors(folder: Path, tmp: Path) -> dict:
+    """What plain torch.distributed.checkpoint reads from a torch_dist folder (no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(folder), str(tmp / "plain.pt"))
+    return torch.load(tmp / "plain.pt", weights_only=False)
+
+
+def test_megatron_core_loads_the_written_torch_dist_at_every_tp_with_the_saved_logits(dist, mcore, tmp_path):
+    """From megatron-core per-rank files (TP 2) and from torch_dist itself (TP 4): megatron-core's
+    ``dist_checkpointing.load`` at TP 1, 2 and 4 gives the source model's logits."""
+    from mcore_fixtures import mcore_forward_dist
+
+    sources = {"per-rank": (mcore[("gqa_swiglu", 2, 1)], "gqa_swiglu"), "torch_dist": (dist[("swiglu", 4, 1)], "swiglu")}
+    cases, wants = [], []
+    for label, (src, name) in sources.items():
+        out = tmp_path / label
+        assert main(["run", "--direct", str(src), str(out), "--to", "torch_dist"]) == 0
+        for tp in (1, 2, 4):
+            cases.append((name, out, tp))
+            wants.append(torch.load(src / "logits.pt"))
+    for (name, out, tp), got, want in zip(cases, mcore_forward_dist(cases, tmp_path / "fwd"), wants):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{out.name} {name} loaded at TP {tp}")
+
+
+def test_plain_dcp_reads_the_global_tensors(mcore, tmp_path):
+    """The torch_dist output holds, under megatron-core's global keys, the TP 1 tensors: stacked
+    layers, fused layer-norm names, SwiGLU fc1 as [all gate; all up]."""
+    out = tmp_path / "out"
+    assert main(["run", "--direct", str(mcore[("gqa_swiglu", 2, 1)]), str(out), "--to", "torch_dist"]) == 0
+    plain = _global_tensors(out / "iter_0000007", tmp_path)
+    want = _module(mcore[("gqa_swiglu", 1, 1)], 0)  # megatron-core's own TP 1 shard
+    assert torch.equal(plain["embedding.word_embeddings.weight"], want["embedding.word_embeddings.weight"])
+    for i in range(2):
+        assert torch.equal(plain["decoder.layers.mlp.linear_fc1.weight"][i],
+                           want[f"decoder.layers.{i}.mlp.linear_fc1.weight"])
+        assert torch.equal(plain["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i],
+                           want[f"decoder.layers.{i}.input_layernorm.weight"])
+        assert torch.equal(plain["decoder.layers.self_attention.linear_qkv.weight"][i],
+                           want[f"decoder.layers.{i}.self_attention.linear_qkv.weight"])
+    assert not [k for k in plain if k.startswith("optimizer")]
+
+
+def test_pipeline_stages_become_one_torch_dist_checkpoint(mcore, tmp_path):
+    out = tmp_path / "out"
+    assert main(["run", "--direct", str(mcore[("mha", 1, 2)]), str(out), "--to", "torch_dist"]) == 0
+    plain = _global_tensors(out / "iter_0000007", tmp_path)
+    first, last = _module(mcore[("mha", 1, 2)], 0, 0), _module(mcore[("mha", 1, 2)], 0, 1)
+    assert torch.equal(plain["decoder.layers.self_attention.linear_proj.weight"][0],
+                       first["decoder.layers.0.self_attention.linear_proj.weight"])
+    assert torch.equal(plain["decoder.layers.self_attention.linear_proj.weight"][1],
+                       last["decoder.layers.0.self_attention.linear_proj.weight"])
+    assert torch.equal(plain["decoder.final_layernorm.weight"], last["decoder.final_layernorm.weight"])
+
+
+def test_round_trips_are_byte_stable(dist, tmp_path):
+    """torch_dist -> torch_dist -> torch_dist: the second and third outputs are identical files;
+    torch_dist -> per-rank -> torch_dist gives the same files as torch_dist -> torch_dist."""
+    src = dist[("gqa_swiglu", 2, 1)]
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert main(["run", "--direct", str(src), str(a), "--to", "torch_dist"]) == 0
+    assert main(["run", "--direct", str(a), str(b), "--to", "torch_dist"]) == 0
+    assert main(["run", "--direct", str(src), str(tmp_path / "ranks"), "--target-tp", "2"]) == 0
+    assert main(["run", "--direct", str(tmp_path / "ranks"), str(c), "--to", "torch_dist"]) == 0
+    for name in ("__0_0.distcp", ".metadata", "common.pt", "metadata.json"):
+        assert (a / "iter_0000007" / name).read_bytes() == (b / "iter_0000007" / name).read_bytes(), name
+        if name != "common.pt":  # args differ by what the per-rank hop wrote (ckpt_format kept, TP)
+            assert (a / "iter_0000007" / name).read_bytes() == (c / "iter_0000007" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--to", "torch_dist", "--target-tp", "2"], "--target-tp: the torch_dist layout holds global tensors"),
+    (["--to", "torch_dist", "--quantize"], "--quantize: torch_dist has no place"),
+    (["--to", "deepspeed"], "--to: cannot write a torch_dist checkpoint in the DeepSpeed"),
+    (["--to", "nope"], "--to: unknown output format 'nope'"),
+    ([], "--target-tp: needs a target tensor-parallel degree to write the megatron layout"),
+])
+def test_output_requests_that_cannot_be_written_are_refused(dist, tmp_path, capsys, args, needle):
+    code, err = _cli(capsys, ["run", "--direct", str(dist[("mha", 2, 1)]), str(tmp_path / "out"), *args])
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_legacy_names_are_refused_for_torch_dist(sample_factory, tmp_path, capsys):
+    code, err = _cli(capsys, ["run", "--direct", str(sample_factory(2, 2.0)), str(tmp_path / "out"), "--to", "torch_dist"])
+    assert code == 2 and "legacy Megatron names" in err, err
+    assert not (tmp_path / "out").exists()

@@ -98,6 +98,12 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
     return out
 
 
+def target_state(plan: Plan, tgt: int) -> dict[str, Any]:
+    """Target ``tgt``'s state dict with every produced tensor pending: names, shapes, dtypes and
+    the top-level entries, no tensor bytes read (what a format needs to index what it writes)."""
+    return _target_layout(plan, tgt, _load_sources(plan, tgt), torch.device("cpu"), PageDropper(()))
+
+
 def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
     """The source shards target ``tgt`` reads, memory-mapped (tensors are read on first touch)."""
     fmt = get_format(plan.source.format)
@@ -445,7 +451,7 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
 
 def retarget_args(args: Any, plan: Plan) -> Any:
     """A copy of the saved Megatron ``args`` describing the output: TP and PP degrees, the padded
-    vocabulary; uneven first/last pipeline stage sizes are cleared when PP changes (reshard
+    vocabulary, the checkpoint format; uneven first/last pipeline stage sizes are cleared when PP changes (reshard
     splits layers evenly)."""
     new = copy.copy(args)
     for name in TP_ARG_NAMES:
@@ -456,6 +462,9 @@ def retarget_args(args: Any, plan: Plan) -> Any:
     facts = plan.facts
     if facts is not None and hasattr(new, "padded_vocab_size") and facts.padded_vocab_target is not None:
         setattr(new, "padded_vocab_size", facts.padded_vocab_target)
+    ckpt_format = get_format(plan.output_format).ckpt_format
+    if ckpt_format is not None and hasattr(new, "ckpt_format"):
+        setattr(new, "ckpt_format", ckpt_format)
     if plan.target_pp != plan.source_pp:
         for name in UNEVEN_PP_ARG_NAMES:
             if getattr(new, name, None) is not None:

@@ -2,7 +2,8 @@
 the Prefect flow parameters (``ReshardParams`` extends it) and the core (the planner).
 
 Only these fields change the output bytes (besides the source). ``target_pp`` None keeps the
-source's pipeline stages; the model-fact fields (heads, query groups, SwiGLU, vocabulary) are
+source's pipeline stages (one stage for an output format without stages); ``target_tp`` None is
+only valid for an output format without a per-rank layout (``--to torch_dist``); the model-fact fields (heads, query groups, SwiGLU, vocabulary) are
 only needed when the checkpoint's saved ``args`` lack them.
 
 Values are checked here, once, into the error type every front end reports as one line
@@ -49,7 +50,8 @@ class ReshardOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    target_tp: int = _opt(..., "tensor-parallel degree of the output", metavar="M", minimum=1)
+    target_tp: int | None = _opt(None, "tensor-parallel degree of the output (needed unless the output format has "
+                                       "no per-rank layout, e.g. --to torch_dist)", metavar="M", minimum=1)
     version: float | None = _opt(None, "override the checkpoint version that decides the QKV layout "
                                        "(0, 1.0, 2.0, 3.0)", metavar="V")
     module_key: str = _opt(AUTO, "state-dict entry holding the module ('auto': exactly one of module/model)",
@@ -71,6 +73,8 @@ class ReshardOptions(BaseModel):
                                         "saved args lack it", metavar="V", minimum=1)
     make_vocab_size_divisible_by: int | None = _opt(None, "Megatron's vocabulary padding divisor, when the saved "
                                                           "args lack it", metavar="D", minimum=1)
+    to: str | None = _opt(None, "output format: megatron, deepspeed, torch_dist, ... (default: the source's own; "
+                                "torch_dist sources are written as Megatron-LM per-rank files)", metavar="FORMAT")
 
     @model_validator(mode="after")
     def _check_values(self) -> ReshardOptions:

@@ -35,6 +35,7 @@ from reshard.core.rules import Kind, Rule, layer_index, with_layer
 from reshard.core.source import SourceCheckpoint, choose_module_key
 from reshard.core.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
+from reshard.formats.output import output_format
 from reshard.models import resolve_family
 
 
@@ -51,7 +52,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     publishing nothing until they pass."""
     n, m = source.tp, options.target_tp
     fmt = get_format(source.format)  # reads the files
-    out_fmt = get_format(fmt.writes_as or source.format)  # names and writes the outputs
+    out_fmt = output_format(source, options)  # names and writes the outputs
     out_fmt.check_target(tpp)
     if headers_only:
         heads = [fmt.load(source.stage_files(s)[0]) for s in range(source.pp)]
@@ -103,11 +104,13 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
                        make_vocab_size_divisible_by=vocab.divisible_by, source_pp_layers=tuple(layers_per_stage),
                        target_pp_layers=tuple(target_layers), origin=dict(origin))
     extra = out_fmt.extra_files(source)
-    return Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
+    plan = Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
                 targets=targets, unused_rules=resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
                 extra_files=extra)
+    out_fmt.check_plan(plan)
+    return plan
 
 
 def _modules(shards: list[dict[str, Any]], names: list[str], options: ReshardOptions, n: int

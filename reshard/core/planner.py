@@ -11,7 +11,9 @@ from reshard.core.options import ReshardOptions
 from reshard.core.plan import build_grid_plan
 from reshard.core.plan_types import Plan
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint
+from reshard.core.errors import LayoutError
 from reshard.formats import locate
+from reshard.formats.output import output_format
 
 
 def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> Plan:
@@ -22,7 +24,18 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
     conversions can start before every shard is fetched; see
     :func:`reshard.core.plan.build_grid_plan`."""
     source = src if isinstance(src, SourceCheckpoint) else locate(src)
-    tpp = source.pp if options.target_pp is None else options.target_pp  # both degrees positive: ReshardOptions
+    out = output_format(source, options)
+    if options.target_tp is None:
+        if out.per_rank:
+            raise LayoutError(f"needs a target tensor-parallel degree to write the {out.title or out.name} layout",
+                              culprit="--target-tp", hint="pass --target-tp M")
+        options = options.model_copy(update={"target_tp": 1})  # global tensors: the TP 1 layout
+    elif not out.per_rank and options.target_tp != 1:
+        raise LayoutError(f"the {out.title or out.name} layout holds global tensors, loadable at any TP; it has no "
+                          f"tensor-parallel degree", culprit="--target-tp", hint="drop --target-tp")
+    default_pp = source.pp if out.writes_pipeline_stages else 1
+    tpp = default_pp if options.target_pp is None else options.target_pp  # both degrees positive: ReshardOptions
     if source.format == DEEPSPEED_PIPE:  # layer files: their own planner, same rules and engine
         return build_pipe_plan(source, options, tpp)
     return build_grid_plan(source, options, tpp, headers_only=headers_only)
+

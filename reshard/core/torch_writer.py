@@ -296,8 +296,9 @@ class _Entry:
     descriptor: int  # offset of the data descriptor (crc at +4), or -1: none (empty records)
 
 
-def _read_entries(fd: int) -> list[_Entry]:
-    """The archive's records in file order, parsed from its central directory."""
+def _read_entries(fd: int, base: int = 0) -> list[_Entry]:
+    """The records of the archive that starts at ``base`` and ends the file, in file order,
+    parsed from its central directory (the archive's own offsets are from ``base``)."""
     end = os.fstat(fd).st_size
     tail = os.pread(fd, 22, end - 22)
     sig, _d, _cd, _n1, n, cd_size, cd_off, _clen = struct.unpack("<IHHHHIIH", tail)
@@ -308,10 +309,11 @@ def _read_entries(fd: int) -> list[_Entry]:
         lsig, _disk, eocd64, _tot = struct.unpack("<IIQI", loc)
         if lsig != _EOCD64_LOC_SIG:
             raise WriterError("zip64 locator missing")
-        rec = os.pread(fd, 56, eocd64)
+        rec = os.pread(fd, 56, base + eocd64)
         (sig64, _sz, _vm, _vn, _d1, _d2, _n1b, n, cd_size, cd_off) = struct.unpack("<IQHHIIQQQQ", rec)
         if sig64 != _EOCD64_SIG:
             raise WriterError("zip64 end record missing")
+    cd_off += base
     cd = os.pread(fd, cd_size, cd_off)
     entries: list[_Entry] = []
     pos = 0
@@ -335,6 +337,7 @@ def _read_entries(fd: int) -> list[_Entry]:
                 if lho == 0xFFFFFFFF:
                     off = vals.pop(0)
             x += 4 + hlen
+        off += base
         lh = os.pread(fd, 30, off)
         lsig, lnlen, lxlen = struct.unpack_from("<I", lh)[0], *struct.unpack_from("<HH", lh, 26)
         if lsig != _LOCAL_SIG:
@@ -492,41 +495,94 @@ def _skeleton_writer(path: str) -> tuple[Any, Any]:
     return torch._C.PyTorchFileWriter(path, False, align), None
 
 
-def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
-         depth: int = QUEUE_DEPTH, sha256: bool = False,
-         on_bytes: Callable[[int], None] | None = None) -> SaveStats:
-    """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
-    pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
-
-    ``sha256``: also hash the file as it is written (``SaveStats.sha256``), saving a read pass.
-    ``on_bytes``: called after each tensor record with the file offset produced so far (for a
-    progress display; it runs on this thread and must be cheap)."""
-    path = os.fspath(path)
-    base = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
-    data_pkl, records = _pickle(obj, base)
-    writer, stream = _skeleton_writer(path)
+def _skeleton(writer: Any, data_pkl: bytes, records: list[_Record]) -> dict[str, bytes]:
+    """Write ``torch.save``'s records through ``writer``, tensor data as holes; the small records."""
     small: dict[str, bytes] = {}
 
     def small_record(name: str, value: bytes) -> None:
         small[name] = value
         writer.write_record(name, value, len(value))
 
+    small_record("data.pkl", data_pkl)
+    small_record(".format_version", b"1")
+    small_record(".storage_alignment", str(torch.serialization._get_storage_alignment()).encode())
+    small_record("byteorder", sys.byteorder.encode())
+    for rec in records:
+        writer.write_record_metadata(f"data/{rec.key}", rec.nbytes)
+    writer.write_end_of_file()
+    return small
+
+
+class _Sizer:
+    """A write-only stream that only counts: the size of a skeleton, no bytes kept."""
+
+    def __init__(self) -> None:
+        self.pos = self.end = 0
+
+    def write(self, b: Any) -> int:
+        n = len(memoryview(b).cast("B"))
+        self.pos += n
+        self.end = max(self.end, self.pos)
+        return n
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.end + off
+        self.end = max(self.end, self.pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+def saved_size(obj: Any, *, pickle_module: Any = None) -> int:
+    """The number of bytes ``torch.save(obj, buffer)`` writes (the archive named ``archive``, as
+    for any buffer), from shapes alone: no tensor bytes are produced."""
+    base = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
+    data_pkl, records = _pickle(obj, base)
+    sizer = _Sizer()
+    writer = torch._C.PyTorchFileWriter(sizer, False, torch.serialization._get_storage_alignment())
+    _skeleton(writer, data_pkl, records)
+    del writer
+    return sizer.end
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
+         depth: int = QUEUE_DEPTH, sha256: bool = False,
+         on_bytes: Callable[[int], None] | None = None, offset: int | None = None) -> SaveStats:
+    """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
+    pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
+
+    ``sha256``: also hash the file as it is written (``SaveStats.sha256``), saving a read pass.
+    ``on_bytes``: called after each tensor record with the file offset produced so far (for a
+    progress display; it runs on this thread and must be cheap).
+    ``offset``: append the archive to the existing file ``path`` at this offset (what follows is
+    cut off) instead of creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place
+    (a ``torch.distributed.checkpoint`` file is such archives back to back). ``SaveStats.size``
+    is then the archive's length."""
+    path = os.fspath(path)
+    base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
+    data_pkl, records = _pickle(obj, base_pickler)
+    if offset is None:
+        writer, stream = _skeleton_writer(path)
+    else:
+        stream = open(path, "r+b")  # noqa: SIM115
+        stream.truncate(offset)
+        stream.seek(offset)
+        writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     try:
-        small_record("data.pkl", data_pkl)
-        small_record(".format_version", b"1")
-        small_record(".storage_alignment", str(torch.serialization._get_storage_alignment()).encode())
-        small_record("byteorder", sys.byteorder.encode())
-        for rec in records:
-            writer.write_record_metadata(f"data/{rec.key}", rec.nbytes)
-        writer.write_end_of_file()
+        small = _skeleton(writer, data_pkl, records)
     finally:
         if stream is not None:
             stream.close()
     del writer
 
     fd = os.open(path, os.O_RDWR)
+    base = offset or 0
     try:
-        entries = _read_entries(fd)
+        entries = _read_entries(fd, base)
         by_name = {e.name: e for e in entries}
         crcs: dict[str, int] = {}
         heads: dict[str, bytes] = {}
@@ -535,7 +591,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
             _patch_crc(fd, by_name[name], crcs[name])
         stats = SaveStats(records=len(entries))
         digest = hashlib.sha256() if sha256 else None
-        hashed_to = 0  # the file's final bytes before this offset are queued for hashing
+        hashed_to = base  # the file's final bytes before this offset are queued for hashing
         # CRCs of streamed records: patched into the file once all data is written (a pwrite here
         # would contend with the writer thread for the file's lock), and into the bytes hashed
         crc_at: dict[int, int] = {}
@@ -561,14 +617,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                 hashed_to = entry.data_offset + entry.size
                 stats.largest_record = max(stats.largest_record, rec.nbytes)
                 if on_bytes is not None:
-                    on_bytes(hashed_to)
+                    on_bytes(hashed_to - base)
         finally:
             wt.close()
         _patch(fd, entries, crcs, heads, small)
-        stats.size = os.fstat(fd).st_size
+        end = os.fstat(fd).st_size
+        stats.size = end - base
         if digest is not None:
-            while hashed_to < stats.size:
-                tail = os.pread(fd, min(stats.size - hashed_to, 1 << 24), hashed_to)
+            while hashed_to < end:
+                tail = os.pread(fd, min(end - hashed_to, 1 << 24), hashed_to)
                 digest.update(tail)
                 hashed_to += len(tail)
             stats.sha256 = digest.hexdigest()

@@ -111,7 +111,8 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     from prefect.runtime import flow_run
 
     return {"flow_run_id": str(flow_run.id), "source": params.source, "destination": params.destination, "source_tp": job["source_tp"],
-            "target_tp": params.target_tp, "version": job["version"], "quantized": params.quantize,
+            "target_tp": params.target_tp, "target_format": job["output_format"], "version": job["version"],
+            "quantized": params.quantize,
             "up_to_date": job["up_to_date"], "conversion_id": job["conversion_id"],
             "files": manifest.get("files", []), "warnings": job["warnings"], "steps": len(steps), "reused": reused}
 

@@ -81,8 +81,12 @@ class CheckpointFormat(ABC):
     # -- writing (outputs are written in the format they were read in, or in ``writes_as``) ------
     #: The format outputs are written in when this one is read (None: this one).
     writes_as: ClassVar[str | None] = None
+    #: Does this layout hold one file per tensor-parallel rank (else global tensors, TP-free)?
+    per_rank: ClassVar[bool] = True
     #: Can this layout hold several pipeline stages of per-rank files?
     writes_pipeline_stages: ClassVar[bool] = False
+    #: Megatron-LM's ``args.ckpt_format`` for this layout (written into the output's ``args``).
+    ckpt_format: ClassVar[str | None] = None
     #: How errors name the layout (default: ``name``).
     title: ClassVar[str] = ""
 
@@ -93,6 +97,9 @@ class CheckpointFormat(ABC):
                               culprit="--target-pp", hint="pipeline stages can be changed for Megatron-LM "
                                                           "(iter_*/mp_rank_XX_YYY) checkpoints; use --target-pp 1")
 
+    def check_plan(self, plan: Plan) -> None:
+        """Refuse a validated plan this format cannot write (e.g. a naming it has no place for)."""
+
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         """Path, relative to the destination, of the output file of (tp_rank, pp_rank)."""
         raise LayoutError(f"the {self.name} format is read-only here: reshard cannot write it", culprit=source.origin,
@@ -102,8 +109,8 @@ class CheckpointFormat(ABC):
         """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""
         return {}
 
-    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str]:
-        """Small text files written beside the outputs once their names are known (a descriptor)."""
+    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
+        """Small files written beside the outputs once their names are known (a descriptor, an index)."""
         return {}
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,

@@ -28,6 +28,7 @@ class MegatronFormat(CheckpointFormat):
             MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in folder.iterdir())
 
     writes_pipeline_stages = True
+    ckpt_format = "torch"
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return megatron_file_name(source.iteration or "release", tp_rank, pp_rank, pp)

@@ -35,22 +35,31 @@ per-rank layout (``writes_as``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
+import os
 import pickle
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reshard.core import foreign, torch_writer
 from reshard.core.dcp_metadata import DcpMetadata, DcpTensor, check_storage, read_metadata
-from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.lazy import LazyTensor
 from reshard.core.safe_load import load_shard, safe_torch_load
-from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint
+from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
+from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.megatron import iteration_folder
+
+if TYPE_CHECKING:
+    from reshard.core.plan_types import Plan
 
 TORCH_DIST = "torch_dist"
 INDEX = ".metadata"
@@ -120,6 +129,45 @@ class TorchDistFormat(CheckpointFormat):
     def padding_tp(self, args: Any, source: SourceCheckpoint) -> int:
         saved = getattr(args, "tensor_model_parallel_size", None)
         return saved if isinstance(saved, int) and saved > 0 else 1
+
+    # -- writing: global tensors (the TP 1 plan), one storage file, the index as a side file ------
+    per_rank = False
+    ckpt_format = TORCH_DIST
+
+    def check_plan(self, plan: Plan) -> None:
+        if plan.facts.naming != "megatron-core":
+            raise LayoutError("torch_dist holds megatron-core models; this checkpoint uses legacy Megatron names",
+                              culprit=plan.source.origin, hint="convert it to its own per-rank layout instead")
+        if plan.options.quantize:
+            raise LayoutError("torch_dist has no place for reshard's int8 quantization record", culprit="--quantize",
+                              hint="quantize into a per-rank layout (drop --to torch_dist)")
+
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
+        return f"{source.iteration or 'release'}/{DISTCP_NAME}"
+
+    def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
+        iteration = source.iteration or "release"
+        return {MEGATRON_LATEST: iteration_text(iteration),
+                f"{iteration}/{CONFIG}": json.dumps({"sharded_backend": TORCH_DIST, "sharded_backend_version": 1,
+                                                     "common_backend": "torch", "common_backend_version": 1})}
+
+    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
+        """The index (from the shapes: blob sizes do not depend on the bytes) and ``common.pt``
+        (the top-level entries, ``args`` describing the output)."""
+        from reshard.core.engine import target_state
+
+        sd = target_state(plan, 0)
+        folder = names[0].rsplit("/", 1)[0]
+        top = {k: v for k, v in sd.items() if k != plan.module_key}
+        buf = io.BytesIO()
+        torch.save(top, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(top) else pickle)
+        return {f"{folder}/{INDEX}": index_bytes(global_items(sd[plan.module_key])),
+                f"{folder}/{COMMON}": buf.getvalue()}
+
+    def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
+              on_bytes: Callable[[int], None] | None = None) -> torch_writer.SaveStats:
+        module = next(obj[k] for k in MODULE_KEYS if isinstance(obj.get(k), dict))
+        return write_distcp(global_items(module), os.fspath(path), sha256=sha256, on_bytes=on_bytes)
 
 
 def _check_backend(folder: Path) -> None:
@@ -280,3 +328,123 @@ def _load_blob(blob: bytes, where: str, *, allowlist: bool = False) -> Any:
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise CorruptCheckpointError(f"cannot read the blob: {str(exc).splitlines()[0][:200]}", culprit=where,
                                      hint="the .distcp file is truncated or corrupt; re-copy it") from None
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+#: The one storage file reshard writes (rank 0, writer 0 in megatron-core's naming).
+DISTCP_NAME = "__0_0.distcp"
+_LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class GlobalItem:
+    """One entry of the written index: a tensor chunk (``dtype`` set) or a byte item."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    value: Any
+
+
+def global_items(module: dict[str, Any]) -> list[GlobalItem]:
+    """A TP 1 megatron-core module as torch_dist entries (the name table above, backwards):
+    layer ``i`` of ``L`` becomes chunk ``i`` of the stacked key, local-spec layer norms take the
+    fused names, ``_extra_state`` becomes the byte item ``<key>/shard_{i}_{L}``."""
+    layers = 1 + max((int(m.group(1)) for m in map(_LAYER_KEY_RE.match, module) if m), default=-1)
+    items = []
+    for name, value in module.items():
+        if name in PER_RANK_ONLY:
+            continue
+        for fused, local in LOCAL_SPEC_NAMES.items():
+            name = name.replace(local, fused)
+        m = _LAYER_KEY_RE.match(name)
+        key = f"{LAYERS}{m.group(2)}" if m else name
+        if name.endswith("._extra_state"):
+            shard = f"shard_{m.group(1)}_{layers}" if m else "shard_0_1"
+            items.append(GlobalItem(f"{key}/{shard}", (), (), (), None, value))
+            continue
+        shape = tuple(value.shape)
+        if m:
+            i = int(m.group(1))
+            items.append(GlobalItem(key, (i, *[0] * len(shape)), (1, *shape), (layers, *shape), value.dtype, value))
+        else:
+            items.append(GlobalItem(key, (0,) * len(shape), shape, shape, value.dtype, value))
+    return items
+
+
+def _blob_tensor(item: GlobalItem) -> Any:
+    """What one chunk's ``torch.save`` blob holds: the tensor in the chunk's shape."""
+    v = item.value
+    if isinstance(v, PendingTensor):
+        return PendingTensor(item.sizes, v.dtype, v.produce, v.requires_grad, item.key)
+    return v.reshape(item.sizes)
+
+
+def _byte_blob(value: Any) -> bytes:
+    """A byte item as megatron-core saves one: the list of the rank's objects under the key."""
+    buf = io.BytesIO()
+    obj = [value]
+    torch.save(obj, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(obj) else pickle)
+    return buf.getvalue()
+
+
+def _placed(items: list[GlobalItem]) -> list[tuple[GlobalItem, int, int]]:
+    """Each item with its (offset, length) in :data:`DISTCP_NAME`: blobs back to back, sizes from shapes."""
+    out, offset = [], 0
+    for it in items:
+        length = torch_writer.saved_size(_blob_tensor(it)) if it.dtype is not None else len(_byte_blob(it.value))
+        out.append((it, offset, length))
+        offset += length
+    return out
+
+
+def index_bytes(items: list[GlobalItem]) -> bytes:
+    """The ``.metadata`` torch.distributed.checkpoint reads for ``items`` written by :func:`write_distcp`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    sd_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for it, offset, length in _placed(items):
+        info = _StorageInfo(relative_path=DISTCP_NAME, offset=offset, length=length)
+        if it.dtype is None:
+            sd_meta[it.key] = BytesStorageMetadata()
+            storage[MetadataIndex(it.key)] = info
+            continue
+        md = sd_meta.setdefault(it.key, TensorStorageMetadata(properties=TensorProperties(dtype=it.dtype),
+                                                              size=torch.Size(it.shape), chunks=[]))
+        md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(it.offsets), sizes=torch.Size(it.sizes)))
+        storage[MetadataIndex(it.key, torch.Size(it.offsets))] = info
+    return pickle.dumps(Metadata(state_dict_metadata=sd_meta, planner_data=None, storage_data=storage))
+
+
+def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
+                 on_bytes: Callable[[int], None] | None = None) -> torch_writer.SaveStats:
+    """Write the blobs of ``items`` back to back, each streamed as it is produced, exactly where
+    :func:`index_bytes` says they are."""
+    with open(path, "wb"):
+        pass
+    stats = torch_writer.SaveStats()
+    for it, offset, length in _placed(items):
+        if it.dtype is None:
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                f.write(_byte_blob(it.value))
+            size = length
+        else:
+            size = torch_writer.save(_blob_tensor(it), path, offset=offset,
+                                     on_bytes=None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))).size
+        if size != length:
+            raise torch_writer.WriterError(f"{it.key}: wrote {size} bytes where the index says {length}")
+        stats.size, stats.records = offset + size, stats.records + 1
+    if sha256:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        stats.sha256 = digest.hexdigest()
+    return stats

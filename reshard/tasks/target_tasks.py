@@ -26,7 +26,8 @@ from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
 from reshard.formats import is_marker, locate
-from reshard.conversion import manifest_for, side_files, source_folders, source_record, urls_in_errors, zero_gate
+from reshard.conversion import (manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
+                                source_record, urls_in_errors, zero_gate)
 from reshard import progress
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.destination import Destination, LocalDestination, open_destination
@@ -144,8 +145,9 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
     return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": [files[i] for i in t.sources] + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
-                warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files(plan, names),
-                source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version)
+                warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
+                source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version,
+                output_format=plan.output_format)
 
 
 @task(name="plan-conversion", **TRANSIENT_RETRIES)
@@ -253,8 +255,8 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
     if job["up_to_date"]:
         return dest.committed_manifest() or {}
     records = list(records)
-    for name, text in job["side_files"].items():
-        dest.staged(name).write_text(text)
+    for name, data in side_files_from_record(job["side_files"]).items():
+        dest.staged(name).write_bytes(data)
         records.append(dest.publish(name))
     for rec in records:  # sizes only: the sha256 were computed while writing and are not re-read
         size = dest.staged_size(rec["path"])
@@ -263,7 +265,7 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
                                culprit=job["destination"], hint="re-run; the staged copy will be redone",
                                transient=False)
     manifest = manifest_for(_options(job), job["warnings"], job["source_record"], job["destination"], records,
-                            job["conversion_id"], job["target_pp"])
+                            job["conversion_id"], job["target_pp"], job["output_format"])
     crash_point("staged-all")
     dest.commit([r["path"] for r in records], manifest)
     return manifest

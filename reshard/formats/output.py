@@ -1,0 +1,28 @@
+"""Which format a conversion's output is written in (one place for the planners and the front ends)."""
+
+from __future__ import annotations
+
+from reshard.core.errors import LayoutError
+from reshard.core.options import ReshardOptions
+from reshard.core.source import SourceCheckpoint
+from reshard.formats.base import CheckpointFormat
+from reshard.formats.registry import get_format, registry
+
+
+def output_format(source: SourceCheckpoint, options: ReshardOptions) -> CheckpointFormat:
+    """``--to``, else the format the source's format writes as (itself, unless read-only).
+
+    A per-rank layout is only written from its own kind of source (its top-level entries and
+    file naming are the source's); a layout of global tensors (torch_dist) from any."""
+    fmt = get_format(source.format)
+    own = get_format(fmt.writes_as or source.format)
+    if options.to is None or options.to == own.name:
+        return own
+    if options.to not in registry:
+        raise LayoutError(f"unknown output format {options.to!r}", culprit="--to",
+                          hint=f"choose one of {', '.join(sorted(registry))}")
+    out = get_format(options.to)
+    if out.per_rank:
+        raise LayoutError(f"cannot write a {fmt.title or fmt.name} checkpoint in the {out.title or out.name} layout",
+                          culprit="--to", hint=f"use --to {own.name}, or --to a layout of global tensors (torch_dist)")
+    return out
