@@ -152,6 +152,9 @@ def test_sweep_scan_finds_finished_checkpoints_only(tmp_path):
         _touch(src / "runG" / "global_step30" / f"mp_rank_{r:02d}_model_states.pt")
     _touch(src / "runG" / "latest", "global_step30")
     _touch(src / "runG" / "latest_checkpointed_iteration.txt", "30")
+    for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"):  # torch_dist run folder
+        _touch(src / "runH" / "iter_0000040" / f)
+    _touch(src / "runH" / "latest_checkpointed_iteration.txt", "40")
     out = src / "converted" / "runC" / "final" / "tp2"  # an output inside the scanned tree
     _touch(out / "mp_rank_00_model_states.pt")
     _touch(out / "reshard.complete")
@@ -163,7 +166,8 @@ def test_sweep_scan_finds_finished_checkpoints_only(tmp_path):
                                                                   "reshard.complete"], exclude=[str(src / "dest")])
     got = {f["relative_path"]: (f["marker"], f["source_tp"]) for f in found}
     assert got == {"runA/global_step900": ("latest", 4), "runB/iter_0000100": ("latest_checkpointed_iteration.txt", 2),
-                   "runC/final": ("reshard.complete", 8), "runG/global_step30": ("latest", 2)}
+                   "runC/final": ("reshard.complete", 8), "runG/global_step30": ("latest", 2),
+                   "runH/iter_0000040": ("latest_checkpointed_iteration.txt", None)}
     assert found[0]["source"] == str(src / "runA" / "global_step900")
     assert sorted((Path(i["path"]).relative_to(src).as_posix(), i["reason"]) for i in ignored) == [
         ("runE/global_step7", "latest present but no model-state files"), ("runF/latest", "names '../../etc', not a folder")]

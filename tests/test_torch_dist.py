@@ -300,3 +300,30 @@ def test_legacy_names_are_refused_for_torch_dist(sample_factory, tmp_path, capsy
     code, err = _cli(capsys, ["run", "--direct", str(sample_factory(2, 2.0)), str(tmp_path / "out"), "--to", "torch_dist"])
     assert code == 2 and "legacy Megatron names" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# --- through the Prefect flow, from S3 ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_the_flow_reads_and_writes_torch_dist_from_s3_like_direct(direction, dist, mcore, tmp_path, s3_server,
+                                                                  s3_bucket, monkeypatch, prefect_env):
+    """in: a torch_dist run folder on S3 -> per-rank TP 2; out: megatron-core per-rank files on S3 ->
+    torch_dist. The flow's output equals ``--direct``'s, file for file (side files included)."""
+    from conftest import task_states
+    from reshard.core.options import ReshardOptions
+    from reshard.direct import run_direct
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from test_flow_formats import _outputs, _to_s3
+
+    src, opts = ((dist[("gqa_swiglu", 2, 1)], {"target_tp": 2}) if direction == "in"
+                 else (mcore[("gqa_swiglu", 2, 1)], {"to": "torch_dist"}))
+    run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(**opts))
+    url, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    out = run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
+                                 cache_dir=str(tmp_path / "cache"), **opts))
+    assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
+    assert set(task_states(out["flow_run_id"])["check-shard"]) == {"Completed"}
+    if direction == "out":
+        assert (tmp_path / "flow" / "iter_0000007" / ".metadata").is_file()

@@ -100,8 +100,23 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
 
 def target_state(plan: Plan, tgt: int) -> dict[str, Any]:
     """Target ``tgt``'s state dict with every produced tensor pending: names, shapes, dtypes and
-    the top-level entries, no tensor bytes read (what a format needs to index what it writes)."""
-    return _target_layout(plan, tgt, _load_sources(plan, tgt), torch.device("cpu"), PageDropper(()))
+    the top-level entries, no tensor bytes read (what a format needs to index what it writes).
+
+    Read from the first rank file of each source stage alone, standing in for its stage's other
+    ranks (their shapes are equal, as the full plan checks), so it works while only those
+    header files are fetched; top-level and carried entries are the base rank's, exact for a
+    target whose base rank is rank 0."""
+    src, fmt = plan.source, get_format(plan.source.format)
+    if src.layer_ids:  # DeepSpeed pipeline layer files are planned from all files anyway
+        return _target_layout(plan, tgt, _load_sources(plan, tgt), torch.device("cpu"), PageDropper(()))
+    heads: dict[int, dict[str, Any]] = {}
+    shards = {}
+    for i in plan.targets[tgt].sources:
+        stage = i // src.tp
+        if stage not in heads:
+            heads[stage] = fmt.load(src.stage_files(stage)[0])
+        shards[i] = heads[stage]
+    return _target_layout(plan, tgt, shards, torch.device("cpu"), PageDropper(()))
 
 
 def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:

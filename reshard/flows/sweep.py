@@ -9,6 +9,9 @@ A checkpoint counts as *finished* when training says so:
 * any folder holding a completion marker (default ``reshard.complete``), written by the training
   job after its last save.
 
+The checkpoint folder must hold rank files (DeepSpeed, Megatron-LM per-rank) or a torch_dist index
+(``.metadata``; its ``source_tp`` is reported as None: global tensors, converted for every target).
+
 Only the checkpoint a marker names is converted (for ``latest`` files: the newest one). The output
 of checkpoint ``<source_root>/<relative_path>`` for target ``M`` goes to the ``destination``
 template, by default ``{dest_root}/{relative_path}/tp{target_tp}``; an output is *done* when
@@ -36,6 +39,8 @@ COMPLETE_MARKER = "reshard.complete"
 DEFAULT_MARKERS = (DS_LATEST, MEGATRON_LATEST, COMPLETE_MARKER)
 DEFAULT_DESTINATION = "{dest_root}/{relative_path}/tp{target_tp}"
 
+#: A torch_dist checkpoint's index (megatron-core ``--ckpt-format torch_dist``); its TP is not in its names.
+DIST_INDEX = ".metadata"
 _RANK_FILE = re.compile(r"^mp_rank_(\d+)(?:_\d+)?(?:_model_states\.pt|/model_optim_rng\.pt)$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -118,6 +123,11 @@ def find_finished_checkpoints(source_root: str, storage_options: dict[str, Any] 
         else:
             ckpt = folder
         ranks = {int(m.group(1)) for f in by_folder.get(ckpt, []) if (m := _RANK_FILE.match(f))}
+        if DIST_INDEX in by_folder.get(ckpt, []):  # torch_dist: global tensors, no per-rank files
+            found.setdefault(ckpt, {"source": loc.child_url(ckpt) if ckpt else source_root.rstrip("/"),
+                                    "relative_path": ckpt, "marker": name, "source_tp": None,
+                                    "marker_folder": folder})
+            continue
         if not ranks:
             ignored.append({"path": loc.child_url(ckpt) if ckpt else source_root, "marker_folder": folder,
                             "reason": f"{name} present but no model-state files"})
@@ -149,7 +159,7 @@ def _check_template_resolved(name: str, value: str) -> None:
                                "before `reshard deploy`) or pass it as a parameter")
 
 
-def _render(template: str, dest_root: str, rel: str, target_tp: int, source_tp: int) -> str:
+def _render(template: str, dest_root: str, rel: str, target_tp: int, source_tp: int | None) -> str:
     values = {"dest_root": dest_root.rstrip("/"), "relative_path": rel, "name": posixpath.basename(rel),
               "target_tp": target_tp, "source_tp": source_tp}
     try:
