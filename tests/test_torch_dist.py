@@ -327,3 +327,14 @@ def test_the_flow_reads_and_writes_torch_dist_from_s3_like_direct(direction, dis
     assert set(task_states(out["flow_run_id"])["check-shard"]) == {"Completed"}
     if direction == "out":
         assert (tmp_path / "flow" / "iter_0000007" / ".metadata").is_file()
+
+
+def test_a_hop_through_torch_dist_changes_no_byte(mcore, tmp_path):
+    """per-rank TP 2 -> torch_dist -> per-rank TP 4 writes the very files per-rank TP 2 -> TP 4 writes."""
+    src = mcore[("gqa_swiglu", 2, 1)]
+    assert main(["run", "--direct", str(src), str(tmp_path / "dist"), "--to", "torch_dist"]) == 0
+    assert main(["run", "--direct", str(tmp_path / "dist"), str(tmp_path / "hop"), "--target-tp", "4"]) == 0
+    assert main(["run", "--direct", str(src), str(tmp_path / "straight"), "--target-tp", "4"]) == 0
+    for r in range(4):
+        name = f"iter_0000007/mp_rank_{r:02d}/model_optim_rng.pt"
+        assert (tmp_path / "hop" / name).read_bytes() == (tmp_path / "straight" / name).read_bytes(), name

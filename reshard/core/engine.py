@@ -230,37 +230,70 @@ def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
     def produce(sink: RecordSink) -> None:
         with _read_errors(culprit):
             t = value.materialize()
-        sink.write(t, keep=t)
+        flat = t.reshape(-1).view(torch.uint8)
+        for off in range(0, flat.numel(), CHUNK_BYTES):
+            piece = flat[off:off + CHUNK_BYTES]
+            sink.write(piece, release=functools.partial(value.release, piece), keep=piece)
+    # replicated tensors are small (norms, biases): a view of the mapping or one copy each
 
     return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
 
 
 def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
-                            name: str, culprit: str) -> PendingTensor:
-    """A partitioned parameter's target slice from lazy sources: each segment along ``spec.dim``
-    is read as one box (only the rows this target needs); along dim 0 the boxes are written as
-    they come, along a later dim they are joined first (memory: the target's tensor)."""
+                            name: str, culprit: str, scratch: "ScratchBuffers | None") -> PendingTensor:
+    """A partitioned parameter's target slice from lazy sources, each segment along ``spec.dim``
+    read as one box (only the rows this target needs). Along dim 0 a box that is one region of
+    a mapped file is written from the mapping, chunk by chunk, its pages given back as written;
+    any other box, and along a later dim the whole slice, is gathered into a reused scratch
+    buffer (fresh allocations per tensor would pile up in the allocator's arenas)."""
     any_src = next(iter(sources.values()))
     d = spec.dim
     segs = _segments(spec, any_src.shape[d] // spec.parts, n, m, tgt)
     shape = list(any_src.shape)
     shape[d] = sum(length for _, _, length in segs)
-    dtype = any_src.dtype
+    dtype, isz = any_src.dtype, any_src.dtype.itemsize
+    pool = scratch if scratch is not None else ScratchBuffers()
 
-    def box(s: int, start: int, length: int) -> torch.Tensor:
+    def gathered(box_shape: list[int], fill: Callable[[torch.Tensor], None], sink: RecordSink) -> None:
+        nbytes = math.prod(box_shape) * isz
+        buf = pool.take(nbytes)
+        out = buf[:nbytes].view(dtype).view(box_shape)
+        fill(out)
+        sink.write(tensor_bytes(out), release=functools.partial(pool.give, buf), keep=buf)
+
+    def write_mapped(src: LazyTensor, view: torch.Tensor, sink: RecordSink) -> None:
+        flat = view.reshape(-1).view(torch.uint8)
+        for off in range(0, flat.numel(), CHUNK_BYTES):
+            piece = flat[off:off + CHUNK_BYTES]
+            sink.write(piece, release=functools.partial(src.release, piece), keep=piece)
+
+    def fill_segment(s: int, start: int, length: int, out: torch.Tensor) -> None:
         if s == FILL:
-            return torch.zeros([length if i == d else x for i, x in enumerate(any_src.shape)], dtype=dtype)
-        return sources[s].read(d, start, length)
+            out.zero_()
+        else:
+            sources[s].read(d, start, length, out=out)
 
     def produce(sink: RecordSink) -> None:
         with _read_errors(culprit):
+            if math.prod(shape) == 0:
+                return
             if d == 0 or math.prod(any_src.shape[:d]) == 1:
-                for seg in segs:
-                    t = box(*seg)
-                    sink.write(t, keep=t)
-            else:
-                t = torch.cat([box(*seg) for seg in segs], dim=d)
-                sink.write(t, keep=t)
+                for s, start, length in segs:
+                    box = [length if i == d else x for i, x in enumerate(any_src.shape)]
+                    view = None if s == FILL else sources[s].view(d, start, length)
+                    if view is not None:
+                        write_mapped(sources[s], view, sink)
+                    elif math.prod(box):
+                        gathered(box, functools.partial(fill_segment, s, start, length), sink)
+                return
+
+            def fill_all(out: torch.Tensor) -> None:
+                col = 0
+                for s, start, length in segs:
+                    fill_segment(s, start, length, out.narrow(d, col, length))
+                    col += length
+
+            gathered(shape, fill_all, sink)
 
     return PendingTensor(tuple(shape), dtype, produce, False, name)
 
@@ -290,7 +323,7 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
     output is built in blocks of rows (``CHUNK_BYTES`` each)."""
     any_src = next(iter(sources.values()))
     if isinstance(any_src, LazyTensor):
-        return _pending_lazy_assembled(spec, sources, n, m, tgt, name, culprit)  # type: ignore[arg-type]
+        return _pending_lazy_assembled(spec, sources, n, m, tgt, name, culprit, scratch)  # type: ignore[arg-type]
     d = spec.dim
     part_len = any_src.shape[d] // spec.parts
     segs = _segments(spec, part_len, n, m, tgt)

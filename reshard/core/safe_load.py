@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import contextlib
 import io
 import os
@@ -127,3 +128,69 @@ def _first_line(exc: BaseException) -> str:
         if "Unsupported global" in line or "GLOBAL" in line:
             return line.strip()[:300]
     return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
+# --- one tensor's torch.save archive, described without loading it ---------------------------------
+
+#: Legacy typed-storage class names torch pickles, and their dtypes.
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    """A pickled tensor: its storage record ``data/<key>`` and the view of it."""
+
+    key: str
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: torch.dtype | None) -> None:
+        self.key, self.dtype = key, dtype
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRecord:
+    dtype = rest[2] if len(rest) >= 3 and isinstance(rest[2], torch.dtype) else storage.dtype
+    if not (isinstance(storage, _StorageRef) and isinstance(dtype, torch.dtype) and isinstance(offset, int)
+            and isinstance(size, tuple) and isinstance(stride, tuple)):
+        raise pickle.UnpicklingError("not a plain tensor")
+    return TensorRecord(storage.key, dtype, offset, tuple(size), tuple(stride))
+
+
+class _TensorPickle(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuild
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch" and (name in _STORAGE_DTYPES or name == "UntypedStorage"):
+            return name
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        return _StorageRef(pid[2], _STORAGE_DTYPES.get(pid[1]) if isinstance(pid[1], str) else None)
+
+
+def tensor_record(data_pkl: bytes) -> TensorRecord:
+    """What the ``data.pkl`` of ``torch.save(tensor)`` describes, read by an unpickler that knows
+    only tensor rebuilding (so the bytes can be mapped instead of loaded). Raises
+    ``pickle.UnpicklingError`` for anything but one plain tensor."""
+    try:
+        rec = _TensorPickle(io.BytesIO(data_pkl)).load()
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise pickle.UnpicklingError(f"unreadable tensor pickle: {exc}") from None
+    if not isinstance(rec, TensorRecord):
+        raise pickle.UnpicklingError(f"holds a {type(rec).__name__}, not a tensor")
+    return rec

@@ -288,7 +288,7 @@ def _pickle(obj: Any, pickler_base: type) -> tuple[bytes, list[_Record]]:
 
 
 @dataclass
-class _Entry:
+class ZipEntry:
     name: str  # record name without the archive prefix
     cd_offset: int  # central-directory entry
     data_offset: int
@@ -296,10 +296,11 @@ class _Entry:
     descriptor: int  # offset of the data descriptor (crc at +4), or -1: none (empty records)
 
 
-def _read_entries(fd: int, base: int = 0) -> list[_Entry]:
-    """The records of the archive that starts at ``base`` and ends the file, in file order,
-    parsed from its central directory (the archive's own offsets are from ``base``)."""
-    end = os.fstat(fd).st_size
+def read_entries(fd: int, base: int = 0, end: int | None = None) -> list[ZipEntry]:
+    """The records of the zip archive in ``[base, end)`` of the file (``end``: the file's end),
+    in file order, parsed from its central directory (the archive's own offsets are from
+    ``base``); ``ZipEntry.data_offset`` is absolute. Raises :class:`WriterError` if it is not one."""
+    end = os.fstat(fd).st_size if end is None else end
     tail = os.pread(fd, 22, end - 22)
     sig, _d, _cd, _n1, n, cd_size, cd_off, _clen = struct.unpack("<IHHHHIIH", tail)
     if sig != _EOCD_SIG:
@@ -315,7 +316,7 @@ def _read_entries(fd: int, base: int = 0) -> list[_Entry]:
             raise WriterError("zip64 end record missing")
     cd_off += base
     cd = os.pread(fd, cd_size, cd_off)
-    entries: list[_Entry] = []
+    entries: list[ZipEntry] = []
     pos = 0
     for _ in range(n):
         (sig, _vm, _vn, flags, _meth, _t, _dt, _crc, csize, usize, nlen, xlen, clen, _dn, _ia, _ea,
@@ -344,7 +345,7 @@ def _read_entries(fd: int, base: int = 0) -> list[_Entry]:
             raise WriterError(f"bad local header for {full}")
         data_off = off + 30 + lnlen + lxlen
         name = full.split("/", 1)[1] if "/" in full else full
-        entries.append(_Entry(name, cd_off + pos, data_off, size, data_off + size if flags & 0x8 else -1))
+        entries.append(ZipEntry(name, cd_off + pos, data_off, size, data_off + size if flags & 0x8 else -1))
         pos += 46 + nlen + xlen + clen
     return entries
 
@@ -442,7 +443,7 @@ def _writer_pipeline(fd: int, depth: int, digest: Any = None) -> _Stage:
 class _FileSink(RecordSink):
     """Streams one record into its hole: CRC here, ``pwrite`` on the writer thread."""
 
-    def __init__(self, writer: _Stage, entry: _Entry, name: str) -> None:
+    def __init__(self, writer: _Stage, entry: ZipEntry, name: str) -> None:
         self.writer = writer
         self.entry = entry
         self.name = name
@@ -551,7 +552,8 @@ def saved_size(obj: Any, *, pickle_module: Any = None) -> int:
 
 def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
          depth: int = QUEUE_DEPTH, sha256: bool = False,
-         on_bytes: Callable[[int], None] | None = None, offset: int | None = None) -> SaveStats:
+         on_bytes: Callable[[int], None] | None = None, offset: int | None = None,
+         digest: Any = None) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
     pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
 
@@ -561,7 +563,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     ``offset``: append the archive to the existing file ``path`` at this offset (what follows is
     cut off) instead of creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place
     (a ``torch.distributed.checkpoint`` file is such archives back to back). ``SaveStats.size``
-    is then the archive's length."""
+    is then the archive's length. ``digest``: a hash object to feed the archive's bytes to, in
+    file order (instead of ``sha256``), so consecutive archives hash as one file."""
     path = os.fspath(path)
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
@@ -582,7 +585,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     fd = os.open(path, os.O_RDWR)
     base = offset or 0
     try:
-        entries = _read_entries(fd, base)
+        entries = read_entries(fd, base)
         by_name = {e.name: e for e in entries}
         crcs: dict[str, int] = {}
         heads: dict[str, bytes] = {}
@@ -590,7 +593,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
             crcs[name], heads[name] = zlib_ng.crc32(value), value[:8]
             _patch_crc(fd, by_name[name], crcs[name])
         stats = SaveStats(records=len(entries))
-        digest = hashlib.sha256() if sha256 else None
+        own_digest = digest is None
+        if own_digest:
+            digest = hashlib.sha256() if sha256 else None
         hashed_to = base  # the file's final bytes before this offset are queued for hashing
         # CRCs of streamed records: patched into the file once all data is written (a pwrite here
         # would contend with the writer thread for the file's lock), and into the bytes hashed
@@ -628,7 +633,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                 tail = os.pread(fd, min(end - hashed_to, 1 << 24), hashed_to)
                 digest.update(tail)
                 hashed_to += len(tail)
-            stats.sha256 = digest.hexdigest()
+            if own_digest:
+                stats.sha256 = digest.hexdigest()
         stats.record_order = [e.name for e in entries]
     finally:
         os.close(fd)
@@ -646,7 +652,7 @@ def _final_bytes(fd: int, lo: int, hi: int, crc_at: dict[int, int]) -> bytes:
     return bytes(buf)
 
 
-def _patch_crc(fd: int, e: _Entry, crc: int) -> None:
+def _patch_crc(fd: int, e: ZipEntry, crc: int) -> None:
     """Write a record's CRC-32 into its data descriptor and central-directory entry."""
     if e.descriptor < 0:
         if crc != 0:
@@ -659,11 +665,11 @@ def _patch_crc(fd: int, e: _Entry, crc: int) -> None:
     os.pwrite(fd, packed, e.cd_offset + 16)
 
 
-def _patch(fd: int, entries: list[_Entry], crcs: dict[str, int], heads: dict[str, bytes],
+def _patch(fd: int, entries: list[ZipEntry], crcs: dict[str, int], heads: dict[str, bytes],
            small: dict[str, bytes]) -> None:
     """Write the real CRC-32s and serialization id into the skeleton."""
     combined = 0
-    sid: _Entry | None = None
+    sid: ZipEntry | None = None
     for e in entries:
         if e.name == _SERIALIZATION_ID:
             sid = e

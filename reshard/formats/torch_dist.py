@@ -38,9 +38,11 @@ import functools
 import hashlib
 import io
 import json
+import mmap
 import os
 import pickle
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +51,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core import foreign, torch_writer
-from reshard.core.dcp_metadata import DcpMetadata, DcpTensor, check_storage, read_metadata
+from reshard.core.dcp_metadata import ChunkRef, DcpMetadata, DcpTensor, check_storage, read_metadata
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.lazy import LazyTensor
-from reshard.core.safe_load import load_shard, safe_torch_load
+from reshard.core.pages import PageDropper
+from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat
@@ -120,10 +123,16 @@ class TorchDistFormat(CheckpointFormat):
         meta = _metadata(p)
         folder = p.parent
         common = load_shard(folder / COMMON) if (folder / COMMON).is_file() else {}
-        out = {k: v for k, v in common.items() if k != "model"}
+        module = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
+        out: dict[str, Any] = {}
+        for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
+            if k != "model":
+                out[k] = v
+            if k == "iteration":
+                out["model"] = module
+        out.setdefault("model", module)
         for root in sorted(_skipped(meta)):
             out.setdefault(root, None)  # reported as dropped by the planner, never read
-        out["model"] = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
         return out
 
     def padding_tp(self, args: Any, source: SourceCheckpoint) -> int:
@@ -216,12 +225,13 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
         m = _SHARD_RE.match(k)
         position.setdefault(m.group("base") if m else k, len(position))
     entries: list[tuple[tuple[int, int, int], str, Any]] = []  # (sort key, name, value)
+    files: dict[str, MappedFile] = {}  # mapped on first read, shared by this module's tensors
     for t in (meta.tensors[k] for k in keys if k in meta.tensors):
         if _is_stacked(t.key):
             for i in range(t.shape[0]):
-                entries.append(((1, i, position[t.key]), _layer_name(t.key, i), DistTensor(t, folder, i)))
+                entries.append(((1, i, position[t.key]), _layer_name(t.key, i), DistTensor(t, folder, i, files)))
         else:
-            entries.append((_order(t.key, position), t.key, DistTensor(t, folder, None)))
+            entries.append((_order(t.key, position), t.key, DistTensor(t, folder, None, files)))
     for item in (meta.byte_items[k] for k in keys if k in meta.byte_items):
         m = _SHARD_RE.match(item.key)
         base, offsets = (m.group("base"), [int(x) for x in m.group("offsets").split(".")]) if m else (item.key, [])
@@ -256,36 +266,121 @@ def _order(key: str, position: dict[str, int]) -> tuple[int, int, int]:
     return (0 if key.startswith("embedding.") else 1 if key.startswith(LAYERS) else 2, 0, position[key])
 
 
-class DistTensor(LazyTensor):
-    """One parameter (one layer of a stacked one) of a torch_dist checkpoint: reads the chunks
-    that overlap the box asked for, one ``torch.save`` blob at a time."""
+class MappedFile:
+    """One ``.distcp`` file mapped private copy-on-write: each chunk is a view of its ``torch.save``
+    blob's data record (located from the blob's zip directory and its ``data.pkl``, read by an
+    unpickler that knows only tensor rebuilding), read on first touch; pages are given back once
+    used (:class:`~reshard.core.pages.PageDropper`). A blob that cannot be mapped is loaded instead."""
 
-    def __init__(self, t: DcpTensor, folder: Path, layer: int | None) -> None:
-        self.t, self.folder, self.layer = t, folder, layer
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "rb")  # noqa: SIM115  (lives as long as the mapping's views)
+        size = os.fstat(self.file.fileno()).st_size
+        self.mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.pages = PageDropper([path])
+        self.views: dict[int, torch.Tensor | None] = {}
+
+    def view(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk's tensor as a view of the mapping, or None when its blob is not a plain
+        stored tensor archive of the chunk's shape and dtype (then it is loaded and checked)."""
+        if c.offset not in self.views:
+            self.views[c.offset] = self._map(c, dtype)
+        return self.views[c.offset]
+
+    def _map(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.mm is None:
+            return None
+        fd = self.file.fileno()
+        try:
+            entries = {e.name: e for e in torch_writer.read_entries(fd, c.offset, c.offset + c.length)}
+            pkl = entries["data.pkl"]
+            rec = tensor_record(os.pread(fd, pkl.size, pkl.data_offset))
+            data = entries[f"data/{rec.key}"]
+            if rec.dtype != dtype or rec.size != c.sizes or data.data_offset + data.size > c.offset + c.length:
+                return None
+            count = data.size // dtype.itemsize
+            if count == 0:
+                return None
+            base = torch.frombuffer(self.mm, dtype=dtype, offset=data.data_offset, count=count)
+            return base.as_strided(rec.size, rec.stride, rec.storage_offset)
+        except (torch_writer.WriterError, pickle.UnpicklingError, KeyError, ValueError, RuntimeError, OSError,
+                struct.error, UnicodeDecodeError):
+            return None
+
+    def release(self, t: torch.Tensor) -> None:
+        self.pages.drop(t.data_ptr(), t.numel() * t.element_size())
+
+
+class DistTensor(LazyTensor):
+    """One parameter (one layer of a stacked one) of a torch_dist checkpoint: a box that lies in
+    one chunk and is contiguous there is returned as a view of the mapped file (no copy); any
+    other box is gathered from the chunks that overlap it."""
+
+    def __init__(self, t: DcpTensor, folder: Path, layer: int | None, files: dict[str, MappedFile]) -> None:
+        self.t, self.folder, self.layer, self.files = t, folder, layer, files
         self.shape = t.shape[1:] if layer is not None else t.shape
         self.dtype = t.dtype
 
-    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        out = torch.empty(sizes, dtype=self.dtype)
+    def _file(self, name: str) -> MappedFile:
+        if name not in self.files:
+            self.files[name] = MappedFile(self.folder / name)
+        return self.files[name]
+
+    def _hits(self, g_off: tuple[int, ...], g_size: tuple[int, ...]) -> list[tuple[ChunkRef, list[int], list[int]]]:
+        hits = []
+        for c in self.t.chunks:
+            lo = [max(o, co) for o, co in zip(g_off, c.offsets)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(g_off, g_size, c.offsets, c.sizes)]
+            if all(a < b for a, b in zip(lo, hi)):
+                hits.append((c, lo, hi))
+        return hits
+
+    def _global(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return ((self.layer, *offsets), (1, *sizes)) if self.layer is not None else (offsets, sizes)
+
+    def view_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        if 0 in sizes:
+            return None
+        g_off, g_size = self._global(offsets, sizes)
+        hits = self._hits(g_off, g_size)
+        if len(hits) != 1 or hits[0][1] != list(g_off) or hits[0][2] != [o + s for o, s in zip(g_off, g_size)]:
+            return None
+        c = hits[0][0]
+        view = self._file(c.file).view(c, self.dtype)
+        if view is None:
+            return None
+        sub = view[tuple(slice(a - co, b - co) for a, b, co in zip(hits[0][1], hits[0][2], c.offsets))]
+        sub = sub[0] if self.layer is not None else sub
+        return sub if sub.is_contiguous() else None
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            view = self.view_box(offsets, sizes)
+            if view is not None:
+                return view
+            out = torch.empty(sizes, dtype=self.dtype)
         if 0 in sizes:
             return out
-        if self.layer is not None:
-            offsets, sizes = (self.layer, *offsets), (1, *sizes)
-        for c in self.t.chunks:
-            lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
-            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
-            if any(a >= b for a, b in zip(lo, hi)):
-                continue
-            chunk = self._chunk(c)
+        g_off, g_size = self._global(offsets, sizes)
+        for c, lo, hi in self._hits(g_off, g_size):
+            mapped = self._file(c.file).view(c, self.dtype)
+            chunk = mapped if mapped is not None else self._chunk(c)
             src = chunk[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
-            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, g_off))
             if self.layer is not None:
                 src, dst = src[0], dst[1:]
             out[dst] = src
-            del chunk
+            if mapped is not None:
+                self._file(c.file).release(mapped)
         return out
 
-    def _chunk(self, c: Any) -> torch.Tensor:
+    def release(self, t: torch.Tensor) -> None:
+        for name in {c.file for c in self.t.chunks}:
+            if name in self.files:
+                self.files[name].release(t)
+
+    def _chunk(self, c: ChunkRef) -> torch.Tensor:
         path = self.folder / c.file
         with open(path, "rb") as f:
             f.seek(c.offset)
@@ -429,22 +524,22 @@ def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
     with open(path, "wb"):
         pass
     stats = torch_writer.SaveStats()
+    digest = hashlib.sha256() if sha256 else None  # fed blob by blob, in file order
     for it, offset, length in _placed(items):
         if it.dtype is None:
+            blob = _byte_blob(it.value)
             with open(path, "r+b") as f:
                 f.seek(offset)
-                f.write(_byte_blob(it.value))
-            size = length
+                f.write(blob)
+            if digest is not None:
+                digest.update(blob)
+            size = len(blob)
         else:
-            size = torch_writer.save(_blob_tensor(it), path, offset=offset,
+            size = torch_writer.save(_blob_tensor(it), path, offset=offset, digest=digest,
                                      on_bytes=None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))).size
         if size != length:
             raise torch_writer.WriterError(f"{it.key}: wrote {size} bytes where the index says {length}")
         stats.size, stats.records = offset + size, stats.records + 1
-    if sha256:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
+    if digest is not None:
         stats.sha256 = digest.hexdigest()
     return stats

@@ -1,0 +1,203 @@
+"""torch_dist benchmark: megatron-core per-rank TP 8 -> torch_dist, and torch_dist -> per-rank TP 2,
+against the byte-copy floor of each source and torch's ``dcp_to_torch_save`` (the peer's first step:
+the whole state dict in one process), on a ~3 GB fp16 Llama-shaped megatron-core checkpoint.
+
+    python bench/bench_torch_dist.py               # full run
+    python bench/bench_torch_dist.py --quick       # smoke test of the benchmark itself (tiny model)
+
+Not part of the tests. Every command runs as its own process: wall time around it, peak RSS its
+``ru_maxrss`` (as in bench_reshard.py). Methods run interleaved, medians of ``--runs`` reported;
+the source is read once before each run (warm cache) and outputs are deleted and synced between
+runs. ``--deep-layers`` repeats the reshard runs on a model with twice the layers: peak RSS must
+stay flat. Sources are generated under ``bench/data/`` (git-ignored) by this script, rank by rank
+(random tensors of the right shapes; replicated ones equal on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+FLOOR = [sys.executable, "-c", """
+import sys, torch  # the floor pays the same interpreter + torch start-up
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+buf = bytearray(8 << 20); mv = memoryview(buf)
+for f in sorted(p for p in src.rglob('*') if p.is_file()):
+    out = dst / f.relative_to(src); out.parent.mkdir(parents=True, exist_ok=True)
+    with open(f, 'rb', buffering=0) as fi, open(out, 'wb', buffering=0) as fo:
+        while n := fi.readinto(buf):
+            v = mv[:n]
+            while v:
+                v = v[fo.write(v):]
+"""]
+DCP_TO_TORCH = [sys.executable, "-c", """
+import sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2] + '/all.pt')
+"""]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_source(folder: Path, layers: int, hidden: int, ffn: int, heads: int, groups: int, vocab: int,
+                tp: int) -> Path:
+    """A megatron-core Llama-shaped run folder at TP ``tp``, fp16, written one rank at a time."""
+    import argparse as ap
+
+    import torch
+
+    if (folder / "latest_checkpointed_iteration.txt").is_file():
+        return folder
+    hd = hidden // heads
+    qkv_rows = (heads + 2 * groups) * hd
+    args = ap.Namespace(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+                        kv_channels=hd, group_query_attention=True, num_query_groups=groups, swiglu=True,
+                        normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                        untie_embeddings_and_output_weights=True, vocab_size=vocab, padded_vocab_size=vocab,
+                        make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp,
+                        pipeline_model_parallel_size=1, transformer_impl="local", ckpt_format="torch")
+    norm = torch.ones(hidden, dtype=torch.float16)
+    for r in range(tp):
+        g = torch.Generator().manual_seed(r)
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, dtype=torch.float32).to(torch.float16)
+
+        model: dict[str, Any] = {"embedding.word_embeddings.weight": rnd(vocab // tp, hidden)}
+        for i in range(layers):
+            p = f"decoder.layers.{i}."
+            model[p + "input_layernorm.weight"] = norm
+            model[p + "self_attention.linear_proj.weight"] = rnd(hidden, hidden // tp)
+            model[p + "self_attention.linear_proj._extra_state"] = None
+            model[p + "self_attention.linear_qkv.weight"] = rnd(qkv_rows // tp, hidden)
+            model[p + "self_attention.linear_qkv._extra_state"] = None
+            model[p + "pre_mlp_layernorm.weight"] = norm
+            model[p + "mlp.linear_fc1.weight"] = rnd(2 * ffn // tp, hidden)
+            model[p + "mlp.linear_fc1._extra_state"] = None
+            model[p + "mlp.linear_fc2.weight"] = rnd(hidden, ffn // tp)
+            model[p + "mlp.linear_fc2._extra_state"] = None
+        model["decoder.final_layernorm.weight"] = norm
+        model["output_layer.weight"] = rnd(vocab // tp, hidden)
+        model["output_layer._extra_state"] = None
+        f = folder / "iter_0000001" / f"mp_rank_{r:02d}" / "model_optim_rng.pt"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model}, f)
+        del model
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    return folder
+
+
+def reshard(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from reshard.cli import main; sys.exit(main())", "run", "--direct",
+            *args]
+
+
+def measure(cmd: list[str]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd[:4]}... failed: {err[-2000:]}")
+    return {"seconds": wall, "rss_mib": usage.ru_maxrss / 1024}
+
+
+def warm(folder: Path) -> None:
+    for f in folder.rglob("*"):
+        if f.is_file():
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(1 << 24):
+                    pass
+
+
+def size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--make-source"]:
+        make_source(Path(argv[1]), int(argv[2]), **json.loads(argv[3]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--deep-layers", type=int, default=24, help="second depth for memory scaling (0: skip)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--data-dir", type=Path, default=HERE / "data")
+    ap.add_argument("--work-dir", type=Path, default=HERE / "out")
+    ns = ap.parse_args(argv)
+    shape = dict(hidden=3072, ffn=8192, heads=24, groups=8, vocab=32768, tp=8)
+    if ns.quick:
+        shape, ns.layers, ns.deep_layers, ns.runs = dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8), 2, 4, 1
+    work = ns.work_dir / "torch_dist"
+    shutil.rmtree(work, ignore_errors=True)
+    results: dict[str, Any] = {}
+    for layers in [ns.layers] + ([ns.deep_layers] if ns.deep_layers else []):
+        tag = "quick" if ns.quick else "llama3k"
+        src = ns.data_dir / f"core_{tag}_l{layers}_tp8_fp16"
+        # in its own process: a child forked from a big parent would report the parent's peak RSS
+        subprocess.run([sys.executable, __file__, "--make-source", str(src), str(layers), json.dumps(shape)],
+                       check=True)
+        dist = work / f"dist_l{layers}"
+        subprocess.run(reshard(str(src), str(dist), "--to", "torch_dist"), check=True, capture_output=True)
+        methods = {
+            "floor (per-rank TP 8 bytes)": (FLOOR + [str(src)], src),
+            "per-rank TP 8 -> torch_dist": (reshard(str(src), "{out}", "--to", "torch_dist"), src),
+            "floor (torch_dist bytes)": (FLOOR + [str(dist)], dist),
+            "torch_dist -> per-rank TP 2": (reshard(str(dist), "{out}", "--target-tp", "2"), dist),
+            "torch dcp_to_torch_save": (DCP_TO_TORCH + [str(dist / "iter_0000001"), "{out}"], dist),
+        }
+        if layers != ns.layers:  # the deep model: memory scaling of reshard only
+            methods = {k: v for k, v in methods.items() if "->" in k}
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+        for i in range(ns.runs):
+            for name, (cmd, source) in methods.items():
+                out = work / "run_out"
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(parents=True) if "dcp" in name else None
+                os.sync()
+                warm(source)
+                log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
+                cmd = [c.replace("{out}", str(out)) for c in cmd] + ([str(out)] if "floor" in name else [])
+                runs[name].append(measure(cmd))
+        shutil.rmtree(work / "run_out", ignore_errors=True)
+        results[f"layers={layers}"] = {
+            "source GB": round(size(src) / 1e9, 2), "torch_dist GB": round(size(dist) / 1e9, 2),
+            **{m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
+                   "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}}
+        shutil.rmtree(dist, ignore_errors=True)
+    base = results[f"layers={ns.layers}"]
+    lines = [f"{'method':34} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
+    for name, rec in base.items():
+        if not isinstance(rec, dict):
+            continue
+        floor = base["floor (per-rank TP 8 bytes)" if "TP 8 ->" in name or "TP 8 bytes" in name
+                    else "floor (torch_dist bytes)"]["seconds"]
+        lines.append(f"{name:34} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:8d} MiB")
+    if ns.deep_layers:
+        deep = results[f"layers={ns.deep_layers}"]
+        for name in ("per-rank TP 8 -> torch_dist", "torch_dist -> per-rank TP 2"):
+            lines.append(f"peak RSS {name}: {base[name]['peak_rss_mib']} MiB at {ns.layers} layers, "
+                         f"{deep[name]['peak_rss_mib']} MiB at {ns.deep_layers} layers")
+    print("\n".join(lines))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
