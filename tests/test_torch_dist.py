@@ -338,3 +338,42 @@ def test_a_hop_through_torch_dist_changes_no_byte(mcore, tmp_path):
     for r in range(4):
         name = f"iter_0000007/mp_rank_{r:02d}/model_optim_rng.pt"
         assert (tmp_path / "hop" / name).read_bytes() == (tmp_path / "straight" / name).read_bytes(), name
+
+
+def _allocated(paths: list[Path]) -> int:
+    """Bytes the files hold on disk (a sparse file's holes hold none)."""
+    return sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in paths)
+
+
+def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_server, s3_bucket, monkeypatch,
+                                                         prefect_env):
+    """megatron-core writes optimizer state into the same .distcp files as the model: a remote
+    source's files are fetched as the model's byte ranges only (sparse cache entries), by the
+    direct path and by the flow, and the output is what the local source gives."""
+    from reshard.core.options import ReshardOptions
+    from reshard.direct import run_direct
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from reshard.storage.cache import ShardCache
+    from test_flow_formats import _outputs, _to_s3
+
+    src = dist[("gqa_swiglu", 2, 1)]  # carries Adam moments: two thirds of its .distcp bytes
+    meta = read_metadata(src / "iter_0000007" / ".metadata")
+    model = sum(c.length for k, t in meta.tensors.items() if not k.startswith("optimizer.") for c in t.chunks)
+    total = sum(p.stat().st_size for p in (src / "iter_0000007").glob("*.distcp"))
+    assert model < total / 2
+    run_direct(str(src), str(tmp_path / "local"), ReshardOptions(target_tp=2))
+    url, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    run_direct(url, str(tmp_path / "direct"), ReshardOptions(target_tp=2), storage_options=so,
+               cache=ShardCache(tmp_path / "dcache"))
+    run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
+                           cache_dir=str(tmp_path / "fcache"), target_tp=2))
+    for out, cache in (("direct", "dcache"), ("flow", "fcache")):
+        assert _outputs(tmp_path / out) == _outputs(tmp_path / "local"), out
+        entries = [p for p in (tmp_path / cache / "shards").iterdir() if p.is_file()]
+        ranged = [p for p in entries if ".ranges-" in p.name]  # the .distcp files, as byte ranges
+        assert len(ranged) == len(list((src / "iter_0000007").glob("*.distcp"))), out
+        assert model <= _allocated(ranged) < model + total / 10, (out, _allocated(ranged), model, total)
+        small = {(src / "iter_0000007" / n).stat().st_size for n in (".metadata", "common.pt", "metadata.json")}
+        assert {p.stat().st_size for p in entries if p not in ranged} <= small | {1}, out  # fetched whole: these
+

@@ -29,7 +29,7 @@ DEFAULT_DESTINATION = "{source}-tp{target_tp}"
 TEMPLATE_FIELDS = ("source", "parent", "name", "target_tp")
 
 
-def render_destination(template: str, source: str, target_tp: int, **extra: Any) -> str:
+def render_destination(template: str, source: str, target_tp: int | str | None, **extra: Any) -> str:
     """Fill a destination template; fields: ``{source}`` (URL without a trailing slash),
     ``{parent}`` (its folder), ``{name}`` (its last component), ``{target_tp}``, plus ``extra``."""
     src = source.rstrip("/")
@@ -49,7 +49,7 @@ def render_destination(template: str, source: str, target_tp: int, **extra: Any)
 @flow(name="reshard", validate_parameters=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
 def reshard_deployment(
     source: str,
-    target_tp: int,
+    target_tp: int | None,
     destination: str = DEFAULT_DESTINATION,
     storage_options: dict[str, Any] | None = None,
     target_pp: int | None = None,
@@ -63,6 +63,7 @@ def reshard_deployment(
     swiglu: bool | None = None,
     vocab_size: int | None = None,
     make_vocab_size_divisible_by: int | None = None,
+    to: str | None = None,
     module_key: str = "auto",
     overwrite: bool = False,
     device: str | None = None,
@@ -75,6 +76,6 @@ def reshard_deployment(
     fields = dict(locals())  # exactly the parameters (first statement)
     from reshard.flows.reshard_flow import reshard_flow
 
-    fields["destination"] = render_destination(destination, source, target_tp)
+    fields["destination"] = render_destination(destination, source, target_tp if target_tp is not None else to)
     fields["storage_options"] = storage_options or {}
     return reshard_flow.fn(ReshardParams(**fields))

@@ -57,9 +57,16 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     objects = disc["objects"]
     log.info("discovered %d objects under %s", len(objects), params.source)
     cache = ShardCache(cache_dir)
-    fetches = {o["name"]: fetch_shard.with_options(
-        refresh_cache=not (disc["is_local"] or cache.entry(RemoteObject(**o)).is_file())
-    ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"]) for o in objects}
+
+    def fetch(o: dict[str, Any], markers: dict[str, Any] | None = None) -> Any:
+        return fetch_shard.with_options(
+            refresh_cache=not (disc["is_local"] or cache.entry(RemoteObject(**o)).is_file())
+        ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"], markers)
+
+    # markers first: they say which byte ranges the other objects are needed for
+    fetches = {o["name"]: fetch(o) for o in objects if is_marker(o["name"])}
+    markers = dict(fetches)
+    fetches.update({o["name"]: fetch(o, markers) for o in objects if o["name"] not in markers})
     names = [o["name"] for o in objects]
     checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key, o["url"],
                                             *shard_role(o["name"], names)) for o in objects}

@@ -10,7 +10,7 @@ be refused). Add one with :func:`register_format` or the ``reshard.formats`` ent
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
 
-__all__ = ["CheckpointFormat", "available", "check_file", "get_format", "is_marker", "listing_patterns", "locate", "register_format",
-           "registry", "unregister_format"]
+__all__ = ["CheckpointFormat", "available", "check_file", "get_format", "is_marker", "listing_patterns", "locate",
+           "needed_ranges", "register_format", "registry", "unregister_format"]
 
 
 def locate(src: str | Path) -> SourceCheckpoint:
@@ -65,6 +65,16 @@ def shard_role(name: str, listing: Sequence[str]) -> tuple[str | None, str]:
             if role is not None:
                 return fmt.name, role
     return None, METADATA
+
+
+def needed_ranges(name: str, markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+    """``(offset, length)`` byte ranges of the object ``name`` that a conversion reads, decided by
+    the first format that knows from the fetched ``markers`` (name -> local path); None: all of it."""
+    for fmt in available():
+        ranges = fmt.needed_ranges(name, markers)
+        if ranges is not None:
+            return ranges
+    return None
 
 
 def check_file(path: str, fmt: str | None, role: str, module_key: str, where: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,6 +59,12 @@ class CheckpointFormat(ABC):
         """The role of ``name`` (relative to the checkpoint's root) in this format, given the whole
         ``listing``; None when it is not this format's file. Default: a weight file is a rank file."""
         return RANK if any(p.search(name) for p in self.patterns) else None
+
+    def needed_ranges(self, name: str, markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+        """The ``(offset, length)`` byte ranges of object ``name`` (relative to the checkpoint's
+        root) a conversion reads, known from the fetched ``markers`` (name -> local path); None:
+        the whole object (or not this format's file)."""
+        return None
 
     def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""

@@ -43,7 +43,7 @@ import os
 import pickle
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,6 +98,26 @@ class TorchDistFormat(CheckpointFormat):
             except CheckpointFormatError:
                 return False  # the per-rank layout reports the broken marker
         return False
+
+    def needed_ranges(self, name: str, markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+        """A ``.distcp`` file's blobs of the model — never the optimizer's, which megatron-core
+        writes into the same files — from the index beside it, touching runs merged."""
+        folder, _, base = name.rpartition("/")
+        index = markers.get(f"{folder}/{INDEX}" if folder else INDEX)
+        if not base.endswith(".distcp") or index is None:
+            return None
+        meta = _metadata(Path(index))
+        keys = set(model_keys(meta))
+        spans = sorted({(c.offset, c.length) for t in meta.tensors.values() if t.key in keys for c in t.chunks
+                        if c.file == base} | {(b.offset, b.length) for b in meta.byte_items.values()
+                                               if b.key in keys and b.file == base})
+        merged: list[list[int]] = []
+        for off, length in spans:
+            if merged and off <= merged[-1][0] + merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], off + length - merged[-1][0])
+            else:
+                merged.append([off, length])
+        return [(o, n) for o, n in merged]
 
     def shard_role(self, name: str, listing: Any) -> str | None:
         return None  # the index is read whole by locate; its blobs are checked against it there

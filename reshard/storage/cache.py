@@ -23,6 +23,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +75,15 @@ class ShardCache:
     def entry(self, obj: RemoteObject) -> Path:
         return self.shards / obj.identity
 
-    def fetch(self, loc: Location, obj: RemoteObject) -> Path:
-        """Local path of ``obj``'s bytes: from the cache, or downloaded and verified."""
+    def fetch(self, loc: Location, obj: RemoteObject, ranges: Sequence[tuple[int, int]] | None = None) -> Path:
+        """Local path of ``obj``'s bytes: from the cache, or downloaded and verified.
+
+        ``ranges`` (``(offset, length)`` pairs): only these bytes are needed — say the model's
+        chunks of a file that also holds optimizer state. The entry is then a sparse file of the
+        object's size holding just those ranges (its own cache entry, named by the ranges), each
+        range's length checked; the MD5 of a whole object cannot be checked on a part of it."""
+        if ranges is not None:
+            return self._fetch_ranges(loc, obj, ranges)
         dest = self.entry(obj)
         if dest.is_file() and dest.stat().st_size == obj.size:
             os.utime(dest)  # LRU order
@@ -107,14 +115,44 @@ class ShardCache:
         raise StorageError(f"download failed verification {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
                            hint="the object may be changing or the network corrupting data; retry later", transient=True)
 
-    def _download(self, loc: Location, obj: RemoteObject, tmp: Path) -> None:
-        """Concurrent ranged reads into a preallocated file; each range's length is checked
-        (a short body is re-read; request retries stay in the client)."""
-        if obj.size <= self.chunksize:
-            data = loc.fs.cat_file(obj.path)
-            tmp.write_bytes(data)
-            return
-        ranges = [(start, min(start + self.chunksize, obj.size)) for start in range(0, obj.size, self.chunksize)]
+    def _fetch_ranges(self, loc: Location, obj: RemoteObject, ranges: Sequence[tuple[int, int]]) -> Path:
+        spans = sorted((int(o), int(n)) for o, n in ranges if n > 0)
+        if any(o < 0 or o + n > obj.size for o, n in spans):
+            raise StorageError(f"asked for bytes outside the {obj.size}-byte object", culprit=obj.url,
+                               hint="the checkpoint's index does not match its files; re-copy the checkpoint")
+        tag = hashlib.sha256(repr(spans).encode()).hexdigest()[:16]
+        dest = self.shards / f"{obj.identity}.ranges-{tag}"
+        if dest.is_file() and dest.stat().st_size == obj.size:
+            os.utime(dest)
+            self.hits += 1
+            return dest
+        self.misses += 1
+        pieces = [(start, min(start + self.chunksize, o + n)) for o, n in spans
+                  for start in range(o, o + n, self.chunksize)]
+        last = ""
+        for _attempt in range(FETCH_ATTEMPTS):
+            tmp = self.shards / f".{dest.name}.{uuid.uuid4().hex}.part"
+            try:
+                with storage_errors(obj.url):
+                    self._read_ranges(loc, obj, tmp, pieces)
+                os.replace(tmp, dest)
+                self.evict(keep={dest})
+                return dest
+            except StorageError as exc:
+                if not exc.transient:
+                    raise
+                last = exc.message
+            except Exception as exc:  # a body cut mid-stream after botocore gave up: fetch again
+                if not is_transient_error(exc):
+                    raise
+                last = f"{type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                tmp.unlink(missing_ok=True)
+        raise StorageError(f"ranged download failed {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
+                           hint="retry later", transient=True)
+
+    def _read_ranges(self, loc: Location, obj: RemoteObject, tmp: Path, pieces: list[tuple[int, int]]) -> None:
+        """Concurrent ranged reads of ``pieces`` (``[start, end)``) into a file of the object's size."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, obj.size)
@@ -130,10 +168,20 @@ class ShardCache:
                 os.pwrite(fd, data, start)
 
             with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-                for fut in [pool.submit(read_range, r) for r in ranges]:
+                for fut in [pool.submit(read_range, r) for r in pieces]:
                     fut.result()
         finally:
             os.close(fd)
+
+    def _download(self, loc: Location, obj: RemoteObject, tmp: Path) -> None:
+        """Concurrent ranged reads into a preallocated file; each range's length is checked
+        (a short body is re-read; request retries stay in the client)."""
+        if obj.size <= self.chunksize:
+            data = loc.fs.cat_file(obj.path)
+            tmp.write_bytes(data)
+            return
+        self._read_ranges(loc, obj, tmp, [(start, min(start + self.chunksize, obj.size))
+                                          for start in range(0, obj.size, self.chunksize)])
 
     def _verify(self, loc: Location, obj: RemoteObject, tmp: Path) -> str | None:
         size = tmp.stat().st_size
@@ -166,7 +214,7 @@ class ShardCache:
                 st = p.stat()
             except FileNotFoundError:
                 continue
-            entries.append((st.st_mtime, st.st_size, p))
+            entries.append((st.st_mtime, min(st.st_size, st.st_blocks * 512), p))  # sparse entries: what they hold
         total = sum(size for _, size, _ in entries)
         freed = 0
         for _, size, p in sorted(entries):

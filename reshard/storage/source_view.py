@@ -25,7 +25,7 @@ from typing import Any
 
 from reshard.core.errors import CheckpointFormatError, StorageError
 from reshard.crashpoints import crash_point
-from reshard.formats import is_marker, listing_patterns
+from reshard.formats import is_marker, listing_patterns, needed_ranges
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import Location, open_location, storage_errors
 
@@ -159,14 +159,18 @@ def _discover_descriptor(loc: Location) -> Discovery:
     return Discovery(loc.url, False, objs, name, raw)
 
 
-def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None) -> Path:
-    """Local path of one object's bytes (in place for local files, else via the cache)."""
+def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None,
+          markers: Mapping[str, Path] | None = None) -> Path:
+    """Local path of one object's bytes (in place for local files, else via the cache). With the
+    checkpoint's fetched ``markers`` (name -> local path), only the byte ranges its format says
+    the conversion reads are fetched (``reshard.formats.needed_ranges``)."""
     if loc.is_local:
         return Path(obj.path)
     crash_point("fetching")
     if cache is None:
         raise StorageError("a remote source needs a shard cache", culprit=obj.url)
-    return cache.fetch(loc, obj)
+    ranges = needed_ranges(obj.name, markers) if markers else None
+    return cache.fetch(loc, obj, ranges)
 
 
 def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path:
@@ -194,9 +198,11 @@ def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
     cache = cache or ShardCache()
     workdir = workdir or cache.new_workdir("src")
     hits0 = cache.hits
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futs = {o.name: pool.submit(fetch, loc, o, cache) for o in disc.objects}
-        fetched = {name: fut.result() for name, fut in futs.items()}
+    with ThreadPoolExecutor(max_workers=4) as pool:  # markers first: they say which bytes the rest need
+        futs = {o.name: pool.submit(fetch, loc, o, cache) for o in disc.objects if is_marker(o.name)}
+        markers = {name: fut.result() for name, fut in futs.items()}
+        futs = {o.name: pool.submit(fetch, loc, o, cache, markers) for o in disc.objects if o.name not in markers}
+        fetched = {**markers, **{name: fut.result() for name, fut in futs.items()}}
     out = LocalSource(url, build_view(disc, fetched, workdir / "source"), disc.objects)
     out.cached = cache.hits - hits0
     out.fetched = len(disc.objects) - out.cached

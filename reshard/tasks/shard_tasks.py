@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -37,11 +38,13 @@ def discover_shards(source: str, storage_options: dict[str, Any]) -> dict[str, A
 
 @task(name="fetch-shard", cache_key_fn=fetch_key, persist_result=True, **TRANSIENT_RETRIES)
 def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any], cache_dir: str,
-                is_local: bool) -> str:
-    """Local path of one shard (cache entry, verified size/MD5; in place for local files)."""
+                is_local: bool, markers: dict[str, str] | None = None) -> str:
+    """Local path of one shard (cache entry, verified size/MD5; in place for local files). With
+    the checkpoint's fetched ``markers`` (name -> path), only the byte ranges the conversion reads."""
     loc = open_location(source, storage_options)
     cache = None if is_local else ShardCache(cache_dir)
-    path = str(fetch(loc, RemoteObject(**obj), cache))
+    found = {name: Path(p) for name, p in (markers or {}).items()}
+    path = str(fetch(loc, RemoteObject(**obj), cache, found))
     crash_point("fetched")
     return path
 
