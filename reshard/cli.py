@@ -331,7 +331,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
            "bytes": total_bytes, "num_heads": plan.facts.heads,
            "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-           "layout": source.format, "pp": source.pp, "dropped": sorted(plan.dropped),
+           "layout": source.format, "pp": source.pp, "skipped": sorted(plan.dropped),
            "facts": plan.facts.to_record(), "files": list(source.relative_names) + list(source.relative_aux)}
     if ns.json:
         print(json.dumps(rec, indent=2))
@@ -342,6 +342,9 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
                 for fk, fv in v.items():
                     if fk != "origin" and fv is not None:
                         print(f"  {fk:28} {fv}" + (f"  (from {origin[fk]})" if fk in origin else ""))
+            elif k == "skipped":
+                if v:
+                    print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
             elif k != "files":
                 print(f"{k:12} {v}")
     return 0
