@@ -1,4 +1,5 @@
-"""megatron-core's ``torch_dist`` format (Megatron-LM ``--ckpt-format torch_dist``), read without a cluster.
+"""megatron-core's ``torch_dist`` format (Megatron-LM ``--ckpt-format torch_dist``), read and written
+without a cluster.
 
 A torch_dist checkpoint is an iteration folder (``iter_XXXXXXX``, ``release``), alone or in a
 Megatron-LM run folder (``latest_checkpointed_iteration.txt``), holding a
@@ -28,8 +29,11 @@ torch_dist                                         per-rank module entry
 
 The local-spec renames apply when the saved ``args.transformer_impl`` is ``local`` (Transformer
 Engine's fused layer norms keep the torch_dist names). Optimizer state (``optimizer.*``) and RNG
-state are skipped, reported as dropped, and never read. Outputs are written in Megatron-LM's
-per-rank layout (``writes_as``).
+state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
+Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
+asks for this format: the same table backwards (:func:`global_items`), one chunk per layer of
+each stacked key, the blobs streamed back to back into one ``.distcp`` file at offsets that,
+like the whole index, follow from the shapes alone (:func:`index_bytes`, :func:`write_distcp`).
 """
 
 from __future__ import annotations
