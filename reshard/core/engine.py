@@ -225,16 +225,21 @@ def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "PageDrop
     return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
 
 
+def _write_from_source(sink: RecordSink, src: LazyTensor, t: torch.Tensor) -> None:
+    """Write ``t`` (read from ``src``) in ``CHUNK_BYTES`` pieces, each given back to ``src`` once
+    written (pages of a mapped file are dropped as the writer goes)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    for off in range(0, flat.numel(), CHUNK_BYTES):
+        piece = flat[off:off + CHUNK_BYTES]
+        sink.write(piece, release=functools.partial(src.release, piece), keep=piece)
+
+
 def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
     """A replicated tensor of a lazy source, read whole while it is written."""
     def produce(sink: RecordSink) -> None:
         with _read_errors(culprit):
-            t = value.materialize()
-        flat = t.reshape(-1).view(torch.uint8)
-        for off in range(0, flat.numel(), CHUNK_BYTES):
-            piece = flat[off:off + CHUNK_BYTES]
-            sink.write(piece, release=functools.partial(value.release, piece), keep=piece)
-    # replicated tensors are small (norms, biases): a view of the mapping or one copy each
+            t = value.materialize()  # small (norms, biases): a view of the mapping, or one copy
+        _write_from_source(sink, value, t)
 
     return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
 
@@ -261,12 +266,6 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
         fill(out)
         sink.write(tensor_bytes(out), release=functools.partial(pool.give, buf), keep=buf)
 
-    def write_mapped(src: LazyTensor, view: torch.Tensor, sink: RecordSink) -> None:
-        flat = view.reshape(-1).view(torch.uint8)
-        for off in range(0, flat.numel(), CHUNK_BYTES):
-            piece = flat[off:off + CHUNK_BYTES]
-            sink.write(piece, release=functools.partial(src.release, piece), keep=piece)
-
     def fill_segment(s: int, start: int, length: int, out: torch.Tensor) -> None:
         if s == FILL:
             out.zero_()
@@ -282,7 +281,7 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
                     box = [length if i == d else x for i, x in enumerate(any_src.shape)]
                     view = None if s == FILL else sources[s].view(d, start, length)
                     if view is not None:
-                        write_mapped(sources[s], view, sink)
+                        _write_from_source(sink, sources[s], view)
                     elif math.prod(box):
                         gathered(box, functools.partial(fill_segment, s, start, length), sink)
                 return

@@ -63,15 +63,6 @@ class LazyTensor(ABC):
     def materialize(self) -> torch.Tensor:
         return self.read_box(tuple(0 for _ in self.shape), tuple(self.shape))
 
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
 
 def materialized(t: object) -> object:
     """``t`` itself, or its bytes when it is a :class:`LazyTensor`."""

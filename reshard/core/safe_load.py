@@ -49,8 +49,9 @@ SAFE_GLOBALS: tuple[Any, ...] = (
 
 
 @contextlib.contextmanager
-def _only_our_allowlist() -> Iterator[None]:
-    """Make :data:`SAFE_GLOBALS` torch's whole user allowlist for the duration of one load.
+def _only_our_allowlist(entries: tuple[Any, ...] = SAFE_GLOBALS) -> Iterator[None]:
+    """Make ``entries`` (:data:`SAFE_GLOBALS`, or nothing) torch's whole user allowlist for the
+    duration of one load.
 
     Others may have added to it: importing ``megatron.core`` registers the *real* megatron and
     numpy classes under the very names our stand-ins use, and torch then resolves such a name to
@@ -60,7 +61,7 @@ def _only_our_allowlist() -> Iterator[None]:
     ser = torch.serialization
     saved = ser.get_safe_globals()
     ser.clear_safe_globals()
-    ser.add_safe_globals(list(SAFE_GLOBALS))
+    ser.add_safe_globals(list(entries))
     try:
         yield
     finally:
@@ -106,19 +107,8 @@ def safe_torch_load(f: Any, *, allowlist: bool = False) -> Any:
     """``torch.load`` of one in-memory blob (a torch_dist chunk or byte item) with the
     weights-only unpickler and, as the only extra globals, :data:`SAFE_GLOBALS` (``allowlist``)
     or none at all (tensor chunks). Errors are torch's; the caller names the blob."""
-    with _LOAD_LOCK, _only_our_allowlist() if allowlist else _no_allowlist():
+    with _LOAD_LOCK, _only_our_allowlist(SAFE_GLOBALS if allowlist else ()):
         return torch.load(f, map_location="cpu", weights_only=True)
-
-
-@contextlib.contextmanager
-def _no_allowlist() -> Iterator[None]:
-    ser = torch.serialization
-    saved = ser.get_safe_globals()
-    ser.clear_safe_globals()
-    try:
-        yield
-    finally:
-        ser.add_safe_globals(saved)
 
 
 def _first_line(exc: BaseException) -> str:

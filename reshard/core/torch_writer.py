@@ -535,7 +535,7 @@ class _Sizer:
         return self.pos
 
     def flush(self) -> None:
-        pass
+        """Nothing is buffered: the writer calls it, there is nothing to do."""
 
 
 def saved_size(obj: Any, *, pickle_module: Any = None) -> int:

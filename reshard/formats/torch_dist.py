@@ -405,14 +405,8 @@ class DistTensor(LazyTensor):
                 self.files[name].release(t)
 
     def _chunk(self, c: ChunkRef) -> torch.Tensor:
-        path = self.folder / c.file
-        with open(path, "rb") as f:
-            f.seek(c.offset)
-            blob = f.read(c.length)
-        where = f"{path} ({self.t.key} at {c.offsets})"
-        if len(blob) != c.length:
-            raise CorruptCheckpointError(f"{c.file} is truncated", culprit=where, hint="re-copy the file")
-        t = _load_blob(blob, where)
+        where = f"{self.folder / c.file} ({self.t.key} at {c.offsets})"
+        t = _load_blob(self.folder / c.file, c.offset, c.length, where)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.sizes or t.dtype != self.dtype:
             what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise CorruptCheckpointError(f"chunk holds {what}, the index says {c.sizes} {self.dtype}",
@@ -429,15 +423,18 @@ class _ByteItem:
 
     def load(self) -> Any:
         path = self.folder / self.item.file
-        with open(path, "rb") as f:
-            f.seek(self.item.offset)
-            blob = f.read(self.item.length)
-        value = _load_blob(blob, f"{path} ({self.item.key})", allowlist=True)
+        value = _load_blob(path, self.item.offset, self.item.length, f"{path} ({self.item.key})", allowlist=True)
         # megatron-core saves a sharded object as the list of its rank's objects under that key
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def _load_blob(blob: bytes, where: str, *, allowlist: bool = False) -> Any:
+def _load_blob(path: Path, offset: int, length: int, where: str, *, allowlist: bool = False) -> Any:
+    """The object of the ``torch.save`` blob at ``[offset, offset + length)`` of ``path``, weights-only."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        blob = f.read(length)
+    if len(blob) != length:
+        raise CorruptCheckpointError(f"{path.name} is truncated", culprit=where, hint="re-copy the file")
     try:
         return safe_torch_load(io.BytesIO(blob), allowlist=allowlist)
     except pickle.UnpicklingError as exc:
@@ -510,12 +507,14 @@ def _byte_blob(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _placed(items: list[GlobalItem]) -> list[tuple[GlobalItem, int, int]]:
-    """Each item with its (offset, length) in :data:`DISTCP_NAME`: blobs back to back, sizes from shapes."""
+def _placed(items: list[GlobalItem]) -> list[tuple[GlobalItem, int, int, bytes | None]]:
+    """Each item with its (offset, length) in :data:`DISTCP_NAME` — blobs back to back, a tensor's
+    size from its shape — and a byte item's blob itself (small: serialized once)."""
     out, offset = [], 0
     for it in items:
-        length = torch_writer.saved_size(_blob_tensor(it)) if it.dtype is not None else len(_byte_blob(it.value))
-        out.append((it, offset, length))
+        blob = _byte_blob(it.value) if it.dtype is None else None
+        length = len(blob) if blob is not None else torch_writer.saved_size(_blob_tensor(it))
+        out.append((it, offset, length, blob))
         offset += length
     return out
 
@@ -528,7 +527,7 @@ def index_bytes(items: list[GlobalItem]) -> bytes:
 
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    for it, offset, length in _placed(items):
+    for it, offset, length, _ in _placed(items):
         info = _StorageInfo(relative_path=DISTCP_NAME, offset=offset, length=length)
         if it.dtype is None:
             sd_meta[it.key] = BytesStorageMetadata()
@@ -545,13 +544,11 @@ def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
                  on_bytes: Callable[[int], None] | None = None) -> torch_writer.SaveStats:
     """Write the blobs of ``items`` back to back, each streamed as it is produced, exactly where
     :func:`index_bytes` says they are."""
-    with open(path, "wb"):
-        pass
+    Path(path).write_bytes(b"")  # the blobs are written into it at their offsets
     stats = torch_writer.SaveStats()
     digest = hashlib.sha256() if sha256 else None  # fed blob by blob, in file order
-    for it, offset, length in _placed(items):
-        if it.dtype is None:
-            blob = _byte_blob(it.value)
+    for it, offset, length, blob in _placed(items):
+        if blob is not None:
             with open(path, "r+b") as f:
                 f.seek(offset)
                 f.write(blob)

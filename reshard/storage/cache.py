@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +82,31 @@ class ShardCache:
         chunks of a file that also holds optimizer state. The entry is then a sparse file of the
         object's size holding just those ranges (its own cache entry, named by the ranges), each
         range's length checked; the MD5 of a whole object cannot be checked on a part of it."""
-        if ranges is not None:
-            return self._fetch_ranges(loc, obj, ranges)
-        dest = self.entry(obj)
+        if ranges is None:
+            def whole(tmp: Path) -> str | None:
+                with storage_errors(obj.url):
+                    self._download(loc, obj, tmp)
+                return self._verify(loc, obj, tmp)
+
+            return self._cached(obj, self.entry(obj), whole)
+        spans = sorted((int(o), int(n)) for o, n in ranges if n > 0)
+        if any(o < 0 or o + n > obj.size for o, n in spans):
+            raise StorageError(f"asked for bytes outside the {obj.size}-byte object", culprit=obj.url,
+                               hint="the checkpoint's index does not match its files; re-copy the checkpoint")
+        pieces = [(start, min(start + self.chunksize, o + n)) for o, n in spans
+                  for start in range(o, o + n, self.chunksize)]
+
+        def part(tmp: Path) -> str | None:
+            with storage_errors(obj.url):
+                self._read_ranges(loc, obj, tmp, pieces)
+            return None  # each range's length is checked as it is read
+
+        tag = hashlib.sha256(repr(spans).encode()).hexdigest()[:16]
+        return self._cached(obj, self.shards / f"{obj.identity}.ranges-{tag}", part)
+
+    def _cached(self, obj: RemoteObject, dest: Path, fill: Callable[[Path], str | None]) -> Path:
+        """``dest`` when the cache holds it (of the object's size), else ``fill`` a temporary file
+        (returning a problem or None), retried while failures are transient, moved into place."""
         if dest.is_file() and dest.stat().st_size == obj.size:
             os.utime(dest)  # LRU order
             self.hits += 1
@@ -92,11 +114,9 @@ class ShardCache:
         self.misses += 1
         last = ""
         for _attempt in range(FETCH_ATTEMPTS):
-            tmp = self.shards / f".{obj.identity}.{uuid.uuid4().hex}.part"
+            tmp = self.shards / f".{dest.name}.{uuid.uuid4().hex}.part"
             try:
-                with storage_errors(obj.url):
-                    self._download(loc, obj, tmp)
-                problem = self._verify(loc, obj, tmp)
+                problem = fill(tmp)
                 if problem is None:
                     os.replace(tmp, dest)
                     self.evict(keep={dest})
@@ -114,42 +134,6 @@ class ShardCache:
                 tmp.unlink(missing_ok=True)
         raise StorageError(f"download failed verification {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
                            hint="the object may be changing or the network corrupting data; retry later", transient=True)
-
-    def _fetch_ranges(self, loc: Location, obj: RemoteObject, ranges: Sequence[tuple[int, int]]) -> Path:
-        spans = sorted((int(o), int(n)) for o, n in ranges if n > 0)
-        if any(o < 0 or o + n > obj.size for o, n in spans):
-            raise StorageError(f"asked for bytes outside the {obj.size}-byte object", culprit=obj.url,
-                               hint="the checkpoint's index does not match its files; re-copy the checkpoint")
-        tag = hashlib.sha256(repr(spans).encode()).hexdigest()[:16]
-        dest = self.shards / f"{obj.identity}.ranges-{tag}"
-        if dest.is_file() and dest.stat().st_size == obj.size:
-            os.utime(dest)
-            self.hits += 1
-            return dest
-        self.misses += 1
-        pieces = [(start, min(start + self.chunksize, o + n)) for o, n in spans
-                  for start in range(o, o + n, self.chunksize)]
-        last = ""
-        for _attempt in range(FETCH_ATTEMPTS):
-            tmp = self.shards / f".{dest.name}.{uuid.uuid4().hex}.part"
-            try:
-                with storage_errors(obj.url):
-                    self._read_ranges(loc, obj, tmp, pieces)
-                os.replace(tmp, dest)
-                self.evict(keep={dest})
-                return dest
-            except StorageError as exc:
-                if not exc.transient:
-                    raise
-                last = exc.message
-            except Exception as exc:  # a body cut mid-stream after botocore gave up: fetch again
-                if not is_transient_error(exc):
-                    raise
-                last = f"{type(exc).__name__}: {str(exc)[:200]}"
-            finally:
-                tmp.unlink(missing_ok=True)
-        raise StorageError(f"ranged download failed {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
-                           hint="retry later", transient=True)
 
     def _read_ranges(self, loc: Location, obj: RemoteObject, tmp: Path, pieces: list[tuple[int, int]]) -> None:
         """Concurrent ranged reads of ``pieces`` (``[start, end)``) into a file of the object's size."""
