@@ -373,3 +373,26 @@ def test_page_dropper_gives_back_mapped_pages_and_never_touches_memory(tmp_path)
     PageDropper([f]).drop_tensor(mem)
     PageDropper([f]).drop(mem.data_ptr(), mem.numel() * 8)
     assert torch.equal(mem, torch.arange(1 << 20, dtype=torch.int64))
+
+
+def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_size_is_known_up_front(tmp_path):
+    """``save(offset=)`` puts exactly ``torch.save(obj, buffer)``'s bytes after what is there
+    (a torch.distributed.checkpoint file is such archives back to back), ``saved_size`` says how
+    many from the shapes alone, and a shared ``digest`` hashes the file in order."""
+    import hashlib
+    import io
+
+    from reshard.core.torch_writer import PendingTensor, saved_size, save
+
+    t = torch.randn(3, 5, 7).to(torch.bfloat16)
+    pending = PendingTensor(tuple(t.shape), t.dtype, lambda sink: sink.write(t, keep=t), name="w")
+    buf = io.BytesIO()
+    torch.save(t.clone(), buf)
+    path = tmp_path / "blobs.distcp"
+    path.write_bytes(b"head")
+    digest = hashlib.sha256(b"head")
+    assert saved_size(pending) == len(buf.getvalue())
+    stats = save(pending, path, offset=4, digest=digest)
+    assert stats.size == len(buf.getvalue())
+    assert path.read_bytes() == b"head" + buf.getvalue()
+    assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -377,3 +377,42 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
         small = {(src / "iter_0000007" / n).stat().st_size for n in (".metadata", "common.pt", "metadata.json")}
         assert {p.stat().st_size for p in entries if p not in ranged} <= small | {1}, out  # fetched whole: these
 
+
+
+def test_chunks_are_read_as_views_of_the_mapped_file_equal_to_torch_load(dist):
+    """The fast path: a box inside one chunk is a view of the mapped .distcp (no copy), with the
+    values ``torch.load`` of the chunk's blob gives; a box across chunks is gathered."""
+    import io
+
+    from reshard.formats.torch_dist import TorchDistFormat
+
+    folder = dist[("mha", 2, 1)] / "iter_0000007"
+    qkv = TorchDistFormat().load(folder / ".metadata")["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    c = next(c for c in qkv.t.chunks if c.offsets == (1, 0, 0))
+    blob = (folder / c.file).read_bytes()[c.offset:c.offset + c.length]
+    want = torch.load(io.BytesIO(blob), weights_only=True)[0]
+    view = qkv.view(0, 0, c.sizes[1])
+    assert view is not None and torch.equal(view, want)
+    mapped = qkv.files[c.file].mm
+    assert torch.frombuffer(mapped, dtype=torch.uint8).data_ptr() <= view.data_ptr()  # inside the mapping
+    assert qkv.view(0, 0, qkv.shape[0]) is None  # both ranks' rows: two chunks
+    assert torch.equal(qkv.read(0, 0, qkv.shape[0])[:c.sizes[1]], want)
+
+
+def test_the_tensor_only_unpickler_describes_views_and_refuses_anything_else():
+    import io
+    import zipfile
+
+    from reshard.core.safe_load import tensor_record
+
+    def pkl(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return zipfile.ZipFile(io.BytesIO(buf.getvalue())).read("archive/data.pkl")
+
+    rec = tensor_record(pkl(torch.randn(4, 3).t()))
+    assert (rec.size, rec.stride, rec.dtype) == ((3, 4), (1, 3), torch.float32)
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|not allowed"):
+        tensor_record(pickle.dumps(_Boom("/nonexistent")))
+    with pytest.raises(pickle.UnpicklingError, match="not a tensor|holds a"):
+        tensor_record(pkl({"a": 1}))
