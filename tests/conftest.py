@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 from pathlib import Path
@@ -125,8 +126,19 @@ def task_states(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] 
 
 
 def cache_records(env: dict[str, str]) -> set[str]:
-    """Names of the Prefect cache records in the result store of ``env`` ("<kind>:<key>")."""
-    return set(os.listdir(env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]))
+    """Names of the complete Prefect cache records in the result store of ``env`` ("<kind>:<key>").
+
+    Prefect writes a record in place (open, then write), so a SIGKILL can leave an empty or cut
+    record file behind; Prefect reads such a file as no record, and so does this."""
+    folder = Path(env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"])
+    complete = set()
+    for name in os.listdir(folder):
+        try:
+            json.loads((folder / name).read_bytes())
+        except (ValueError, OSError):
+            continue
+        complete.add(name)
+    return complete
 
 
 def record_kinds(names: set[str]) -> list[str]:
