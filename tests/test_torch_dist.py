@@ -416,3 +416,53 @@ def test_the_tensor_only_unpickler_describes_views_and_refuses_anything_else():
         tensor_record(pickle.dumps(_Boom("/nonexistent")))
     with pytest.raises(pickle.UnpicklingError, match="not a tensor|holds a"):
         tensor_record(pkl({"a": 1}))
+
+
+def _sample_index():
+    from reshard.core.dcp_metadata import DcpBytes, DcpMetadata
+
+    w = DcpTensor("w", (4, 6), torch.bfloat16, (ChunkRef((0, 0), (2, 6), "__0_0.distcp", 0, 100),
+                                                 ChunkRef((2, 0), (2, 6), "__0_1.distcp", 7, 90)))
+    return DcpMetadata({"w": w}, {"w._extra_state/shard_0_1": DcpBytes("w._extra_state/shard_0_1", "__0_0.distcp",
+                                                                         100, 33)},
+                       ("w", "w._extra_state/shard_0_1"))
+
+
+def test_the_written_index_is_torchs_own_metadata_and_reads_back(tmp_path):
+    """metadata_bytes names torch's DCP records without importing them; torch's unpickling of it
+    equals the Metadata torch builds itself, and the safe reader gets the records back."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    from reshard.core.dcp_metadata import metadata_bytes
+
+    meta = _sample_index()
+    want = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([4, 6]),
+                                       [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 6])),
+                                        ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 6]))]),
+            "w._extra_state/shard_0_1": BytesStorageMetadata()},
+        storage_data={MetadataIndex("w", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 100),
+                      MetadataIndex("w", torch.Size([2, 0])): _StorageInfo("__0_1.distcp", 7, 90),
+                      MetadataIndex("w._extra_state/shard_0_1"): _StorageInfo("__0_0.distcp", 100, 33)})
+    data = metadata_bytes(meta)
+    got = pickle.loads(data)
+    assert got == want and list(got.state_dict_metadata) == list(meta.keys)
+    assert list(got.storage_data.values()) == list(want.storage_data.values())
+    assert got.state_dict_metadata["w"].properties.memory_format == torch.contiguous_format
+    (tmp_path / ".metadata").write_bytes(data)
+    assert read_metadata(tmp_path / ".metadata") == meta
+
+
+def test_writing_an_index_does_not_import_torch_distributed_checkpoint():
+    import subprocess
+    import sys
+
+    code = ("import sys, test_torch_dist as t; from reshard.core.dcp_metadata import metadata_bytes; "
+            "metadata_bytes(t._sample_index()); "
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

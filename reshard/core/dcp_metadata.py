@@ -13,6 +13,10 @@ plain records (:class:`DcpMetadata`) without running code from the file:
   no gap), every chunk and byte item has a storage entry naming a plain file name, and — with
   :func:`check_storage` — each entry lies inside its file (a truncated ``.distcp``).
 
+:func:`metadata_bytes` writes the same records back as a ``.metadata`` torch reads — by name, like
+the reader, so writing one does not import ``torch.distributed.checkpoint`` (half a second of
+imports, a third of a small conversion's run).
+
 Pure: paths and sizes come from the caller (the torch_dist format), no filesystem access here
 beyond opening the one file :func:`read_metadata` is given.
 """
@@ -109,16 +113,18 @@ def _record_class(name: str) -> type[_Record]:
     return type(name, (_Record,), {"__module__": __name__})
 
 
+#: The modules of the DCP records a ``.metadata`` names.
+DCP_METADATA, DCP_FILESYSTEM = "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"
 _STAND_INS: dict[tuple[str, str], Any] = {
-    ("torch.distributed.checkpoint.metadata", n): _record_class(n)
+    (DCP_METADATA, n): _record_class(n)
     for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
               "TensorProperties", "MetadataIndex", "StorageMeta")
 }
-_STAND_INS.update({("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record_class("_StorageInfo")})
+_STAND_INS.update({(DCP_FILESYSTEM, "_StorageInfo"): _record_class("_StorageInfo")})
 # torch also pickles the planner's records and enums in ``planner_data`` (never read here)
 _STAND_INS.update({("torch.distributed.checkpoint.planner", n): _record_class(n)
                    for n in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")})
-_STAND_INS[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = _record_class("_MEM_FORMAT_ENCODING")
+_STAND_INS[(DCP_METADATA, "_MEM_FORMAT_ENCODING")] = _record_class("_MEM_FORMAT_ENCODING")
 _STAND_INS[("torch", "Size")] = lambda dims=(): tuple(dims)
 _LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
 
@@ -275,3 +281,108 @@ def _is_int(v: Any) -> bool:
 
 def _is_dims(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and all(_is_int(d) and d >= 0 for d in v)
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+class _Global:
+    """A class named in the pickle by module and name (``STACK_GLOBAL``), never imported here."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+
+class _New:
+    """An instance as pickle's default reduction writes one: ``NEWOBJ`` of its class, then
+    ``BUILD`` with its state (what torch's dataclasses pickle as)."""
+
+    def __init__(self, cls: _Global, state: Any) -> None:
+        self.cls, self.state = cls, state
+
+
+class _Call:
+    """``REDUCE``: ``func(*args)`` at load time (an enum member)."""
+
+    def __init__(self, func: _Global, args: tuple[Any, ...]) -> None:
+        self.func, self.args = func, args
+
+
+_G = {n: _Global(DCP_METADATA, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                            "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                            "_MEM_FORMAT_ENCODING")}
+_G["_StorageInfo"] = _Global(DCP_FILESYSTEM, "_StorageInfo")
+#: ``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT``: how ``TensorProperties`` pickles its memory format.
+_CONTIGUOUS = _Call(_G["_MEM_FORMAT_ENCODING"], (0,))
+
+
+class _IndexPickler(pickle._Pickler):  # type: ignore[name-defined]  # the Python pickler: its dispatch is a dict
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def _save_global_ref(self, obj: _Global) -> None:
+        self.save(obj.module)
+        self.save(obj.name)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+    def _save_new(self, obj: _New) -> None:
+        self.save(obj.cls)
+        self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+        self.memoize(obj)
+        self.save(obj.state)
+        self.write(pickle.BUILD)
+
+    def _save_call(self, obj: _Call) -> None:
+        self.save(obj.func)
+        self.save(obj.args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    dispatch[_Global] = _save_global_ref
+    dispatch[_New] = _save_new
+    dispatch[_Call] = _save_call
+
+
+def metadata_bytes(meta: DcpMetadata) -> bytes:
+    """The ``.metadata`` of ``meta`` (keys in ``meta.keys`` order) as torch's ``Metadata`` pickles:
+    ``torch.distributed.checkpoint`` loads it into its own records, :func:`read_metadata` reads
+    it back into ``meta``.
+
+    ======================  ==========================================================
+    torch record            state written
+    ======================  ==========================================================
+    ``Metadata``            ``state_dict_metadata``, ``storage_data``; the rest None
+    ``TensorStorageMetadata``  ``properties``, ``size`` (``torch.Size``), ``chunks``
+    ``TensorProperties``    (dtype, strided, no grad, contiguous, not pinned)
+    ``ChunkStorageMetadata``   ``offsets``, ``sizes``
+    ``MetadataIndex``       ``fqn``, ``offset`` (a chunk's; None for a byte item), ``index`` None
+    ``_StorageInfo``        ``relative_path``, ``offset``, ``length``
+    ======================  ==========================================================
+    """
+    sd_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+
+    def place(fqn: str, offsets: tuple[int, ...] | None, file: str, offset: int, length: int) -> None:
+        index = _New(_G["MetadataIndex"], {"fqn": fqn, "offset": None if offsets is None else torch.Size(offsets),
+                                          "index": None})
+        storage[index] = _New(_G["_StorageInfo"], {"relative_path": file, "offset": offset, "length": length})
+
+    for key in meta.keys:
+        if key in meta.byte_items:
+            b = meta.byte_items[key]
+            sd_meta[key] = _New(_G["BytesStorageMetadata"], {})
+            place(key, None, b.file, b.offset, b.length)
+            continue
+        t = meta.tensors[key]
+        props = _New(_G["TensorProperties"], (t.dtype, torch.strided, False, _CONTIGUOUS, False))
+        chunks = [_New(_G["ChunkStorageMetadata"], {"offsets": torch.Size(c.offsets), "sizes": torch.Size(c.sizes)})
+                  for c in t.chunks]
+        sd_meta[key] = _New(_G["TensorStorageMetadata"], {"properties": props, "size": torch.Size(t.shape),
+                                                          "chunks": chunks})
+        for c in t.chunks:
+            place(key, c.offsets, c.file, c.offset, c.length)
+    root = _New(_G["Metadata"], {"state_dict_metadata": sd_meta, "planner_data": None, "storage_data": storage,
+                                 "storage_meta": None, "version": None})
+    buf = io.BytesIO()
+    _IndexPickler(buf, protocol=4).dump(root)
+    return buf.getvalue()

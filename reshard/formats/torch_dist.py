@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core import foreign, torch_writer
-from reshard.core.dcp_metadata import ChunkRef, DcpMetadata, DcpTensor, check_storage, read_metadata
+from reshard.core.dcp_metadata import (ChunkRef, DcpBytes, DcpMetadata, DcpTensor, check_storage, metadata_bytes,
+                                       read_metadata)
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.lazy import LazyTensor
 from reshard.core.pages import PageDropper
@@ -521,23 +522,18 @@ def _placed(items: list[GlobalItem]) -> list[tuple[GlobalItem, int, int, bytes |
 
 def index_bytes(items: list[GlobalItem]) -> bytes:
     """The ``.metadata`` torch.distributed.checkpoint reads for ``items`` written by :func:`write_distcp`."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
-
-    sd_meta: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
+    tensors: dict[str, DcpTensor] = {}
+    byte_items: dict[str, DcpBytes] = {}
+    keys: dict[str, None] = {}
     for it, offset, length, _ in _placed(items):
-        info = _StorageInfo(relative_path=DISTCP_NAME, offset=offset, length=length)
+        keys.setdefault(it.key)
         if it.dtype is None:
-            sd_meta[it.key] = BytesStorageMetadata()
-            storage[MetadataIndex(it.key)] = info
+            byte_items[it.key] = DcpBytes(it.key, DISTCP_NAME, offset, length)
             continue
-        md = sd_meta.setdefault(it.key, TensorStorageMetadata(properties=TensorProperties(dtype=it.dtype),
-                                                              size=torch.Size(it.shape), chunks=[]))
-        md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(it.offsets), sizes=torch.Size(it.sizes)))
-        storage[MetadataIndex(it.key, torch.Size(it.offsets))] = info
-    return pickle.dumps(Metadata(state_dict_metadata=sd_meta, planner_data=None, storage_data=storage))
+        chunk = ChunkRef(it.offsets, it.sizes, DISTCP_NAME, offset, length)
+        prev = tensors.get(it.key)
+        tensors[it.key] = DcpTensor(it.key, it.shape, it.dtype, (prev.chunks if prev else ()) + (chunk,))
+    return metadata_bytes(DcpMetadata(tensors, byte_items, tuple(keys)))
 
 
 def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
