@@ -376,9 +376,10 @@ def test_page_dropper_gives_back_mapped_pages_and_never_touches_memory(tmp_path)
 
 
 def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_size_is_known_up_front(tmp_path):
-    """``save(offset=)`` puts exactly ``torch.save(obj, buffer)``'s bytes after what is there
-    (a torch.distributed.checkpoint file is such archives back to back), ``saved_size`` says how
-    many from the shapes alone, and a shared ``digest`` hashes the file in order."""
+    """``save(offset=)`` puts exactly ``torch.save(obj, buffer)``'s bytes at its place and touches
+    nothing else of the file (a torch.distributed.checkpoint file is such archives back to back,
+    written concurrently), ``saved_size`` says how many from the shapes alone, and a shared
+    ``digest`` hashes the file in order."""
     import hashlib
     import io
 
@@ -389,10 +390,10 @@ def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_siz
     buf = io.BytesIO()
     torch.save(t.clone(), buf)
     path = tmp_path / "blobs.distcp"
-    path.write_bytes(b"head")
+    path.write_bytes(b"head" + b"\xee" * len(buf.getvalue()) + b"next archive")  # its place, then another's
     digest = hashlib.sha256(b"head")
     assert saved_size(pending) == len(buf.getvalue())
     stats = save(pending, path, offset=4, digest=digest)
     assert stats.size == len(buf.getvalue())
-    assert path.read_bytes() == b"head" + buf.getvalue()
-    assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert path.read_bytes() == b"head" + buf.getvalue() + b"next archive"
+    assert digest.hexdigest() == hashlib.sha256(b"head" + buf.getvalue()).hexdigest()

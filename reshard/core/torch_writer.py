@@ -560,10 +560,10 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     ``sha256``: also hash the file as it is written (``SaveStats.sha256``), saving a read pass.
     ``on_bytes``: called after each tensor record with the file offset produced so far (for a
     progress display; it runs on this thread and must be cheap).
-    ``offset``: append the archive to the existing file ``path`` at this offset (what follows is
-    cut off) instead of creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place
-    (a ``torch.distributed.checkpoint`` file is such archives back to back). ``SaveStats.size``
-    is then the archive's length. ``digest``: a hash object to feed the archive's bytes to, in
+    ``offset``: write the archive into the existing file ``path`` at this offset instead of
+    creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place, nothing else of the
+    file touched (a ``torch.distributed.checkpoint`` file is such archives back to back; archives
+    at disjoint places may be written concurrently). ``SaveStats.size`` is then the archive's length. ``digest``: a hash object to feed the archive's bytes to, in
     file order (instead of ``sha256``), so consecutive archives hash as one file."""
     path = os.fspath(path)
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
@@ -572,11 +572,13 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         writer, stream = _skeleton_writer(path)
     else:
         stream = open(path, "r+b")  # noqa: SIM115
-        stream.truncate(offset)
         stream.seek(offset)
         writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    end: int | None = None  # the archive's end: the file's, unless written into a file at an offset
     try:
         small = _skeleton(writer, data_pkl, records)
+        if offset is not None:
+            end = stream.tell()
     finally:
         if stream is not None:
             stream.close()
@@ -585,7 +587,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     fd = os.open(path, os.O_RDWR)
     base = offset or 0
     try:
-        entries = read_entries(fd, base)
+        if end is None:
+            end = os.fstat(fd).st_size
+        entries = read_entries(fd, base, end)
         by_name = {e.name: e for e in entries}
         crcs: dict[str, int] = {}
         heads: dict[str, bytes] = {}
@@ -626,7 +630,6 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         finally:
             wt.close()
         _patch(fd, entries, crcs, heads, small)
-        end = os.fstat(fd).st_size
         stats.size = end - base
         if digest is not None:
             while hashed_to < end:
