@@ -296,10 +296,106 @@ def test_output_requests_that_cannot_be_written_are_refused(dist, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_legacy_names_are_refused_for_torch_dist(sample_factory, tmp_path, capsys):
-    code, err = _cli(capsys, ["run", "--direct", str(sample_factory(2, 2.0)), str(tmp_path / "out"), "--to", "torch_dist"])
-    assert code == 2 and "legacy Megatron names" in err, err
+@pytest.mark.parametrize("version", [0.0, 1.0])
+def test_legacy_qkv_layouts_megatron_core_does_not_use_are_refused_for_torch_dist(sample_factory, tmp_path, capsys,
+                                                                                  version):
+    code, err = _cli(capsys, ["run", "--direct", str(sample_factory(2, version)), str(tmp_path / "out"),
+                              "--to", "torch_dist"])
+    assert code == 2 and f"checkpoint_version {version:g} orders the fused QKV rows" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# --- legacy Megatron names in, torch_dist out -------------------------------------------------------
+
+#: megatron-core -> legacy Megatron names, written out here independently of reshard's table.
+_TOP_TO_LEGACY = {"embedding.word_embeddings.weight": "language_model.embedding.word_embeddings.weight",
+                  "embedding.position_embeddings.weight": "language_model.embedding.position_embeddings.weight",
+                  "decoder.final_layernorm.weight": "language_model.encoder.final_layernorm.weight",
+                  "decoder.final_layernorm.bias": "language_model.encoder.final_layernorm.bias",
+                  "output_layer.weight": "language_model.output_layer.weight"}
+_LAYER_TO_LEGACY = {"input_layernorm.": "input_layernorm.", "pre_mlp_layernorm.": "post_attention_layernorm.",
+                    "self_attention.linear_qkv.": "self_attention.query_key_value.",
+                    "self_attention.linear_proj.": "self_attention.dense.",
+                    "mlp.linear_fc1.": "mlp.dense_h_to_4h.", "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
+
+
+def _legacy_name(key: str, swap_norms: bool = False) -> str:
+    if key in _TOP_TO_LEGACY:
+        return _TOP_TO_LEGACY[key]
+    _, _, i, rest = key.split(".", 3)
+    for core, legacy in _LAYER_TO_LEGACY.items():
+        if rest.startswith(core):
+            if swap_norms and "layernorm" in core:  # the plausible wrong map
+                legacy = "post_attention_layernorm." if core == "input_layernorm." else "input_layernorm."
+            return f"language_model.encoder.layers.{i}.{legacy}{rest[len(core):]}"
+    raise KeyError(key)
+
+
+def _rewrite_run(src: Path, dst: Path, edit) -> Path:
+    """A copy of Megatron-LM run folder ``src`` with every rank file's state dict passed through ``edit``."""
+    from reshard.core import foreign
+
+    shutil.copytree(src, dst)
+    for f in dst.rglob("model_optim_rng.pt"):
+        sd = edit(load_shard(f, mmap=False))
+        torch.save(sd, f, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(sd) else pickle)
+    return dst
+
+
+def _perturbed_norms(sd: dict) -> dict:
+    """Layer norms made distinct (megatron-core initializes them all to ones), equally on every rank."""
+    for k, v in sd["model"].items():
+        if "layernorm" in k and isinstance(v, torch.Tensor):
+            g = torch.Generator().manual_seed(sum(map(ord, k)))
+            sd["model"][k] = v + torch.rand(v.shape, generator=g, dtype=v.dtype)
+    return sd
+
+
+def _as_legacy(swap_norms: bool = False):
+    def edit(sd: dict) -> dict:
+        sd["model"] = {_legacy_name(k, swap_norms): v for k, v in sd["model"].items() if not k.endswith("_extra_state")}
+        args = sd["args"]
+        del args.transformer_impl
+        args.use_legacy_models = True
+        return sd
+    return edit
+
+
+@pytest.mark.parametrize("model", ["gqa_swiglu", "mha"])  # untied GQA SwiGLU; tied MHA with learned positions
+def test_legacy_names_become_the_torch_dist_megatron_core_writes(mcore, tmp_path, model):
+    """A legacy-named twin of a megatron-core checkpoint (names mapped back by this test's own
+    table, extra states dropped, layer norms made distinct) converts to a torch_dist whose storage
+    and index are byte for byte the megatron-core original's, and reads back as megatron-core's
+    own per-rank shards; swapping the two layer norms in the twin is caught."""
+    core = _rewrite_run(mcore[(model, 2, 1)], tmp_path / "core", _perturbed_norms)
+    legacy = _rewrite_run(core, tmp_path / "legacy", _as_legacy())
+    wrong = _rewrite_run(core, tmp_path / "wrong", _as_legacy(swap_norms=True))
+    outs = {}
+    for label, src in (("core", core), ("legacy", legacy), ("wrong", wrong)):
+        outs[label] = tmp_path / f"{label}_dist"
+        assert main(["run", "--direct", str(src), str(outs[label]), "--to", "torch_dist"]) == 0
+    it = "iter_0000007"
+    for name in ("__0_0.distcp", ".metadata"):
+        assert (outs["legacy"] / it / name).read_bytes() == (outs["core"] / it / name).read_bytes(), name
+    assert (outs["wrong"] / it / "__0_0.distcp").read_bytes() != (outs["core"] / it / "__0_0.distcp").read_bytes()
+    args = load_shard(outs["legacy"] / it / "common.pt")["args"]
+    assert args.transformer_impl == "local" and args.use_legacy_models is False
+    back = tmp_path / "back"
+    assert main(["run", "--direct", str(outs["legacy"]), str(back), "--target-tp", "2"]) == 0
+    for r in range(2):
+        _assert_same_module(_module(back, r), _module(core, r), f"rank {r}")
+
+
+def test_megatron_core_runs_a_legacy_checkpoint_written_as_torch_dist_with_the_saved_logits(mcore, tmp_path):
+    from mcore_fixtures import mcore_forward_dist
+
+    legacy = _rewrite_run(mcore[("gqa_swiglu", 2, 1)], tmp_path / "legacy", _as_legacy())
+    out = tmp_path / "out"
+    assert main(["run", "--direct", str(legacy), str(out), "--to", "torch_dist"]) == 0
+    want = torch.load(mcore[("gqa_swiglu", 2, 1)] / "logits.pt")
+    cases = [("gqa_swiglu", out, tp) for tp in (1, 2)]
+    for (_, _, tp), got in zip(cases, mcore_forward_dist(cases, tmp_path / "fwd")):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"loaded at TP {tp}")
 
 
 # --- through the Prefect flow, from S3 ------------------------------------------------------------

@@ -31,13 +31,16 @@ The local-spec renames apply when the saved ``args.transformer_impl`` is ``local
 Engine's fused layer norms keep the torch_dist names). Optimizer state (``optimizer.*``) and RNG
 state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
 Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
-asks for this format: the same table backwards (:func:`global_items`), one chunk per layer of
-each stacked key, the blobs streamed back to back into one ``.distcp`` file at offsets that,
-like the whole index, follow from the shapes alone (:func:`index_bytes`, :func:`write_distcp`).
+asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
+is first renamed by its family's table, :func:`reshard.models.megatron_gpt.as_megatron_core`),
+one chunk per layer of each stacked key, the blobs streamed back to back into one ``.distcp``
+file at offsets that, like the whole index, follow from the shapes alone (:func:`index_bytes`,
+:func:`write_distcp`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import io
@@ -64,7 +67,9 @@ from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat
+from reshard.core.rules import is_megatron_core
 from reshard.formats.megatron import iteration_folder
+from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core
 
 if TYPE_CHECKING:
     from reshard.core.plan_types import Plan
@@ -169,9 +174,10 @@ class TorchDistFormat(CheckpointFormat):
     ckpt_format = TORCH_DIST
 
     def check_plan(self, plan: Plan) -> None:
-        if plan.facts.naming != "megatron-core":
-            raise LayoutError("torch_dist holds megatron-core models; this checkpoint uses legacy Megatron names",
-                              culprit=plan.source.origin, hint="convert it to its own per-rank layout instead")
+        if plan.facts.naming != "megatron-core" and plan.version < MIN_CORE_COMPATIBLE_VERSION:
+            raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
+                              "megatron-core, which torch_dist holds", culprit=plan.source.origin,
+                              hint="convert it to its own per-rank layout instead (drop --to torch_dist)")
         if plan.options.quantize:
             raise LayoutError("torch_dist has no place for reshard's int8 quantization record", culprit="--quantize",
                               hint="quantize into a per-rank layout (drop --to torch_dist)")
@@ -193,6 +199,8 @@ class TorchDistFormat(CheckpointFormat):
         sd = target_state(plan, 0)
         folder = names[0].rsplit("/", 1)[0]
         top = {k: v for k, v in sd.items() if k != plan.module_key}
+        if plan.facts.naming != "megatron-core" and top.get("args") is not None:
+            top["args"] = _core_args(top["args"])
         buf = io.BytesIO()
         torch.save(top, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(top) else pickle)
         return {f"{folder}/{INDEX}": index_bytes(global_items(sd[plan.module_key])),
@@ -202,6 +210,16 @@ class TorchDistFormat(CheckpointFormat):
               on_bytes: Callable[[int], None] | None = None) -> torch_writer.SaveStats:
         module = next(obj[k] for k in MODULE_KEYS if isinstance(obj.get(k), dict))
         return write_distcp(global_items(module), os.fspath(path), sha256=sha256, on_bytes=on_bytes)
+
+
+def _core_args(args: Any) -> Any:
+    """A legacy model's ``args`` as megatron-core's: written under megatron-core names, its layers are
+    the local spec's (separate layer norms), which is how :func:`per_rank_module` reads them back."""
+    new = copy.copy(args)
+    new.transformer_impl = "local"
+    if hasattr(new, "use_legacy_models"):
+        new.use_legacy_models = False
+    return new
 
 
 def _check_backend(folder: Path) -> None:
@@ -467,9 +485,12 @@ class GlobalItem:
 
 
 def global_items(module: dict[str, Any]) -> list[GlobalItem]:
-    """A TP 1 megatron-core module as torch_dist entries (the name table above, backwards):
+    """A TP 1 megatron-core module (or a legacy one, renamed by its family's table) as torch_dist
+    entries (the name table above, backwards):
     layer ``i`` of ``L`` becomes chunk ``i`` of the stacked key, local-spec layer norms take the
     fused names, ``_extra_state`` becomes the byte item ``<key>/shard_{i}_{L}``."""
+    if not is_megatron_core(module):
+        module = as_megatron_core(module)  # a legacy model: check_plan let only core-compatible QKV through
     layers = 1 + max((int(m.group(1)) for m in map(_LAYER_KEY_RE.match, module) if m), default=-1)
     items = []
     for name, value in module.items():

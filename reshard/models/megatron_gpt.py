@@ -8,8 +8,11 @@ embeddings) are in :mod:`reshard.core.facts`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from reshard.core.errors import LayoutError
 from reshard.core.rules import Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core
 from reshard.models.base import ModelFamily
 
@@ -81,6 +84,77 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
           place=_LAST, optional=True),
     _core("first_extra_state", r"^embedding\.(?:.+\.)?_extra_state$", Kind.CARRIED, place=_FIRST, optional=True),
 )
+
+
+# --- legacy names as megatron-core's: writing a megatron-core format from a legacy checkpoint ------
+_LEG_LAYER = r"^(?:transformer|language_model\.encoder)\.layers\.(\d+)\."
+_CORE_LAYER = r"decoder.layers.\1."
+#: Legacy Megatron name -> megatron-core name (local spec). Both compute the same model from the
+#: same tensors when the fused QKV rows are grouped per query group (``checkpoint_version`` >= 2:
+#: :data:`MIN_CORE_COMPATIBLE_VERSION`). ``word_embeddings_for_head`` has no row: megatron-core
+#: keeps no copy of a tied head in the checkpoints it writes.
+LEGACY_TO_CORE: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(a), b) for a, b in (
+    (_LEG_LAYER + _ATT + r"query_key_value\.", _CORE_LAYER + "self_attention.linear_qkv."),
+    (_LEG_LAYER + _ATT + r"dense\.", _CORE_LAYER + "self_attention.linear_proj."),
+    (_LEG_LAYER + r"mlp\.dense_h_to_4h\.", _CORE_LAYER + "mlp.linear_fc1."),
+    (_LEG_LAYER + r"mlp\.dense_4h_to_h\.", _CORE_LAYER + "mlp.linear_fc2."),
+    (_LEG_LAYER + r"(?:input_layernorm|input_norm)\.", _CORE_LAYER + "input_layernorm."),
+    (_LEG_LAYER + r"(?:post_attention_layernorm|post_attention_norm)\.", _CORE_LAYER + "pre_mlp_layernorm."),
+    (_LEG_FINAL + r"(?:final_layernorm|final_norm)\.", "decoder.final_layernorm."),
+    (_EMB + r"word_embeddings\.weight$", "embedding.word_embeddings.weight"),
+    (_EMB + r"position_embeddings\.weight$", "embedding.position_embeddings.weight"),
+    (r"^(?:transformer\.|language_model\.)?final_linear\.weight$", "output_layer.weight"),
+    (r"^language_model\.output_layer\.weight$", "output_layer.weight"),
+))
+#: Legacy QKV rows are grouped per head (megatron-core's layout) from this ``checkpoint_version`` on.
+MIN_CORE_COMPATIBLE_VERSION = 2.0
+#: megatron-core's module order: top-level modules, then a layer's submodules, then their entries.
+_CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
+             "decoder.final_layernorm.", "output_layer.")
+_CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+                    "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+_CORE_ENTRIES = ("weight", "bias", "_extra_state")
+#: megatron-core's local-spec linear layers carry an ``_extra_state`` entry (None); legacy ones none.
+_CORE_EXTRA_STATE = ("self_attention.linear_proj.", "self_attention.linear_qkv.", "mlp.linear_fc1.",
+                     "mlp.linear_fc2.")
+_CORE_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def core_name(key: str) -> str:
+    """The megatron-core name of legacy parameter ``key`` (:data:`LEGACY_TO_CORE`)."""
+    for pattern, repl in LEGACY_TO_CORE:
+        if pattern.match(key):
+            return pattern.sub(repl, key, count=1)
+    raise LayoutError(f"{key} has no megatron-core counterpart", culprit=key,
+                      hint="write this checkpoint in its own per-rank layout (drop --to)")
+
+
+def as_megatron_core(module: Mapping[str, Any]) -> dict[str, Any]:
+    """A legacy module (values untouched) as megatron-core's per-rank module holds it: core names,
+    core order, ``None`` extra states of the local spec's linear layers and of the output layer."""
+    out = {core_name(k): v for k, v in module.items()}
+    layers = {int(m.group(1)) for m in map(_CORE_LAYER_KEY.match, out) if m}
+    for i in layers:
+        for sub in _CORE_EXTRA_STATE:
+            out.setdefault(f"decoder.layers.{i}.{sub}_extra_state", None)
+    out.setdefault("output_layer._extra_state", None)
+    return dict(sorted(out.items(), key=lambda kv: _core_position(kv[0])))
+
+
+def _core_position(key: str) -> tuple[int, ...]:
+    def index(options: tuple[str, ...], name: str, *, prefix: bool) -> int:
+        for n, o in enumerate(options):
+            if name.startswith(o) if prefix else name == o:
+                return n
+        return len(options)
+
+    m = _CORE_LAYER_KEY.match(key)
+    top = index(_CORE_TOP, key, prefix=True)
+    if m is None:
+        return (top, 0, 0, index(_CORE_ENTRIES, key.rsplit(".", 1)[-1], prefix=False))
+    rest = m.group(2)
+    return (top, int(m.group(1)), index(_CORE_SUBMODULES, rest, prefix=True),
+            index(_CORE_ENTRIES, rest.rsplit(".", 1)[-1], prefix=False))
 
 
 class MegatronGPT(ModelFamily):
