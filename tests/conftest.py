@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# transformers (the Hugging Face export's reference) reads local folders only: never the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from reshard.sample import GPTConfig, write_sample_checkpoint  # noqa: E402
 

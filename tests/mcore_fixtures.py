@@ -40,6 +40,12 @@ MODELS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
                     "saved_vocab_size": 128, "tied": False}, (1, 2, 4)),
     "llama": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
                "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128}, (1, 2)),
+    "llama_tied": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
+                    "tied": True, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128}, (2,)),
+    # Qwen2-shaped: biases on the fused QKV only; a rotary base and epsilon other than the defaults
+    "qwen": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "qkv_bias": True,
+              "pos": "rope", "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128,
+              "eps": 1e-6, "rope_base": 50000.0}, (2,)),
     # 12 heads in 6 query groups: TP 2 <-> 3 is not a divisor ratio
     "gqa12": ({"hidden": 96, "heads": 12, "groups": 6, "ffn": 192, "swiglu": True, "vocab": 96, "divisible_by": 16,
                "saved_vocab_size": 96, "tied": False}, (1, 2, 3)),

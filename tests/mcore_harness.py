@@ -66,14 +66,15 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int) -> GPTModel:
     cfg = TransformerConfig(
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
         num_query_groups=m.get("groups"), ffn_hidden_size=m["ffn"], normalization=norm,
-        add_bias_linear=m.get("bias", True), use_cpu_initialization=True, hidden_dropout=0.0,
+        add_bias_linear=m.get("bias", True), add_qkv_bias=m.get("qkv_bias", False),
+        layernorm_epsilon=m.get("eps", 1e-5), use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32 if pp > 1 else None, **kw)
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization=norm),
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=m.get("tied", True),
-                    position_embedding_type=m.get("pos", "learned_absolute"))
+                    position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000))
 
 
 def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
@@ -81,7 +82,10 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
     import argparse
 
     groups = m.get("groups")
-    return argparse.Namespace(
+    # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
+    recorded = {arg: m[key] for key, arg in (("qkv_bias", "add_qkv_bias"), ("eps", "norm_epsilon"),
+                                             ("rope_base", "rotary_base")) if key in m}
+    return argparse.Namespace(**recorded,
         num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
         num_attention_heads=m["heads"], kv_channels=m["hidden"] // m["heads"],
         group_query_attention=groups is not None, num_query_groups=groups or 1, swiglu=bool(m.get("swiglu")),

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from layout_helpers import convert
+from legacy_twin import as_legacy, perturbed_norms, rewrite_run
 from mcore_fixtures import mcore_checkpoints, mcore_dist_checkpoints, mcore_forward, needs_mcore, rank_module
 from reshard.cli import main
 from reshard.core.dcp_metadata import ChunkRef, DcpTensor, check_tiling, read_metadata
@@ -307,69 +308,15 @@ def test_legacy_qkv_layouts_megatron_core_does_not_use_are_refused_for_torch_dis
 
 # --- legacy Megatron names in, torch_dist out -------------------------------------------------------
 
-#: megatron-core -> legacy Megatron names, written out here independently of reshard's table.
-_TOP_TO_LEGACY = {"embedding.word_embeddings.weight": "language_model.embedding.word_embeddings.weight",
-                  "embedding.position_embeddings.weight": "language_model.embedding.position_embeddings.weight",
-                  "decoder.final_layernorm.weight": "language_model.encoder.final_layernorm.weight",
-                  "decoder.final_layernorm.bias": "language_model.encoder.final_layernorm.bias",
-                  "output_layer.weight": "language_model.output_layer.weight"}
-_LAYER_TO_LEGACY = {"input_layernorm.": "input_layernorm.", "pre_mlp_layernorm.": "post_attention_layernorm.",
-                    "self_attention.linear_qkv.": "self_attention.query_key_value.",
-                    "self_attention.linear_proj.": "self_attention.dense.",
-                    "mlp.linear_fc1.": "mlp.dense_h_to_4h.", "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
-
-
-def _legacy_name(key: str, swap_norms: bool = False) -> str:
-    if key in _TOP_TO_LEGACY:
-        return _TOP_TO_LEGACY[key]
-    _, _, i, rest = key.split(".", 3)
-    for core, legacy in _LAYER_TO_LEGACY.items():
-        if rest.startswith(core):
-            if swap_norms and "layernorm" in core:  # the plausible wrong map
-                legacy = "post_attention_layernorm." if core == "input_layernorm." else "input_layernorm."
-            return f"language_model.encoder.layers.{i}.{legacy}{rest[len(core):]}"
-    raise KeyError(key)
-
-
-def _rewrite_run(src: Path, dst: Path, edit) -> Path:
-    """A copy of Megatron-LM run folder ``src`` with every rank file's state dict passed through ``edit``."""
-    from reshard.core import foreign
-
-    shutil.copytree(src, dst)
-    for f in dst.rglob("model_optim_rng.pt"):
-        sd = edit(load_shard(f, mmap=False))
-        torch.save(sd, f, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(sd) else pickle)
-    return dst
-
-
-def _perturbed_norms(sd: dict) -> dict:
-    """Layer norms made distinct (megatron-core initializes them all to ones), equally on every rank."""
-    for k, v in sd["model"].items():
-        if "layernorm" in k and isinstance(v, torch.Tensor):
-            g = torch.Generator().manual_seed(sum(map(ord, k)))
-            sd["model"][k] = v + torch.rand(v.shape, generator=g, dtype=v.dtype)
-    return sd
-
-
-def _as_legacy(swap_norms: bool = False):
-    def edit(sd: dict) -> dict:
-        sd["model"] = {_legacy_name(k, swap_norms): v for k, v in sd["model"].items() if not k.endswith("_extra_state")}
-        args = sd["args"]
-        del args.transformer_impl
-        args.use_legacy_models = True
-        return sd
-    return edit
-
-
 @pytest.mark.parametrize("model", ["gqa_swiglu", "mha"])  # untied GQA SwiGLU; tied MHA with learned positions
 def test_legacy_names_become_the_torch_dist_megatron_core_writes(mcore, tmp_path, model):
     """A legacy-named twin of a megatron-core checkpoint (names mapped back by this test's own
     table, extra states dropped, layer norms made distinct) converts to a torch_dist whose storage
     and index are byte for byte the megatron-core original's, and reads back as megatron-core's
     own per-rank shards; swapping the two layer norms in the twin is caught."""
-    core = _rewrite_run(mcore[(model, 2, 1)], tmp_path / "core", _perturbed_norms)
-    legacy = _rewrite_run(core, tmp_path / "legacy", _as_legacy())
-    wrong = _rewrite_run(core, tmp_path / "wrong", _as_legacy(swap_norms=True))
+    core = rewrite_run(mcore[(model, 2, 1)], tmp_path / "core", perturbed_norms)
+    legacy = rewrite_run(core, tmp_path / "legacy", as_legacy())
+    wrong = rewrite_run(core, tmp_path / "wrong", as_legacy(swap_norms=True))
     outs = {}
     for label, src in (("core", core), ("legacy", legacy), ("wrong", wrong)):
         outs[label] = tmp_path / f"{label}_dist"
@@ -389,7 +336,7 @@ def test_legacy_names_become_the_torch_dist_megatron_core_writes(mcore, tmp_path
 def test_megatron_core_runs_a_legacy_checkpoint_written_as_torch_dist_with_the_saved_logits(mcore, tmp_path):
     from mcore_fixtures import mcore_forward_dist
 
-    legacy = _rewrite_run(mcore[("gqa_swiglu", 2, 1)], tmp_path / "legacy", _as_legacy())
+    legacy = rewrite_run(mcore[("gqa_swiglu", 2, 1)], tmp_path / "legacy", as_legacy())
     out = tmp_path / "out"
     assert main(["run", "--direct", str(legacy), str(out), "--to", "torch_dist"]) == 0
     want = torch.load(mcore[("gqa_swiglu", 2, 1)] / "logits.pt")

@@ -567,9 +567,10 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(sd) else None
     # quantizing is compute: it keeps torch's threads
     threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
+    fmt = get_format(plan.output_format)
     with threads:
-        stats = get_format(plan.output_format).write(sd, out_path, pickle_module=pickle_module, sha256=sha256,
-                                                     on_bytes=on_bytes)
+        stats = fmt.write(fmt.prepare(plan, tgt, sd), out_path, pickle_module=pickle_module, sha256=sha256,
+                          on_bytes=on_bytes)
     del sd, shards
     return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
                         time.perf_counter() - t0, stats.sha256)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from reshard.core.errors import LayoutError
 from reshard.core.source import AUTO
@@ -38,6 +40,20 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
 #: Fields that must be positive integers when given.
 _POSITIVE = ("target_tp", "target_pp", "num_heads", "num_query_groups", "vocab_size", "make_vocab_size_divisible_by",
              "groups")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: Any, flag: str) -> int:
+    """Bytes from ``5GB`` (decimal, as Hugging Face reads it), ``1GiB`` (binary) or a plain number."""
+    m = _SIZE_RE.match(str(value)) if not isinstance(value, bool) else None
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]) if m else 0
+    if size < 1:
+        raise LayoutError(f"{value!r} is not a size", culprit=flag, hint="write e.g. 5GB, 500MB, 2GiB or bytes")
+    return size
 
 
 def flag_of(field: str) -> str:
@@ -75,6 +91,14 @@ class ReshardOptions(BaseModel):
                                                           "args lack it", metavar="D", minimum=1)
     to: str | None = _opt(None, "output format: megatron, deepspeed, torch_dist, ... (default: the source's own; "
                                 "torch_dist sources are written as Megatron-LM per-rank files)", metavar="FORMAT")
+
+    max_shard_size: str | int | None = _opt(None, "largest file of an output written in shards, e.g. 2GB, 500MB, "
+                                                  "1GiB or bytes (hf; default 5GB, as Hugging Face)", metavar="SIZE")
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value, flag_of("max_shard_size"))
 
     @model_validator(mode="after")
     def _check_values(self) -> ReshardOptions:

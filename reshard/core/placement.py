@@ -80,7 +80,8 @@ def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
 
 
 def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
-                options: ReshardOptions, n: int, m: int, tpp: int, output_format: str) -> TargetPlan:
+                options: ReshardOptions, n: int, m: int, tpp: int, output_format: str, *,
+                name: str | None = None, rank: int | None = None) -> TargetPlan:
     base = source_ranks_for_target(n, m, t)[0]
     files: set[int] = set()
     for tp in params:
@@ -92,6 +93,24 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
     srcs = tuple(sorted(files))
     read = sum(source.files[i].stat().st_size for i in srcs) + sum(f.stat().st_size for f in source.aux)
     written = sum(target_size(tp.param, n, m, options.quantize) for tp in params)
-    name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
-    return TargetPlan(rank=stage * m + t, name=name, sources=srcs, bytes_read=read, bytes_written=written,
+    if name is None:
+        name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
+    return TargetPlan(rank=stage * m + t if rank is None else rank, name=name, sources=srcs, bytes_read=read,
+                      bytes_written=written,
                       tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params))
+
+
+def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOptions, n: int, m: int, tpp: int,
+                output_format: str) -> tuple[TargetPlan, ...]:
+    """The one target of a layout of global tensors, as the files its format cuts it into
+    (:meth:`~reshard.formats.base.CheckpointFormat.file_groups`): each a target of its own, so
+    every writer, the flow's per-target caching and the manifest handle them unchanged."""
+    fmt = get_format(output_format)
+    params = list(target.params)
+    starts = fmt.file_groups([target_size(tp.param, n, m, options.quantize) for tp in params], options)
+    if starts == [0]:
+        return (target,)
+    bounds = [*starts, len(params)]
+    return tuple(target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, n, m, tpp, output_format,
+                             name=fmt.part_name(target.name, i, len(starts)), rank=i)
+                 for i, (a, b) in enumerate(zip(bounds, bounds[1:])))

@@ -29,7 +29,7 @@ from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
 from reshard.core.facts import decide_groups, decide_tied, decide_version, head_facts, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
-from reshard.core.placement import place, target_plan
+from reshard.core.placement import place, split_files, target_plan
 from reshard.core.plan_types import DROPPED_ENTRIES, ModelFacts, Plan, RawParam, SourceStage, dropped_warning
 from reshard.core.rules import Kind, Rule, layer_index, with_layer
 from reshard.core.source import SourceCheckpoint, choose_module_key
@@ -95,6 +95,8 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
         check_quantization(params, options, n, m)
     targets = tuple(target_plan(s, t, placed[s], source, options, n, m, tpp, out_fmt.name)
                     for s in range(tpp) for t in range(m))
+    if not out_fmt.per_rank and len(targets) == 1:
+        targets = split_files(targets[0], source, options, n, m, tpp, out_fmt.name)
     dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
     ds_config = shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings

@@ -179,7 +179,7 @@ def dropped_warning(dropped: Mapping[str, str]) -> list[str]:
     if not dropped:
         return []
     return [f"dropped training state that belongs to the old layout: {', '.join(dropped)} "
-            f"(the output holds the model and its args)"]
+            f"(the output holds the model and its settings)"]
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype | None) -> int:

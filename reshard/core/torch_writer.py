@@ -186,7 +186,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _as_bytes(data: Any) -> tuple[memoryview, Any]:
+def as_bytes(data: Any) -> tuple[memoryview, Any]:
     if isinstance(data, torch.Tensor):
         t = data if data.device.type == "cpu" else data.cpu()
         t = t if t.is_contiguous() else t.contiguous()
@@ -202,7 +202,7 @@ class _MemorySink(RecordSink):
         self.pos = 0
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
-        mv, _hold = _as_bytes(data)
+        mv, _hold = as_bytes(data)
         n = len(mv)
         if self.pos + n > len(self.view):
             raise WriterError(f"producer wrote more than {len(self.view)} bytes")
@@ -452,7 +452,7 @@ class _FileSink(RecordSink):
         self.head = b""
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
-        mv, hold = _as_bytes(data)
+        mv, hold = as_bytes(data)
         n = len(mv)
         if self.pos + n > self.entry.size:
             if release is not None:

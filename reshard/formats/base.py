@@ -22,6 +22,7 @@ from reshard.core.shard_check import RANK, check_shard_file
 from reshard.core.source import SourceCheckpoint
 
 if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
     from reshard.core.plan_types import Plan
     from reshard.core.torch_writer import SaveStats
 
@@ -110,6 +111,21 @@ class CheckpointFormat(ABC):
         """Path, relative to the destination, of the output file of (tp_rank, pp_rank)."""
         raise LayoutError(f"the {self.name} format is read-only here: reshard cannot write it", culprit=source.origin,
                           hint="convert to a format reshard writes (DeepSpeed or Megatron-LM layout)")
+
+    def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
+        """A layout of global tensors written as several files: where its one target is cut, as the
+        index of each file's first parameter (``sizes``: the parameters' bytes, in order). Default:
+        one file."""
+        return [0]
+
+    def part_name(self, name: str, part: int, parts: int) -> str:
+        """The name of file ``part`` of ``parts`` of target ``name`` (see :meth:`file_groups`)."""
+        return name
+
+    def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
+        """What :meth:`write` is given for target ``tgt``, from its state dict (tensors pending).
+        Default: the state dict itself; a format that renames or splits tensors does it here."""
+        return sd
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""

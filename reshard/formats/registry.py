@@ -17,6 +17,7 @@ BUILTIN: tuple[str, ...] = (
     "reshard.formats.deepspeed:DeepSpeedFormat",
     "reshard.formats.deepspeed:DeepSpeedZero3Format",
     "reshard.formats.deepspeed:DeepSpeedDescriptorFormat",
+    "reshard.formats.hf:HFFormat",
 )
 ENTRY_POINT_GROUP = "reshard.formats"
 

@@ -1,0 +1,299 @@
+"""Hugging Face safetensors folders, written for serving (``--to hf``): ``config.json``, the weights
+as ``model.safetensors`` or as shards of at most ``--max-shard-size`` (``model-00001-of-0000N.safetensors``)
+with ``model.safetensors.index.json``.
+
+The architecture and the name table are the model family's (:mod:`reshard.models.hf_export`);
+this module only lays bytes out. A safetensors file is an 8-byte header length, a JSON header
+(name -> dtype, shape, byte range) and the tensors' bytes back to back, so the whole header
+follows from the shapes: it is written first, then every megatron-core tensor is produced once,
+in order, and its bytes are routed straight to the Hugging Face tensors they belong to (a fused
+QKV into Q, K and V; Megatron's padding rows of the vocabulary dropped). Nothing is assembled
+whole; each tensor's region is hashed once it is complete, so the digest needs no second pass.
+
+The planner writes global tensors (TP 1, one pipeline stage); a target too large for one file is
+cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from reshard.core.errors import LayoutError
+from reshard.core.source import MODULE_KEYS, SourceCheckpoint
+from reshard.core.torch_writer import PendingTensor, RecordSink, SaveStats, WriterError, as_bytes
+from reshard.formats.base import CheckpointFormat
+from reshard.models.hf_export import Export, HFArchitecture, decide_architecture, export_of
+from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core
+
+if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
+    from reshard.core.plan_types import Plan
+
+HF = "hf"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+#: Hugging Face's default shard size (``max_shard_size="5GB"``, decimal).
+DEFAULT_MAX_SHARD = 5 * 10**9
+#: safetensors' dtype names.
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class HFFormat(CheckpointFormat):
+    name = HF
+    title = "Hugging Face safetensors"
+    per_rank = False
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        raise LayoutError("reading Hugging Face folders is not supported yet", culprit=str(path),
+                          hint="Hugging Face folders can be written (--to hf), not yet read")
+
+    # -- writing ------------------------------------------------------------------------------
+    def check_plan(self, plan: Plan) -> None:
+        if plan.source.layer_ids:
+            raise LayoutError("DeepSpeed pipeline layer files are not exported to Hugging Face", culprit=plan.source.origin,
+                              hint="convert them to Megatron-LM per-rank files first, then export those")
+        if plan.options.quantize:
+            raise LayoutError("Hugging Face safetensors has no place for reshard's int8 quantization record",
+                              culprit="--quantize", hint="quantize into a per-rank layout (drop --to hf)")
+        if plan.facts.naming != "megatron-core" and plan.version < MIN_CORE_COMPATIBLE_VERSION:
+            raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
+                              "megatron-core", culprit=plan.source.origin,
+                              hint="convert it to its own per-rank layout instead (drop --to hf)")
+        architecture(plan)  # refuses what no architecture computes exactly, before any byte is written
+
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
+        return WEIGHTS
+
+    def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
+        """Shards of at most ``--max-shard-size`` bytes (a tensor larger than that is a shard of its
+        own, as Hugging Face does), cut between tensors: the index of each shard's first tensor."""
+        limit = options.max_shard_size or DEFAULT_MAX_SHARD
+        starts, used = [0], 0
+        for i, size in enumerate(sizes):
+            if used and used + size > limit:
+                starts.append(i)
+                used = 0
+            used += size
+        return starts
+
+    def part_name(self, name: str, part: int, parts: int) -> str:
+        return name if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
+
+    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
+        arch = architecture(plan)
+        out: dict[str, str | bytes] = {CONFIG: json.dumps(arch.config, indent=2, sort_keys=True) + "\n"}
+        if len(names) > 1:
+            weight_map, total = {}, 0
+            for tgt, name in enumerate(names):
+                for entry in _file_entries(plan, tgt):
+                    weight_map[entry.name] = name
+                    total += entry.nbytes
+            out[INDEX] = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                                    indent=2) + "\n"
+        return out
+
+    def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
+        return SafetensorsFile(_exports(plan, tgt, _module(sd)))
+
+    def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
+              on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+        if not isinstance(obj, SafetensorsFile):
+            raise WriterError("the hf format writes what its prepare() returns")
+        return obj.write(os.fspath(path), sha256=sha256, on_bytes=on_bytes)
+
+
+# --- what one file holds ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One Hugging Face tensor of a file, at its byte range of the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _module(sd: dict[str, Any]) -> dict[str, Any]:
+    module = next((sd[k] for k in MODULE_KEYS if isinstance(sd.get(k), dict)), None)
+    if module is None:
+        raise WriterError("the target state has no module")
+    return module if any(k.startswith("decoder.") for k in module) else as_megatron_core(module)
+
+
+def architecture(plan: Plan) -> HFArchitecture:
+    """The architecture of the whole model (every target's tensors), from the saved ``args``."""
+    from reshard.core.engine import target_state
+
+    keys: set[str] = set()
+    dtypes: set[torch.dtype] = set()
+    ffn = None
+    args = None
+    for tgt in range(len(plan.targets)):
+        sd = target_state(plan, tgt)
+        args = sd.get("args", args)
+        for k, v in _module(sd).items():
+            keys.add(k)
+            if isinstance(v, (PendingTensor, torch.Tensor)):
+                dtypes.add(v.dtype)
+                if k.endswith("mlp.linear_fc1.weight"):
+                    ffn = v.shape[0] // 2
+    if len(dtypes) > 1:
+        raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
+                          hint="Hugging Face's config.json records one dtype")
+    return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32, ffn)
+
+
+def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype]]:
+    out = []
+    for key, value in module.items():
+        if not isinstance(value, (PendingTensor, torch.Tensor)):
+            if value is not None and not key.endswith("_extra_state"):
+                raise LayoutError(f"{key} holds a {type(value).__name__}, not a tensor", culprit=key)
+            continue
+        exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts)
+        if exp.outputs:
+            out.append((exp, value, value.dtype))
+    return out
+
+
+def _file_entries(plan: Plan, tgt: int) -> list[FileEntry]:
+    from reshard.core.engine import target_state
+
+    return SafetensorsFile(_exports(plan, tgt, _module(target_state(plan, tgt)))).entries
+
+
+class SafetensorsFile:
+    """The layout of one safetensors file (header from the shapes) and its streamed writing."""
+
+    def __init__(self, exports: list[tuple[Export, Any, torch.dtype]]) -> None:
+        self.exports = exports
+        self.entries: list[FileEntry] = []
+        self.first: list[int] = []  # index of each export's first entry
+        start = 0
+        for exp, _value, dtype in exports:
+            if dtype not in ST_DTYPES:
+                raise LayoutError(f"{exp.key} is {dtype}, which safetensors cannot hold", culprit=exp.key)
+            self.first.append(len(self.entries))
+            for o in exp.outputs:
+                e = FileEntry(o.name, dtype, o.shape, start)
+                self.entries.append(e)
+                start += e.nbytes
+        self.data_size = start
+        self.header = header_bytes(self.entries)
+
+    def write(self, path: str, *, sha256: bool = False,
+              on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+        digest = hashlib.sha256() if sha256 else None
+        base = len(self.header)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, base + self.data_size)
+            _pwrite_all(fd, self.header, 0)
+            if digest is not None:
+                digest.update(self.header)
+            for i, (exp, value, _dtype) in enumerate(self.exports):
+                entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
+                runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
+                if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
+                    raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
+                sink = _ScatterSink(fd, runs, exp.key)
+                if isinstance(value, PendingTensor):
+                    value.produce(sink)
+                else:
+                    sink.write(value.detach().contiguous())
+                sink.finish(value.nbytes if isinstance(value, PendingTensor) else value.numel() * value.element_size())
+                lo, hi = base + entries[0].start, base + entries[-1].start + entries[-1].nbytes
+                if digest is not None:
+                    _hash_region(fd, lo, hi, digest)
+                if on_bytes is not None:
+                    on_bytes(hi)
+        finally:
+            os.close(fd)
+        return SaveStats(size=base + self.data_size, records=len(self.entries),
+                         largest_record=max((e.nbytes for e in self.entries), default=0),
+                         record_order=[e.name for e in self.entries],
+                         sha256=digest.hexdigest() if digest is not None else None)
+
+
+def header_bytes(entries: Sequence[FileEntry]) -> bytes:
+    """safetensors' header for ``entries``: little-endian u64 length, then the JSON (padded with
+    spaces to a multiple of 8 bytes, as the library pads it)."""
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for e in entries:
+        meta[e.name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.start + e.nbytes]}
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+class _ScatterSink(RecordSink):
+    """A megatron-core tensor's bytes, in order, written to where its runs say (``(src, length,
+    file offset)``, sorted); bytes no run covers (vocabulary padding) are dropped."""
+
+    def __init__(self, fd: int, runs: list[tuple[int, int, int]], key: str) -> None:
+        self.fd, self.runs, self.key = fd, runs, key
+        self.pos = 0
+        self.next = 0
+
+    def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
+        mv, _hold = as_bytes(data)
+        lo, hi = self.pos, self.pos + len(mv)
+        i = self.next
+        while i < len(self.runs) and self.runs[i][0] < hi:
+            src, length, dst = self.runs[i]
+            a, b = max(lo, src), min(hi, src + length)
+            if a < b:
+                _pwrite_all(self.fd, mv[a - lo:b - lo], dst + a - src)
+            if src + length <= hi:
+                i += 1
+                self.next = i
+            else:
+                break
+        self.pos = hi
+        if release is not None:
+            release()
+
+    def finish(self, expected: int) -> None:
+        if self.pos != expected:
+            raise WriterError(f"producer of {self.key} wrote {self.pos} of {expected} bytes")
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _hash_region(fd: int, lo: int, hi: int, digest: Any) -> None:
+    buf = bytearray(min(hi - lo, 16 << 20))
+    view = memoryview(buf)
+    while lo < hi:
+        n = os.preadv(fd, [view[:min(hi - lo, len(buf))]], lo)
+        if n <= 0:
+            raise WriterError(f"the output ended at byte {lo} while hashing it")
+        digest.update(view[:n])
+        lo += n

@@ -1,0 +1,209 @@
+"""Export to Hugging Face safetensors (``--to hf``), checked against transformers and megatron-core.
+
+Sources are megatron-core checkpoints written by real megatron-core (0.16.1, CPU, gloo;
+``mcore_fixtures``) with the logits of megatron-core's own forward. Each export must load in
+transformers' ``AutoModelForCausalLM`` with no missing, unexpected or mismatched keys and give
+those logits within 2e-5 (float32; here they agree to ~1e-7). The same comparison catches each
+plausible wrong export far above that bound (wrong activation, rotary base, epsilon, swapped
+projections, a misplaced row): :func:`test_the_logits_comparison_catches_each_plausible_wrong_export`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from legacy_twin import as_legacy, rewrite_run
+from mcore_fixtures import TOKENS, mcore_checkpoints, needs_mcore, rank_module
+from reshard.cli import main
+
+pytestmark = needs_mcore
+TOL = 2e-5
+
+
+@pytest.fixture(scope="session")
+def mcore(tmp_path_factory):
+    return mcore_checkpoints(tmp_path_factory.mktemp("mcore"))
+
+
+def hf_logits(folder: Path) -> torch.Tensor:
+    """transformers' logits for the test tokens, after checking every key loaded."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+def _export(src: Path, out: Path, *extra: str) -> Path:
+    assert main(["run", "--direct", str(src), str(out), "--to", "hf", *extra]) == 0
+    return out
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            assert st.metadata() == {"format": "pt"}
+            for k in st.keys():
+                assert k not in out, f"{k} stored twice"
+                out[k] = st.get_tensor(k)
+    return out
+
+
+CASES = [  # (model, tp, pp, the architecture transformers must build)
+    ("llama", 2, 1, "LlamaForCausalLM"), ("llama", 1, 1, "LlamaForCausalLM"),
+    ("llama_tied", 2, 1, "LlamaForCausalLM"), ("qwen", 2, 1, "Qwen2ForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("name,tp,pp,arch", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
+def test_transformers_runs_the_export_with_megatron_cores_logits(mcore, tmp_path, name, tp, pp, arch):
+    out = _export(mcore[(name, tp, pp)], tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    assert config["tie_word_embeddings"] is (name == "llama_tied")
+    assert ("lm_head.weight" in _tensors(out)) is (name != "llama_tied")
+    want = torch.load(mcore[(name, tp, pp)] / "logits.pt")
+    torch.testing.assert_close(hf_logits(out), want, atol=TOL, rtol=0)
+
+
+def test_the_saved_rotary_base_and_epsilon_are_exported(mcore, tmp_path):
+    config = json.loads((_export(mcore[("qwen", 2, 1)], tmp_path / "hf") / "config.json").read_text())
+    assert config["rope_theta"] == 50000.0 and config["rope_parameters"]["rope_theta"] == 50000.0
+    assert config["rms_norm_eps"] == 1e-6
+
+
+def test_pipeline_stages_export_with_global_layer_numbers(mcore, tmp_path):
+    src = mcore[("llama", 1, 2)]
+    got = _tensors(_export(src, tmp_path / "hf"))
+    first, last = rank_module(src, 0, 0), rank_module(src, 0, 1)
+    assert torch.equal(got["model.embed_tokens.weight"], first["embedding.word_embeddings.weight"])
+    assert torch.equal(got["model.layers.0.self_attn.o_proj.weight"],
+                       first["decoder.layers.0.self_attention.linear_proj.weight"])
+    assert torch.equal(got["model.layers.1.self_attn.o_proj.weight"],
+                       last["decoder.layers.0.self_attention.linear_proj.weight"])
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight"], last["decoder.layers.0.mlp.linear_fc2.weight"])
+    assert torch.equal(got["lm_head.weight"], last["output_layer.weight"])
+
+
+def test_every_source_format_exports_the_same_tensors(mcore, tmp_path):
+    """torch_dist and a legacy-named twin export exactly the per-rank TP 2 files' tensors."""
+    want = _tensors(_export(mcore[("llama", 2, 1)], tmp_path / "direct"))
+    dist = tmp_path / "dist"
+    assert main(["run", "--direct", str(mcore[("llama", 2, 1)]), str(dist), "--to", "torch_dist"]) == 0
+    legacy = rewrite_run(mcore[("llama", 2, 1)], tmp_path / "legacy", as_legacy())
+    for label, src in (("torch_dist", dist), ("legacy names", legacy)):
+        got = _tensors(_export(src, tmp_path / label.replace(" ", "_")))
+        assert list(got) == list(want), label
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"{label}: {k}"
+
+
+def test_a_sharded_export_loads_with_the_same_logits(mcore, tmp_path):
+    limit = 60_000
+    out = _export(mcore[("llama", 2, 1)], tmp_path / "hf", "--max-shard-size", f"{limit}B")
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = _tensors(out)
+    assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    for f in files:
+        in_file = [tensors[k] for k, v in index["weight_map"].items() if v == f]
+        if len(in_file) > 1:  # a shard holds more than one tensor only when they fit the limit together
+            assert sum(t.numel() * t.element_size() for t in in_file) <= limit, f
+    torch.testing.assert_close(hf_logits(out), torch.load(mcore[("llama", 2, 1)] / "logits.pt"), atol=TOL, rtol=0)
+
+
+def _unrecorded_vocab(sd: dict) -> dict:
+    sd["args"].vocab_size = None
+    return sd
+
+
+def test_the_vocabulary_is_trimmed_to_its_true_size(mcore, tmp_path):
+    """Rows past the true vocabulary (100 of the 128 here) are Megatron's padding: not exported."""
+    src = rewrite_run(mcore[("llama", 2, 1)], tmp_path / "src", _unrecorded_vocab)
+    out = _export(src, tmp_path / "hf", "--vocab-size", "100")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 100
+    assert _tensors(out)["model.embed_tokens.weight"].shape[0] == 100
+    want = torch.load(mcore[("llama", 2, 1)] / "logits.pt")[:, :100]
+    torch.testing.assert_close(hf_logits(out), want, atol=TOL, rtol=0)
+
+
+def _mutated(src: Path, dst: Path, *, config: dict | None = None, tensors=None) -> Path:
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        for k, v in config.items():
+            cfg[k] = v
+            if k == "rope_theta":
+                cfg["rope_parameters"]["rope_theta"] = v
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        sd = _tensors(dst)
+        tensors(sd)
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _swap(a: str, b: str):
+    def edit(sd: dict) -> None:
+        sd[a], sd[b] = sd[b], sd[a]
+    return edit
+
+
+def _misplace_row(key: str):
+    def edit(sd: dict) -> None:
+        sd[key] = sd[key][torch.tensor([1, 0, *range(2, sd[key].shape[0])])]
+    return edit
+
+
+WRONG = {
+    "gelu instead of silu": {"config": {"hidden_act": "gelu"}},
+    "rotary base 10000 instead of 50000": {"config": {"rope_theta": 10000.0}},
+    "epsilon 1e-5 instead of 1e-6": {"config": {"rms_norm_eps": 1e-5}},
+    "K and V swapped": {"tensors": _swap("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")},
+    "gate and up swapped": {"tensors": _swap("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")},
+    "a misplaced query row": {"tensors": _misplace_row("model.layers.0.self_attn.q_proj.weight")},
+}
+
+
+def test_the_logits_comparison_catches_each_plausible_wrong_export(mcore, tmp_path):
+    src = mcore[("qwen", 2, 1)]
+    good = _export(src, tmp_path / "good")
+    want = torch.load(src / "logits.pt")
+    assert (hf_logits(good) - want).abs().max() < TOL
+    for i, (label, change) in enumerate(WRONG.items()):
+        diff = (hf_logits(_mutated(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
+        assert diff > 10 * TOL, f"{label}: logits moved only {diff:.2e}"
+
+
+def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str) -> None:
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src), str(dst), "--to", "hf", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not dst.exists()
+
+
+def test_models_no_architecture_computes_exactly_are_refused(mcore, tmp_path, capsys):
+    _refused(capsys, mcore[("mha", 2, 1)], tmp_path / "a", "normalization is LayerNorm")
+    _refused(capsys, mcore[("llama", 2, 1)], tmp_path / "b", "--quantize: Hugging Face safetensors has no place",
+             "--quantize")
+    _refused(capsys, mcore[("llama", 2, 1)], tmp_path / "c", "--target-tp: the Hugging Face safetensors layout",
+             "--target-tp", "2")
+    _refused(capsys, mcore[("llama", 2, 1)], tmp_path / "d", "--max-shard-size: 'big' is not a size",
+             "--max-shard-size", "big")
