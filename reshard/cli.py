@@ -258,7 +258,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "target_tp": plan.target_tp, "source_pp": plan.source_pp, "target_pp": plan.target_pp,
         "version": plan.version, "module_key": plan.module_key, "num_heads": plan.facts.heads,
         "hidden": plan.facts.hidden,
-        "targets": [{"rank": t.rank, "sources": list(t.sources), "bytes_read": t.bytes_read,
+        "output_format": plan.output_format,
+        "targets": [{"rank": t.rank, "name": t.name, "sources": list(t.sources), "bytes_read": t.bytes_read,
                      "bytes_written": t.bytes_written} for t in plan.targets],
         "bytes_read": sum(f.stat().st_size for f in plan.source.files),
         "bytes_written": sum(t.bytes_written for t in plan.targets),
@@ -300,10 +301,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(rec, indent=2))
         return 0
-    print(f"{rec['source']}: TP {rec['source_tp']} -> {rec['target_tp']}, PP {rec['source_pp']} -> "
-          f"{rec['target_pp']} ({rec['layout']} layout, checkpoint version {rec['version']})")
+    from reshard.formats import get_format
+
+    if get_format(rec["output_format"]).per_rank:
+        print(f"{rec['source']}: TP {rec['source_tp']} -> {rec['target_tp']}, PP {rec['source_pp']} -> "
+              f"{rec['target_pp']} ({rec['layout']} layout, checkpoint version {rec['version']})")
+    else:  # global tensors: no degrees on the output side
+        print(f"{rec['source']}: TP {rec['source_tp']}, PP {rec['source_pp']} ({rec['layout']} layout, checkpoint "
+              f"version {rec['version']}) -> {rec['output_format']}")
     for t in rec["targets"]:
-        print(f"  target rank {t['rank']}: reads source ranks {t['sources']} "
+        print(f"  {t['name']}: reads source ranks {t['sources']} "
               f"({fmt_bytes(t['bytes_read'])}), writes ~{fmt_bytes(t['bytes_written'])}")
     print(f"total read {fmt_bytes(rec['bytes_read'])}, written ~{fmt_bytes(rec['bytes_written'])}, "
           f"peak memory ~{fmt_bytes(rec['peak_memory_estimate'])}")

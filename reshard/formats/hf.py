@@ -107,7 +107,7 @@ class HFFormat(CheckpointFormat):
         return out
 
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
-        return SafetensorsFile(_exports(plan, tgt, _module(sd)))
+        return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)))
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
               on_bytes: Callable[[int], None] | None = None) -> SaveStats:
@@ -136,11 +136,12 @@ class FileEntry:
         return n
 
 
-def _module(sd: dict[str, Any]) -> dict[str, Any]:
+def _module(sd: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The target's module under megatron-core names (a legacy model's renamed by its family's table)."""
     module = next((sd[k] for k in MODULE_KEYS if isinstance(sd.get(k), dict)), None)
     if module is None:
         raise WriterError("the target state has no module")
-    return module if any(k.startswith("decoder.") for k in module) else as_megatron_core(module)
+    return module if plan.facts.naming == "megatron-core" else as_megatron_core(module)
 
 
 def architecture(plan: Plan) -> HFArchitecture:
@@ -154,7 +155,7 @@ def architecture(plan: Plan) -> HFArchitecture:
     for tgt in range(len(plan.targets)):
         sd = target_state(plan, tgt)
         args = sd.get("args", args)
-        for k, v in _module(sd).items():
+        for k, v in _module(sd, plan).items():
             keys.add(k)
             if isinstance(v, (PendingTensor, torch.Tensor)):
                 dtypes.add(v.dtype)
@@ -182,7 +183,7 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
 def _file_entries(plan: Plan, tgt: int) -> list[FileEntry]:
     from reshard.core.engine import target_state
 
-    return SafetensorsFile(_exports(plan, tgt, _module(target_state(plan, tgt)))).entries
+    return SafetensorsFile(_exports(plan, tgt, _module(target_state(plan, tgt), plan))).entries
 
 
 class SafetensorsFile:
