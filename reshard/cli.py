@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="the finished checkpoint (folder or descriptor URL)")
     p.add_argument("--tp", type=int, required=True, help="its tensor-parallel degree")
     p.add_argument("--step", type=int, default=None, help="its training step")
-    p.add_argument("--target", dest="targets", type=int, action="append", default=None, metavar="M",
-                   help="convert only to this TP (repeatable; default: every deployment for --tp)")
+    p.add_argument("--target", dest="targets", action="append", default=None, metavar="M|FORMAT",
+                   help="convert only to this TP, or only to this output format (hf) (repeatable; default: every "
+                        "deployment for --tp)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the event to be sent")
     return parser
 

@@ -5,6 +5,7 @@ A training script calls, after its last checkpoint is fully written::
     from reshard.events import emit_training_completed
     emit_training_completed("s3://ckpt/run7/global_step1000", tp=8, step=1000)            # every matching target
     emit_training_completed("s3://ckpt/run7/global_step1000", tp=8, step=1000, targets=[2])  # only TP 2
+    emit_training_completed("s3://ckpt/run7/global_step1000", tp=8, step=1000, targets=[2, "hf"])  # and HF
 
 or, from a shell: ``reshard emit-training-completed s3://ckpt/run7/global_step1000 --tp 8 --step 1000``.
 ``PREFECT_API_URL`` must name the Prefect server that holds the reshard deployments.
@@ -17,12 +18,14 @@ The event (what the deployment triggers in ``deployments/prefect.yaml`` match)::
               reshard.url            <url>
               reshard.tp             "8"        (labels are strings)
               reshard.step           "1000"
-    related:  one per requested target TP: prefect.resource.id reshard.target.tp<M>,
-              prefect.resource.role reshard-target; without ``targets``: reshard.target.all
+    related:  one per requested target: prefect.resource.id reshard.target.tp<M> (a TP degree) or
+              reshard.target.<format> (an output format, e.g. hf), prefect.resource.role
+              reshard-target; without ``targets``: reshard.target.all
     payload:  {"url": <url>, "tp": 8, "step": 1000, "targets": [2] or null, ...extra}
 
 A conversion deployment ``reshard/<N>to<M>`` fires when ``reshard.tp`` is ``N`` and a related
-resource is ``reshard.target.tp<M>`` or ``reshard.target.all``; its run gets
+resource is ``reshard.target.tp<M>`` or ``reshard.target.all``; ``reshard/to-hf`` fires for any TP
+on ``reshard.target.hf`` or ``reshard.target.all``. Each run gets
 ``source = {{ event.resource['reshard.url'] }}``. Storage credentials never travel in events
 (events are stored and shown in the UI): workers get them from their environment, profile or
 the deployment's ``storage_options``.
@@ -30,6 +33,7 @@ the deployment's ``storage_options``.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -43,7 +47,7 @@ ALL_TARGETS = TARGET_PREFIX + "all"
 TARGET_ROLE = "reshard-target"
 
 
-def training_completed_event(url: str, tp: int, step: int | None = None, targets: Iterable[int] | None = None,
+def training_completed_event(url: str, tp: int, step: int | None = None, targets: Iterable[int | str] | None = None,
                              payload: dict[str, Any] | None = None) -> dict[str, Any]:
     """The keyword arguments of ``prefect.events.emit_event`` for this event (no I/O)."""
     if not isinstance(url, str) or not url.strip():
@@ -52,20 +56,46 @@ def training_completed_event(url: str, tp: int, step: int | None = None, targets
         raise ConfigError(f"must be a positive integer (got {tp!r})", culprit="tp")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ConfigError(f"must be a non-negative integer (got {step!r})", culprit="step")
-    wanted = None if targets is None else sorted({int(t) for t in targets})
-    if wanted is not None and (not wanted or wanted[0] < 1):
-        raise ConfigError(f"must be positive integers (got {targets!r})", culprit="targets")
+    wanted = None if targets is None else _targets(targets)
     resource = {"prefect.resource.id": RESOURCE_PREFIX + url, "prefect.resource.name": url,
                 "reshard.url": url, "reshard.tp": str(tp)}
     if step is not None:
         resource["reshard.step"] = str(step)
-    related = ([{"prefect.resource.id": f"{TARGET_PREFIX}tp{m}", "prefect.resource.role": TARGET_ROLE} for m in wanted]
+    related = ([{"prefect.resource.id": target_resource(m), "prefect.resource.role": TARGET_ROLE} for m in wanted]
                if wanted is not None else [{"prefect.resource.id": ALL_TARGETS, "prefect.resource.role": TARGET_ROLE}])
     body = {**(payload or {}), "url": url, "tp": tp, "step": step, "targets": wanted}
     return {"event": TRAINING_COMPLETED, "resource": resource, "related": related, "payload": body}
 
 
-def emit_training_completed(url: str, tp: int, step: int | None = None, targets: Iterable[int] | None = None, *,
+def target_resource(target: int | str) -> str:
+    """The related-resource id of a requested target: ``reshard.target.tp<M>`` for a TP degree,
+    ``reshard.target.<format>`` for an output format (``hf``)."""
+    return f"{TARGET_PREFIX}tp{target}" if isinstance(target, int) else TARGET_PREFIX + target
+
+
+def _targets(targets: Iterable[int | str]) -> list[int | str]:
+    """TP degrees (positive integers, also as digit strings) first, then format names, each once."""
+    degrees: set[int] = set()
+    formats: set[str] = set()
+    for t in targets:
+        if isinstance(t, str) and t.isdigit():
+            t = int(t)
+        if isinstance(t, int) and not isinstance(t, bool) and t >= 1:
+            degrees.add(t)
+        elif isinstance(t, str) and _FORMAT_RE.match(t):
+            formats.add(t)
+        else:
+            raise ConfigError(f"{t!r} is neither a tensor-parallel degree nor an output format name",
+                              culprit="targets", hint="give positive integers (TP) or format names such as hf")
+    if not degrees and not formats:
+        raise ConfigError("is empty", culprit="targets", hint="leave targets out to request every target")
+    return [*sorted(degrees), *sorted(formats)]
+
+
+_FORMAT_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def emit_training_completed(url: str, tp: int, step: int | None = None, targets: Iterable[int | str] | None = None, *,
                             payload: dict[str, Any] | None = None, timeout: float = 30.0) -> str:
     """Emit ``reshard.training.completed`` for the checkpoint at ``url`` and wait until it is sent.
 

@@ -104,11 +104,16 @@ def test_event_shape_and_which_deployments_it_fires():
     assert kw["payload"] == {"url": url, "tp": 8, "step": 1000, "targets": [2]}
     assert _fired(kw) == {"reshard/8to2"}
     assert _fired(ev(url, 8, 1000, targets=[1, 2])) == {"reshard/8to2", "reshard/8to1"}
-    assert _fired(ev(url, 8, 1000)) == {"reshard/8to2", "reshard/8to1"}  # no targets: every 8->M deployment
-    assert _fired(ev(url, 2, 5)) == {"reshard/2to8"}
-    assert _fired(ev(url, 4, 5)) == set()
+    # no targets: every 8->M deployment, and the Hugging Face export (any TP)
+    assert _fired(ev(url, 8, 1000)) == {"reshard/8to2", "reshard/8to1", "reshard/to-hf"}
+    assert _fired(ev(url, 2, 5)) == {"reshard/2to8", "reshard/to-hf"}
+    assert _fired(ev(url, 4, 5)) == {"reshard/to-hf"}
     assert _fired(ev(url, 8, 5, targets=[4])) == set()
-    for bad in (dict(url="", tp=8), dict(url=url, tp=0), dict(url=url, tp=8, targets=[])):
+    kw = ev(url, 8, 5, targets=["hf", "2", 2])
+    assert kw["payload"]["targets"] == [2, "hf"] and _fired(kw) == {"reshard/8to2", "reshard/to-hf"}
+    assert _fired(ev(url, 4, 5, targets=["hf"])) == {"reshard/to-hf"}
+    for bad in (dict(url="", tp=8), dict(url=url, tp=0), dict(url=url, tp=8, targets=[]),
+                dict(url=url, tp=8, targets=[0]), dict(url=url, tp=8, targets=["HF!"])):
         with pytest.raises(ReshardError):
             ev(**bad)
     for name, triggers in _yaml_triggers().items():  # the run gets the event's URL
@@ -179,10 +184,12 @@ def test_serve_builds_what_the_file_declares(monkeypatch):
     monkeypatch.setenv("RESHARD_SWEEP_SOURCE", "s3://b/train")
     monkeypatch.setenv("RESHARD_SWEEP_DEST", "s3://b/serve")
     specs = {s["full_name"]: s for s in load_specs(PREFECT_YAML)}
-    assert set(specs) == {"reshard/8to2", "reshard/8to1", "reshard/2to8", "reshard-sweep/post-training"}
+    assert set(specs) == {"reshard/8to2", "reshard/8to1", "reshard/2to8", "reshard/to-hf",
+                          "reshard-sweep/post-training"}
     deps = {f"{d.flow_name}/{d.name}": d for d in runner_deployments(PREFECT_YAML)}
     assert set(deps) == set(specs)
     assert deps["reshard/8to2"].parameters == {"target_tp": 2}
+    assert deps["reshard/to-hf"].parameters == {"target_tp": None, "to": "hf", "destination": "{source}-hf"}
     assert deps["reshard/2to8"].entrypoint == "reshard.flows.deployed.reshard_deployment"
     sweep = deps["reshard-sweep/post-training"]
     assert sweep.parameters == {"source_root": "s3://b/train", "dest_root": "s3://b/serve", "targets": [2, 1]}
@@ -330,6 +337,9 @@ def test_deploy_registers_the_yaml(stack):
         assert auto.trigger.expect == {"reshard.training.completed"}
         assert auto.actions[0].deployment_id == dep.id
         assert auto.actions[0].parameters == {"source": "{{ event.resource['reshard.url'] }}"}
+    hf = stack.deployment("reshard/to-hf")  # any TP -> Hugging Face, on reshard.target.hf or .all
+    assert hf.parameters == {"target_tp": None, "to": "hf", "destination": "{source}-hf"}, hf
+    assert automations["reshard-to-hf-on-training-completed"].actions[0].deployment_id == hf.id
     sweep = stack.deployment("reshard-sweep/post-training")
     assert sweep.parameters == {"source_root": f"s3://{stack.bucket}/scheduled-src",
                                 "dest_root": f"s3://{stack.bucket}/scheduled-dst", "targets": [2, 1]}
@@ -375,7 +385,8 @@ def test_prefect_deployment_run_8to2_commits_tp2_on_s3(stack, sample_factory, tm
 def test_training_completed_event_fires_the_matching_deployment(stack, sample_factory):
     src = f"s3://{stack.bucket}/ckpts/run8/global_step2000"
     stack.upload_sample(sample_factory(8), src)
-    before = {name: {r.id for r in stack.runs_of(name)} for name in ("reshard/8to2", "reshard/8to1", "reshard/2to8")}
+    before = {name: {r.id for r in stack.runs_of(name)}
+              for name in ("reshard/8to2", "reshard/8to1", "reshard/2to8", "reshard/to-hf")}
     t0 = time.monotonic()
     out = stack.cli(sys.executable, "-m", "reshard.cli", "emit-training-completed", src, "--tp", "8",
                     "--step", "2000", "--target", "2", timeout=120)
@@ -392,7 +403,7 @@ def test_training_completed_event_fires_the_matching_deployment(stack, sample_fa
     assert run.created_by is not None and run.created_by.type == "AUTOMATION", run.created_by
     manifest = stack.manifest(src + "-tp2")
     assert manifest is not None and manifest["target"]["tp"] == 2 and manifest["source"]["url"] == src
-    for other in ("reshard/8to1", "reshard/2to8"):  # --target 2: only 8to2 fires
+    for other in ("reshard/8to1", "reshard/2to8", "reshard/to-hf"):  # --target 2: only 8to2 fires
         assert {r.id for r in stack.runs_of(other)} == before[other], other
 
 

@@ -64,6 +64,7 @@ def reshard_deployment(
     vocab_size: int | None = None,
     make_vocab_size_divisible_by: int | None = None,
     to: str | None = None,
+    max_shard_size: str | int | None = None,
     module_key: str = "auto",
     overwrite: bool = False,
     device: str | None = None,

@@ -127,6 +127,11 @@ class CheckpointFormat(ABC):
         Default: the state dict itself; a format that renames or splits tensors does it here."""
         return sd
 
+    def describe(self, plan: Plan) -> list[str]:
+        """Lines about what this output is, for the run's summary and the flow's report (e.g. the
+        architecture a Hugging Face export was given, and why). Default: none."""
+        return []
+
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""
         return {}

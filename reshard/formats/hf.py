@@ -106,6 +106,10 @@ class HFFormat(CheckpointFormat):
                                     indent=2) + "\n"
         return out
 
+    def describe(self, plan: Plan) -> list[str]:
+        arch = architecture(plan)
+        return [f"architecture {arch.name}: {arch.reason}", *arch.notes]
+
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
         return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)))
 

@@ -25,7 +25,7 @@ from reshard.core.errors import DestinationError, StorageError
 from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
-from reshard.formats import is_marker, locate
+from reshard.formats import get_format, is_marker, locate
 from reshard.conversion import (manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
                                 source_record, urls_in_errors, zero_gate)
 from reshard import progress
@@ -147,7 +147,7 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
                                "bytes_written": t.bytes_written} for t in plan.targets],
                 warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
                 source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version,
-                output_format=plan.output_format)
+                output_format=plan.output_format, notes=get_format(plan.output_format).describe(plan))
 
 
 @task(name="plan-conversion", **TRANSIENT_RETRIES)
@@ -273,15 +273,19 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
 
 @task(name="report")
 def report(job: dict[str, Any], converted: list[dict[str, Any]], records: list[dict[str, Any]]) -> str:
-    """A markdown artifact: one row per target rank (sources, bytes, time, sha256)."""
+    """A markdown artifact: what the output is (the format's notes, e.g. a Hugging Face export's
+    architecture and why), then one row per written file (sources, bytes, time, sha256)."""
     by_name = {r["path"]: r for r in records}
     lines = [f"### reshard {job['source_record']['url']} -> {job['destination']}",
-             f"TP {job['source_tp']} -> {job['options']['target_tp']}, checkpoint version {job['version']}, "
+             f"TP {job['source_tp']} -> {job['options']['target_tp'] or job['output_format']}, checkpoint version "
+             f"{job['version']}, "
              f"{'already up to date (nothing written)' if job['up_to_date'] else 'committed'}", "",
-             "| target rank | source ranks | bytes | seconds | sha256 |", "|---|---|---|---|---|"]
+             *[f"- {note}" for note in job.get("notes", [])],
+             "", "| target | source ranks | bytes | seconds | sha256 |", "|---|---|---|---|---|"]
     for c in converted:
         rec = by_name.get(c["name"], {})
-        lines.append(f"| {c['rank']} | {', '.join(map(str, c['sources']))} | {rec.get('size', c['size'])} | "
+        lines.append(f"| {c.get('name', c['rank'])} | {', '.join(map(str, c['sources']))} | "
+                     f"{rec.get('size', c['size'])} | "
                      f"{c['seconds']} | `{rec.get('sha256', '')[:16]}` |")
     for w in job["warnings"]:
         lines.append(f"\n- warning: {w}")
