@@ -210,3 +210,33 @@ def test_models_no_architecture_computes_exactly_are_refused(mcore, tmp_path, ca
              "--target-tp", "2")
     _refused(capsys, mcore[("llama", 2, 1)], tmp_path / "d", "--max-shard-size: 'big' is not a size",
              "--max-shard-size", "big")
+
+
+def test_the_flow_exports_from_s3_like_direct_and_reports_the_architecture(mcore, tmp_path, s3_server, s3_bucket,
+                                                                           monkeypatch, prefect_env):
+    """Through the Prefect flow, from S3, in shards: the same files as ``--direct``, and the run's
+    report artifact names the architecture and why."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from reshard.core.options import ReshardOptions
+    from reshard.direct import run_direct
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from test_flow_formats import _outputs, _to_s3
+
+    src, opts = mcore[("qwen", 2, 1)], {"to": "hf", "max_shard_size": "100KB"}
+    run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(**opts))
+    url, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    out = run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
+                                 cache_dir=str(tmp_path / "cache"), **opts))
+    assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
+    assert (tmp_path / "flow" / "model.safetensors.index.json").is_file()
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(str(out["flow_run_id"]))])))
+    report = next(a.data for a in arts if a.key == "reshard-report")
+    assert "architecture Qwen2ForCausalLM: RMSNorm, SwiGLU, rotary, biases on the fused QKV only" in report
+    assert "rope_theta 50000" in report and "model-00001-of-" in report
