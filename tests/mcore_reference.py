@@ -27,6 +27,7 @@ class Arch:
     rmsnorm: bool = False
     rope: bool = False
     eps: float = 1e-5
+    rope_base: float = 10000.0
 
 
 def _norm(x: torch.Tensor, sd: dict[str, torch.Tensor], prefix: str, arch: Arch) -> torch.Tensor:
@@ -36,10 +37,10 @@ def _norm(x: torch.Tensor, sd: dict[str, torch.Tensor], prefix: str, arch: Arch)
     return F.layer_norm(x, (x.shape[-1],), w, sd[prefix + ".bias"], arch.eps)
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as megatron-core applies it (base 10000, non-interleaved halves); x [n, s, d]."""
+def _rope(x: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding as megatron-core applies it (non-interleaved halves); x [n, s, d]."""
     d, s = x.shape[-1], x.shape[1]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
@@ -81,7 +82,7 @@ def core_logits(shards: list[dict[str, torch.Tensor]], arch: Arch, tokens: torch
             k = qkv[:, :, q_per].transpose(0, 1)
             v = qkv[:, :, q_per + 1].transpose(0, 1)
             if arch.rope:
-                q, k = _rope(q), _rope(k)
+                q, k = _rope(q, arch.rope_base), _rope(k, arch.rope_base)
             k = k.repeat_interleave(q_per, dim=0)
             v = v.repeat_interleave(q_per, dim=0)
             scores = q @ k.transpose(1, 2) / math.sqrt(hn) + causal

@@ -143,3 +143,15 @@ def test_a_format_that_cannot_write_is_refused_in_one_typed_error(sample_factory
         assert info.value.hint and info.value.culprit == str(src)
     finally:
         unregister_format(fmt.name)
+
+
+def test_registry_functions_pickle_by_reference():
+    """Dask ships Prefect task functions pickled by value, with the globals they use: the registry's
+    entry points must pickle by reference, not drag the registry (and its lock) along."""
+    import pickle
+
+    from reshard.formats import available, get_format
+    from reshard.models.registry import families
+
+    for fn in (get_format, available, register_format, unregister_format, families):
+        assert pickle.loads(pickle.dumps(fn)) is fn

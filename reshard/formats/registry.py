@@ -25,8 +25,27 @@ _FORMATS: PluginRegistry[CheckpointFormat] = PluginRegistry("checkpoint format",
                                                             ENTRY_POINT_GROUP)
 #: Read-only view of the registered formats (name -> format); see :func:`available`.
 registry: Mapping[str, CheckpointFormat] = _FORMATS.view
-register_format = _FORMATS.register
-unregister_format = _FORMATS.unregister
-#: Every registered format, built-ins and plug-ins loaded, in detection order.
-available = _FORMATS.all
-get_format = _FORMATS.get
+
+# Module functions, not the registry's bound methods: a function that uses them can be pickled by
+# value (Dask ships Prefect tasks that way) without dragging the registry and its lock along.
+
+
+def register_format(item: CheckpointFormat | type[CheckpointFormat], *, clobber: bool = False) -> CheckpointFormat:
+    """Register a format (an instance or a class to instantiate); a second one of the same name raises
+    unless ``clobber``."""
+    return _FORMATS.register(item, clobber=clobber)
+
+
+def unregister_format(name: str) -> None:
+    """Remove a registered format (tests, reloads); unknown names are ignored."""
+    _FORMATS.unregister(name)
+
+
+def available() -> list[CheckpointFormat]:
+    """Every registered format, built-ins and plug-ins loaded, in detection order."""
+    return _FORMATS.all()
+
+
+def get_format(name: str) -> CheckpointFormat:
+    """The registered format called ``name``."""
+    return _FORMATS.get(name)

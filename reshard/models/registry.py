@@ -15,7 +15,19 @@ ENTRY_POINT_GROUP = "reshard.models"
 _FAMILIES: PluginRegistry[ModelFamily] = PluginRegistry("model family", ModelFamily, BUILTIN, ENTRY_POINT_GROUP)
 #: Read-only view of the registered families (name -> family).
 registry: Mapping[str, ModelFamily] = _FAMILIES.view
-register_family = _FAMILIES.register
-unregister_family = _FAMILIES.unregister
-#: Every registered family, in the order the planner asks them.
-families = _FAMILIES.all
+
+
+# Module functions, not bound methods: picklable by reference (see reshard.formats.registry).
+def register_family(item: ModelFamily | type[ModelFamily], *, clobber: bool = False) -> ModelFamily:
+    """Register a model family (an instance or a class); a second one of the same name raises unless ``clobber``."""
+    return _FAMILIES.register(item, clobber=clobber)
+
+
+def unregister_family(name: str) -> None:
+    """Remove a registered family (tests, reloads); unknown names are ignored."""
+    _FAMILIES.unregister(name)
+
+
+def families() -> list[ModelFamily]:
+    """Every registered family, in the order the planner asks them."""
+    return _FAMILIES.all()
