@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from reshard.core.source import MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import PendingTensor, RecordSink, SaveStats, WriterError, as_bytes
 from reshard.formats.base import CheckpointFormat
 from reshard.models.hf_export import Export, HFArchitecture, decide_architecture, export_of
-from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core
+from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -149,26 +150,52 @@ def _module(sd: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def architecture(plan: Plan) -> HFArchitecture:
-    """The architecture of the whole model (every target's tensors), from the saved ``args``."""
+    """The architecture of the whole model, from the plan's parameters and the saved ``args``."""
+    return _PER_PLAN.get(plan, "architecture", lambda: _architecture(plan))
+
+
+def _architecture(plan: Plan) -> HFArchitecture:
     from reshard.core.engine import target_state
 
-    keys: set[str] = set()
-    dtypes: set[torch.dtype] = set()
+    legacy = plan.facts.naming != "megatron-core"
+    written = {core_name(tp.out_key) if legacy else tp.out_key: tp.param for t in plan.targets for tp in t.params}
+    keys = set(written)
+    dtypes = {p.dtype for p in written.values() if p.dtype is not None}
     ffn = None
-    args = None
-    for tgt in range(len(plan.targets)):
-        sd = target_state(plan, tgt)
-        args = sd.get("args", args)
-        for k, v in _module(sd, plan).items():
-            keys.add(k)
-            if isinstance(v, (PendingTensor, torch.Tensor)):
-                dtypes.add(v.dtype)
-                if k.endswith("mlp.linear_fc1.weight"):
-                    ffn = v.shape[0] // 2
+    for key, p in written.items():
+        if key.endswith("mlp.linear_fc1.weight") and p.spec is not None:
+            rows = p.shape[p.spec.dim] * plan.source_tp if p.spec.total is None else p.spec.total * p.spec.parts
+            ffn = rows // 2
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
+    args = target_state(plan, 0).get("args")
     return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32, ffn)
+
+
+class _PerPlan:
+    """What this format derives from a plan, computed once: checking it, its side files, its
+    description and each target's preparation all see the same plan object in one process."""
+
+    def __init__(self) -> None:
+        self.plan: Any = None
+        self.values: dict[Any, Any] = {}
+        self.lock = threading.Lock()
+
+    def get(self, plan: Plan, key: Any, compute: Callable[[], Any]) -> Any:
+        with self.lock:
+            if self.plan is not plan:
+                self.plan, self.values = plan, {}
+            if key in self.values:
+                return self.values[key]
+        value = compute()
+        with self.lock:
+            if self.plan is plan:
+                self.values[key] = value
+        return value
+
+
+_PER_PLAN = _PerPlan()
 
 
 def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype]]:
@@ -187,7 +214,8 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
 def _file_entries(plan: Plan, tgt: int) -> list[FileEntry]:
     from reshard.core.engine import target_state
 
-    return SafetensorsFile(_exports(plan, tgt, _module(target_state(plan, tgt), plan))).entries
+    return _PER_PLAN.get(plan, ("entries", tgt), lambda: SafetensorsFile(
+        _exports(plan, tgt, _module(target_state(plan, tgt), plan))).entries)
 
 
 class SafetensorsFile:
