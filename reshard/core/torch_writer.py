@@ -421,7 +421,7 @@ class _Stage:
             raise error
 
 
-def _writer_pipeline(fd: int, depth: int, digest: Any = None) -> _Stage:
+def writer_pipeline(fd: int, depth: int, digest: Any = None) -> _Stage:
     """``pwrite`` on one thread and, with a ``digest``, the SHA-256 (in file order) on a second
     one: hashing runs beside the kernel's copy into the page cache instead of after it (on 2
     cores the writer thread alone was the bottleneck: copy + hash in series). Items with an
@@ -604,7 +604,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         # CRCs of streamed records: patched into the file once all data is written (a pwrite here
         # would contend with the writer thread for the file's lock), and into the bytes hashed
         crc_at: dict[int, int] = {}
-        wt = _writer_pipeline(fd, depth, digest)
+        wt = writer_pipeline(fd, depth, digest)
         try:
             for rec in records:
                 name = f"data/{rec.key}"

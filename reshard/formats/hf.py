@@ -16,9 +16,11 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import queue
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +32,8 @@ import torch
 
 from reshard.core.errors import LayoutError
 from reshard.core.source import MODULE_KEYS, SourceCheckpoint
-from reshard.core.torch_writer import PendingTensor, RecordSink, SaveStats, WriterError, as_bytes
+from reshard.core.torch_writer import (QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError, as_bytes,
+                                      writer_pipeline)
 from reshard.formats.base import CheckpointFormat
 from reshard.models.hf_export import Export, HFArchitecture, decide_architecture, export_of
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
@@ -239,6 +242,10 @@ class SafetensorsFile:
 
     def write(self, path: str, *, sha256: bool = False,
               on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+        """Header first, then each megatron-core tensor streamed into its Hugging Face tensors:
+        ``pwrite`` on the writer thread (as :func:`reshard.core.torch_writer.save` does), and each
+        finished tensor's region hashed, in file order, on a hashing thread — read back from
+        the page cache, since a fused tensor's bytes are scattered over several regions."""
         digest = hashlib.sha256() if sha256 else None
         base = len(self.header)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -247,28 +254,67 @@ class SafetensorsFile:
             _pwrite_all(fd, self.header, 0)
             if digest is not None:
                 digest.update(self.header)
-            for i, (exp, value, _dtype) in enumerate(self.exports):
-                entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
-                runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
-                if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
-                    raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
-                sink = _ScatterSink(fd, runs, exp.key)
-                if isinstance(value, PendingTensor):
-                    value.produce(sink)
-                else:
-                    sink.write(value.detach().contiguous())
-                sink.finish(value.nbytes if isinstance(value, PendingTensor) else value.numel() * value.element_size())
-                lo, hi = base + entries[0].start, base + entries[-1].start + entries[-1].nbytes
-                if digest is not None:
-                    _hash_region(fd, lo, hi, digest)
-                if on_bytes is not None:
-                    on_bytes(hi)
+            hasher = _RegionHasher(fd, digest) if digest is not None else None
+            writer = writer_pipeline(fd, QUEUE_DEPTH)
+            try:
+                for i, (exp, value, _dtype) in enumerate(self.exports):
+                    entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
+                    runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
+                    if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
+                        raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
+                    sink = _ScatterSink(writer, runs, exp.key)
+                    if isinstance(value, PendingTensor):
+                        value.produce(sink)
+                        sink.finish(value.nbytes)
+                    else:
+                        t = value.detach().contiguous()
+                        sink.write(t)
+                        sink.finish(t.numel() * t.element_size())
+                    lo, hi = base + entries[0].start, base + entries[-1].start + entries[-1].nbytes
+                    if hasher is not None:  # queued behind the tensor's writes: hashed once they are on disk
+                        writer.put((memoryview(b""), None, functools.partial(hasher.put, lo, hi), None))
+                    if on_bytes is not None:
+                        on_bytes(hi)
+            finally:
+                try:
+                    writer.close()
+                finally:
+                    if hasher is not None:
+                        hasher.close()
         finally:
             os.close(fd)
         return SaveStats(size=base + self.data_size, records=len(self.entries),
                          largest_record=max((e.nbytes for e in self.entries), default=0),
                          record_order=[e.name for e in self.entries],
                          sha256=digest.hexdigest() if digest is not None else None)
+
+
+class _RegionHasher:
+    """Hashes file regions, in the order given, on its own thread (read back from the page cache)."""
+
+    def __init__(self, fd: int, digest: Any) -> None:
+        self.fd, self.digest = fd, digest
+        self.q: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="reshard-hf-hasher", daemon=True)
+        self.thread.start()
+
+    def put(self, lo: int, hi: int) -> None:
+        self.q.put((lo, hi))
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    _hash_region(self.fd, item[0], item[1], self.digest)
+                except BaseException as exc:  # reported by close()
+                    self.error = exc
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def header_bytes(entries: Sequence[FileEntry]) -> bytes:
@@ -283,31 +329,38 @@ def header_bytes(entries: Sequence[FileEntry]) -> bytes:
 
 
 class _ScatterSink(RecordSink):
-    """A megatron-core tensor's bytes, in order, written to where its runs say (``(src, length,
-    file offset)``, sorted); bytes no run covers (vocabulary padding) are dropped."""
+    """A megatron-core tensor's bytes, in order, queued for the writer thread to where its runs
+    say (``(src, length, file offset)``, sorted); bytes no run covers (vocabulary padding) are
+    dropped. A chunk's ``release`` runs once its last piece is written."""
 
-    def __init__(self, fd: int, runs: list[tuple[int, int, int]], key: str) -> None:
-        self.fd, self.runs, self.key = fd, runs, key
+    def __init__(self, writer: Any, runs: list[tuple[int, int, int]], key: str) -> None:
+        self.writer, self.runs, self.key = writer, runs, key
         self.pos = 0
         self.next = 0
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
-        mv, _hold = as_bytes(data)
+        mv, hold = as_bytes(data)
         lo, hi = self.pos, self.pos + len(mv)
+        pieces = []
         i = self.next
         while i < len(self.runs) and self.runs[i][0] < hi:
             src, length, dst = self.runs[i]
             a, b = max(lo, src), min(hi, src + length)
             if a < b:
-                _pwrite_all(self.fd, mv[a - lo:b - lo], dst + a - src)
+                pieces.append((mv[a - lo:b - lo], dst + a - src))
             if src + length <= hi:
                 i += 1
                 self.next = i
             else:
                 break
         self.pos = hi
-        if release is not None:
-            release()
+        if not pieces:
+            if release is not None:
+                release()
+            return
+        for j, (piece, offset) in enumerate(pieces):
+            last = j == len(pieces) - 1
+            self.writer.put((piece, offset, release if last else None, (keep, hold, data)))
 
     def finish(self, expected: int) -> None:
         if self.pos != expected:
