@@ -126,6 +126,7 @@ def test_a_sharded_export_loads_with_the_same_logits(mcore, tmp_path):
         if len(in_file) > 1:  # a shard holds more than one tensor only when they fit the limit together
             assert sum(t.numel() * t.element_size() for t in in_file) <= limit, f
     assert [k for k, v in index["weight_map"].items() if v == files[-1]] == ["lm_head.weight"]
+    assert main(["verify", str(out)]) == 0  # the digests hashed while writing are the files' own
     torch.testing.assert_close(hf_logits(out), torch.load(mcore[("llama", 2, 1)] / "logits.pt"), atol=TOL, rtol=0)
 
 
