@@ -61,21 +61,35 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-CASES = [  # (model, tp, pp, the architecture transformers must build)
-    ("llama", 2, 1, "LlamaForCausalLM"), ("llama", 1, 1, "LlamaForCausalLM"),
-    ("llama_tied", 2, 1, "LlamaForCausalLM"), ("qwen", 2, 1, "Qwen2ForCausalLM"),
+CASES = [  # (model, tp, pp, the architecture transformers must build, tied)
+    ("llama", 2, 1, "LlamaForCausalLM", False), ("llama", 1, 1, "LlamaForCausalLM", False),
+    ("llama_tied", 2, 1, "LlamaForCausalLM", True), ("qwen", 2, 1, "Qwen2ForCausalLM", False),
+    # GPT-2-like: LayerNorm, exact GELU, learned positions, biases, multi-head; 100 of 128 rows real
+    ("mha", 2, 1, "GPT2LMHeadModel", True), ("padded_tied", 4, 1, "GPT2LMHeadModel", True),
 ]
 
 
-@pytest.mark.parametrize("name,tp,pp,arch", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
-def test_transformers_runs_the_export_with_megatron_cores_logits(mcore, tmp_path, name, tp, pp, arch):
+@pytest.mark.parametrize("name,tp,pp,arch,tied", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
+def test_transformers_runs_the_export_with_megatron_cores_logits(mcore, tmp_path, name, tp, pp, arch, tied):
     out = _export(mcore[(name, tp, pp)], tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [arch]
-    assert config["tie_word_embeddings"] is (name == "llama_tied")
-    assert ("lm_head.weight" in _tensors(out)) is (name != "llama_tied")
+    assert config["tie_word_embeddings"] is tied
+    assert ("lm_head.weight" in _tensors(out)) is not tied
     want = torch.load(mcore[(name, tp, pp)] / "logits.pt")
+    want = want[:, :config["vocab_size"]]  # Megatron's padding rows are not exported
     torch.testing.assert_close(hf_logits(out), want, atol=TOL, rtol=0)
+
+
+def test_a_legacy_megatron_gpt_exports_as_gpt2(mcore, tmp_path):
+    """A legacy-named GPT (LayerNorm, GELU, learned positions, biases) exports the tensors its
+    megatron-core original does, which transformers' GPT-2 runs with megatron-core's logits."""
+    legacy = rewrite_run(mcore[("mha", 2, 1)], tmp_path / "legacy", as_legacy())
+    got = _tensors(_export(legacy, tmp_path / "from_legacy"))
+    want = _tensors(_export(mcore[("mha", 2, 1)], tmp_path / "from_core"))
+    assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    torch.testing.assert_close(hf_logits(tmp_path / "from_legacy"), torch.load(mcore[("mha", 2, 1)] / "logits.pt"),
+                               atol=TOL, rtol=0)
 
 
 def test_the_saved_rotary_base_and_epsilon_are_exported(mcore, tmp_path):
@@ -185,12 +199,22 @@ WRONG = {
 }
 
 
-def test_the_logits_comparison_catches_each_plausible_wrong_export(mcore, tmp_path):
-    src = mcore[("qwen", 2, 1)]
+WRONG_GPT2 = {  # the GELU variant: see test_the_gelu_variant_is_caught_where_it_matters
+    "c_attn as Megatron's per-head rows, not q|k|v": {"tensors": lambda sd: sd.__setitem__(
+        "transformer.h.0.attn.c_attn.weight", sd["transformer.h.0.attn.c_attn.weight"].reshape(64, 3, 8, 8)
+        .transpose(1, 2).reshape(64, 192))},
+    "c_fc's bytes in Megatron's [out, in] order, not transposed": {"tensors": lambda sd: sd.__setitem__(
+        "transformer.h.1.mlp.c_fc.weight", sd["transformer.h.1.mlp.c_fc.weight"].t().contiguous().reshape(64, 256))},
+}
+
+
+@pytest.mark.parametrize("model,wrong", [("qwen", WRONG), ("mha", WRONG_GPT2)], ids=["qwen", "gpt2"])
+def test_the_logits_comparison_catches_each_plausible_wrong_export(mcore, tmp_path, model, wrong):
+    src = mcore[(model, 2, 1)]
     good = _export(src, tmp_path / "good")
     want = torch.load(src / "logits.pt")
     assert (hf_logits(good) - want).abs().max() < TOL
-    for i, (label, change) in enumerate(WRONG.items()):
+    for i, (label, change) in enumerate(wrong.items()):
         diff = (hf_logits(_mutated(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
         assert diff > 10 * TOL, f"{label}: logits moved only {diff:.2e}"
 
@@ -204,7 +228,8 @@ def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str) -> None:
 
 
 def test_models_no_architecture_computes_exactly_are_refused(mcore, tmp_path, capsys):
-    _refused(capsys, mcore[("mha", 2, 1)], tmp_path / "a", "normalization is LayerNorm")
+    _refused(capsys, mcore[("gqa", 2, 1)], tmp_path / "a", "2 query groups for 8 heads (GPT-2 has multi-head")
+    _refused(capsys, mcore[("swiglu", 2, 1)], tmp_path / "e", "LayerNorm with a SwiGLU MLP")
     _refused(capsys, mcore[("llama", 2, 1)], tmp_path / "b", "--quantize: Hugging Face safetensors has no place",
              "--quantize")
     _refused(capsys, mcore[("llama", 2, 1)], tmp_path / "c", "--target-tp: the Hugging Face safetensors layout",
@@ -241,3 +266,33 @@ def test_the_flow_exports_from_s3_like_direct_and_reports_the_architecture(mcore
     report = next(a.data for a in arts if a.key == "reshard-report")
     assert "architecture Qwen2ForCausalLM: RMSNorm, SwiGLU, rotary, biases on the fused QKV only" in report
     assert "rope_theta 50000" in report and "model-00001-of-" in report
+
+
+def _large_mlp_inputs(sd: dict) -> dict:
+    """fc1 weights x 10 (on every rank alike): pre-activations of order 1, where exact GELU and its
+    tanh form differ (at megatron-core's small initial weights they move the logits by ~1e-5 only);
+    the tied embedding x 20 (the input layer norm undoes it; the logits grow to ~30)."""
+    for k, v in sd["model"].items():
+        if k.endswith("mlp.linear_fc1.weight"):
+            sd["model"][k] = v * 10
+        elif k == "embedding.word_embeddings.weight":
+            sd["model"][k] = v * 20
+    return sd
+
+
+def test_the_gelu_variant_is_caught_where_it_matters(mcore, tmp_path):
+    """GPT-2 export of a model whose MLP inputs are large: transformers' logits equal the
+    independent megatron-core forward (``mcore_reference``, itself checked against megatron-core),
+    and with the tanh GELU (``gelu_new``) they do not."""
+    from mcore_fixtures import model_options
+    from mcore_reference import Arch, core_logits
+
+    src = rewrite_run(mcore[("mha", 2, 1)], tmp_path / "src", _large_mlp_inputs)
+    o = model_options("mha")
+    want = core_logits([rank_module(src, r) for r in range(2)], Arch(o["layers"], o["heads"], o["heads"]),
+                       torch.tensor(TOKENS))
+    good = _export(src, tmp_path / "good")
+    assert (hf_logits(good) - want).abs().max() < TOL
+    bad = _mutated(good, tmp_path / "bad", config={"activation_function": "gelu_new"})
+    diff = (hf_logits(bad) - want).abs().max().item()
+    assert diff > 10 * TOL, f"gelu_new moved the logits only {diff:.2e}"

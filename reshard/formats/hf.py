@@ -33,7 +33,7 @@ import torch
 from reshard.core.errors import LayoutError
 from reshard.core.source import MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError, as_bytes,
-                                      writer_pipeline)
+                                      tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat
 from reshard.models.hf_export import Export, HFArchitecture, decide_architecture, export_of
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
@@ -168,7 +168,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
     for key, p in written.items():
         if key.endswith("mlp.linear_fc1.weight") and p.spec is not None:
             rows = p.shape[p.spec.dim] * plan.source_tp if p.spec.total is None else p.spec.total * p.spec.parts
-            ffn = rows // 2
+            ffn = rows // 2 if plan.facts.swiglu else rows  # SwiGLU's fc1 is [gate; up]
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
@@ -208,7 +208,7 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
             if value is not None and not key.endswith("_extra_state"):
                 raise LayoutError(f"{key} holds a {type(value).__name__}, not a tensor", culprit=key)
             continue
-        exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts)
+        exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts, architecture(plan).name)
         if exp.outputs:
             out.append((exp, value, value.dtype))
     return out
@@ -259,17 +259,7 @@ class SafetensorsFile:
             try:
                 for i, (exp, value, _dtype) in enumerate(self.exports):
                     entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
-                    runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
-                    if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
-                        raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
-                    sink = _ScatterSink(writer, runs, exp.key)
-                    if isinstance(value, PendingTensor):
-                        value.produce(sink)
-                        sink.finish(value.nbytes)
-                    else:
-                        t = value.detach().contiguous()
-                        sink.write(t)
-                        sink.finish(t.numel() * t.element_size())
+                    _write_export(writer, exp, value, entries, base)
                     lo, hi = base + entries[0].start, base + entries[-1].start + entries[-1].nbytes
                     if hasher is not None:  # queued behind the tensor's writes: hashed once they are on disk
                         writer.put((memoryview(b""), None, functools.partial(hasher.put, lo, hi), None))
@@ -287,6 +277,28 @@ class SafetensorsFile:
                          largest_record=max((e.nbytes for e in self.entries), default=0),
                          record_order=[e.name for e in self.entries],
                          sha256=digest.hexdigest() if digest is not None else None)
+
+
+def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int) -> None:
+    """Queue one megatron-core tensor's bytes for its Hugging Face tensors (``entries``)."""
+    if exp.convert is not None:  # a transpose: this one tensor in memory, then its outputs
+        whole = value.materialize() if isinstance(value, PendingTensor) else value.detach()
+        for entry, out in zip(entries, exp.convert(whole)):
+            if tuple(out.shape) != entry.shape:
+                raise WriterError(f"{exp.key}: made {tuple(out.shape)} for {entry.name} {entry.shape}")
+            writer.put((tensor_bytes(out), base + entry.start, None, out))
+        return
+    runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
+    if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
+        raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
+    sink = _ScatterSink(writer, runs, exp.key)
+    if isinstance(value, PendingTensor):
+        value.produce(sink)
+        sink.finish(value.nbytes)
+    else:
+        t = value.detach().contiguous()
+        sink.write(t)
+        sink.finish(t.numel() * t.element_size())
 
 
 class _RegionHasher:

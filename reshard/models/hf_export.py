@@ -13,6 +13,9 @@ architecture           megatron-core model
 ``LlamaForCausalLM``   RMSNorm, SwiGLU, rotary (whole head, not interleaved, no scaling), no linear
                        biases — or biases on every linear layer (``attention_bias``, ``mlp_bias``)
 ``Qwen2ForCausalLM``   the same with biases on the fused QKV only (``--add-qkv-bias``)
+``GPT2LMHeadModel``    LayerNorm, GELU (exact; ``gelu_new`` with ``--openai-gelu``), learned absolute
+                       positions, biases on every linear layer, multi-head attention (legacy
+                       Megatron GPT, megatron-core's GPT with those settings)
 =====================  ===========================================================================
 
 Tensor transforms (one class each, owning its byte mapping; rows are the leading dim):
@@ -26,7 +29,12 @@ kind                megatron-core tensor                   Hugging Face tensors
                     ``q*d`` query rows, ``d`` key rows,    [g*d, ...]``, ``v_proj [g*d, ...]``
                     ``d`` value rows
 :class:`GatedSplit` ``[2 * f, h]`` = ``[gate; up]``        ``gate_proj [f, h]``, ``up_proj [f, h]``
+:class:`Conv1D`     ``[out, in]``                          ``[in, out]`` (GPT-2's ``Conv1D``; whole)
+:class:`GPT2QKV`    ``[heads * 3 * d, h]`` per head q,k,v  ``c_attn [h, 3 * heads * d]``: all q, all
+                                                           k, all v, transposed (whole)
 ==================  =====================================  ========================================
+
+"whole": a transpose is no byte run, so that one tensor is read into memory, then written.
 
 (``g`` query groups, ``q`` query heads per group, ``d`` head dim, ``f`` FFN width.) megatron-core's
 rotary embedding rotates the two halves of each head (``rotate_half``), as transformers' Llama
@@ -35,6 +43,7 @@ does, so no row permutation is needed.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +155,34 @@ class GatedSplit(Transform):
         return [Run(0, half, 0, 0), Run(half, half, 1, 0)]
 
 
-_L = r"^decoder\.layers\.(\d+)\."
+class Conv1D(Transform):
+    """GPT-2's ``Conv1D`` weights are stored ``[in, out]``: the transpose of a linear layer's.
+    Whole-tensor (a transpose is no byte run): the tensor is read once, in memory, then written."""
+
+    def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
+        return [OutTensor(names[0], (shape[1], shape[0]))]
+
+    def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
+        return [t.t().contiguous()]
+
+
+class GPT2QKV(Transform):
+    """megatron-core's fused QKV of multi-head attention (``[heads, 3, d]`` rows) as GPT-2's
+    ``c_attn``: ``[3, heads, d]`` rows (all queries, all keys, all values), a weight transposed."""
+
+    def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
+        return [OutTensor(names[0], (shape[1], shape[0]) if len(shape) == 2 else shape)]
+
+    def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
+        heads = facts.heads or 0
+        if not heads or t.shape[0] % (3 * heads):
+            raise LayoutError(f"fused QKV of {t.shape[0]} rows is not 3 x {heads} heads", culprit="linear_qkv",
+                              hint="check --num-heads")
+        rows = t.reshape(heads, 3, t.shape[0] // (3 * heads), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return [rows.t().contiguous() if t.dim() == 2 else rows.contiguous()]
+
+
+_L = r"^decoder\.layers\.(?P<layer>\d+)\."
 _H = "model.layers.{layer}."
 #: megatron-core name (local or Transformer Engine spec) -> Hugging Face names (Llama / Qwen2).
 #: ``None``: the entry holds no weights (``_extra_state``) and is not exported.
@@ -155,17 +191,43 @@ LLAMA_NAMES: tuple[tuple[re.Pattern[str], Transform | None, tuple[str, ...]], ..
         (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("model.embed_tokens.weight",)),
         (_L + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)$", Same(),
          (_H + "input_layernorm.weight",)),
-        (_L + r"self_attention\.linear_qkv\.(weight|bias)$", QKVSplit(),
+        (_L + r"self_attention\.linear_qkv\.(?P<p>weight|bias)$", QKVSplit(),
          (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}")),
-        (_L + r"self_attention\.linear_proj\.(weight|bias)$", Same(), (_H + "self_attn.o_proj.{p}",)),
+        (_L + r"self_attention\.linear_proj\.(?P<p>weight|bias)$", Same(), (_H + "self_attn.o_proj.{p}",)),
         (_L + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)$", Same(),
          (_H + "post_attention_layernorm.weight",)),
-        (_L + r"mlp\.linear_fc1\.(weight|bias)$", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
-        (_L + r"mlp\.linear_fc2\.(weight|bias)$", Same(), (_H + "mlp.down_proj.{p}",)),
+        (_L + r"mlp\.linear_fc1\.(?P<p>weight|bias)$", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
+        (_L + r"mlp\.linear_fc2\.(?P<p>weight|bias)$", Same(), (_H + "mlp.down_proj.{p}",)),
         (r"^decoder\.final_layernorm\.weight$", Same(), ("model.norm.weight",)),
         (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
         (r"^(?:.+\.)?_extra_state$", None, ()),
     ))
+
+
+_G = "transformer.h.{layer}."
+#: megatron-core name -> GPT-2 names (``GPT2LMHeadModel``; its linear layers are ``Conv1D``).
+GPT2_NAMES: tuple[tuple[re.Pattern[str], Transform | None, tuple[str, ...]], ...] = tuple(
+    (re.compile(p), t, n) for p, t, n in (
+        (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("transformer.wte.weight",)),
+        (r"^embedding\.position_embeddings\.weight$", Same(), ("transformer.wpe.weight",)),
+        (_L + r"(?:input_layernorm\.|self_attention\.linear_qkv\.layer_norm_)(?P<p>weight|bias)$", Same(),
+         (_G + "ln_1.{p}",)),
+        (_L + r"self_attention\.linear_qkv\.weight$", GPT2QKV(), (_G + "attn.c_attn.weight",)),
+        (_L + r"self_attention\.linear_qkv\.bias$", GPT2QKV(), (_G + "attn.c_attn.bias",)),
+        (_L + r"self_attention\.linear_proj\.weight$", Conv1D(), (_G + "attn.c_proj.weight",)),
+        (_L + r"self_attention\.linear_proj\.bias$", Same(), (_G + "attn.c_proj.bias",)),
+        (_L + r"(?:pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_)(?P<p>weight|bias)$", Same(),
+         (_G + "ln_2.{p}",)),
+        (_L + r"mlp\.linear_fc1\.weight$", Conv1D(), (_G + "mlp.c_fc.weight",)),
+        (_L + r"mlp\.linear_fc1\.bias$", Same(), (_G + "mlp.c_fc.bias",)),
+        (_L + r"mlp\.linear_fc2\.weight$", Conv1D(), (_G + "mlp.c_proj.weight",)),
+        (_L + r"mlp\.linear_fc2\.bias$", Same(), (_G + "mlp.c_proj.bias",)),
+        (r"^decoder\.final_layernorm\.(?P<p>weight|bias)$", Same(), ("transformer.ln_f.{p}",)),
+        (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
+        (r"^(?:.+\.)?_extra_state$", None, ()),
+    ))
+#: Each architecture's name table.
+NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES}
 
 
 @dataclass(frozen=True)
@@ -175,24 +237,27 @@ class Export:
     key: str
     outputs: tuple[OutTensor, ...] = ()
     runs: tuple[Run, ...] = ()
+    #: whole-tensor transforms (a transpose): the outputs from the tensor itself, else None
+    convert: Any = None
 
 
-def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> Export:
-    """Where megatron-core tensor ``key`` goes (:data:`LLAMA_NAMES`); an unknown key is an error."""
-    for pattern, transform, names in LLAMA_NAMES:
+def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts, architecture: str) -> Export:
+    """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`NAME_TABLES`); an unknown
+    key is an error."""
+    for pattern, transform, names in NAME_TABLES[architecture]:
         m = pattern.match(key)
         if m is None:
             continue
         if transform is None:
             return Export(key)
-        groups = m.groups()
-        layer = groups[0] if groups and key.startswith("decoder.layers.") else None
-        part = groups[-1] if len(groups) > 1 else None
-        filled = tuple(n.format(layer=layer, p=part) for n in names)
-        return Export(key, tuple(transform.outputs(filled, shape, facts)),
-                      tuple(transform.runs(shape, itemsize, facts)))
-    raise LayoutError(f"{key} has no Hugging Face counterpart in the Llama/Qwen2 architectures", culprit=key,
-                      hint="export a model whose every tensor those architectures hold")
+        fields = m.groupdict()
+        filled = tuple(n.format(layer=fields.get("layer"), p=fields.get("p")) for n in names)
+        outputs = tuple(transform.outputs(filled, shape, facts))
+        if isinstance(transform, (Conv1D, GPT2QKV)):
+            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts))
+        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)))
+    raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture}", culprit=key,
+                      hint="export a model whose every tensor that architecture holds")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,36 +289,36 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
 
     def refuse(what: str) -> LayoutError:
         return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
-                           hint="keep it in a Megatron layout (Llama and Qwen2 shapes are exported)")
+                           hint="keep it in a Megatron layout (Llama, Qwen2 and GPT-2 shapes are exported)")
 
     def has(pattern: str) -> bool:
         return any(re.search(pattern, k) for k in keys)
 
-    norm = _arg(args, "normalization")
-    if norm != "RMSNorm":
-        raise refuse(f"normalization is {norm or 'not recorded in args'} (Llama/Qwen2 use RMSNorm; GPT-2-style "
-                     "LayerNorm models are not exported yet)")
-    if not facts.swiglu:
-        raise refuse("the MLP is not SwiGLU")
     for flag, what in (("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm",
                                                           "residual taken after the layer norm"),
                        ("qk_layernorm", "query/key layer norms"), ("rotary_interleaved", "interleaved rotary"),
-                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention")):
+                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention"),
+                       ("moe_num_experts", "mixture of experts"), ("num_experts", "mixture of experts")):
         if _arg(args, flag, default=False):
             raise refuse(f"{what} ({flag})")
     if has(r"(q_layernorm|k_layernorm)\."):
         raise refuse("query/key layer norms")
+    if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
+        raise refuse("heads, query groups or head dim unknown (pass --num-heads / --num-query-groups)")
+    norm = _arg(args, "normalization", default="LayerNorm")  # Megatron-LM's default
+    if norm == "LayerNorm":
+        return _gpt2(args, facts, has, dtype, ffn, refuse)
+    if norm != "RMSNorm":
+        raise refuse(f"normalization is {norm}")
+    if not facts.swiglu:
+        raise refuse("the MLP is not SwiGLU")
     if _arg(args, "position_embedding_type") != "rope" or has(r"position_embeddings\."):
         raise refuse(f"position embedding {_arg(args, 'position_embedding_type') or 'unknown'} (rotary needed)")
     percent = float(_arg(args, "rotary_percent", default=1.0))
     if percent != 1.0:
         raise refuse(f"rotary_percent {percent} (the whole head must rotate)")
-    if _arg(args, "moe_num_experts", "num_experts", default=None):
-        raise refuse("mixture of experts")
     qkv_bias, proj_bias = has(r"linear_qkv\.bias$"), has(r"linear_proj\.bias$")
     mlp_bias = has(r"linear_fc1\.bias$") or has(r"linear_fc2\.bias$")
-    if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
-        raise refuse("heads, query groups or head dim unknown (pass --num-heads / --num-query-groups)")
     vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
     base = float(_arg(args, "rotary_base", default=ROPE_BASE_DEFAULT))
     eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=NORM_EPS_DEFAULT))
@@ -288,3 +353,40 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
                                                            "model_type": "llama", **config},
                           reason="RMSNorm, SwiGLU, rotary" + (", biases on every linear layer" if qkv_bias
                                                               else ", no linear biases"), notes=notes)
+
+
+def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int | None,
+          refuse: Any) -> HFArchitecture:
+    """LayerNorm, GELU (exact, or tanh with ``--openai-gelu``), learned absolute positions, biases
+    on every linear layer, multi-head attention: ``GPT2LMHeadModel``."""
+    if facts.swiglu:
+        raise refuse("LayerNorm with a SwiGLU MLP (GPT-2 has a plain GELU MLP)")
+    if _arg(args, "position_embedding_type", default="learned_absolute") != "learned_absolute" or \
+            not has(r"^embedding\.position_embeddings\."):
+        raise refuse("LayerNorm without learned absolute positions (GPT-2 learns them)")
+    if facts.query_groups != facts.heads:
+        raise refuse(f"{facts.query_groups} query groups for {facts.heads} heads (GPT-2 has multi-head attention)")
+    if facts.head_dim * facts.heads != facts.hidden:
+        raise refuse("head dim x heads differs from the hidden size, which GPT-2 assumes")
+    missing = [n for n, pat in (("QKV", r"linear_qkv\.bias$"), ("attention output", r"linear_proj\.bias$"),
+                                ("MLP", r"linear_fc1\.bias$")) if not has(pat)]
+    if missing:
+        raise refuse(f"no biases on the {' and '.join(missing)} layers (GPT-2 has them on every linear layer)")
+    rows = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
+    eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=NORM_EPS_DEFAULT))
+    gelu = "gelu_new" if _arg(args, "openai_gelu", default=False) else "gelu"
+    config: dict[str, Any] = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": rows, "n_embd": facts.hidden,
+        "n_layer": facts.num_layers, "n_head": facts.heads, "n_inner": ffn, "activation_function": gelu,
+        "layer_norm_epsilon": eps, "tie_word_embeddings": bool(facts.tied_embeddings),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+        "dtype": _HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
+    }
+    max_pos = _arg(args, "max_position_embeddings", "seq_length")
+    if isinstance(max_pos, int):
+        config["n_positions"] = max_pos
+    notes = (f"activation {gelu} ({'--openai-gelu' if gelu == 'gelu_new' else 'exact GELU, Megatron default'})",
+             f"layer_norm_epsilon {eps:g}" + (" (megatron-core's default)" if _arg(
+                 args, "norm_epsilon", "layernorm_epsilon") is None else ""))
+    return HFArchitecture(name="GPT2LMHeadModel", config=config, notes=notes,
+                          reason="LayerNorm, GELU, learned positions, biases on every linear layer, multi-head")
