@@ -14,7 +14,6 @@ model with twice the layers: peak RSS must stay flat.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_torch_dist import FLOOR, log, measure, reshard, size, warm  # noqa: E402
+from bench_torch_dist import FLOOR, log, measure, parse_bench_args, reshard, size, source_for, warm  # noqa: E402
 
 #: The naive peer: the whole model in memory, merged with the TP rules of this Llama shape.
 NAIVE = [sys.executable, "-c", """
@@ -95,25 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--compare"]:
         return 0 if same_tensors(Path(argv[1]), Path(argv[2])) else 1
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--deep-layers", type=int, default=24, help="second depth for memory scaling (0: skip)")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--data-dir", type=Path, default=HERE / "data")
-    ap.add_argument("--work-dir", type=Path, default=HERE / "out")
-    ns = ap.parse_args(argv)
-    shape = dict(hidden=3072, ffn=8192, heads=24, groups=8, vocab=32768, tp=8)
-    if ns.quick:
-        shape, ns.layers, ns.deep_layers, ns.runs = dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8), 2, 4, 1
+    ns, shape = parse_bench_args(argv, __doc__.splitlines()[0])
     work = ns.work_dir / "hf"
     shutil.rmtree(work, ignore_errors=True)
     results: dict[str, Any] = {}
     for layers in [ns.layers] + ([ns.deep_layers] if ns.deep_layers else []):
-        tag = "quick" if ns.quick else "llama3k"
-        src = ns.data_dir / f"core_{tag}_l{layers}_tp8_fp16"
-        subprocess.run([sys.executable, str(HERE / "bench_torch_dist.py"), "--make-source", str(src), str(layers),
-                        json.dumps(shape)], check=True)
+        src = source_for(ns, layers, shape)
         methods = {
             "floor (per-rank TP 8 bytes)": FLOOR + [str(src)],
             "reshard --direct TP 8 -> hf": reshard(str(src), "{out}", "--to", "hf"),

@@ -128,12 +128,9 @@ def size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--make-source"]:
-        make_source(Path(argv[1]), int(argv[2]), **json.loads(argv[3]))
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_bench_args(argv: list[str], description: str) -> tuple[argparse.Namespace, dict[str, int]]:
+    """The options these benchmarks share, and the model shape (``--quick``: a tiny one)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--deep-layers", type=int, default=24, help="second depth for memory scaling (0: skip)")
     ap.add_argument("--runs", type=int, default=3)
@@ -144,15 +141,29 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(hidden=3072, ffn=8192, heads=24, groups=8, vocab=32768, tp=8)
     if ns.quick:
         shape, ns.layers, ns.deep_layers, ns.runs = dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8), 2, 4, 1
+    return ns, shape
+
+
+def source_for(ns: argparse.Namespace, layers: int, shape: dict[str, int]) -> Path:
+    """The per-rank TP 8 source of ``layers`` layers under ``--data-dir``, generated once."""
+    src = ns.data_dir / f"core_{'quick' if ns.quick else 'llama3k'}_l{layers}_tp8_fp16"
+    # in its own process: a child forked from a big parent would report the parent's peak RSS
+    subprocess.run([sys.executable, str(HERE / "bench_torch_dist.py"), "--make-source", str(src), str(layers),
+                    json.dumps(shape)], check=True)
+    return src
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--make-source"]:
+        make_source(Path(argv[1]), int(argv[2]), **json.loads(argv[3]))
+        return 0
+    ns, shape = parse_bench_args(argv, __doc__.splitlines()[0])
     work = ns.work_dir / "torch_dist"
     shutil.rmtree(work, ignore_errors=True)
     results: dict[str, Any] = {}
     for layers in [ns.layers] + ([ns.deep_layers] if ns.deep_layers else []):
-        tag = "quick" if ns.quick else "llama3k"
-        src = ns.data_dir / f"core_{tag}_l{layers}_tp8_fp16"
-        # in its own process: a child forked from a big parent would report the parent's peak RSS
-        subprocess.run([sys.executable, __file__, "--make-source", str(src), str(layers), json.dumps(shape)],
-                       check=True)
+        src = source_for(ns, layers, shape)
         dist = work / f"dist_l{layers}"
         subprocess.run(reshard(str(src), str(dist), "--to", "torch_dist"), check=True, capture_output=True)
         methods = {

@@ -161,7 +161,7 @@ def test_a_failing_write_or_hash_stage_reaches_the_producer_and_releases_every_c
     fd = os.open(path, os.O_RDONLY if broken == "write" else os.O_RDWR)  # read-only: pwrite fails
     released: list[int] = []
     digest = _BrokenDigest() if broken == "hash" else None
-    stage = torch_writer._writer_pipeline(fd, 2, digest)
+    stage = torch_writer.writer_pipeline(fd, 2, digest)
     handed = 0
     with pytest.raises(OSError) as err:
         for i in range(50):
