@@ -8,7 +8,7 @@ this module only lays bytes out. A safetensors file is an 8-byte header length, 
 follows from the shapes: it is written first, then every megatron-core tensor is produced once,
 in order, and its bytes are routed straight to the Hugging Face tensors they belong to (a fused
 QKV into Q, K and V; Megatron's padding rows of the vocabulary dropped). Nothing is assembled
-whole; each tensor's region is hashed once it is complete, so the digest needs no second pass.
+whole; each tensor's region is hashed once it is complete, beside the writing.
 
 The planner writes global tensors (TP 1, one pipeline stage); a target too large for one file is
 cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).

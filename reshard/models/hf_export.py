@@ -304,7 +304,7 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
     if has(r"(q_layernorm|k_layernorm)\."):
         raise refuse("query/key layer norms")
     if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
-        raise refuse("heads, query groups or head dim unknown (pass --num-heads / --num-query-groups)")
+        raise refuse("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
     norm = _arg(args, "normalization", default="LayerNorm")  # Megatron-LM's default
     if norm == "LayerNorm":
         return _gpt2(args, facts, has, dtype, ffn, refuse)
