@@ -155,3 +155,12 @@ def test_registry_functions_pickle_by_reference():
 
     for fn in (get_format, available, register_format, unregister_format, families):
         assert pickle.loads(pickle.dumps(fn)) is fn
+
+
+def test_the_iteration_tracker_text_and_its_folder_are_inverse():
+    from reshard.core.source import iteration_dir, iteration_text
+
+    for folder in ("iter_0001000", "iter_0000000", "release"):
+        assert iteration_dir(iteration_text(folder)) == folder
+    assert iteration_dir(" 7\n") == "iter_0000007"
+    assert iteration_dir("../etc") is None and iteration_dir("") is None

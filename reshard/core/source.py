@@ -115,6 +115,15 @@ def megatron_file_name(iteration: str, rank: int, stage: int, pp: int) -> str:
     return f"{iteration}/{folder}/{MEGATRON_FILE}"
 
 
+def iteration_dir(text: str) -> str | None:
+    """The iteration folder ``latest_checkpointed_iteration.txt`` names (``1000`` -> ``iter_0001000``,
+    ``release``), or None for any other text: the inverse of :func:`iteration_text`."""
+    text = text.strip()
+    if text == "release":
+        return "release"
+    return f"iter_{int(text):07d}" if text.isdigit() else None
+
+
 def iteration_text(iteration: str) -> str:
     """What Megatron-LM writes to ``latest_checkpointed_iteration.txt`` for an iteration folder."""
     m = ITER_DIR_RE.match(iteration)

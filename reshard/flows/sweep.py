@@ -31,10 +31,10 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from reshard.core.source import MEGATRON_LATEST, iteration_dir
 from reshard.flows.params import ReshardParams
 
 DS_LATEST = "latest"
-MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "reshard.complete"
 DEFAULT_MARKERS = (DS_LATEST, MEGATRON_LATEST, COMPLETE_MARKER)
 DEFAULT_DESTINATION = "{dest_root}/{relative_path}/tp{target_tp}"
@@ -112,10 +112,7 @@ def find_finished_checkpoints(source_root: str, storage_options: dict[str, Any] 
         if name in (DS_LATEST, MEGATRON_LATEST):
             with storage_errors(loc.child_url(rel)):
                 text = _read_text(loc.fs, loc.join(rel))
-            if name == MEGATRON_LATEST:
-                tag = f"iter_{int(text):07d}" if text.isdigit() else text
-            else:
-                tag = text
+            tag = (iteration_dir(text) or text) if name == MEGATRON_LATEST else text
             if not tag or not _SAFE_NAME.match(tag) or tag in (".", ".."):
                 ignored.append({"path": loc.child_url(rel), "reason": f"names {text[:60]!r}, not a folder"})
                 continue

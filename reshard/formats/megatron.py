@@ -13,7 +13,7 @@ from typing import Any
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.facts import int_arg
 from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
-                                 iteration_text, megatron_file_name)
+                                 iteration_dir, iteration_text, megatron_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
 
 
@@ -60,11 +60,8 @@ def iteration_folder(run: Path) -> Path:
     (shared by every Megatron-LM layout: per-rank files and torch_dist)."""
     latest = run / MEGATRON_LATEST
     text = latest.read_text().strip()
-    if text == "release":
-        name = "release"
-    elif text.isdigit():
-        name = f"iter_{int(text):07d}"
-    else:
+    name = iteration_dir(text)
+    if name is None:
         raise CheckpointFormatError(f"holds {text[:40]!r}, not an iteration number or 'release'",
                                     culprit=str(latest), hint="point at the iteration folder instead")
     folder = run / name

@@ -24,12 +24,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError, StorageError
+from reshard.core.source import MEGATRON_LATEST, iteration_dir
 from reshard.crashpoints import crash_point
 from reshard.formats import is_marker, listing_patterns, needed_ranges
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import Location, open_location, storage_errors
 
-LATEST_ITER_FILE = "latest_checkpointed_iteration.txt"
 
 
 @dataclass
@@ -99,13 +99,13 @@ def list_objects(loc: Location) -> list[RemoteObject]:
 
 def _only_latest_iteration(loc: Location, objs: list[RemoteObject]) -> list[RemoteObject]:
     """For a Megatron run folder, keep just the iteration named by the tracker file."""
-    tracker = next((o for o in objs if o.name == LATEST_ITER_FILE), None)
+    tracker = next((o for o in objs if o.name == MEGATRON_LATEST), None)
     if tracker is None:
         return objs
     with storage_errors(tracker.url):
         text = loc.fs.cat_file(tracker.path).decode().strip()
-    prefix = f"iter_{int(text):07d}/" if text.isdigit() else f"{text}/"
-    kept = [o for o in objs if o.name == LATEST_ITER_FILE or o.name.startswith(prefix)]
+    prefix = f"{iteration_dir(text) or text}/"
+    kept = [o for o in objs if o.name == MEGATRON_LATEST or o.name.startswith(prefix)]
     if len(kept) == 1 and len(objs) > 1:
         raise CheckpointFormatError(f"names iteration {text} but {prefix} does not exist", culprit=tracker.url,
                                     hint="point at an existing iteration folder instead")
