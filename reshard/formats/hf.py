@@ -68,7 +68,8 @@ class HFFormat(CheckpointFormat):
     # -- writing ------------------------------------------------------------------------------
     def check_plan(self, plan: Plan) -> None:
         if plan.source.layer_ids:
-            raise LayoutError("DeepSpeed pipeline layer files are not exported to Hugging Face", culprit=plan.source.origin,
+            raise LayoutError("DeepSpeed pipeline layer files are not exported to Hugging Face",
+                              culprit=plan.source.origin,
                               hint="convert them to Megatron-LM per-rank files first, then export those")
         if plan.options.quantize:
             raise LayoutError("Hugging Face safetensors has no place for reshard's int8 quantization record",
@@ -251,12 +252,11 @@ class SafetensorsFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, base + self.data_size)
-            _pwrite_all(fd, self.header, 0)
-            if digest is not None:
-                digest.update(self.header)
             hasher = _RegionHasher(fd, digest) if digest is not None else None
             writer = writer_pipeline(fd, QUEUE_DEPTH)
             try:
+                header_hashed = None if hasher is None else functools.partial(hasher.put, 0, base)
+                writer.put((memoryview(self.header), 0, header_hashed, None))
                 for i, (exp, value, _dtype) in enumerate(self.exports):
                     entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
                     _write_export(writer, exp, value, entries, base)
@@ -334,7 +334,8 @@ def header_bytes(entries: Sequence[FileEntry]) -> bytes:
     spaces to a multiple of 8 bytes, as the library pads it)."""
     meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for e in entries:
-        meta[e.name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.start + e.nbytes]}
+        meta[e.name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape),
+                        "data_offsets": [e.start, e.start + e.nbytes]}
     text = json.dumps(meta, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
@@ -377,13 +378,6 @@ class _ScatterSink(RecordSink):
     def finish(self, expected: int) -> None:
         if self.pos != expected:
             raise WriterError(f"producer of {self.key} wrote {self.pos} of {expected} bytes")
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _hash_region(fd: int, lo: int, hi: int, digest: Any) -> None:

@@ -43,6 +43,7 @@ does, so no row permutation is needed.
 
 from __future__ import annotations
 
+import abc
 import functools
 import re
 from dataclasses import dataclass, field
@@ -74,15 +75,28 @@ class OutTensor:
     shape: tuple[int, ...]
 
 
-class Transform:
-    """How one megatron-core tensor becomes Hugging Face tensors (names from a template: ``{}``
-    takes each output's suffix)."""
+class Transform(abc.ABC):
+    """How one megatron-core tensor becomes Hugging Face tensors (``names``: theirs, filled in)."""
 
+    @abc.abstractmethod
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
-        raise NotImplementedError
+        """The Hugging Face tensors (names and shapes) made from a megatron-core tensor of ``shape``."""
 
+
+class ByteTransform(Transform):
+    """A transform that only moves bytes: streamed, nothing held in memory."""
+
+    @abc.abstractmethod
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
-        raise NotImplementedError
+        """Where each byte range of the megatron-core tensor goes (bytes no run covers are dropped)."""
+
+
+class WholeTensorTransform(Transform):
+    """A transform that needs the whole tensor (a transpose): it is read into memory, one at a time."""
+
+    @abc.abstractmethod
+    def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
+        """The outputs, in :meth:`outputs` order."""
 
 
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -92,7 +106,7 @@ def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return n
 
 
-class Same(Transform):
+class Same(ByteTransform):
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
         return [OutTensor(names[0], shape)]
 
@@ -100,7 +114,7 @@ class Same(Transform):
         return [Run(0, shape[0] * _row_bytes(shape, itemsize), 0, 0)] if shape else [Run(0, itemsize, 0, 0)]
 
 
-class VocabRows(Transform):
+class VocabRows(ByteTransform):
     """The true vocabulary's rows: Megatron's padding rows are dropped."""
 
     @staticmethod
@@ -114,7 +128,7 @@ class VocabRows(Transform):
         return [Run(0, self.rows(shape, facts) * _row_bytes(shape, itemsize), 0, 0)]
 
 
-class QKVSplit(Transform):
+class QKVSplit(ByteTransform):
     """megatron-core's fused QKV (grouped per query group) as separate Q, K and V projections."""
 
     @staticmethod
@@ -143,7 +157,7 @@ class QKVSplit(Transform):
         return out
 
 
-class GatedSplit(Transform):
+class GatedSplit(ByteTransform):
     """SwiGLU's fused first MLP layer ``[gate; up]`` as its two projections."""
 
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
@@ -155,7 +169,7 @@ class GatedSplit(Transform):
         return [Run(0, half, 0, 0), Run(half, half, 1, 0)]
 
 
-class Conv1D(Transform):
+class Conv1D(WholeTensorTransform):
     """GPT-2's ``Conv1D`` weights are stored ``[in, out]``: the transpose of a linear layer's.
     Whole-tensor (a transpose is no byte run): the tensor is read once, in memory, then written."""
 
@@ -166,7 +180,7 @@ class Conv1D(Transform):
         return [t.t().contiguous()]
 
 
-class GPT2QKV(Transform):
+class GPT2QKV(WholeTensorTransform):
     """megatron-core's fused QKV of multi-head attention (``[heads, 3, d]`` rows) as GPT-2's
     ``c_attn``: ``[3, heads, d]`` rows (all queries, all keys, all values), a weight transposed."""
 
@@ -182,50 +196,56 @@ class GPT2QKV(Transform):
         return [rows.t().contiguous() if t.dim() == 2 else rows.contiguous()]
 
 
+#: (pattern, transform, Hugging Face name templates) per megatron-core name; transform None: not exported.
+NameTable = tuple[tuple[re.Pattern[str], ByteTransform | WholeTensorTransform | None, tuple[str, ...]], ...]
+
+
+def _table(*rows: tuple[str, ByteTransform | WholeTensorTransform | None, tuple[str, ...]]) -> NameTable:
+    return tuple((re.compile(pattern), transform, names) for pattern, transform, names in rows)
+
+
 _L = r"^decoder\.layers\.(?P<layer>\d+)\."
 _H = "model.layers.{layer}."
 #: megatron-core name (local or Transformer Engine spec) -> Hugging Face names (Llama / Qwen2).
 #: ``None``: the entry holds no weights (``_extra_state``) and is not exported.
-LLAMA_NAMES: tuple[tuple[re.Pattern[str], Transform | None, tuple[str, ...]], ...] = tuple(
-    (re.compile(p), t, n) for p, t, n in (
-        (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("model.embed_tokens.weight",)),
-        (_L + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)$", Same(),
-         (_H + "input_layernorm.weight",)),
-        (_L + r"self_attention\.linear_qkv\.(?P<p>weight|bias)$", QKVSplit(),
-         (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}")),
-        (_L + r"self_attention\.linear_proj\.(?P<p>weight|bias)$", Same(), (_H + "self_attn.o_proj.{p}",)),
-        (_L + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)$", Same(),
-         (_H + "post_attention_layernorm.weight",)),
-        (_L + r"mlp\.linear_fc1\.(?P<p>weight|bias)$", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
-        (_L + r"mlp\.linear_fc2\.(?P<p>weight|bias)$", Same(), (_H + "mlp.down_proj.{p}",)),
-        (r"^decoder\.final_layernorm\.weight$", Same(), ("model.norm.weight",)),
-        (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
-        (r"^(?:.+\.)?_extra_state$", None, ()),
-    ))
+LLAMA_NAMES: NameTable = _table(
+    (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("model.embed_tokens.weight",)),
+    (_L + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)$", Same(),
+     (_H + "input_layernorm.weight",)),
+    (_L + r"self_attention\.linear_qkv\.(?P<p>weight|bias)$", QKVSplit(),
+     (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}")),
+    (_L + r"self_attention\.linear_proj\.(?P<p>weight|bias)$", Same(), (_H + "self_attn.o_proj.{p}",)),
+    (_L + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)$", Same(),
+     (_H + "post_attention_layernorm.weight",)),
+    (_L + r"mlp\.linear_fc1\.(?P<p>weight|bias)$", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
+    (_L + r"mlp\.linear_fc2\.(?P<p>weight|bias)$", Same(), (_H + "mlp.down_proj.{p}",)),
+    (r"^decoder\.final_layernorm\.weight$", Same(), ("model.norm.weight",)),
+    (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
+    (r"^(?:.+\.)?_extra_state$", None, ()),
+)
 
 
 _G = "transformer.h.{layer}."
 #: megatron-core name -> GPT-2 names (``GPT2LMHeadModel``; its linear layers are ``Conv1D``).
-GPT2_NAMES: tuple[tuple[re.Pattern[str], Transform | None, tuple[str, ...]], ...] = tuple(
-    (re.compile(p), t, n) for p, t, n in (
-        (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("transformer.wte.weight",)),
-        (r"^embedding\.position_embeddings\.weight$", Same(), ("transformer.wpe.weight",)),
-        (_L + r"(?:input_layernorm\.|self_attention\.linear_qkv\.layer_norm_)(?P<p>weight|bias)$", Same(),
-         (_G + "ln_1.{p}",)),
-        (_L + r"self_attention\.linear_qkv\.weight$", GPT2QKV(), (_G + "attn.c_attn.weight",)),
-        (_L + r"self_attention\.linear_qkv\.bias$", GPT2QKV(), (_G + "attn.c_attn.bias",)),
-        (_L + r"self_attention\.linear_proj\.weight$", Conv1D(), (_G + "attn.c_proj.weight",)),
-        (_L + r"self_attention\.linear_proj\.bias$", Same(), (_G + "attn.c_proj.bias",)),
-        (_L + r"(?:pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_)(?P<p>weight|bias)$", Same(),
-         (_G + "ln_2.{p}",)),
-        (_L + r"mlp\.linear_fc1\.weight$", Conv1D(), (_G + "mlp.c_fc.weight",)),
-        (_L + r"mlp\.linear_fc1\.bias$", Same(), (_G + "mlp.c_fc.bias",)),
-        (_L + r"mlp\.linear_fc2\.weight$", Conv1D(), (_G + "mlp.c_proj.weight",)),
-        (_L + r"mlp\.linear_fc2\.bias$", Same(), (_G + "mlp.c_proj.bias",)),
-        (r"^decoder\.final_layernorm\.(?P<p>weight|bias)$", Same(), ("transformer.ln_f.{p}",)),
-        (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
-        (r"^(?:.+\.)?_extra_state$", None, ()),
-    ))
+GPT2_NAMES: NameTable = _table(
+    (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("transformer.wte.weight",)),
+    (r"^embedding\.position_embeddings\.weight$", Same(), ("transformer.wpe.weight",)),
+    (_L + r"(?:input_layernorm\.|self_attention\.linear_qkv\.layer_norm_)(?P<p>weight|bias)$", Same(),
+     (_G + "ln_1.{p}",)),
+    (_L + r"self_attention\.linear_qkv\.weight$", GPT2QKV(), (_G + "attn.c_attn.weight",)),
+    (_L + r"self_attention\.linear_qkv\.bias$", GPT2QKV(), (_G + "attn.c_attn.bias",)),
+    (_L + r"self_attention\.linear_proj\.weight$", Conv1D(), (_G + "attn.c_proj.weight",)),
+    (_L + r"self_attention\.linear_proj\.bias$", Same(), (_G + "attn.c_proj.bias",)),
+    (_L + r"(?:pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_)(?P<p>weight|bias)$", Same(),
+     (_G + "ln_2.{p}",)),
+    (_L + r"mlp\.linear_fc1\.weight$", Conv1D(), (_G + "mlp.c_fc.weight",)),
+    (_L + r"mlp\.linear_fc1\.bias$", Same(), (_G + "mlp.c_fc.bias",)),
+    (_L + r"mlp\.linear_fc2\.weight$", Conv1D(), (_G + "mlp.c_proj.weight",)),
+    (_L + r"mlp\.linear_fc2\.bias$", Same(), (_G + "mlp.c_proj.bias",)),
+    (r"^decoder\.final_layernorm\.(?P<p>weight|bias)$", Same(), ("transformer.ln_f.{p}",)),
+    (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
+    (r"^(?:.+\.)?_extra_state$", None, ()),
+)
 #: Each architecture's name table.
 NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES}
 
@@ -253,7 +273,7 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         fields = m.groupdict()
         filled = tuple(n.format(layer=fields.get("layer"), p=fields.get("p")) for n in names)
         outputs = tuple(transform.outputs(filled, shape, facts))
-        if isinstance(transform, (Conv1D, GPT2QKV)):
+        if isinstance(transform, WholeTensorTransform):
             return Export(key, outputs, (), functools.partial(transform.convert, facts=facts))
         return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)))
     raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture}", culprit=key,
