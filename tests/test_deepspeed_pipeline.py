@@ -412,3 +412,16 @@ def test_prefect_flow_s3_to_s3_equals_direct(pipe, tmp_path, s3_server, s3_bucke
     for p in (tmp_path / "direct").iterdir():
         if p.suffix == ".pt":
             assert fs.cat_file(f"{s3_bucket[5:]}/out/{p.name}") == p.read_bytes(), p.name
+
+
+@pytest.mark.parametrize("to", ["hf", "torch_dist"])
+def test_pipeline_layer_files_are_written_only_as_layer_files(pipe, tmp_path, capsys, to):
+    """--to another layout is refused in one line (the pipeline planner used to ignore it and write
+    layer files anyway)."""
+    from reshard.cli import main
+
+    capsys.readouterr()
+    assert main(["run", "--direct", str(pipe(2, 2)), str(tmp_path / "out"), "--to", to]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--to: DeepSpeed pipeline layer files are written back only as layer files" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()

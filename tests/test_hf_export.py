@@ -296,3 +296,18 @@ def test_the_gelu_variant_is_caught_where_it_matters(mcore, tmp_path):
     bad = _mutated(good, tmp_path / "bad", config={"activation_function": "gelu_new"})
     diff = (hf_logits(bad) - want).abs().max().item()
     assert diff > 10 * TOL, f"gelu_new moved the logits only {diff:.2e}"
+
+
+def _one_norm_in_half_precision(sd: dict) -> dict:
+    key = "decoder.layers.0.input_layernorm.weight"
+    sd["model"][key] = sd["model"][key].half()
+    return sd
+
+
+def test_mixed_dtypes_are_refused_and_plan_names_the_shards(mcore, tmp_path, capsys):
+    mixed = rewrite_run(mcore[("llama", 2, 1)], tmp_path / "mixed", _one_norm_in_half_precision)
+    _refused(capsys, mixed, tmp_path / "out", "--to hf: the weights mix dtypes")
+    capsys.readouterr()
+    assert main(["plan", str(mcore[("llama", 2, 1)]), "--to", "hf", "--max-shard-size", "100KB"]) == 0
+    out = capsys.readouterr().out
+    assert "-> hf" in out and "model-00001-of-00004.safetensors: reads source ranks [0, 1]" in out, out

@@ -36,6 +36,10 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
     default_pp = source.pp if out.writes_pipeline_stages else 1
     tpp = default_pp if options.target_pp is None else options.target_pp  # both degrees positive: ReshardOptions
     if source.format == DEEPSPEED_PIPE:  # layer files: their own planner, same rules and engine
+        if out.name != DEEPSPEED_PIPE:  # that planner writes layer files only
+            raise LayoutError(f"DeepSpeed pipeline layer files are written back only as layer files, not in the "
+                              f"{out.title or out.name} layout", culprit="--to",
+                              hint="drop --to, or convert Megatron-LM per-rank files instead")
         return build_pipe_plan(source, options, tpp)
     return build_grid_plan(source, options, tpp, headers_only=headers_only)
 

@@ -67,10 +67,6 @@ class HFFormat(CheckpointFormat):
 
     # -- writing ------------------------------------------------------------------------------
     def check_plan(self, plan: Plan) -> None:
-        if plan.source.layer_ids:
-            raise LayoutError("DeepSpeed pipeline layer files are not exported to Hugging Face",
-                              culprit=plan.source.origin,
-                              hint="convert them to Megatron-LM per-rank files first, then export those")
         if plan.options.quantize:
             raise LayoutError("Hugging Face safetensors has no place for reshard's int8 quantization record",
                               culprit="--quantize", hint="quantize into a per-rank layout (drop --to hf)")
