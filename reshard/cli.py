@@ -262,7 +262,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "output_format": plan.output_format,
         "targets": [{"rank": t.rank, "name": t.name, "sources": list(t.sources), "bytes_read": t.bytes_read,
                      "bytes_written": t.bytes_written} for t in plan.targets],
-        "bytes_read": sum(f.stat().st_size for f in plan.source.files),
+        "bytes_read": sum(f.stat().st_size for f in (*plan.source.files, *plan.source.aux)),
         "bytes_written": sum(t.bytes_written for t in plan.targets),
         "peak_memory_estimate": plan.peak_memory_estimate,
         "facts": plan.facts.to_record(),

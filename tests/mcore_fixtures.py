@@ -108,20 +108,23 @@ def mcore_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
     return _CACHE[key]
 
 
-def mcore_forward(cases: list[tuple[str, Path, int]], workdir: Path) -> list[torch.Tensor]:
-    """megatron-core logits for each (model, checkpoint folder, tp): load strict, run, gather."""
+def mcore_forward(cases: list[tuple[str | None, Path, int]], workdir: Path) -> list[torch.Tensor]:
+    """megatron-core logits for each (model, checkpoint folder, tp): load strict, run, gather.
+    Model None: the model the checkpoint's own ``args`` describe."""
     jobs = []
     for i, (name, ckpt, tp) in enumerate(cases):
-        jobs.append({"kind": "forward", "ckpt": str(ckpt), "tp": tp, "model": model_options(name),
+        model = {"from_args": True, "model": {}} if name is None else {"model": model_options(name)}
+        jobs.append({"kind": "forward", "ckpt": str(ckpt), "tp": tp, **model,
                      "tokens": TOKENS, "out": str(workdir / f"logits_{i}.pt")})
     _run_harness(jobs, workdir)
     return [torch.load(j["out"]) for j in jobs]
 
 
-def mcore_forward_dist(cases: list[tuple[str, Path, int]], workdir: Path) -> list[torch.Tensor]:
+def mcore_forward_dist(cases: list[tuple[str | None, Path, int]], workdir: Path) -> list[torch.Tensor]:
     """megatron-core logits for each (model, torch_dist folder, tp): ``dist_checkpointing.load`` of
     the model's sharded state dict at that TP, strict ``load_state_dict``, forward, gather."""
-    jobs = [{"kind": "forward_dist", "ckpt": str(ckpt), "tp": tp, "model": model_options(name), "tokens": TOKENS,
+    jobs = [{"kind": "forward_dist", "ckpt": str(ckpt), "tp": tp, "tokens": TOKENS,
+             **({"from_args": True, "model": {}} if name is None else {"model": model_options(name)}),
              "out": str(workdir / f"logits_dist_{i}.pt")} for i, (name, ckpt, tp) in enumerate(cases)]
     _run_harness(jobs, workdir)
     return [torch.load(j["out"]) for j in jobs]

@@ -13,6 +13,9 @@ Run as a script: ``python mcore_harness.py jobs.json``. The launcher imports meg
   ``tokens`` (gathered over TP) to ``<out>/logits.pt``.
 * ``forward``: build the model at tp (pp 1), ``load_state_dict(strict=True)`` the rank files of
   the Megatron checkpoint ``ckpt`` (a run or iteration folder) and save its logits to ``out``.
+  With ``from_args`` the model is built from the checkpoint's own saved ``args`` (as Megatron-LM's
+  ``--use-checkpoint-args`` would), not from ``model``: what an import wrote there is tested too
+  (``forward_dist`` likewise, from the folder's ``common.pt``).
 
 Four CPU shims, for code paths that assume CUDA even when ``use_cpu_initialization`` is set:
 ``torch.cuda.current_device`` returns "cpu" (a scratch buffer's device), ``Tensor.cuda`` is the
@@ -63,6 +66,10 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int) -> GPTModel:
     kw: dict[str, Any] = {}
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    elif m.get("openai_gelu"):
+        from megatron.core.transformer.utils import openai_gelu
+
+        kw.update(activation_func=openai_gelu)
     cfg = TransformerConfig(
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
         num_query_groups=m.get("groups"), ffn_hidden_size=m["ffn"], normalization=norm,
@@ -100,6 +107,26 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
         transformer_impl="local")
 
 
+def options_from_args(a: Any) -> dict[str, Any]:
+    """The model options (as :func:`build_model` takes them) that Megatron-LM's saved ``args`` describe."""
+    return {"layers": a.num_layers, "hidden": a.hidden_size, "heads": a.num_attention_heads,
+            "groups": a.num_query_groups if a.group_query_attention else None, "ffn": a.ffn_hidden_size,
+            "swiglu": a.swiglu, "openai_gelu": getattr(a, "openai_gelu", False), "norm": a.normalization,
+            "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False), "eps": a.norm_epsilon,
+            "rope_base": getattr(a, "rotary_base", 10000), "pos": a.position_embedding_type,
+            "tied": not a.untie_embeddings_and_output_weights, "vocab": a.padded_vocab_size, "divisible_by": 1,
+            "seq": a.max_position_embeddings}
+
+
+def _iteration(ckpt: Path) -> Path:
+    """A run folder's latest iteration folder (``iter_XXXXXXX`` or ``release``); else ``ckpt``."""
+    marker = ckpt / "latest_checkpointed_iteration.txt"
+    if not marker.exists():
+        return ckpt
+    text = marker.read_text().strip()
+    return ckpt / (f"iter_{int(text):07d}" if text.isdigit() else text)
+
+
 def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
     s = len(tokens)
     mask = torch.triu(torch.ones(s, s), diagonal=1).bool().view(1, 1, s, s)
@@ -127,6 +154,14 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        state = None
+        if job["kind"] == "forward":
+            state = torch.load(_iteration(Path(job["ckpt"])) / _rank_dir(tp_rank, 0, 1) / "model_optim_rng.pt",
+                               weights_only=False)
+        if job.get("from_args"):  # a torch_dist folder keeps its args in common.pt
+            saved = state if state is not None else torch.load(_iteration(Path(job["ckpt"])) / "common.pt",
+                                                               weights_only=False)
+            job = {**job, "model": options_from_args(saved["args"])}
         model = build_model(job["model"], tp, pp, job.get("seed", 1234))
         if job["kind"] == "write":
             out = Path(job["out"])
@@ -154,22 +189,16 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
         elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
             from megatron.core import dist_checkpointing
 
-            ckpt = Path(job["ckpt"])
-            if (ckpt / "latest_checkpointed_iteration.txt").exists():
-                text = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
-                ckpt = ckpt / (f"iter_{int(text):07d}" if text.isdigit() else text)
-            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))["model"]
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                            str(_iteration(Path(job["ckpt"]))))["model"]
             model.load_state_dict(state, strict=True)
             logits = _logits(model, job["tokens"])
             if rank == 0:
                 torch.save(logits, job["out"])
         elif job["kind"] == "forward":
-            ckpt = Path(job["ckpt"])
-            if (ckpt / "latest_checkpointed_iteration.txt").exists():
-                ckpt = ckpt / f"iter_{int((ckpt / 'latest_checkpointed_iteration.txt').read_text()):07d}"
-            state = torch.load(ckpt / _rank_dir(tp_rank, 0, 1) / "model_optim_rng.pt", weights_only=False)
-            if state["args"].attention_backend is not AttnBackend.auto:  # carried args keep real enums
-                raise AssertionError(f"args.attention_backend is {state['args'].attention_backend!r}")
+            backend = getattr(state["args"], "attention_backend", AttnBackend.auto)  # absent: an import's args
+            if backend is not AttnBackend.auto:  # carried args keep real enums
+                raise AssertionError(f"args.attention_backend is {backend!r}")
             model.load_state_dict(state["model"], strict=True)
             logits = _logits(model, job["tokens"])
             if rank == 0:

@@ -509,6 +509,9 @@ def retarget_args(args: Any, plan: Plan) -> Any:
     facts = plan.facts
     if facts is not None and hasattr(new, "padded_vocab_size") and facts.padded_vocab_target is not None:
         setattr(new, "padded_vocab_size", facts.padded_vocab_target)
+    if facts is not None and facts.make_vocab_size_divisible_by is not None and \
+            getattr(new, "make_vocab_size_divisible_by", None) is None:  # the padding now needs it to be reproduced
+        setattr(new, "make_vocab_size_divisible_by", facts.make_vocab_size_divisible_by)
     ckpt_format = get_format(plan.output_format).ckpt_format
     if ckpt_format is not None and hasattr(new, "ckpt_format"):
         setattr(new, "ckpt_format", ckpt_format)

@@ -182,7 +182,8 @@ class Vocab:
 
 
 def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int, m: int,
-                 origin: dict[str, str], where: str, padded_for: int | None = None) -> Vocab:
+                 origin: dict[str, str], where: str, padded_for: int | None = None,
+                 default_divisor: int | None = None) -> Vocab:
     """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``; at a new
     TP the padded size may change.
 
@@ -203,7 +204,8 @@ def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int
     ``--vocab-size V`` for Megatron's exact padding.
 
     ``padded_for``: the TP the source rows were padded at, when not the grid's ``n`` (a torch_dist
-    checkpoint's global rows were padded at the TP it was saved with)."""
+    checkpoint's global rows were padded at the TP it was saved with); ``default_divisor``: D when
+    neither flag nor args give one (a Hugging Face import pads as Megatron-LM does by default)."""
     padded_for = n if padded_for is None else padded_for
     vocab = [r for r in raw if r.rule.vocab]
     if not vocab:
@@ -220,6 +222,9 @@ def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int
     d = _flag_or_arg(options.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by",
                      int_arg(args, "make_vocab_size_divisible_by"), "args.make_vocab_size_divisible_by",
                      "make_vocab_size_divisible_by", origin, where)
+    if d is None and default_divisor is not None:
+        d = default_divisor
+        origin["make_vocab_size_divisible_by"] = "Megatron-LM's default"
     true = _flag_or_arg(options.vocab_size, "--vocab-size", int_arg(args, "vocab_size"), "args.vocab_size",
                         "vocab_size", origin, where)
     if true is not None and true > src_rows:

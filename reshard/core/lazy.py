@@ -22,6 +22,7 @@ call                               returns
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -67,3 +68,88 @@ class LazyTensor(ABC):
 def materialized(t: object) -> object:
     """``t`` itself, or its bytes when it is a :class:`LazyTensor`."""
     return t.materialize() if isinstance(t, LazyTensor) else t
+
+
+class RowConcat(LazyTensor):
+    """Rows of other lazy tensors, one after another: ``segments`` of ``(tensor, first row, rows)``.
+    Fusing separate projections into one (Hugging Face's Q, K and V into megatron-core's grouped
+    QKV; gate and up into SwiGLU's ``fc1``) is such a concatenation, so nothing is copied until a
+    target reads a box; a box inside one segment is that tensor's own view (no copy).
+
+    ==========================  ====================================================
+    segments                    rows
+    ==========================  ====================================================
+    ``(a, 0, 4), (b, 2, 3)``    ``a[0:4]`` then ``b[2:5]``: 7 rows, the rest of each
+                                row as in ``a`` and ``b`` (which must agree)
+    ==========================  ====================================================
+    """
+
+    def __init__(self, segments: list[tuple[LazyTensor, int, int]]) -> None:
+        first = segments[0][0]
+        for t, start, rows in segments:
+            if t.dtype != first.dtype or tuple(t.shape[1:]) != tuple(first.shape[1:]) or \
+                    start < 0 or rows < 0 or start + rows > t.shape[0]:
+                raise ValueError(f"cannot concatenate rows [{start}, {start + rows}) of {t!r} after {first!r}")
+        self.segments = segments
+        self.shape = (sum(rows for _, _, rows in segments), *first.shape[1:])
+        self.dtype = first.dtype
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[LazyTensor, int, int, int]]:
+        """``(tensor, its first row, rows, row in the box)`` covering rows ``[lo, hi)``."""
+        out, at = [], 0
+        for t, start, rows in self.segments:
+            a, b = max(lo, at), min(hi, at + rows)
+            if a < b:
+                out.append((t, start + a - at, b - a, a - lo))
+            at += rows
+        return out
+
+    def view_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        pieces = self._pieces(offsets[0], offsets[0] + sizes[0])
+        if len(pieces) != 1:
+            return None
+        t, start, rows, _ = pieces[0]
+        return t.view_box((start, *offsets[1:]), (rows, *sizes[1:]))
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            view = self.view_box(offsets, sizes)
+            if view is not None:
+                return view
+            out = torch.empty(sizes, dtype=self.dtype)
+        for t, start, rows, at in self._pieces(offsets[0], offsets[0] + sizes[0]):
+            t.read_box((start, *offsets[1:]), (rows, *sizes[1:]), out=out.narrow(0, at, rows))
+        return out
+
+    def release(self, t: torch.Tensor) -> None:
+        for src in {id(s): s for s, _, _ in self.segments}.values():
+            src.release(t)
+
+    def __repr__(self) -> str:
+        return f"RowConcat({[(s, a, n) for s, a, n in self.segments]!r})"
+
+
+class Converted(LazyTensor):
+    """A tensor computed from a whole other one (a transpose, a row permutation that is no run of
+    rows): each read converts the whole source and keeps only the box asked for, so memory is one
+    such tensor at a time (nothing is cached between reads: a target is written tensor by tensor)."""
+
+    def __init__(self, source: LazyTensor, convert: Callable[[torch.Tensor], torch.Tensor],
+                 shape: tuple[int, ...]) -> None:
+        self.source, self.convert, self.shape, self.dtype = source, convert, tuple(shape), source.dtype
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        whole = self.convert(self.source.materialize())
+        if tuple(whole.shape) != self.shape or whole.dtype != self.dtype:
+            raise ValueError(f"conversion of {self.source!r} gave {tuple(whole.shape)} {whole.dtype}, "
+                             f"not {self.shape} {self.dtype}")
+        box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        if out is None:
+            return box.contiguous()
+        out.copy_(box)
+        return out
+
+    def __repr__(self) -> str:
+        return f"Converted({self.source!r}, shape={self.shape})"

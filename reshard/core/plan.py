@@ -82,7 +82,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     hidden, num_heads, head_dim = head_facts(options, args, raw, origin, source.origin)
     groups = decide_groups(options, args, num_heads, raw, head_dim, n, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, num_heads, groups, head_dim, n, m, origin,
-                                         source.origin, fmt.padding_tp(args, source))
+                                         source.origin, fmt.padding_tp(args, source), fmt.vocab_divisor)
     carried = [r.planned(None) for r in carried_raw]
     check_replicated(params, stages)
     tied = decide_tied(args, naming, params, stages, origin, source)

@@ -20,7 +20,8 @@ MAX_SUGGESTED_TP = 256
 
 def target_specs(raw: list[RawParam], options: ReshardOptions, args: Any, version: float, heads: int | None,
                  groups: int | None, head_dim: int | None, n: int, m: int, origin: dict[str, str], where: str,
-                 padded_for: int | None = None) -> tuple[bool | None, "Vocab", list[ParamPlan]]:
+                 padded_for: int | None = None, default_divisor: int | None = None
+                 ) -> tuple[bool | None, "Vocab", list[ParamPlan]]:
     """The facts and partition specs that depend on the target TP ``m``: gated MLP, vocabulary
     padding, and every parameter's spec. A target TP that some tensor cannot be divided over is
     refused with the target TPs that satisfy *every* tensor at once (heads, query groups, FFN
@@ -28,7 +29,7 @@ def target_specs(raw: list[RawParam], options: ReshardOptions, args: Any, versio
 
     def at(tm: int, facts_origin: dict[str, str]) -> tuple[bool | None, Vocab, list[ParamPlan]]:
         swiglu = decide_swiglu(options, args, raw, n, tm, facts_origin, where)
-        vocab = decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for)
+        vocab = decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
         ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
         return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab)) for r in raw]
 

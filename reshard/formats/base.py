@@ -79,6 +79,11 @@ class CheckpointFormat(ABC):
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         """Refuse a partial copy when the saved ``args`` name more ranks than were found."""
 
+    #: Megatron's vocabulary padding divisor when neither ``--make-vocab-size-divisible-by`` nor the
+    #: saved ``args`` give one (None: keep the source's rows). A format of unpadded vocabularies
+    #: (Hugging Face) sets Megatron-LM's default, so its import pads as Megatron-LM would.
+    vocab_divisor: ClassVar[int | None] = None
+
     def padding_tp(self, args: Any, source: SourceCheckpoint) -> int:
         """The TP degree the vocabulary rows were padded for (Megatron pads to a multiple of
         ``make_vocab_size_divisible_by * TP``): the grid's TP, unless the format stores global

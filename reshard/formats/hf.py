@@ -2,7 +2,7 @@
 as ``model.safetensors`` or as shards of at most ``--max-shard-size`` (``model-00001-of-0000N.safetensors``)
 with ``model.safetensors.index.json``.
 
-The architecture and the name table are the model family's (:mod:`reshard.models.hf_export`);
+The architecture and the name table are the model family's (:mod:`reshard.models.hf_architectures`);
 this module only lays bytes out. A safetensors file is an 8-byte header length, a JSON header
 (name -> dtype, shape, byte range) and the tensors' bytes back to back, so the whole header
 follows from the shapes: it is written first, then every megatron-core tensor is produced once,
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -30,12 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.core.errors import LayoutError
-from reshard.core.source import MODULE_KEYS, SourceCheckpoint
+from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
+from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
+from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError, as_bytes,
                                       tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat
-from reshard.models.hf_export import Export, HFArchitecture, decide_architecture, export_of
+from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of
+from reshard.models.hf_import import megatron_state, read_config
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
 if TYPE_CHECKING:
@@ -46,26 +49,100 @@ HF = "hf"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+#: Pickle weights transformers used to write: recognized, to be refused.
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+#: Megatron-LM's default ``--make-vocab-size-divisible-by``: an import pads the vocabulary as it would.
+MEGATRON_VOCAB_DIVISOR = 128
 #: Hugging Face's default shard size (``max_shard_size="5GB"``, decimal).
 DEFAULT_MAX_SHARD = 5 * 10**9
-#: safetensors' dtype names.
-ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptCheckpointError("is not valid JSON", culprit=str(path), hint="re-copy the file") from None
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """The index's tensor name -> file name."""
+    wm = _json(folder / INDEX)
+    wm = wm.get("weight_map") if isinstance(wm, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) and "/" not in v
+                                           for k, v in wm.items()):
+        raise CorruptCheckpointError("has no weight_map of tensor names to file names", culprit=str(folder / INDEX),
+                                     hint="re-copy the index, or re-save the model")
+    return wm
 
 
 class HFFormat(CheckpointFormat):
     name = HF
     title = "Hugging Face safetensors"
-    per_rank = False
+    priority = 90  # after the Megatron and DeepSpeed layouts: a config.json alone says little
+    #: weight files (pickle ones listed too: to be refused by name, never read)
+    patterns = (re.compile(r"(^|/)[^/]+\.safetensors$"), re.compile(r"(^|/)pytorch_model[^/]*\.bin$"))
+    markers = (re.compile(r"(^|/)config\.json$"), re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"))
+    writes_as = MEGATRON  # an import: megatron-core's per-rank layout unless --to says otherwise
+    vocab_divisor = MEGATRON_VOCAB_DIVISOR
+
+    # -- reading ------------------------------------------------------------------------------
+    def detect(self, folder: Path) -> bool:
+        return (folder / CONFIG).is_file() and any(
+            (folder / n).is_file() for n in (WEIGHTS, INDEX, *PICKLE_WEIGHTS))
+
+    def shard_role(self, name: str, listing: Any) -> str | None:
+        return None  # weight files are checked against config.json and the index when loaded
 
     def locate(self, path: Path) -> SourceCheckpoint:
-        raise LayoutError("reading Hugging Face folders is not supported yet", culprit=str(path),
-                          hint="Hugging Face folders can be written (--to hf), not yet read")
+        """The folder as a TP 1 grid of one "file", its ``config.json`` (what every target reads
+        first); the weight files are ``aux``. Only names are read here (in a pipeline the weights
+        may not be fetched yet): their headers are checked by :meth:`load`."""
+        config = _json(path / CONFIG)
+        read_config(config, str(path / CONFIG))  # refuse an architecture before anything is fetched
+        files = [WEIGHTS] if (path / WEIGHTS).is_file() and not (path / INDEX).is_file() else \
+            sorted(set(_weight_map(path).values())) if (path / INDEX).is_file() else []
+        if not files:
+            pickled = next(n for n in PICKLE_WEIGHTS if (path / n).is_file())
+            raise UnsafeCheckpointError(f"holds {pickled}: PyTorch pickle weights, which reshard does not "
+                                        "unpickle", culprit=str(path),
+                                        hint="re-save the model with save_pretrained(..., safe_serialization=True)")
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise CheckpointFormatError(f"{INDEX} lists {missing[0]}, which is missing"
+                                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                                        culprit=str(path), hint="copy every shard the index lists")
+        aux = ([path / INDEX] if (path / INDEX).is_file() else []) + [path / f for f in files]
+        return SourceCheckpoint((path / CONFIG,), origin=str(path), format=HF, pp=1, iteration="release",
+                                aux=tuple(aux))
+
+    def load(self, path: Any) -> dict[str, Any]:
+        """Megatron-LM's TP 1 per-rank state of the folder (:func:`~reshard.models.hf_import.megatron_state`),
+        every tensor a lazy view of the mapped safetensors files, after every file's header (validated by
+        the ``safetensors`` library) has been checked against the index."""
+        folder = Path(path).parent
+        model = read_config(_json(folder / CONFIG), str(folder / CONFIG))
+        indexed = _weight_map(folder) if (folder / INDEX).is_file() else None
+        tensors: dict[str, Any] = {}
+        for name in sorted(set(indexed.values())) if indexed is not None else [WEIGHTS]:
+            file = MappedSafetensors(folder / name)
+            for key in file.entries:
+                if indexed is not None and indexed.get(key) != name:
+                    where = f"in {indexed[key]}" if key in indexed else "absent"
+                    raise CheckpointFormatError(f"{name} holds {key}, which the index says is {where}",
+                                                culprit=str(folder / INDEX), hint="the index does not belong to "
+                                                "these files; re-copy the folder")
+                if key in tensors:
+                    raise CheckpointFormatError(f"{key} is stored twice", culprit=str(folder / name),
+                                                hint="re-copy the folder")
+                tensors[key] = file.tensor(key)
+        absent = sorted(set(indexed or ()) - set(tensors))
+        if absent:
+            raise CheckpointFormatError(f"the index lists {absent[0]} in {indexed[absent[0]]}, which does not "  # type: ignore[index]
+                                        "hold it", culprit=str(folder / INDEX), hint="the index does not belong to "
+                                        "these files; re-copy the folder")
+        return megatron_state(tensors, model)
 
     # -- writing ------------------------------------------------------------------------------
+    per_rank = False
+
     def check_plan(self, plan: Plan) -> None:
         if plan.options.quantize:
             raise LayoutError("Hugging Face safetensors has no place for reshard's int8 quantization record",

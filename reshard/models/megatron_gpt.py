@@ -132,7 +132,14 @@ def core_name(key: str) -> str:
 def as_megatron_core(module: Mapping[str, Any]) -> dict[str, Any]:
     """A legacy module (values untouched) as megatron-core's per-rank module holds it: core names,
     core order, ``None`` extra states of the local spec's linear layers and of the output layer."""
-    out = {core_name(k): v for k, v in module.items()}
+    return core_module({core_name(k): v for k, v in module.items()})
+
+
+def core_module(module: Mapping[str, Any]) -> dict[str, Any]:
+    """A module under megatron-core's local-spec names (values untouched) as megatron-core's own
+    per-rank module holds it: core order, ``None`` extra states of the linear layers and of the
+    output layer (what ``load_state_dict(strict=True)`` expects)."""
+    out = dict(module)
     layers = {int(m.group(1)) for m in map(_CORE_LAYER_KEY.match, out) if m}
     for i in layers:
         for sub in _CORE_EXTRA_STATE:

@@ -1,6 +1,8 @@
 """Hugging Face architectures a megatron-core GPT model maps onto *exactly*, and the name table of
 each: which ``transformers`` class computes the same function from the same tensors, its
-``config.json``, and where every megatron-core tensor's bytes go in the Hugging Face tensors.
+``config.json``, and where every megatron-core tensor's bytes go in the Hugging Face tensors —
+and back: each transform owns both directions (export: byte runs or a whole-tensor conversion;
+import: the megatron-core tensor as a lazy view of the Hugging Face ones, :meth:`Transform.gather`).
 
 Pure: no files, no torch I/O. The ``hf`` format (:mod:`reshard.formats.hf`) streams the bytes.
 
@@ -46,12 +48,14 @@ from __future__ import annotations
 import abc
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from reshard.core.errors import LayoutError
+from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
@@ -82,6 +86,12 @@ class Transform(abc.ABC):
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
         """The Hugging Face tensors (names and shapes) made from a megatron-core tensor of ``shape``."""
 
+    @abc.abstractmethod
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        """Import: the megatron-core tensor made from the Hugging Face tensors ``parts`` (called
+        ``names``, in :meth:`outputs` order), read lazily; :class:`CheckpointFormatError` naming them
+        if their shapes disagree with each other or the config."""
+
 
 class ByteTransform(Transform):
     """A transform that only moves bytes: streamed, nothing held in memory."""
@@ -106,12 +116,25 @@ def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return n
 
 
+def _expect_rows(names: tuple[str, ...], parts: Sequence[LazyTensor], rows: tuple[int, ...]) -> None:
+    """Import: the Hugging Face tensors fused into one must have these rows and agree otherwise."""
+    got = tuple(p.shape[0] if p.shape else 0 for p in parts)
+    rest = {tuple(p.shape[1:]) for p in parts}
+    if got != rows or len(rest) != 1 or len({p.dtype for p in parts}) != 1:
+        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in parts)
+        raise CheckpointFormatError(f"are {shapes}; config.json implies {rows} rows and the rest alike",
+                                    culprit=", ".join(names), hint="check config.json against the weights")
+
+
 class Same(ByteTransform):
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
         return [OutTensor(names[0], shape)]
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
         return [Run(0, shape[0] * _row_bytes(shape, itemsize), 0, 0)] if shape else [Run(0, itemsize, 0, 0)]
+
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        return parts[0]
 
 
 class VocabRows(ByteTransform):
@@ -126,6 +149,9 @@ class VocabRows(ByteTransform):
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
         return [Run(0, self.rows(shape, facts) * _row_bytes(shape, itemsize), 0, 0)]
+
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        return parts[0]  # the true rows: the planner pads them as Megatron does (``vocab_divisor``)
 
 
 class QKVSplit(ByteTransform):
@@ -156,6 +182,14 @@ class QKVSplit(ByteTransform):
                     Run(base + (q + 1) * d * row, d * row, 2, i * d * row)]
         return out
 
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        q_, k_, v_ = parts
+        g, heads, d = facts.query_groups or 0, facts.heads or 0, facts.head_dim or 0
+        _expect_rows(names, parts, (heads * d, g * d, g * d))
+        q = heads // g
+        return RowConcat([seg for i in range(g)
+                          for seg in ((q_, i * q * d, q * d), (k_, i * d, d), (v_, i * d, d))])
+
 
 class GatedSplit(ByteTransform):
     """SwiGLU's fused first MLP layer ``[gate; up]`` as its two projections."""
@@ -168,6 +202,11 @@ class GatedSplit(ByteTransform):
         half = shape[0] // 2 * _row_bytes(shape, itemsize)
         return [Run(0, half, 0, 0), Run(half, half, 1, 0)]
 
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        gate, up = parts
+        _expect_rows(names, parts, (gate.shape[0], gate.shape[0]))
+        return RowConcat([(gate, 0, gate.shape[0]), (up, 0, up.shape[0])])
+
 
 class Conv1D(WholeTensorTransform):
     """GPT-2's ``Conv1D`` weights are stored ``[in, out]``: the transpose of a linear layer's.
@@ -178,6 +217,10 @@ class Conv1D(WholeTensorTransform):
 
     def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
         return [t.t().contiguous()]
+
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        w = parts[0]
+        return Converted(w, lambda t: t.t().contiguous(), (w.shape[1], w.shape[0]))
 
 
 class GPT2QKV(WholeTensorTransform):
@@ -195,56 +238,98 @@ class GPT2QKV(WholeTensorTransform):
         rows = t.reshape(heads, 3, t.shape[0] // (3 * heads), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         return [rows.t().contiguous() if t.dim() == 2 else rows.contiguous()]
 
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        c_attn, heads = parts[0], facts.heads or 0
+        fused = c_attn.shape[-1]
+        if not heads or fused % (3 * heads):
+            raise CheckpointFormatError(f"width {fused} is not 3 x {heads} heads", culprit=names[0],
+                                        hint="check n_head in config.json")
 
-#: (pattern, transform, Hugging Face name templates) per megatron-core name; transform None: not exported.
-NameTable = tuple[tuple[re.Pattern[str], ByteTransform | WholeTensorTransform | None, tuple[str, ...]], ...]
+        def to_core(t: torch.Tensor) -> torch.Tensor:
+            rows = t.t() if t.dim() == 2 else t  # [3 * heads * d, ...]: all q, all k, all v
+            return rows.reshape(3, heads, fused // (3 * heads), *rows.shape[1:]).transpose(0, 1) \
+                .reshape(rows.shape).contiguous()
+
+        shape = (fused, c_attn.shape[0]) if len(c_attn.shape) == 2 else c_attn.shape
+        return Converted(c_attn, to_core, shape)
 
 
-def _table(*rows: tuple[str, ByteTransform | WholeTensorTransform | None, tuple[str, ...]]) -> NameTable:
-    return tuple((re.compile(pattern), transform, names) for pattern, transform, names in rows)
+_FIELDS = {"layer": r"(?P<layer>\d+)", "p": r"(?P<p>weight|bias)", "prefix": r"(?P<prefix>(?:.+\.)?)"}
 
 
-_L = r"^decoder\.layers\.(?P<layer>\d+)\."
+def _pattern(template: str) -> re.Pattern[str]:
+    """A name template (``decoder.layers.{layer}.x.{p}``) as the regex that matches its names."""
+    parts = re.split(r"\{(\w+)\}", template)
+    return re.compile("^" + "".join(_FIELDS[x] if i % 2 else re.escape(x) for i, x in enumerate(parts)) + "$")
+
+
+@dataclass(frozen=True)
+class NameRow:
+    """One row of a name table: the megatron-core names (``core[0]`` is the one an import writes:
+    the local spec's; the others are Transformer Engine's fused names), the transform (None: the
+    entry holds no weights and is not exported), the Hugging Face names in the transform's order."""
+
+    core: tuple[str, ...]
+    transform: ByteTransform | WholeTensorTransform | None
+    hf: tuple[str, ...]
+
+    @functools.cached_property
+    def core_patterns(self) -> tuple[re.Pattern[str], ...]:
+        return tuple(_pattern(t) for t in self.core)
+
+    @functools.cached_property
+    def hf_patterns(self) -> tuple[re.Pattern[str], ...]:
+        return tuple(_pattern(t) for t in self.hf)
+
+
+NameTable = tuple[NameRow, ...]
+
+
+def _table(*rows: tuple[str | tuple[str, ...], ByteTransform | WholeTensorTransform | None, tuple[str, ...]]
+           ) -> NameTable:
+    return tuple(NameRow(core if isinstance(core, tuple) else (core,), transform, hf) for core, transform, hf in rows)
+
+
+_L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
-#: megatron-core name (local or Transformer Engine spec) -> Hugging Face names (Llama / Qwen2).
-#: ``None``: the entry holds no weights (``_extra_state``) and is not exported.
+_EXTRA_STATE = "{prefix}_extra_state"
+#: megatron-core names (local spec first, then Transformer Engine's) <-> Hugging Face names
+#: (Llama / Qwen2).
 LLAMA_NAMES: NameTable = _table(
-    (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("model.embed_tokens.weight",)),
-    (_L + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)$", Same(),
+    ("embedding.word_embeddings.weight", VocabRows(), ("model.embed_tokens.weight",)),
+    ((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"), Same(),
      (_H + "input_layernorm.weight",)),
-    (_L + r"self_attention\.linear_qkv\.(?P<p>weight|bias)$", QKVSplit(),
+    (_L + "self_attention.linear_qkv.{p}", QKVSplit(),
      (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}")),
-    (_L + r"self_attention\.linear_proj\.(?P<p>weight|bias)$", Same(), (_H + "self_attn.o_proj.{p}",)),
-    (_L + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)$", Same(),
+    (_L + "self_attention.linear_proj.{p}", Same(), (_H + "self_attn.o_proj.{p}",)),
+    ((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"), Same(),
      (_H + "post_attention_layernorm.weight",)),
-    (_L + r"mlp\.linear_fc1\.(?P<p>weight|bias)$", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
-    (_L + r"mlp\.linear_fc2\.(?P<p>weight|bias)$", Same(), (_H + "mlp.down_proj.{p}",)),
-    (r"^decoder\.final_layernorm\.weight$", Same(), ("model.norm.weight",)),
-    (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
-    (r"^(?:.+\.)?_extra_state$", None, ()),
+    (_L + "mlp.linear_fc1.{p}", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
+    (_L + "mlp.linear_fc2.{p}", Same(), (_H + "mlp.down_proj.{p}",)),
+    ("decoder.final_layernorm.weight", Same(), ("model.norm.weight",)),
+    ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
+    (_EXTRA_STATE, None, ()),
 )
 
 
 _G = "transformer.h.{layer}."
-#: megatron-core name -> GPT-2 names (``GPT2LMHeadModel``; its linear layers are ``Conv1D``).
+#: megatron-core names <-> GPT-2 names (``GPT2LMHeadModel``; its linear layers are ``Conv1D``).
 GPT2_NAMES: NameTable = _table(
-    (r"^embedding\.word_embeddings\.weight$", VocabRows(), ("transformer.wte.weight",)),
-    (r"^embedding\.position_embeddings\.weight$", Same(), ("transformer.wpe.weight",)),
-    (_L + r"(?:input_layernorm\.|self_attention\.linear_qkv\.layer_norm_)(?P<p>weight|bias)$", Same(),
-     (_G + "ln_1.{p}",)),
-    (_L + r"self_attention\.linear_qkv\.weight$", GPT2QKV(), (_G + "attn.c_attn.weight",)),
-    (_L + r"self_attention\.linear_qkv\.bias$", GPT2QKV(), (_G + "attn.c_attn.bias",)),
-    (_L + r"self_attention\.linear_proj\.weight$", Conv1D(), (_G + "attn.c_proj.weight",)),
-    (_L + r"self_attention\.linear_proj\.bias$", Same(), (_G + "attn.c_proj.bias",)),
-    (_L + r"(?:pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_)(?P<p>weight|bias)$", Same(),
-     (_G + "ln_2.{p}",)),
-    (_L + r"mlp\.linear_fc1\.weight$", Conv1D(), (_G + "mlp.c_fc.weight",)),
-    (_L + r"mlp\.linear_fc1\.bias$", Same(), (_G + "mlp.c_fc.bias",)),
-    (_L + r"mlp\.linear_fc2\.weight$", Conv1D(), (_G + "mlp.c_proj.weight",)),
-    (_L + r"mlp\.linear_fc2\.bias$", Same(), (_G + "mlp.c_proj.bias",)),
-    (r"^decoder\.final_layernorm\.(?P<p>weight|bias)$", Same(), ("transformer.ln_f.{p}",)),
-    (r"^output_layer\.weight$", VocabRows(), ("lm_head.weight",)),
-    (r"^(?:.+\.)?_extra_state$", None, ()),
+    ("embedding.word_embeddings.weight", VocabRows(), ("transformer.wte.weight",)),
+    ("embedding.position_embeddings.weight", Same(), ("transformer.wpe.weight",)),
+    ((_L + "input_layernorm.{p}", _L + "self_attention.linear_qkv.layer_norm_{p}"), Same(), (_G + "ln_1.{p}",)),
+    (_L + "self_attention.linear_qkv.weight", GPT2QKV(), (_G + "attn.c_attn.weight",)),
+    (_L + "self_attention.linear_qkv.bias", GPT2QKV(), (_G + "attn.c_attn.bias",)),
+    (_L + "self_attention.linear_proj.weight", Conv1D(), (_G + "attn.c_proj.weight",)),
+    (_L + "self_attention.linear_proj.bias", Same(), (_G + "attn.c_proj.bias",)),
+    ((_L + "pre_mlp_layernorm.{p}", _L + "mlp.linear_fc1.layer_norm_{p}"), Same(), (_G + "ln_2.{p}",)),
+    (_L + "mlp.linear_fc1.weight", Conv1D(), (_G + "mlp.c_fc.weight",)),
+    (_L + "mlp.linear_fc1.bias", Same(), (_G + "mlp.c_fc.bias",)),
+    (_L + "mlp.linear_fc2.weight", Conv1D(), (_G + "mlp.c_proj.weight",)),
+    (_L + "mlp.linear_fc2.bias", Same(), (_G + "mlp.c_proj.bias",)),
+    ("decoder.final_layernorm.{p}", Same(), ("transformer.ln_f.{p}",)),
+    ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
+    (_EXTRA_STATE, None, ()),
 )
 #: Each architecture's name table.
 NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES}
@@ -264,14 +349,14 @@ class Export:
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts, architecture: str) -> Export:
     """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`NAME_TABLES`); an unknown
     key is an error."""
-    for pattern, transform, names in NAME_TABLES[architecture]:
-        m = pattern.match(key)
+    for row in NAME_TABLES[architecture]:
+        m = next((m for m in (p.match(key) for p in row.core_patterns) if m), None)
         if m is None:
             continue
+        transform = row.transform
         if transform is None:
             return Export(key)
-        fields = m.groupdict()
-        filled = tuple(n.format(layer=fields.get("layer"), p=fields.get("p")) for n in names)
+        filled = tuple(n.format(**m.groupdict()) for n in row.hf)
         outputs = tuple(transform.outputs(filled, shape, facts))
         if isinstance(transform, WholeTensorTransform):
             return Export(key, outputs, (), functools.partial(transform.convert, facts=facts))

@@ -1,0 +1,206 @@
+"""A Hugging Face model folder read as the megatron-core model it computes: ``config.json`` as
+Megatron-LM's ``args`` and model facts, its tensors as megatron-core's per-rank module at TP 1
+(lazy: each megatron-core tensor a view of the Hugging Face ones, by the architecture's name
+table and transforms in :mod:`reshard.models.hf_architectures`).
+
+Pure: no files. The ``hf`` format (:mod:`reshard.formats.hf`) reads the folder.
+
+``config.json`` comes in two layouts, both read (a key missing from both: the class default):
+
+======================  ===========================================  =================================
+fact                    transformers 4.x                             transformers 5.x
+======================  ===========================================  =================================
+rotary base             ``rope_theta``                               ``rope_parameters.rope_theta``
+rotary scaling          ``rope_scaling`` (None: none)                ``rope_parameters.rope_type``
+weights' dtype          ``torch_dtype``                              ``dtype``
+======================  ===========================================  =================================
+
+Only what megatron-core computes exactly is read; anything else (rotary scaling, sliding-window
+attention, another activation, biases on some linear layers only) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.lazy import LazyTensor
+from reshard.core.plan_types import ModelFacts
+from reshard.models.hf_architectures import NAME_TABLES, ROPE_BASE_DEFAULT
+from reshard.models.megatron_gpt import core_module
+
+#: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
+BUFFERS = (re.compile(r"\.rotary_emb\.inv_freq$"), re.compile(r"^(?:transformer\.)?h\.\d+\.attn\.(?:masked_)?bias$"))
+#: Each class's defaults for what a ``config.json`` may leave out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                         "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048},
+    "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                         "use_sliding_window": False, "max_position_embeddings": 32768},
+    "GPT2LMHeadModel": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "activation_function": "gelu_new",
+                        "n_positions": 1024, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+}
+_ACTIVATIONS = {"gelu": False, "gelu_new": True}  # GPT-2 activation -> Megatron's --openai-gelu
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """What a ``config.json`` says, as Megatron-LM sees it."""
+
+    architecture: str
+    args: argparse.Namespace
+    facts: ModelFacts
+
+
+def read_config(config: Mapping[str, Any], where: str) -> HFModel:
+    """The megatron-core model a Hugging Face ``config.json`` describes (see the module table);
+    :class:`LayoutError` naming the first thing megatron-core does not compute exactly."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if len(archs) == 1 else None
+    if arch not in NAME_TABLES:
+        raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
+                          hint=f"reshard imports {', '.join(sorted(NAME_TABLES))}")
+    c = {**_DEFAULTS[arch], **config}
+
+    def refuse(what: str) -> LayoutError:
+        return LayoutError(f"megatron-core does not compute this {arch} exactly: {what}", culprit=where,
+                           hint="only models Megatron-LM reproduces exactly are imported")
+
+    def need(*keys: str) -> int:
+        for k in keys:
+            if isinstance(c.get(k), int):
+                return int(c[k])
+        raise CheckpointFormatError(f"has no integer {keys[0]}", culprit=where, hint="check config.json")
+
+    vocab = need("vocab_size")
+    if arch == "GPT2LMHeadModel":
+        hidden, layers, heads = need("n_embd", "hidden_size"), need("n_layer"), need("n_head")
+        act = c["activation_function"]
+        if act not in _ACTIVATIONS:
+            raise refuse(f"activation {act} (Megatron has gelu and gelu_new)")
+        if not c["scale_attn_weights"] or c["scale_attn_by_inverse_layer_idx"]:
+            raise refuse("attention scores not scaled by 1/sqrt(head dim)")
+        ffn = c.get("n_inner") or 4 * hidden
+        groups, head_dim = heads, hidden // heads
+        arch_args: dict[str, Any] = dict(
+            normalization="LayerNorm", norm_epsilon=float(c["layer_norm_epsilon"]), swiglu=False,
+            openai_gelu=_ACTIVATIONS[act], position_embedding_type="learned_absolute", add_bias_linear=True,
+            add_qkv_bias=True, max_position_embeddings=need("n_positions"))
+    else:
+        if c["hidden_act"] != "silu":
+            raise refuse(f"activation {c['hidden_act']} (Megatron's SwiGLU is silu)")
+        if c.get("use_sliding_window"):
+            raise refuse("sliding-window attention")
+        base, rope_type, partial = _rope(c)
+        if rope_type != "default":
+            raise refuse(f"rotary scaling {rope_type}")
+        if partial != 1.0:
+            raise refuse(f"partial rotary factor {partial}")
+        hidden, layers, heads = need("hidden_size"), need("num_hidden_layers"), need("num_attention_heads")
+        groups = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or hidden // heads
+        ffn = need("intermediate_size")
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, linear_bias = True, False
+        else:
+            if c["attention_bias"] != c["mlp_bias"]:
+                raise refuse("biases on the attention or the MLP layers only (Megatron has them on all or none, "
+                             "or on QKV alone)")
+            qkv_bias = linear_bias = bool(c["attention_bias"])
+        arch_args = dict(
+            normalization="RMSNorm", norm_epsilon=float(c["rms_norm_eps"]), swiglu=True,
+            position_embedding_type="rope", rotary_base=base, rotary_percent=1.0, rotary_interleaved=False,
+            add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, max_position_embeddings=need("max_position_embeddings"))
+    tied = bool(c["tie_word_embeddings"])
+    args = argparse.Namespace(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        kv_channels=head_dim, group_query_attention=groups != heads, num_query_groups=groups,
+        untie_embeddings_and_output_weights=not tied, vocab_size=vocab, padded_vocab_size=vocab,
+        seq_length=arch_args["max_position_embeddings"], tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
+        **arch_args)
+    facts = ModelFacts(naming="megatron-core", num_layers=layers, hidden=hidden, heads=heads, query_groups=groups,
+                       head_dim=head_dim, swiglu=arch_args["swiglu"], tied_embeddings=tied, vocab_size=vocab,
+                       padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
+                       source_pp_layers=(layers,), target_pp_layers=(layers,))
+    return HFModel(arch, args, facts)
+
+
+def _rope(c: Mapping[str, Any]) -> tuple[float, str, float]:
+    """(rotary base, rotary scaling type, partial rotary factor) from either config layout."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict):  # transformers 5.x
+        base = params.get("rope_theta", c.get("rope_theta", ROPE_BASE_DEFAULT))
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    else:  # transformers 4.x
+        scaling = c.get("rope_scaling")
+        base = c.get("rope_theta", ROPE_BASE_DEFAULT)
+        rope_type = (scaling.get("rope_type") or scaling.get("type") or "default") if isinstance(scaling, dict) \
+            else "default"
+        partial = c.get("partial_rotary_factor", 1.0)
+    return float(base), str(rope_type), float(partial)
+
+
+def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str, Any]:
+    """megatron-core's per-rank module at TP 1 from the Hugging Face ``tensors`` (name -> lazy
+    tensor): each row of the architecture's name table gathers its Hugging Face tensors into the
+    megatron-core tensor (local-spec names), then megatron-core's order and extra states. A tensor
+    no row names, or one a row misses, is an error; a tied model's ``lm_head`` copy is dropped
+    (transformers ties it to the embedding on load, as megatron-core does)."""
+    table = NAME_TABLES[model.architecture]
+    found: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
+    for name in tensors:
+        if any(p.search(name) for p in BUFFERS):
+            continue
+        hit = next(((i, j, m) for i, row in enumerate(table) if row.transform is not None
+                    for j, m in enumerate(p.match(name) for p in row.hf_patterns) if m), None)
+        if hit is None:
+            raise CheckpointFormatError(f"{name} has no counterpart in megatron-core's {model.architecture}",
+                                        culprit=name, hint="import a model of the architecture config.json names")
+        i, j, m = hit
+        found.setdefault((i, tuple(sorted(m.groupdict().items()))), {})[j] = name
+    module: dict[str, Any] = {}
+    for (i, fields), parts in found.items():
+        row = table[i]
+        names = tuple(t.format(**dict(fields)) for t in row.hf)
+        missing = [n for j, n in enumerate(names) if j not in parts]
+        if missing:
+            raise CheckpointFormatError(f"{missing[0]} is missing (beside {parts[min(parts)]})", culprit=missing[0],
+                                        hint="the weights are incomplete; re-copy the folder")
+        key = row.core[0].format(**dict(fields))
+        if key == "output_layer.weight" and model.facts.tied_embeddings:
+            continue
+        module[key] = row.transform.gather(names, [tensors[n] for n in names], model.facts)  # type: ignore[union-attr]
+    _check_layers(module, model)
+    return core_module(module)
+
+
+def _check_layers(module: Mapping[str, Any], model: HFModel) -> None:
+    layers = {int(k.split(".")[2]) for k in module if k.startswith("decoder.layers.")}
+    if layers != set(range(model.facts.num_layers)):
+        raise CheckpointFormatError(f"holds layers {sorted(layers)[:8]}{'...' if len(layers) > 8 else ''}, "
+                                    f"config.json says {model.facts.num_layers}", culprit="config.json",
+                                    hint="the weights and config.json do not belong together")
+    emb = module.get("embedding.word_embeddings.weight")
+    if not isinstance(emb, LazyTensor) or emb.shape != (model.facts.vocab_size, model.facts.hidden):
+        shape = tuple(emb.shape) if isinstance(emb, LazyTensor) else None
+        raise CheckpointFormatError(f"the input embedding is {shape}, config.json implies "
+                                    f"{(model.facts.vocab_size, model.facts.hidden)}", culprit="config.json",
+                                    hint="the weights and config.json do not belong together")
+
+
+def megatron_state(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str, Any]:
+    """What Megatron-LM's per-rank file of a TP 1 ``release`` checkpoint holds for this model:
+    ``args`` (with the weights' dtype), the checkpoint version, the module (:func:`core_tensors`)."""
+    module = core_tensors(tensors, model)
+    dtype = module["embedding.word_embeddings.weight"].dtype
+    args = argparse.Namespace(**vars(model.args), params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                              fp16=dtype == torch.float16)
+    return {"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": module}

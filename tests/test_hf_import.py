@@ -1,0 +1,224 @@
+"""Import of Hugging Face safetensors folders into megatron-core layouts, checked against transformers.
+
+Sources are tiny random models made by transformers from a config (fixed seed; norms made
+distinct from ones), saved with ``save_pretrained``: Llama with GQA (untied, a vocabulary of 200
+that Megatron pads to 256, a rotary base and epsilon other than the defaults, sharded into
+several files), Llama tied, Qwen2 (QKV biases). Each is imported at TP 1 and 2 (and into
+torch_dist); megatron-core builds the model **from the checkpoint's own saved args** (as
+``--use-checkpoint-args`` would), loads it strictly and must give transformers' logits on the
+true vocabulary within 2e-5. The same comparison catches each plausible wrong import far above
+that bound: :func:`test_the_logits_comparison_catches_each_plausible_wrong_import`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_fixtures import TOKENS, mcore_forward, mcore_forward_dist, needs_mcore
+from reshard.cli import main
+from reshard.core.lazy import RowConcat
+from reshard.core.safe_load import load_shard
+from reshard.models import hf_architectures as arch
+
+pytestmark = needs_mcore
+TOL = 2e-5
+_SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
+          "max_position_embeddings": 64}
+#: name -> (transformers config class, its arguments, save_pretrained's max_shard_size)
+MODELS = {
+    "llama": ("LlamaConfig", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 200, "rms_norm_eps": 1e-6,
+                              "rope_theta": 50000.0, "tie_word_embeddings": False}, "100KB"),
+    "llama_tied": ("LlamaConfig", {**_SMALL, "num_key_value_heads": 4, "vocab_size": 256,
+                                   "tie_word_embeddings": True}, None),
+    "qwen2": ("Qwen2Config", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-6,
+                              "rope_theta": 1e6, "tie_word_embeddings": False}, None),
+}
+
+
+def make_hf_model(name: str, folder: Path) -> torch.Tensor:
+    """Save model ``name`` (random, seeded) to ``folder``; its transformers logits for the test tokens."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    cls, kw, shard = MODELS[name]
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw, initializer_range=0.1))
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.rand_like(p))  # distinct from ones: a misplaced norm must show
+    model.eval()
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+def _import(src: Path, out: Path, *extra: str) -> Path:
+    assert main(["run", "--direct", str(src), str(out), *extra]) == 0
+    return out
+
+
+def _wrong_qkv_order(self, names, parts, facts):
+    q, k, v = parts  # all queries, then all keys, then all values: not grouped per query group
+    return RowConcat([(q, 0, q.shape[0]), (k, 0, k.shape[0]), (v, 0, v.shape[0])])
+
+
+def _swapped_kv(self, names, parts, facts):
+    return _GATHER[arch.QKVSplit](self, names, [parts[0], parts[2], parts[1]], facts)
+
+
+def _swapped_gate_up(self, names, parts, facts):
+    return _GATHER[arch.GatedSplit](self, names, [parts[1], parts[0]], facts)
+
+
+_GATHER = {arch.QKVSplit: arch.QKVSplit.gather, arch.GatedSplit: arch.GatedSplit.gather}
+#: plausible wrong imports: (transform class, wrong gather) or an edit of the saved args
+WRONG = {
+    "QKV rows not grouped per query group": (arch.QKVSplit, _wrong_qkv_order),
+    "K and V swapped": (arch.QKVSplit, _swapped_kv),
+    "gate and up swapped": (arch.GatedSplit, _swapped_gate_up),
+    "rotary base 10000 instead of 50000": {"rotary_base": 10000.0},
+    "epsilon 1e-5 instead of 1e-6": {"norm_epsilon": 1e-5},
+}
+
+
+def _edit_args(run: Path, changes: dict) -> None:
+    for f in run.rglob("model_optim_rng.pt"):
+        sd = load_shard(f, mmap=False)
+        for k, v in changes.items():
+            setattr(sd["args"], k, v)
+        torch.save(sd, f)
+
+
+@pytest.fixture(scope="session")
+def imported(tmp_path_factory):
+    """Every model imported at TP 1 and 2 (llama also into torch_dist, and wrongly in each way of
+    :data:`WRONG`), and megatron-core's logits for each — one harness run for all."""
+    root = tmp_path_factory.mktemp("hf_import")
+    hf, want, runs = {}, {}, {}
+    for name in MODELS:
+        hf[name] = root / "hf" / name
+        want[name] = make_hf_model(name, hf[name])
+        for tp in (1, 2):
+            runs[(name, tp)] = _import(hf[name], root / f"{name}_tp{tp}", "--target-tp", str(tp))
+    dist = _import(hf["llama"], root / "llama_dist", "--to", "torch_dist")
+    for what, wrong in WRONG.items():
+        out = root / f"wrong_{len(runs)}"
+        if isinstance(wrong, dict):
+            _edit_args(_import(hf["llama"], out, "--target-tp", "2"), wrong)
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(wrong[0], "gather", wrong[1])
+                _import(hf["llama"], out, "--target-tp", "2")
+        runs[what] = out
+    cases = [(None, run, key[1] if isinstance(key, tuple) else 2) for key, run in runs.items()]
+    logits = dict(zip(runs, mcore_forward(cases, root / "forward")))
+    logits["dist"] = mcore_forward_dist([(None, dist, 2)], root / "forward")[0]
+    return {"hf": hf, "want": want, "runs": runs, "logits": logits, "dist": dist}
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got[:, :want.shape[1]] - want).abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_runs_the_import_with_transformers_logits(imported, name, tp):
+    diff = _diff(imported["logits"][(name, tp)], imported["want"][name])
+    assert diff < TOL, f"{name} at TP {tp}: logits differ by {diff:.2e}"
+
+
+def test_torch_dist_import_runs_with_transformers_logits(imported):
+    assert _diff(imported["logits"]["dist"], imported["want"]["llama"]) < TOL
+
+
+@pytest.mark.parametrize("what", list(WRONG))
+def test_the_logits_comparison_catches_each_plausible_wrong_import(imported, what):
+    diff = _diff(imported["logits"][what], imported["want"]["llama"])
+    assert diff > 10 * TOL, f"{what}: logits moved only {diff:.2e}"
+
+
+def test_the_vocabulary_is_padded_as_megatron_pads_it(imported, tmp_path):
+    """200 rows at TP 2 with Megatron-LM's default divisor 128: 256 rows, the last 56 zero; the
+    args record what Megatron-LM needs to pad alike."""
+    sd = [load_shard(f, mmap=False) for f in sorted((imported["runs"][("llama", 2)] / "release").glob("*/*.pt"))]
+    emb = torch.cat([s["model"]["embedding.word_embeddings.weight"] for s in sd])
+    assert emb.shape[0] == 256 and not emb[200:].any() and emb[:200].abs().sum() > 0
+    args = sd[0]["args"]
+    assert (args.vocab_size, args.padded_vocab_size, args.make_vocab_size_divisible_by) == (200, 256, 128)
+    assert (args.tensor_model_parallel_size, args.rotary_base, args.norm_epsilon) == (2, 50000.0, 1e-6)
+    out = _import(imported["hf"]["llama"], tmp_path / "d16", "--target-tp", "2", "--make-vocab-size-divisible-by", "16")
+    assert load_shard(out / "release/mp_rank_00/model_optim_rng.pt")["args"].padded_vocab_size == 224
+
+
+def _as_transformers_4(folder: Path, dst: Path) -> Path:
+    """The same model with a transformers 4.x ``config.json`` (rope_theta at the top, torch_dtype)."""
+    shutil.copytree(folder, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_scaling"] = None
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    cfg["transformers_version"] = "4.46.0"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_transformers_4_config_imports_the_same(imported, tmp_path):
+    old = _import(_as_transformers_4(imported["hf"]["llama"], tmp_path / "v4"), tmp_path / "out", "--target-tp", "2")
+    new = imported["runs"][("llama", 2)]
+    for f in sorted(new.rglob("model_optim_rng.pt")):
+        assert (old / f.relative_to(new)).read_bytes() == f.read_bytes(), f
+
+
+def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str) -> None:
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src), str(dst), "--target-tp", "2", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not dst.exists()
+
+
+def _edited(src: Path, dst: Path, config: dict | None = None, remove: str | None = None,
+            index: dict | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if remove:
+        (dst / remove).unlink()
+    if index:
+        idx = json.loads((dst / "model.safetensors.index.json").read_text())
+        idx["weight_map"].update(index)
+        (dst / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return dst
+
+
+def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path, capsys):
+    llama, tied = imported["hf"]["llama"], imported["hf"]["llama_tied"]
+    before = {p: p.read_bytes() for p in llama.iterdir()}
+    _refused(capsys, _edited(llama, tmp_path / "a", remove="model-00002-of-00004.safetensors"), tmp_path / "o1",
+             "model.safetensors.index.json lists model-00002-of-00004.safetensors, which is missing")
+    _refused(capsys, _edited(llama, tmp_path / "b", index={"model.norm.weight": "model-00001-of-00004.safetensors"}),
+             tmp_path / "o2", "which the index says is in model-00001-of-00004.safetensors")
+    _refused(capsys, _edited(llama, tmp_path / "c", config={"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0}}), tmp_path / "o3", "rotary scaling llama3")
+    _refused(capsys, _edited(llama, tmp_path / "d", config={"hidden_act": "gelu"}), tmp_path / "o4", "activation gelu")
+    _refused(capsys, _edited(llama, tmp_path / "e", config={"architectures": ["MistralForCausalLM"]}), tmp_path / "o5",
+             "architecture ['MistralForCausalLM'] is not imported")
+    _refused(capsys, _edited(llama, tmp_path / "f", config={"num_hidden_layers": 3}), tmp_path / "o6",
+             "config.json says 3")
+    _refused(capsys, _edited(llama, tmp_path / "g", config={"num_key_value_heads": 4}), tmp_path / "o7",
+             "config.json implies (64, 32, 32) rows")
+    pickled = tmp_path / "bin"
+    pickled.mkdir()
+    shutil.copy(tied / "config.json", pickled / "config.json")
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, pickled / "pytorch_model.bin")
+    _refused(capsys, pickled, tmp_path / "o8", "holds pytorch_model.bin: PyTorch pickle weights")
+    assert {p: p.read_bytes() for p in llama.iterdir()} == before  # the source is never modified
