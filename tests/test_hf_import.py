@@ -3,7 +3,7 @@
 Sources are tiny random models made by transformers from a config (fixed seed; norms made
 distinct from ones), saved with ``save_pretrained``: Llama with GQA (untied, a vocabulary of 200
 that Megatron pads to 256, a rotary base and epsilon other than the defaults, sharded into
-several files), Llama tied, Qwen2 (QKV biases). Each is imported at TP 1 and 2 (and into
+several files), Llama tied, Qwen2 (QKV biases), GPT-2 (gelu_new, Conv1D weights, tied). Each is imported at TP 1 and 2 (and into
 torch_dist); megatron-core builds the model **from the checkpoint's own saved args** (as
 ``--use-checkpoint-args`` would), loads it strictly and must give transformers' logits on the
 true vocabulary within 2e-5. The same comparison catches each plausible wrong import far above
@@ -21,7 +21,7 @@ import torch
 
 from mcore_fixtures import TOKENS, mcore_forward, mcore_forward_dist, needs_mcore
 from reshard.cli import main
-from reshard.core.lazy import RowConcat
+from reshard.core.lazy import Converted, RowConcat
 from reshard.core.safe_load import load_shard
 from reshard.models import hf_architectures as arch
 
@@ -37,6 +37,9 @@ MODELS = {
                                    "tie_word_embeddings": True}, None),
     "qwen2": ("Qwen2Config", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-6,
                               "rope_theta": 1e6, "tie_word_embeddings": False}, None),
+    # GPT-2: LayerNorm, gelu_new (Megatron's --openai-gelu), learned positions, Conv1D weights, tied
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 8, "n_positions": 64, "vocab_size": 250,
+                            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, None),
 }
 
 
@@ -77,6 +80,11 @@ def _swapped_gate_up(self, names, parts, facts):
     return _GATHER[arch.GatedSplit](self, names, [parts[1], parts[0]], facts)
 
 
+def _c_attn_only_transposed(self, names, parts, facts):
+    w = parts[0]  # [q; k; v] rows kept as GPT-2 stores them: megatron-core wants [q, k, v] per head
+    return Converted(w, lambda t: t.t().contiguous() if t.dim() == 2 else t, tuple(reversed(w.shape)))
+
+
 _GATHER = {arch.QKVSplit: arch.QKVSplit.gather, arch.GatedSplit: arch.GatedSplit.gather}
 #: plausible wrong imports: (transform class, wrong gather) or an edit of the saved args
 WRONG = {
@@ -85,6 +93,8 @@ WRONG = {
     "gate and up swapped": (arch.GatedSplit, _swapped_gate_up),
     "rotary base 10000 instead of 50000": {"rotary_base": 10000.0},
     "epsilon 1e-5 instead of 1e-6": {"norm_epsilon": 1e-5},
+    "gpt2: exact gelu instead of gelu_new": {"openai_gelu": False},
+    "gpt2: c_attn not reordered per head": (arch.GPT2QKV, _c_attn_only_transposed),
 }
 
 
@@ -109,18 +119,22 @@ def imported(tmp_path_factory):
             runs[(name, tp)] = _import(hf[name], root / f"{name}_tp{tp}", "--target-tp", str(tp))
     dist = _import(hf["llama"], root / "llama_dist", "--to", "torch_dist")
     for what, wrong in WRONG.items():
-        out = root / f"wrong_{len(runs)}"
+        out, src = root / f"wrong_{len(runs)}", hf[_model_of(what)]
         if isinstance(wrong, dict):
-            _edit_args(_import(hf["llama"], out, "--target-tp", "2"), wrong)
+            _edit_args(_import(src, out, "--target-tp", "2"), wrong)
         else:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(wrong[0], "gather", wrong[1])
-                _import(hf["llama"], out, "--target-tp", "2")
+                _import(src, out, "--target-tp", "2")
         runs[what] = out
     cases = [(None, run, key[1] if isinstance(key, tuple) else 2) for key, run in runs.items()]
     logits = dict(zip(runs, mcore_forward(cases, root / "forward")))
     logits["dist"] = mcore_forward_dist([(None, dist, 2)], root / "forward")[0]
     return {"hf": hf, "want": want, "runs": runs, "logits": logits, "dist": dist}
+
+
+def _model_of(wrong: str) -> str:
+    return "gpt2" if wrong.startswith("gpt2:") else "llama"
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -140,7 +154,7 @@ def test_torch_dist_import_runs_with_transformers_logits(imported):
 
 @pytest.mark.parametrize("what", list(WRONG))
 def test_the_logits_comparison_catches_each_plausible_wrong_import(imported, what):
-    diff = _diff(imported["logits"][what], imported["want"]["llama"])
+    diff = _diff(imported["logits"][what], imported["want"][_model_of(what)])
     assert diff > 10 * TOL, f"{what}: logits moved only {diff:.2e}"
 
 
