@@ -236,3 +236,16 @@ def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path,
     torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, pickled / "pytorch_model.bin")
     _refused(capsys, pickled, tmp_path / "o8", "holds pytorch_model.bin: PyTorch pickle weights")
     assert {p: p.read_bytes() for p in llama.iterdir()} == before  # the source is never modified
+
+
+def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_bucket, monkeypatch, prefect_env):
+    """Through the Prefect flow, from S3 (the weights fetched after the plan is laid out from
+    config.json and the index): the same files as ``--direct``."""
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from test_flow_formats import _outputs, _to_s3
+
+    url, so = _to_s3(imported["hf"]["llama"], s3_server, s3_bucket, monkeypatch)
+    run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so, target_tp=2,
+                           cache_dir=str(tmp_path / "cache")))
+    assert _outputs(tmp_path / "flow") == _outputs(imported["runs"][("llama", 2)])
