@@ -1,7 +1,12 @@
-"""Hugging Face export benchmark: megatron-core per-rank TP 8 -> ``--to hf`` (safetensors), against
-the byte-copy floor of the source and the naive script a user would write (load every rank file,
-merge each parameter, split it into Hugging Face names, ``safetensors.torch.save_file``), on the
-~3 GB fp16 Llama-shaped checkpoint of ``bench_torch_dist.py`` (generated the same way).
+"""Hugging Face benchmark, both directions, on the ~3 GB fp16 Llama-shaped checkpoint of
+``bench_torch_dist.py`` (generated the same way):
+
+* export: megatron-core per-rank TP 8 -> ``--to hf`` (safetensors), against the byte-copy floor of
+  the source and the naive script a user would write (load every rank file, merge each parameter,
+  split it into Hugging Face names, ``safetensors.torch.save_file``);
+* import: that Hugging Face folder -> megatron-core per-rank TP 2, against its byte-copy floor and
+  the naive script (``load_file`` every shard, fuse Q/K/V and gate/up, pad the vocabulary, split
+  for TP 2, ``torch.save`` each rank).
 
     python bench/bench_hf.py               # full run
     python bench/bench_hf.py --quick       # smoke test of the benchmark itself (tiny model)
@@ -81,6 +86,52 @@ save_file(out, str(dst / 'model.safetensors'), metadata={'format': 'pt'})
 """]
 
 
+#: The naive importer: every shard in memory, fused and split for TP 2 with this Llama shape's rules.
+NAIVE_IMPORT = [sys.executable, "-c", """
+import argparse, json, math, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+src, dst, tp = Path(sys.argv[1]), Path(sys.argv[2]), 2
+cfg = json.loads((src / 'config.json').read_text())
+sd = {}
+for f in sorted(src.glob('*.safetensors')):
+    sd.update(load_file(str(f)))
+heads, groups, hidden = cfg['num_attention_heads'], cfg['num_key_value_heads'], cfg['hidden_size']
+hd, q = cfg.get('head_dim') or hidden // heads, heads // groups
+vocab = cfg['vocab_size']
+padded = math.ceil(vocab / (128 * tp)) * 128 * tp
+def pad(t):
+    return torch.cat([t, t.new_zeros(padded - vocab, t.shape[1])])
+core = {'embedding.word_embeddings.weight': pad(sd['model.embed_tokens.weight'])}
+for i in range(cfg['num_hidden_layers']):
+    p, c = f'model.layers.{i}.', f'decoder.layers.{i}.'
+    qw, kw, vw = (sd[p + f'self_attn.{x}_proj.weight'].view(groups, -1, hidden) for x in 'qkv')
+    core[c + 'input_layernorm.weight'] = sd[p + 'input_layernorm.weight']
+    core[c + 'self_attention.linear_qkv.weight'] = torch.cat([qw, kw, vw], dim=1).reshape(-1, hidden)
+    core[c + 'self_attention.linear_proj.weight'] = sd[p + 'self_attn.o_proj.weight']
+    core[c + 'pre_mlp_layernorm.weight'] = sd[p + 'post_attention_layernorm.weight']
+    core[c + 'mlp.linear_fc1.weight'] = torch.cat([sd[p + 'mlp.gate_proj.weight'], sd[p + 'mlp.up_proj.weight']])
+    core[c + 'mlp.linear_fc2.weight'] = sd[p + 'mlp.down_proj.weight']
+core['decoder.final_layernorm.weight'] = sd['model.norm.weight']
+core['output_layer.weight'] = pad(sd['lm_head.weight'])
+for r in range(tp):
+    mod = {}
+    for k, t in core.items():
+        if 'layernorm' in k:
+            mod[k] = t
+        elif 'linear_proj' in k or 'linear_fc2' in k:
+            mod[k] = t.chunk(tp, dim=1)[r].clone()
+        elif 'linear_fc1' in k:
+            gate, up = t.chunk(2)
+            mod[k] = torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
+        else:
+            mod[k] = t.chunk(tp)[r].clone()
+    out = dst / 'release' / f'mp_rank_{r:02d}' / 'model_optim_rng.pt'
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({'args': argparse.Namespace(**cfg), 'checkpoint_version': 3.0, 'iteration': 0, 'model': mod}, out)
+"""]
+
+
 def same_tensors(a: Path, b: Path) -> bool:
     from safetensors import safe_open
 
@@ -90,62 +141,101 @@ def same_tensors(a: Path, b: Path) -> bool:
         return all(fa.get_tensor(k).equal(fb.get_tensor(k)) for k in fa.keys())
 
 
+def same_rank_tensors(a: Path, b: Path) -> bool:
+    """Both imports' rank files hold equal tensors under every name the naive script writes."""
+    import torch
+
+    files = sorted(p.relative_to(a) for p in a.rglob("model_optim_rng.pt"))
+    if not files or files != sorted(p.relative_to(b) for p in b.rglob("model_optim_rng.pt")):
+        return False
+    for f in files:
+        ma = torch.load(a / f, weights_only=False, mmap=True)["model"]
+        mb = torch.load(b / f, weights_only=False, mmap=True)["model"]
+        if not all(k in ma and ma[k].equal(v) for k, v in mb.items()):
+            return False
+    return True
+
+
+def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label: str) -> dict[str, dict[str, float]]:
+    """Median wall seconds and peak RSS of each command, methods interleaved, the source warm."""
+    got: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    out = work / "run_out"
+    for i in range(runs):
+        for name, cmd in methods.items():
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            warm(src)
+            log(f"{label} run {i + 1}/{runs}: {name}")
+            got[name].append(measure([c.replace("{out}", str(out)) for c in cmd]))
+    shutil.rmtree(out, ignore_errors=True)
+    return {m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
+                "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in got.items()}
+
+
+def agree(reshard_cmd: list[str], naive_cmd: list[str], work: Path, compare: str) -> bool:
+    """Do reshard and the naive script write the same tensors? (The comparison runs in a child:
+    it maps both outputs, and children forked from a big parent report its peak RSS as theirs.)"""
+    a, b = work / "check_reshard", work / "check_naive"
+    subprocess.run([c.replace("{out}", str(a)) for c in reshard_cmd], check=True, capture_output=True)
+    subprocess.run([c.replace("{out}", str(b)) for c in naive_cmd], check=True)
+    same = subprocess.run([sys.executable, __file__, compare, str(a), str(b)]).returncode == 0
+    shutil.rmtree(a)
+    shutil.rmtree(b)
+    return same
+
+
+def report(title: str, rows: dict[str, dict[str, float]], floor_name: str) -> None:
+    floor = rows[floor_name]["seconds"]
+    print(f"{title}\n{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}")
+    for name, rec in rows.items():
+        print(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:7d} MiB")
+
+
+EXPORT, IMPORT = "reshard --direct TP 8 -> hf", "reshard --direct hf -> TP 2"
+EXPORT_FLOOR, IMPORT_FLOOR = "floor (per-rank TP 8 bytes)", "floor (hf folder bytes)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--compare"]:
         return 0 if same_tensors(Path(argv[1]), Path(argv[2])) else 1
+    if argv[:1] == ["--compare-ranks"]:
+        return 0 if same_rank_tensors(Path(argv[1]), Path(argv[2])) else 1
     ns, shape = parse_bench_args(argv, __doc__.splitlines()[0])
     work = ns.work_dir / "hf"
     shutil.rmtree(work, ignore_errors=True)
     results: dict[str, Any] = {}
     for layers in [ns.layers] + ([ns.deep_layers] if ns.deep_layers else []):
         src = source_for(ns, layers, shape)
-        methods = {
-            "floor (per-rank TP 8 bytes)": FLOOR + [str(src)],
-            "reshard --direct TP 8 -> hf": reshard(str(src), "{out}", "--to", "hf"),
-            "naive: load all, merge, save_file": NAIVE + [str(src)],
-        }
-        if layers != ns.layers:
-            methods = {k: v for k, v in methods.items() if k.startswith("reshard")}
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
-        for i in range(ns.runs):
-            for name, cmd in methods.items():
-                out = work / "run_out"
-                shutil.rmtree(out, ignore_errors=True)
-                os.sync()
-                warm(src)
-                log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
-                cmd = [c.replace("{out}", str(out)) for c in cmd] + ([] if name.startswith("reshard") else [str(out)])
-                runs[name].append(measure(cmd))
-                if name.startswith("reshard") and i == 0:
-                    results.setdefault("output GB", round(size(out) / 1e9, 2))
-        shutil.rmtree(work / "run_out", ignore_errors=True)
-        if layers == ns.layers:  # the two exports hold the same tensors (the naive script is an independent check)
-            a, b = work / "check_reshard", work / "check_naive"
-            subprocess.run([c.replace("{out}", str(a)) for c in methods["reshard --direct TP 8 -> hf"]], check=True,
-                           capture_output=True)
-            subprocess.run(NAIVE + [str(src), str(b)], check=True)
-            # in a child process: the comparison maps both outputs, and children forked from a big
-            # parent would report its peak RSS as theirs
-            results["same tensors as the naive script"] = subprocess.run(
-                [sys.executable, __file__, "--compare", str(a), str(b)]).returncode == 0
-            shutil.rmtree(a)
-            shutil.rmtree(b)
-        results[f"layers={layers}"] = {
-            "source GB": round(size(src) / 1e9, 2),
-            **{m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
-                   "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}}
+        hf = ns.data_dir / f"hf_{src.name}"  # the import's source: reshard's own export, made once
+        if not (hf / "config.json").is_file():
+            subprocess.run([c.replace("{out}", str(hf)) for c in reshard(str(src), "{out}", "--to", "hf")],
+                           check=True, capture_output=True)
+        export = {EXPORT_FLOOR: FLOOR + [str(src), "{out}"], EXPORT: reshard(str(src), "{out}", "--to", "hf"),
+                  "naive: load all, merge, save_file": NAIVE + [str(src), "{out}"]}
+        imp = {IMPORT_FLOOR: FLOOR + [str(hf), "{out}"], IMPORT: reshard(str(hf), "{out}", "--target-tp", "2"),
+               "naive: load_file all, fuse, split, save": NAIVE_IMPORT + [str(hf), "{out}"]}
+        deep = layers != ns.layers
+        if deep:  # memory scaling: reshard only
+            export, imp = {EXPORT: export[EXPORT]}, {IMPORT: imp[IMPORT]}
+        results[f"layers={layers}"] = {"source GB": round(size(src) / 1e9, 2), "hf GB": round(size(hf) / 1e9, 2),
+                                       "export": timed(export, src, work, ns.runs, f"L{layers} export"),
+                                       "import": timed(imp, hf, work, ns.runs, f"L{layers} import")}
+        if not deep:  # independent checks: the naive scripts write the same tensors
+            results["export: same tensors as the naive script"] = agree(export[EXPORT], export[
+                "naive: load all, merge, save_file"], work, "--compare")
+            results["import: same tensors as the naive script"] = agree(imp[IMPORT], imp[
+                "naive: load_file all, fuse, split, save"], work, "--compare-ranks")
     base = results[f"layers={ns.layers}"]
-    floor = base["floor (per-rank TP 8 bytes)"]["seconds"]
-    print(f"{'method':36} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}")
-    for name, rec in base.items():
-        if isinstance(rec, dict):
-            print(f"{name:36} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:7d} MiB")
+    report("export", base["export"], EXPORT_FLOOR)
+    report("import", base["import"], IMPORT_FLOOR)
     if ns.deep_layers:
-        deep = results[f"layers={ns.deep_layers}"]["reshard --direct TP 8 -> hf"]["peak_rss_mib"]
-        print(f"peak RSS reshard: {base['reshard --direct TP 8 -> hf']['peak_rss_mib']} MiB at {ns.layers} layers, "
-              f"{deep} MiB at {ns.deep_layers} layers")
-    print(f"same tensors as the naive script: {results['same tensors as the naive script']}")
+        deep_rec = results[f"layers={ns.deep_layers}"]
+        for what, name in (("export", EXPORT), ("import", IMPORT)):
+            print(f"peak RSS {name}: {base[what][name]['peak_rss_mib']} MiB at {ns.layers} layers, "
+                  f"{deep_rec[what][name]['peak_rss_mib']} MiB at {ns.deep_layers} layers")
+    for k in ("export: same tensors as the naive script", "import: same tensors as the naive script"):
+        print(f"{k}: {results[k]}")
     print(json.dumps(results))
     return 0
 
