@@ -249,3 +249,16 @@ def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so, target_tp=2,
                            cache_dir=str(tmp_path / "cache")))
     assert _outputs(tmp_path / "flow") == _outputs(imported["runs"][("llama", 2)])
+
+
+def test_an_import_at_two_pipeline_stages_merges_back_to_the_single_stage_import(imported, tmp_path):
+    staged = _import(imported["hf"]["llama"], tmp_path / "pp2", "--target-tp", "2", "--target-pp", "2")
+    assert sorted(p.parent.name for p in staged.rglob("model_optim_rng.pt")) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    merged = _import(staged, tmp_path / "pp1", "--target-tp", "2", "--target-pp", "1")
+    want = imported["runs"][("llama", 2)]
+    for f in sorted(want.rglob("model_optim_rng.pt")):
+        got, ref = load_shard(merged / f.relative_to(want), mmap=False), load_shard(f, mmap=False)
+        assert list(got["model"]) == list(ref["model"])
+        assert all(v is None or v.equal(got["model"][k]) for k, v in ref["model"].items()), f
+        assert vars(got["args"]) == vars(ref["args"])
