@@ -311,3 +311,17 @@ def test_mixed_dtypes_are_refused_and_plan_names_the_shards(mcore, tmp_path, cap
     assert main(["plan", str(mcore[("llama", 2, 1)]), "--to", "hf", "--max-shard-size", "100KB"]) == 0
     out = capsys.readouterr().out
     assert "-> hf" in out and "model-00001-of-00004.safetensors: reads source ranks [0, 1]" in out, out
+
+
+@pytest.mark.parametrize("shard", [None, "100KB"])
+def test_the_manifest_hashes_are_the_files_hashes(mcore, tmp_path, shard):
+    """Each file's SHA-256 is computed while writing (a fused QKV's K and V rows land ahead of the
+    hashed prefix and are read back); it must be the hash of the bytes on disk."""
+    import hashlib
+
+    out = _export(mcore[("qwen", 2, 1)], tmp_path / "hf", *(["--max-shard-size", shard] if shard else []))
+    records = json.loads((out / "reshard_manifest.json").read_text())["files"]
+    weights = [r for r in records if r["path"].endswith(".safetensors")]
+    assert len(weights) == (1 if shard is None else 4)
+    for r in weights:
+        assert r["sha256"] == hashlib.sha256((out / r["path"]).read_bytes()).hexdigest(), r["path"]

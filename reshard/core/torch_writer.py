@@ -421,11 +421,14 @@ class _Stage:
             raise error
 
 
-def writer_pipeline(fd: int, depth: int, digest: Any = None) -> _Stage:
+def writer_pipeline(fd: int, depth: int, digest: Any = None,
+                    hash_work: Callable[[memoryview, int | None], None] | None = None) -> _Stage:
     """``pwrite`` on one thread and, with a ``digest``, the SHA-256 (in file order) on a second
     one: hashing runs beside the kernel's copy into the page cache instead of after it (on 2
     cores the writer thread alone was the bottleneck: copy + hash in series). Items with an
-    ``offset`` of None are hashed only (bytes of the file written elsewhere)."""
+    ``offset`` of None are hashed only (bytes of the file written elsewhere). ``hash_work``
+    replaces the hashing step (given each written item, in queue order) when the items do not
+    come in file order."""
 
     def write(mv: memoryview, offset: int | None) -> None:
         if offset is None:
@@ -434,9 +437,9 @@ def writer_pipeline(fd: int, depth: int, digest: Any = None) -> _Stage:
         while done < len(mv):
             done += os.pwrite(fd, mv[done:], offset + done)
 
-    hasher = None
-    if digest is not None:
-        hasher = _Stage("reshard-hasher", lambda mv, _off: digest.update(mv), HASH_QUEUE_DEPTH)
+    if hash_work is None and digest is not None:
+        hash_work = lambda mv, _off: digest.update(mv)  # noqa: E731
+    hasher = None if hash_work is None else _Stage("reshard-hasher", hash_work, HASH_QUEUE_DEPTH)
     return _Stage("reshard-writer", write, depth, after=hasher)
 
 

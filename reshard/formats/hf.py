@@ -16,11 +16,9 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import queue
 import re
 import struct
 import threading
@@ -317,33 +315,25 @@ class SafetensorsFile:
     def write(self, path: str, *, sha256: bool = False,
               on_bytes: Callable[[int], None] | None = None) -> SaveStats:
         """Header first, then each megatron-core tensor streamed into its Hugging Face tensors:
-        ``pwrite`` on the writer thread (as :func:`reshard.core.torch_writer.save` does), and each
-        finished tensor's region hashed, in file order, on a hashing thread — read back from
-        the page cache, since a fused tensor's bytes are scattered over several regions."""
+        ``pwrite`` on the writer thread (as :func:`reshard.core.torch_writer.save` does) and
+        hashed, in file order, on a hashing thread (:class:`_InOrderHasher`)."""
         digest = hashlib.sha256() if sha256 else None
         base = len(self.header)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, base + self.data_size)
-            hasher = _RegionHasher(fd, digest) if digest is not None else None
-            writer = writer_pipeline(fd, QUEUE_DEPTH)
+            writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=None if digest is None else _InOrderHasher(fd, digest))
             try:
-                header_hashed = None if hasher is None else functools.partial(hasher.put, 0, base)
-                writer.put((memoryview(self.header), 0, header_hashed, None))
+                writer.put((memoryview(self.header), 0, None, None))
                 for i, (exp, value, _dtype) in enumerate(self.exports):
                     entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
                     _write_export(writer, exp, value, entries, base)
-                    lo, hi = base + entries[0].start, base + entries[-1].start + entries[-1].nbytes
-                    if hasher is not None:  # queued behind the tensor's writes: hashed once they are on disk
-                        writer.put((memoryview(b""), None, functools.partial(hasher.put, lo, hi), None))
+                    hi = base + entries[-1].start + entries[-1].nbytes
+                    writer.put((memoryview(b""), hi, None, None))  # the file is complete up to hi
                     if on_bytes is not None:
                         on_bytes(hi)
             finally:
-                try:
-                    writer.close()
-                finally:
-                    if hasher is not None:
-                        hasher.close()
+                writer.close()
         finally:
             os.close(fd)
         return SaveStats(size=base + self.data_size, records=len(self.entries),
@@ -374,32 +364,26 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
         sink.finish(t.numel() * t.element_size())
 
 
-class _RegionHasher:
-    """Hashes file regions, in the order given, on its own thread (read back from the page cache)."""
+class _InOrderHasher:
+    """The SHA-256 of the file in file order, fed each piece after it is written: a piece that
+    starts where the hashed prefix ends is hashed from memory; one written ahead of it (a fused
+    QKV's K and V rows arrive while Q is still being filled) is skipped, and read back from the
+    page cache when an empty piece at offset X says the file is complete up to X. Only such
+    out-of-order bytes are read twice."""
 
     def __init__(self, fd: int, digest: Any) -> None:
-        self.fd, self.digest = fd, digest
-        self.q: queue.Queue[tuple[int, int] | None] = queue.Queue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="reshard-hf-hasher", daemon=True)
-        self.thread.start()
+        self.fd, self.digest, self.done = fd, digest, 0
 
-    def put(self, lo: int, hi: int) -> None:
-        self.q.put((lo, hi))
-
-    def _run(self) -> None:
-        while (item := self.q.get()) is not None:
-            if self.error is None:
-                try:
-                    _hash_region(self.fd, item[0], item[1], self.digest)
-                except BaseException as exc:  # reported by close()
-                    self.error = exc
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+    def __call__(self, mv: memoryview, offset: int | None) -> None:
+        if offset is None:
+            return
+        if not len(mv):
+            if offset > self.done:
+                _hash_region(self.fd, self.done, offset, self.digest)
+                self.done = offset
+        elif offset == self.done:
+            self.digest.update(mv)
+            self.done += len(mv)
 
 
 def header_bytes(entries: Sequence[FileEntry]) -> bytes:
