@@ -3,8 +3,8 @@
 Sources are tiny random models made by transformers from a config (fixed seed; norms made
 distinct from ones), saved with ``save_pretrained``: Llama with GQA (untied, a vocabulary of 200
 that Megatron pads to 256, a rotary base and epsilon other than the defaults, sharded into
-several files), Llama tied, Qwen2 (QKV biases), GPT-2 (gelu_new, Conv1D weights, tied). Each is imported at TP 1 and 2 (and into
-torch_dist); megatron-core builds the model **from the checkpoint's own saved args** (as
+several files), Llama tied, Qwen2 (QKV biases), GPT-2 (gelu_new, Conv1D weights, tied). Each is
+imported at TP 1 and 2 (Llama also into torch_dist); megatron-core builds the model **from the checkpoint's own saved args** (as
 ``--use-checkpoint-args`` would), loads it strictly and must give transformers' logits on the
 true vocabulary within 2e-5. The same comparison catches each plausible wrong import far above
 that bound: :func:`test_the_logits_comparison_catches_each_plausible_wrong_import`.
@@ -262,3 +262,18 @@ def test_an_import_at_two_pipeline_stages_merges_back_to_the_single_stage_import
         assert list(got["model"]) == list(ref["model"])
         assert all(v is None or v.equal(got["model"][k]) for k, v in ref["model"].items()), f
         assert vars(got["args"]) == vars(ref["args"])
+
+
+def test_gpt2_names_without_the_base_model_prefix_import_the_same(imported, tmp_path):
+    """The original GPT-2 folders on the hub name tensors ``h.0.attn.c_attn.weight``, ``wte.weight``."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "bare"
+    shutil.copytree(imported["hf"]["gpt2"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    out = _import(src, tmp_path / "out", "--target-tp", "2")
+    want = imported["runs"][("gpt2", 2)]
+    for f in sorted(want.rglob("model_optim_rng.pt")):
+        assert (out / f.relative_to(want)).read_bytes() == f.read_bytes(), f

@@ -1,6 +1,8 @@
 """Hugging Face safetensors folders, written for serving (``--to hf``): ``config.json``, the weights
 as ``model.safetensors`` or as shards of at most ``--max-shard-size`` (``model-00001-of-0000N.safetensors``)
-with ``model.safetensors.index.json``.
+with ``model.safetensors.index.json`` — and read, to import a Hugging Face model into Megatron
+layouts: the folder is a TP 1 megatron-core source whose tensors are lazy views of the mapped
+safetensors files (:mod:`reshard.models.hf_import`, :mod:`reshard.core.safetensors_read`).
 
 The architecture and the name table are the model family's (:mod:`reshard.models.hf_architectures`);
 this module only lays bytes out. A safetensors file is an 8-byte header length, a JSON header
@@ -53,6 +55,8 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 MEGATRON_VOCAB_DIVISOR = 128
 #: Hugging Face's default shard size (``max_shard_size="5GB"``, decimal).
 DEFAULT_MAX_SHARD = 5 * 10**9
+
+
 def _json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -77,7 +81,8 @@ class HFFormat(CheckpointFormat):
     priority = 90  # after the Megatron and DeepSpeed layouts: a config.json alone says little
     #: weight files (pickle ones listed too: to be refused by name, never read)
     patterns = (re.compile(r"(^|/)[^/]+\.safetensors$"), re.compile(r"(^|/)pytorch_model[^/]*\.bin$"))
-    markers = (re.compile(r"(^|/)config\.json$"), re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"))
+    markers = (re.compile(r"(^|/)config\.json$"),
+               re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"))
     writes_as = MEGATRON  # an import: megatron-core's per-rank layout unless --to says otherwise
     vocab_divisor = MEGATRON_VOCAB_DIVISOR
 
@@ -93,10 +98,9 @@ class HFFormat(CheckpointFormat):
         """The folder as a TP 1 grid of one "file", its ``config.json`` (what every target reads
         first); the weight files are ``aux``. Only names are read here (in a pipeline the weights
         may not be fetched yet): their headers are checked by :meth:`load`."""
-        config = _json(path / CONFIG)
-        read_config(config, str(path / CONFIG))  # refuse an architecture before anything is fetched
-        files = [WEIGHTS] if (path / WEIGHTS).is_file() and not (path / INDEX).is_file() else \
-            sorted(set(_weight_map(path).values())) if (path / INDEX).is_file() else []
+        read_config(_json(path / CONFIG), str(path / CONFIG))  # refuse an architecture before anything is fetched
+        indexed = (path / INDEX).is_file()
+        files = sorted(set(_weight_map(path).values())) if indexed else [WEIGHTS] if (path / WEIGHTS).is_file() else []
         if not files:
             pickled = next(n for n in PICKLE_WEIGHTS if (path / n).is_file())
             raise UnsafeCheckpointError(f"holds {pickled}: PyTorch pickle weights, which reshard does not "
@@ -107,7 +111,7 @@ class HFFormat(CheckpointFormat):
             raise CheckpointFormatError(f"{INDEX} lists {missing[0]}, which is missing"
                                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
                                         culprit=str(path), hint="copy every shard the index lists")
-        aux = ([path / INDEX] if (path / INDEX).is_file() else []) + [path / f for f in files]
+        aux = ([path / INDEX] if indexed else []) + [path / f for f in files]
         return SourceCheckpoint((path / CONFIG,), origin=str(path), format=HF, pp=1, iteration="release",
                                 aux=tuple(aux))
 
@@ -127,15 +131,12 @@ class HFFormat(CheckpointFormat):
                     raise CheckpointFormatError(f"{name} holds {key}, which the index says is {where}",
                                                 culprit=str(folder / INDEX), hint="the index does not belong to "
                                                 "these files; re-copy the folder")
-                if key in tensors:
-                    raise CheckpointFormatError(f"{key} is stored twice", culprit=str(folder / name),
-                                                hint="re-copy the folder")
                 tensors[key] = file.tensor(key)
         absent = sorted(set(indexed or ()) - set(tensors))
-        if absent:
-            raise CheckpointFormatError(f"the index lists {absent[0]} in {indexed[absent[0]]}, which does not "  # type: ignore[index]
-                                        "hold it", culprit=str(folder / INDEX), hint="the index does not belong to "
-                                        "these files; re-copy the folder")
+        if indexed is not None and absent:
+            raise CheckpointFormatError(f"the index lists {absent[0]} in {indexed[absent[0]]}, which does not hold "
+                                        "it", culprit=str(folder / INDEX),
+                                        hint="the index does not belong to these files; re-copy the folder")
         return megatron_state(tensors, model)
 
     # -- writing ------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ from reshard.models.megatron_gpt import core_module
 
 #: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
 BUFFERS = (re.compile(r"\.rotary_emb\.inv_freq$"), re.compile(r"^(?:transformer\.)?h\.\d+\.attn\.(?:masked_)?bias$"))
+#: The base model's prefix of each class: some folders (the original GPT-2 ones on the hub) hold
+#: the base model's names without it, which transformers loads all the same.
+BASE_PREFIX = {"GPT2LMHeadModel": "transformer."}
 #: Each class's defaults for what a ``config.json`` may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -153,8 +156,12 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
     tensor): each row of the architecture's name table gathers its Hugging Face tensors into the
     megatron-core tensor (local-spec names), then megatron-core's order and extra states. A tensor
     no row names, or one a row misses, is an error; a tied model's ``lm_head`` copy is dropped
-    (transformers ties it to the embedding on load, as megatron-core does)."""
+    (transformers ties it to the embedding on load, as megatron-core does); names saved without
+    the base model's prefix (:data:`BASE_PREFIX`) are read with it."""
     table = NAME_TABLES[model.architecture]
+    prefix = BASE_PREFIX.get(model.architecture)
+    if prefix and not any(k.startswith(prefix) for k in tensors):
+        tensors = {(k if k.startswith("lm_head.") else prefix + k): v for k, v in tensors.items()}
     found: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
     for name in tensors:
         if any(p.search(name) for p in BUFFERS):
