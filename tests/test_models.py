@@ -1,18 +1,24 @@
-"""Model families are plug-ins: each a rule table (name -> partitioning) in a registry like the
-formats'. A family defined here, extending the built-in table by one name, makes a checkpoint
-plannable that the built-in family refuses — with no edit inside reshard."""
+"""Model families are plug-ins: each a rule table (name -> partitioning) plus the deciders of its
+model facts, in a registry like the formats'. A family defined here, extending the built-in table by
+one name, makes a checkpoint plannable that the built-in family refuses; another, deciding one fact
+its own way, plans a checkpoint whose saved settings the built-in deciders cannot read — each with
+no edit inside reshard."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Sequence
 
+import argparse
+from typing import Any
+
 import pytest
 import torch
 
-from reshard.core.errors import UnknownParameterError
+from reshard.core.errors import MissingModelFactError, UnknownParameterError
 from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
+from reshard.core.plan_types import CanonicalParam
 from reshard.core.rules import Kind, Place, Rule
 from reshard.models import ModelFamily, families, register_family, registry, resolve_family, unregister_family
 from reshard.models.megatron_gpt import MEGATRON_GPT_RULES
@@ -62,3 +68,48 @@ def test_a_plugin_family_makes_a_new_parameter_name_plannable(sample_factory, tm
         assert head.rule.name == "lm_head" and head.spec is not None and head.spec.dim == 0
     finally:
         unregister_family(GPTWithLMHead.name)
+
+
+class GPTWithOwnSettings(ModelFamily):
+    """Megatron GPT names, but the head count saved as ``args.n_head`` (as GPT-2-style trainers save
+    it): the family's own decider reads it; every other fact is decided the default way."""
+
+    name = "test-gpt-own-settings"
+    priority = 10
+    rules = MEGATRON_GPT_RULES
+
+    def claims(self, keys: Sequence[str]) -> bool:
+        return True
+
+    def naming(self, keys: Sequence[str]) -> str:
+        return "legacy"
+
+    def decide_heads(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
+                     origin: dict[str, str], where: str) -> tuple[int | None, int | None, int | None]:
+        hidden, heads, head_dim = super().decide_heads(options, args, params, origin, where)
+        n_head = getattr(args, "n_head", None)
+        if heads is None and isinstance(n_head, int):
+            heads, origin["heads"] = n_head, "args.n_head"
+            head_dim = hidden // heads if hidden else None
+        return hidden, heads, head_dim
+
+
+def test_a_plugin_family_decides_a_model_fact_its_own_way(sample_factory, tmp_path):
+    ref = sample_factory(2, 2.0)
+    src = shutil.copytree(ref, tmp_path / "src")
+    for f in sorted(src.glob("mp_rank_*_model_states.pt")):
+        sd = torch.load(f, weights_only=False)
+        saved = vars(sd["args"])
+        saved["n_head"] = saved.pop("num_attention_heads")
+        sd["args"] = argparse.Namespace(**saved)
+        torch.save(sd, f)
+    with pytest.raises(MissingModelFactError, match="head"):  # the QKV rows move with the heads: needed
+        build_plan(str(src), ReshardOptions(target_tp=4))
+    register_family(GPTWithOwnSettings)
+    try:
+        plan = build_plan(str(src), ReshardOptions(target_tp=4))
+        expected = build_plan(str(ref), ReshardOptions(target_tp=4))
+        assert plan.facts.origin["heads"] == "args.n_head" and plan.facts.heads == expected.facts.heads
+        assert [(p.key, p.spec) for p in plan.params] == [(p.key, p.spec) for p in expected.params]
+    finally:
+        unregister_family(GPTWithOwnSettings.name)

@@ -13,7 +13,7 @@ from typing import Any
 from reshard.core.checks import bit_equal
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError, MissingModelFactError
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, RawParam, SourceStage
+from reshard.core.plan_types import OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, CanonicalParam, SourceStage
 from reshard.core.rules import Place, QuantSlot
 from reshard.core.source import SourceCheckpoint, parse_version
 
@@ -28,7 +28,7 @@ def bool_arg(args: Any, name: str) -> bool | None:
     return v if isinstance(v, bool) else None
 
 
-def head_facts(options: ReshardOptions, args: Any, raw: list[RawParam], origin: dict[str, str], where: str
+def head_facts(options: ReshardOptions, args: Any, raw: list[CanonicalParam], origin: dict[str, str], where: str
                ) -> tuple[int | None, int | None, int | None]:
     """(hidden size, attention heads, head dim): args and flags first, hidden from the QKV shape."""
     hidden = int_arg(args, "hidden_size")
@@ -77,7 +77,7 @@ def _decide_heads(options: ReshardOptions, args: Any, where: str) -> int | None:
     return saved
 
 
-def _qkv_rows(raw: list[RawParam]) -> int | None:
+def _qkv_rows(raw: list[CanonicalParam]) -> int | None:
     """Rows of one source rank's QKV weight (all layers agree, checked by shapes per layer)."""
     for r in raw:
         if r.rule.quant is QuantSlot.QKV:
@@ -85,7 +85,7 @@ def _qkv_rows(raw: list[RawParam]) -> int | None:
     return None
 
 
-def decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: list[RawParam], hn: int | None,
+def decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: list[CanonicalParam], hn: int | None,
                   n: int, origin: dict[str, str], where: str) -> int | None:
     """Query groups: the flag, else args (``group_query_attention``/``num_query_groups``), else MHA
     when the QKV shape holds exactly ``3 * heads`` head rows; None when unknown."""
@@ -115,7 +115,7 @@ def decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: li
     return groups
 
 
-def decide_swiglu(options: ReshardOptions, args: Any, raw: list[RawParam], n: int, m: int,
+def decide_swiglu(options: ReshardOptions, args: Any, raw: list[CanonicalParam], n: int, m: int,
                   origin: dict[str, str], where: str) -> bool | None:
     """Whether fc1 is gated ([W; V] per rank): decided exactly by the shapes — a gated fc1 has twice
     the rows fc2 has input columns — and cross-checked against args.swiglu and --swiglu."""
@@ -181,7 +181,7 @@ class Vocab:
         return self.source_rows != self.target_rows
 
 
-def decide_vocab(options: ReshardOptions, args: Any, raw: list[RawParam], n: int, m: int,
+def decide_vocab(options: ReshardOptions, args: Any, raw: list[CanonicalParam], n: int, m: int,
                  origin: dict[str, str], where: str, padded_for: int | None = None,
                  default_divisor: int | None = None) -> Vocab:
     """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``; at a new

@@ -20,23 +20,28 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.core.checks import check_replicated, check_same_keys
+from reshard.core.checks import check_replicated
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
-from reshard.core.facts import decide_groups, decide_tied, decide_version, head_facts, int_arg
+from reshard.core.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
 from reshard.core.placement import place, split_files, target_plan
-from reshard.core.plan_types import DROPPED_ENTRIES, ModelFacts, Plan, RawParam, SourceStage, dropped_warning
-from reshard.core.rules import Kind, Rule, layer_index, with_layer
-from reshard.core.source import SourceCheckpoint, choose_module_key
+from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
+                                     SourceStage, dropped_warning)
+from reshard.core.rules import Kind, Resolution, Rule, layer_index, with_layer
+from reshard.core.source import SourceCheckpoint
 from reshard.core.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
 from reshard.formats.output import output_format
-from reshard.models import resolve_family
+from reshard.models import ModelFamily, resolve_family
+
+if TYPE_CHECKING:
+    from reshard.formats.base import CheckpointFormat
 
 
 def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int, *,
@@ -54,42 +59,15 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     fmt = get_format(source.format)  # reads the files
     out_fmt = output_format(source, options)  # names and writes the outputs
     out_fmt.check_target(tpp)
-    if headers_only:
-        heads = [fmt.load(source.stage_files(s)[0]) for s in range(source.pp)]
-        shards = [heads[i // n] for i in range(len(source.files))]
-    else:
-        shards = [fmt.load(f) for f in source.files]
-    names = [str(f) for f in source.files]
-    module_key, modules = _modules(shards, names, options, n)
-    args = shards[0].get("args")
-    fmt.check_saved_degrees(args, source)
-    stages = [SourceStage(s, list(names[s * n:(s + 1) * n]), modules[s * n:(s + 1) * n]) for s in range(source.pp)]
-    for st in stages:
-        check_same_keys(st.modules, st.names)
-    version = decide_version(shards, names, source, options)
-
-    all_keys = list(dict.fromkeys(k for st in stages for k in st.modules[0]))
-    family, resolution = resolve_family(all_keys, source=source.origin)
-    naming = family.naming(all_keys)
-    raw, carried_raw, layers_per_stage = collect(stages, resolution.by_key, source)
-    num_layers = sum(layers_per_stage)
-    saved_layers = int_arg(args, "num_layers")
-    if saved_layers is not None and saved_layers != num_layers:
-        raise CheckpointFormatError(f"args.num_layers is {saved_layers} but the rank files hold {num_layers} layers",
-                                    culprit=source.origin, hint="supply every pipeline stage of the checkpoint")
-
-    origin: dict[str, str] = {}
-    hidden, num_heads, head_dim = head_facts(options, args, raw, origin, source.origin)
-    groups = decide_groups(options, args, num_heads, raw, head_dim, n, origin, source.origin)
-    swiglu, vocab, params = target_specs(raw, options, args, version, num_heads, groups, head_dim, n, m, origin,
-                                         source.origin, fmt.padding_tp(args, source), fmt.vocab_divisor)
-    carried = [r.planned(None) for r in carried_raw]
-    check_replicated(params, stages)
-    tied = decide_tied(args, naming, params, stages, origin, source)
-    warnings: list[str] = [vocab.warning] if vocab.warning else []
-    order = {r.key: i for i, r in enumerate(sorted(raw + carried_raw, key=lambda r: r.order))}
+    read = fmt.read(source, options, headers_only=headers_only)
+    version = decide_version(read.shards, read.names, source, options)
+    d = decide_parameters(read, options, version, source, fmt)
+    stages, params, carried = read.stages, d.params, d.carried
+    tied = d.family.decide_tied(read.args, d.naming, params, stages, d.origin, source)
+    warnings: list[str] = [d.vocab.warning] if d.vocab.warning else []
+    order = {r.key: i for i, r in enumerate(sorted(d.raw + d.carried_raw, key=lambda r: r.order))}
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
-    placed, target_layers = place(entries, naming, tied, layers_per_stage, source.pp, tpp, stages,
+    placed, target_layers = place(entries, d.naming, tied, d.layers_per_stage, source.pp, tpp, stages,
                                   warnings, source.origin)
     if options.quantize:
         check_quantization(params, options, n, m)
@@ -97,17 +75,13 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
                     for s in range(tpp) for t in range(m))
     if not out_fmt.per_rank and len(targets) == 1:
         targets = split_files(targets[0], source, options, n, m, tpp, out_fmt.name)
-    dropped = {k: DROPPED_ENTRIES[k] for k in shards[0] if k in DROPPED_ENTRIES}
-    ds_config = shards[0].get("ds_config")
+    dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES}
+    ds_config = read.shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
-    facts = ModelFacts(naming=naming, num_layers=num_layers, hidden=hidden, heads=num_heads, query_groups=groups,
-                       head_dim=head_dim, swiglu=swiglu, tied_embeddings=tied, vocab_size=vocab.true,
-                       padded_vocab_source=vocab.source_rows, padded_vocab_target=vocab.target_rows,
-                       make_vocab_size_divisible_by=vocab.divisible_by, source_pp_layers=tuple(layers_per_stage),
-                       target_pp_layers=tuple(target_layers), origin=dict(origin))
+    facts = d.model_facts(tied, tuple(d.layers_per_stage), tuple(target_layers))
     extra = out_fmt.extra_files(source)
-    plan = Plan(source=source, options=options, module_key=module_key, version=version, params=tuple(params),
-                targets=targets, unused_rules=resolution.unused_rules, dropped=dropped, facts=facts,
+    plan = Plan(source=source, options=options, module_key=read.module_key, version=version, params=tuple(params),
+                targets=targets, unused_rules=d.resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
                 extra_files=extra)
@@ -115,52 +89,96 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     return plan
 
 
-def _modules(shards: list[dict[str, Any]], names: list[str], options: ReshardOptions, n: int
-             ) -> tuple[str, list[dict[str, Any]]]:
-    """The module key and every file's module dict (one key for all; DeepSpeed's mp_world_size checked)."""
-    module_key = choose_module_key(shards[0], options.module_key, names[0])
-    modules = []
-    for sd, name in zip(shards, names):
-        if choose_module_key(sd, options.module_key, name) != module_key:
-            raise InconsistentShardsError(f"module is not under {module_key!r} as on rank 0", culprit=name)
-        mod = sd[module_key]
-        if not isinstance(mod, dict):
-            raise CheckpointFormatError(f"{module_key!r} is a {type(mod).__name__}, not a state dict",
-                                        culprit=name)
-        mws = sd.get("mp_world_size")
-        if mws is not None and mws != n:
-            raise CheckpointFormatError(f"saved mp_world_size is {mws} but {n} rank files were found",
-                                        culprit=name, hint="supply all rank files of the checkpoint (and no extra)")
-        modules.append(mod)
-    return module_key, modules
+@dataclass(frozen=True, kw_only=True)
+class DecidedParams:
+    """What both planners decide alike from a :class:`SourceRead`: the model family and its naming,
+    the canonical parameters (tensors and carried entries), layers per row, the model facts the
+    partitioning needs (with ``origin``), and each tensor's partition spec (``params``)."""
+
+    family: ModelFamily
+    naming: str
+    resolution: Resolution
+    raw: list[CanonicalParam]
+    carried_raw: list[CanonicalParam]
+    layers_per_stage: list[int]
+    origin: dict[str, str]
+    hidden: int | None
+    heads: int | None
+    head_dim: int | None
+    groups: int | None
+    swiglu: bool | None
+    vocab: Vocab
+    params: list[ParamPlan]
+    carried: list[ParamPlan]
+
+    def model_facts(self, tied: bool | None, source_layers: tuple[int, ...], target_layers: tuple[int, ...]
+                    ) -> ModelFacts:
+        v = self.vocab
+        return ModelFacts(naming=self.naming, num_layers=sum(self.layers_per_stage), hidden=self.hidden,
+                          heads=self.heads, query_groups=self.groups, head_dim=self.head_dim, swiglu=self.swiglu,
+                          tied_embeddings=tied, vocab_size=v.true, padded_vocab_source=v.source_rows,
+                          padded_vocab_target=v.target_rows, make_vocab_size_divisible_by=v.divisible_by,
+                          source_pp_layers=source_layers, target_pp_layers=target_layers, origin=dict(self.origin))
+
+
+def decide_parameters(read: SourceRead, options: ReshardOptions, version: float, source: SourceCheckpoint,
+                      fmt: CheckpointFormat) -> DecidedParams:
+    """Resolve the canonical names against the family that claims them, collect the canonical
+    parameters, decide the model facts through the family's deciders, give every tensor its
+    partition spec at the target TP and check the replicated tensors agree across ranks."""
+    n, m, args = source.tp, options.target_tp, read.args
+    rows = read.module_rows
+    all_keys = list(dict.fromkeys(st.canonical_name(k) for st in rows for k in st.modules[0]))
+    family, resolution = resolve_family(all_keys, source=source.origin)
+    raw, carried_raw, layers_per_stage = collect(rows, resolution.by_key, source)
+    num_layers = sum(layers_per_stage)
+    saved_layers = int_arg(args, "num_layers")
+    if saved_layers is not None and saved_layers != num_layers:
+        raise CheckpointFormatError(f"args.num_layers is {saved_layers} but the files hold {num_layers} transformer "
+                                    f"layers", culprit=source.origin,
+                                    hint="supply every file of the checkpoint (a pipeline stage or layer file is "
+                                         "missing)")
+    origin: dict[str, str] = {}
+    hidden, heads, head_dim = family.decide_heads(options, args, raw, origin, source.origin)
+    groups = family.decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
+    swiglu, vocab, params = target_specs(raw, options, args, version, heads, groups, head_dim, n, m, origin,
+                                         source.origin, family, fmt.padding_tp(args, source), fmt.vocab_divisor)
+    check_replicated(params, read.stages)
+    return DecidedParams(family=family, naming=family.naming(all_keys), resolution=resolution, raw=raw,
+                         carried_raw=carried_raw, layers_per_stage=layers_per_stage, origin=origin, hidden=hidden,
+                         heads=heads, head_dim=head_dim, groups=groups, swiglu=swiglu, vocab=vocab, params=params,
+                         carried=[r.planned(None) for r in carried_raw])
 
 
 def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: SourceCheckpoint
-            ) -> tuple[list[RawParam], list[RawParam], list[int]]:
-    """Logical entries of every stage (layers renumbered globally), shapes checked across ranks."""
-    tensors: list[RawParam] = []
-    carried: list[RawParam] = []
+            ) -> tuple[list[CanonicalParam], list[CanonicalParam], list[int]]:
+    """The canonical parameters of every row (layers renumbered globally; each found in its files
+    under the file's own key), shapes and dtypes checked across ranks."""
+    tensors: list[CanonicalParam] = []
+    carried: list[CanonicalParam] = []
     layers_per_stage: list[int] = []
     seen: dict[str, int] = {}
     offset = 0
     for st in stages:
-        local = sorted({i for i in (layer_index(k) for k in st.modules[0]) if i is not None})
+        local = sorted({i for i in (layer_index(st.canonical_name(k)) for k in st.modules[0]) if i is not None})
         if len(stages) > 1 and local != list(range(len(local))):
             raise CheckpointFormatError(f"pipeline stage {st.index} numbers its layers {local[:8]}, not 0..k-1",
                                         culprit=st.names[0], hint="each stage's file must number its layers locally")
         layers_per_stage.append(len(local) if len(stages) > 1 else (max(local) + 1 if local else 0))
         for key, v0 in st.modules[0].items():
-            rule = by_key[key]
-            li = layer_index(key)
+            name = st.canonical_name(key)
+            rule = by_key[name]
+            li = layer_index(name)
             glob = None if li is None else li + offset
-            logical = key if glob is None or len(stages) == 1 else with_layer(key, glob)
+            logical = name if glob is None or len(stages) == 1 else with_layer(name, glob)
             if logical in seen:
                 raise CheckpointFormatError(f"{logical} is held by pipeline stages {seen[logical]} and {st.index}",
                                             culprit=source.origin, hint="stages must hold disjoint parameters")
             seen[logical] = st.index
             if rule.kind is Kind.CARRIED:  # opaque per-rank state (TE fp8 meta): never compared
                 shape, dtype = (tuple(v0.shape), v0.dtype) if isinstance(v0, torch.Tensor) else ((), None)
-                carried.append(RawParam(logical, rule, shape, dtype, glob, st.index, key, len(seen)))
+                carried.append(CanonicalParam(key=logical, rule=rule, shape=shape, dtype=dtype, layer=glob, stage=st.index,
+                                              src_key=key, order=len(seen)))
                 continue
             if not isinstance(v0, (torch.Tensor, LazyTensor)):
                 raise CheckpointFormatError(f"module entry {key} is a {type(v0).__name__}, not a tensor",
@@ -172,6 +190,7 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
                     raise InconsistentShardsError(
                         f"{key}: shape/dtype {what} differs from rank 0's {tuple(v0.shape)}/{v0.dtype}",
                         culprit=name, hint="all rank files must come from one checkpoint")
-            tensors.append(RawParam(logical, rule, tuple(v0.shape), v0.dtype, glob, st.index, key, len(seen)))
+            tensors.append(CanonicalParam(key=logical, rule=rule, shape=tuple(v0.shape), dtype=v0.dtype, layer=glob,
+                                          stage=st.index, src_key=key, order=len(seen)))
         offset += layers_per_stage[-1]
     return tensors, carried, layers_per_stage

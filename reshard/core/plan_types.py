@@ -1,7 +1,7 @@
 """The plan's data: what a validated conversion is (:class:`Plan`), per parameter (:class:`ParamPlan`),
 per output file (:class:`TargetPlan`), and the model facts it was decided from (:class:`ModelFacts`);
-plus the records the planners collect from the source on the way (:class:`SourceStage`,
-:class:`RawParam`). No logic beyond small derived values."""
+plus the records a format reads for the planners (:class:`SourceRead`, :class:`SourceStage`) and the
+canonical parameter records the planners see (:class:`CanonicalParam`). No logic beyond small derived values."""
 
 from __future__ import annotations
 
@@ -186,17 +186,53 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype | None) -> int:
     return 0 if dtype is None else elems(shape) * dtype.itemsize
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SourceStage:
-    """One source pipeline stage while planning: its files' names and module dicts."""
+    """One row of the source grid while planning (a pipeline stage, or one DeepSpeed pipeline layer
+    file): its files' names and module dicts under the *files'* keys (what the engine and the
+    cross-rank checks read), and the canonical name of each key that the format names otherwise
+    (``canonical``: file key -> canonical name; a key not in it is its own canonical name)."""
 
     index: int
     names: list[str]
     modules: list[dict[str, Any]]
+    canonical: Mapping[str, str] = field(default_factory=dict)
+    #: What the row holds, when its format tells rows apart (a pipeline layer file's role).
+    role: str | None = None
+
+    def canonical_name(self, key: str) -> str:
+        return self.canonical.get(key, key)
 
 
-@dataclass(frozen=True)
-class RawParam:
+@dataclass(frozen=True, kw_only=True)
+class SourceRead:
+    """What a format reads from a source's files for the planner, no tensor bytes: every rank
+    file's top-level entries (``shards``, module included; tensors lazy) and name, the module key,
+    and the grid's rows (:class:`SourceStage`) indexed like ``SourceCheckpoint.files`` rows."""
+
+    shards: list[dict[str, Any]]
+    names: list[str]
+    module_key: str
+    stages: list[SourceStage]
+
+    @property
+    def args(self) -> Any:
+        """The saved Megatron ``args`` (rank 0's), or None."""
+        return self.shards[0].get("args")
+
+    @property
+    def module_rows(self) -> list[SourceStage]:
+        """The rows that hold module entries (a DeepSpeed pipeline's rank-file rows hold none)."""
+        return [st for st in self.stages if st.modules]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanonicalParam:
+    """One parameter as the planner sees it, whatever the format: its canonical name (``key``;
+    global layer number), rule, per-rank shape and dtype, layer, and where its per-rank pieces
+    are — row ``stage`` of the source grid, entry ``src_key`` of each of the row's files (read
+    lazily through the format). ``order``: position in the source, for the output's order."""
+
     key: str
     rule: Rule
     shape: tuple[int, ...]

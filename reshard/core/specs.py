@@ -5,22 +5,25 @@ divisibility check — and, when a target TP is refused, the target TPs that sat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError, MissingModelFactError, ReshardError
-from reshard.core.facts import Vocab, decide_swiglu, decide_vocab
+from reshard.core.facts import Vocab
 from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import ParamPlan, RawParam, elems
+from reshard.core.plan_types import ParamPlan, CanonicalParam, elems
 from reshard.core.rules import Kind, QKVLayout, Rule
+
+if TYPE_CHECKING:
+    from reshard.models.base import ModelFamily
 
 #: Largest target TP tried when listing the ones that would work (a hint, not a limit).
 MAX_SUGGESTED_TP = 256
 
 
-def target_specs(raw: list[RawParam], options: ReshardOptions, args: Any, version: float, heads: int | None,
+def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, version: float, heads: int | None,
                  groups: int | None, head_dim: int | None, n: int, m: int, origin: dict[str, str], where: str,
-                 padded_for: int | None = None, default_divisor: int | None = None
+                 family: ModelFamily, padded_for: int | None = None, default_divisor: int | None = None
                  ) -> tuple[bool | None, "Vocab", list[ParamPlan]]:
     """The facts and partition specs that depend on the target TP ``m``: gated MLP, vocabulary
     padding, and every parameter's spec. A target TP that some tensor cannot be divided over is
@@ -28,8 +31,8 @@ def target_specs(raw: list[RawParam], options: ReshardOptions, args: Any, versio
     width, vocabulary rows), so following the hint cannot fail on the next constraint."""
 
     def at(tm: int, facts_origin: dict[str, str]) -> tuple[bool | None, Vocab, list[ParamPlan]]:
-        swiglu = decide_swiglu(options, args, raw, n, tm, facts_origin, where)
-        vocab = decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
+        swiglu = family.decide_swiglu(options, args, raw, n, tm, facts_origin, where)
+        vocab = family.decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
         ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
         return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab)) for r in raw]
 
@@ -63,7 +66,7 @@ class _SpecContext:
     m: int
 
 
-def _spec_for(r: RawParam, c: _SpecContext, vocab: Vocab) -> PartitionSpec | None:
+def _spec_for(r: CanonicalParam, c: _SpecContext, vocab: Vocab) -> PartitionSpec | None:
     """Partition spec of one parameter, with every divisibility check done here."""
     rule, shape, key = r.rule, r.shape, r.key
     if rule.kind in (Kind.REPLICATED, Kind.CARRIED):

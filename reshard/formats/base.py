@@ -16,10 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.checks import check_same_keys
+from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
+from reshard.core.plan_types import SourceRead, SourceStage
 from reshard.core.safe_load import load_shard
 from reshard.core.shard_check import RANK, check_shard_file
-from reshard.core.source import SourceCheckpoint
+from reshard.core.source import SourceCheckpoint, choose_module_key
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -55,6 +57,21 @@ class CheckpointFormat(ABC):
         """The checkpoint at ``path`` as a validated grid of files; raises
         :class:`~reshard.core.errors.CheckpointFormatError` naming the file and the fix."""
 
+    # -- discovery (remote listings: names only, markers read whole) ----------------------------
+    def select_objects(self, names: Sequence[str], read: Callable[[str], bytes],
+                       url: Callable[[str], str]) -> list[str] | None:
+        """Of a folder's listing (``names`` relative to its root, every object some format reads),
+        the ones a conversion needs, when this format's markers decide it (e.g. only the iteration
+        a Megatron-LM run's ``latest`` marker names); ``read(name)`` gives a marker's bytes and
+        ``url(name)`` its URL for errors. None: this format does not narrow the listing."""
+        return None
+
+    def descriptor_entries(self, raw: bytes, where: str) -> list[str] | None:
+        """The objects a single-file checkpoint (a descriptor) read from object storage lists, as
+        paths relative to its folder; None: this format is no descriptor. (A local descriptor is
+        read by :meth:`locate`, which may allow absolute paths.)"""
+        return None
+
     # -- reading -----------------------------------------------------------------------------
     def shard_role(self, name: str, listing: Sequence[str]) -> str | None:
         """The role of ``name`` (relative to the checkpoint's root) in this format, given the whole
@@ -75,6 +92,30 @@ class CheckpointFormat(ABC):
         """One file's state dict (tensors may be lazy: memory-mapped), the module under ``module``
         or ``model``. Default: a torch zip file through the weights-only loader and allowlist."""
         return load_shard(path)
+
+    def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
+        """The planner's view of ``source``: its files' top-level entries and module dicts as rows
+        of the (stage, TP rank) grid, each checked for what one format can tell (module key, same
+        keys across a stage's ranks, saved degrees); the canonical names of the module keys. No
+        tensor bytes are read (tensors are lazy). Default: every file holds top-level entries
+        with the module under one key, and its keys are canonical names.
+
+        ``headers_only``: read the first file of each stage alone and stand it in for every rank
+        of its stage (see :func:`reshard.core.plan.build_grid_plan`)."""
+        n = source.tp
+        if headers_only:
+            heads = [self.load(source.stage_files(s)[0]) for s in range(source.pp)]
+            shards = [heads[i // n] for i in range(len(source.files))]
+        else:
+            shards = [self.load(f) for f in source.files]
+        names = [str(f) for f in source.files]
+        module_key, modules = module_dicts(shards, names, options.module_key, n)
+        self.check_saved_degrees(shards[0].get("args"), source)
+        stages = [SourceStage(index=s, names=names[s * n:(s + 1) * n], modules=modules[s * n:(s + 1) * n])
+                  for s in range(source.pp)]
+        for st in stages:
+            check_same_keys(st.modules, st.names)
+        return SourceRead(shards=shards, names=names, module_key=module_key, stages=stages)
 
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         """Refuse a partial copy when the saved ``args`` name more ranks than were found."""
@@ -155,6 +196,26 @@ class CheckpointFormat(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def module_dicts(shards: list[dict[str, Any]], names: list[str], module_key: str | None, n: int
+                 ) -> tuple[str, list[dict[str, Any]]]:
+    """The module key and every file's module dict (one key for all; DeepSpeed's ``mp_world_size``
+    checked against the ``n`` TP ranks found)."""
+    key = choose_module_key(shards[0], module_key, names[0])
+    modules = []
+    for sd, name in zip(shards, names):
+        if choose_module_key(sd, module_key, name) != key:
+            raise InconsistentShardsError(f"module is not under {key!r} as on rank 0", culprit=name)
+        mod = sd[key]
+        if not isinstance(mod, dict):
+            raise CheckpointFormatError(f"{key!r} is a {type(mod).__name__}, not a state dict", culprit=name)
+        mws = sd.get("mp_world_size")
+        if mws is not None and mws != n:
+            raise CheckpointFormatError(f"saved mp_world_size is {mws} but {n} rank files were found",
+                                        culprit=name, hint="supply all rank files of the checkpoint (and no extra)")
+        modules.append(mod)
+    return key, modules
 
 
 def check_contiguous(ranks: list[int], where: str) -> None:

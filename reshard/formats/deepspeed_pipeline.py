@@ -4,6 +4,13 @@
 ``mp_rank_KK_model_states.pt`` files whose ``module`` is None, one per (stage, TP rank),
 ``KK = stage * TP + TT``. TP is the number of model ranks of the layer files, PP the number of
 ``mp_rank`` files over TP (as DeepSpeed's ``reshape_3d_utils`` derives them).
+
+Each layer file is one row of the source grid (rows after the rank files' ``PP`` empty rows; see
+:mod:`reshard.core.source`). Its keys are the layer module's own (``input_layernorm.weight``); their
+canonical names are the legacy Megatron names the model family knows, by the layer's role
+(:data:`LAYER_NAMES`), so partitioning, checks and facts are those of every other layout. The
+planner of this layout (:mod:`reshard.core.ds_pipe`) writes layer files back under the files' own
+keys: layer files are written from layer files only.
 """
 
 from __future__ import annotations
@@ -11,12 +18,33 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
+from reshard.core.checks import check_same_keys
 from reshard.core.errors import CheckpointFormatError
+from reshard.core.facts import int_arg
+from reshard.core.plan_types import SourceRead, SourceStage
 from reshard.core.shard_check import LAYER, PIPE_RANK
 from reshard.core.source import (DEEPSPEED_PIPE, LAYER_FILE_NO_MODEL_RE, LAYER_FILE_RE, RANK_FILE_RE,
-                                 SourceCheckpoint, layer_file_name, rank_file_name)
+                                 SourceCheckpoint, choose_module_key, layer_file_name, rank_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
+
+if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
+
+#: Layer roles, told apart by their keys.
+EMBEDDING, TRANSFORMER, FINAL_NORM, LM_HEAD = "embedding", "transformer", "final norm", "lm_head"
+#: A layer file's keys as canonical (legacy Megatron) names, by role: ``prefix + key``, except the
+#: keys renamed whole. A transformer layer file holds one layer, numbered 0 (the planner numbers
+#: them globally); ``lm_head_pipe.*`` names no rule, so an unexpected head entry is refused.
+LAYER_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    EMBEDDING: ("language_model.embedding.", {}),
+    TRANSFORMER: ("language_model.encoder.layers.0.", {}),
+    FINAL_NORM: ("language_model.encoder.final_layernorm.", {}),
+    LM_HEAD: ("lm_head_pipe.", {"lm_head.weight": "language_model.output_layer.weight"}),
+}
+#: ``checkpoint_parallel_dimensions`` (DeepSpeed ``checkpoint/constants.py``).
+PARALLEL_DIMS, PP_DEGREE, TP_DEGREE = "checkpoint_parallel_dimensions", "pp_degree", "tp_degree"
 
 
 class DeepSpeedPipelineFormat(CheckpointFormat):
@@ -42,6 +70,27 @@ class DeepSpeedPipelineFormat(CheckpointFormat):
 
     def locate(self, path: Path) -> SourceCheckpoint:
         return _locate_pipeline(path)
+
+    def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
+        """The rank files (top-level entries, ``module`` None) as ``PP`` empty rows, then one row per
+        layer file with its role and its keys' canonical names; the layer order and the saved degrees
+        checked. Every file is read (layer files are small: ``headers_only`` changes nothing)."""
+        n, pp = source.tp, source.pp
+        names = [str(f) for f in source.files[:pp * n]]
+        shards = [self.load(f) for f in source.files[:pp * n]]
+        module_key = _check_rank_files(shards, names, options.module_key)
+        _check_degrees(shards, names, shards[0].get("args"), source)
+        rows = [SourceStage(index=s, names=[], modules=[]) for s in range(pp)]
+        for g, layer in enumerate(source.layer_ids):
+            files = [source.files[source.layer_file_index(g, r)] for r in range(n)]
+            modules = [_layer_dict(self.load(f), str(f)) for f in files]
+            check_same_keys(modules, [str(f) for f in files])
+            role = layer_role(modules[0])
+            prefix, renamed = LAYER_NAMES[role]
+            rows.append(SourceStage(index=pp + g, names=[str(f) for f in files], modules=modules, role=role,
+                                    canonical={k: renamed.get(k, prefix + k) for k in modules[0]}))
+        _check_order([r.role for r in rows[pp:]], source)
+        return SourceRead(shards=shards, names=names, module_key=module_key, stages=rows)
 
 
 def _locate_pipeline(folder: Path) -> SourceCheckpoint:
@@ -81,3 +130,75 @@ def _locate_pipeline(folder: Path) -> SourceCheckpoint:
     files += [layers[layer][r] for layer in ids for r in range(tp)]
     return SourceCheckpoint(tuple(files), origin=str(folder), format=DEEPSPEED_PIPE, pp=len(ranks) // tp,
                             layer_ids=ids)
+
+
+def layer_role(module: dict[str, Any]) -> str:
+    """A layer file's role, from its keys."""
+    keys = set(module)
+    if "word_embeddings.weight" in keys:
+        return EMBEDDING
+    if "lm_head.weight" in keys:
+        return LM_HEAD
+    if keys <= {"weight", "bias"}:
+        return FINAL_NORM
+    return TRANSFORMER
+
+
+def _check_rank_files(shards: list[dict[str, Any]], names: list[str], module_key: str | None) -> str:
+    """The rank files' module key; in pipeline mode the engine saves ``module`` as None."""
+    key = choose_module_key(shards[0], module_key, names[0])
+    for sd, name in zip(shards, names):
+        if sd.get(key, None) is not None:
+            raise CheckpointFormatError(f"{key!r} holds weights beside pipeline layer files", culprit=name,
+                                        hint="a DeepSpeed pipeline checkpoint keeps its weights in the layer files; "
+                                             "remove the stray layer_* files or the stray rank files")
+        if key not in sd:
+            raise CheckpointFormatError(f"has no {key!r} entry as rank 0 has", culprit=name,
+                                        hint="all rank files must come from one checkpoint")
+    return key
+
+
+def _check_degrees(shards: list[dict[str, Any]], names: list[str], args: Any, source: SourceCheckpoint) -> None:
+    """Saved TP/PP (``checkpoint_parallel_dimensions``, Megatron args, ``mp_world_size``) must be the
+    ones the files show: fewer files means a partial copy."""
+    n, pp = source.tp, source.pp
+    for sd, name in zip(shards, names):
+        dims = sd.get(PARALLEL_DIMS)
+        if isinstance(dims, dict) and (dims.get(PP_DEGREE), dims.get(TP_DEGREE)) != (pp, n):
+            raise CheckpointFormatError(f"{PARALLEL_DIMS} says PP {dims.get(PP_DEGREE)} x TP {dims.get(TP_DEGREE)} "
+                                        f"but the folder holds PP {pp} x TP {n}", culprit=name,
+                                        hint="supply every layer and rank file of the checkpoint")
+        mws = sd.get("mp_world_size")
+        if mws is not None and mws not in (n, n * pp):
+            raise CheckpointFormatError(f"saved mp_world_size is {mws} but the folder holds PP {pp} x TP {n}",
+                                        culprit=name, hint="supply every layer and rank file of the checkpoint")
+    for attr, found, what in (("tensor_model_parallel_size", n, "tensor-parallel ranks"),
+                              ("pipeline_model_parallel_size", pp, "pipeline stages")):
+        saved = int_arg(args, attr)
+        if saved is not None and saved != found:
+            raise CheckpointFormatError(f"args.{attr} is {saved} but {found} {what} were found", culprit=names[0],
+                                        hint="supply every layer and rank file of the checkpoint")
+
+
+def _layer_dict(sd: Any, name: str) -> dict[str, Any]:
+    if not isinstance(sd, dict) or not sd:
+        what = "an empty dict" if isinstance(sd, dict) else f"a {type(sd).__name__}"
+        raise CheckpointFormatError(f"holds {what}, not a layer's state dict", culprit=name,
+                                    hint="re-copy the layer file")
+    return sd
+
+
+def _check_order(roles: list[str], source: SourceCheckpoint) -> None:
+    """GPTModelPipe's order: one embedding, transformer layers, one final norm, at most one lm_head."""
+    expected = ([EMBEDDING] + [TRANSFORMER] * roles.count(TRANSFORMER) + [FINAL_NORM]
+                + ([LM_HEAD] if LM_HEAD in roles else []))
+    if roles != expected:
+        at = next((i for i, (a, b) in enumerate(zip(roles, expected)) if a != b), min(len(roles), len(expected)))
+        found = f"a {roles[at]} layer ({layer_file_name(source.layer_ids[at], 0)})" if at < len(roles) else \
+            "no layer file"
+        raise CheckpointFormatError(
+            f"layer files hold {roles.count(EMBEDDING)} embedding, {roles.count(TRANSFORMER)} transformer, "
+            f"{roles.count(FINAL_NORM)} final-norm layers: found {found} where a {expected[at]} layer "
+            f"belongs", culprit=source.origin,
+            hint="expected GPTModelPipe's layers: embedding, transformer layers, final norm[, lm_head]; "
+                 "copy missing layer files or remove stray ones")

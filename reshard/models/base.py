@@ -1,14 +1,18 @@
-"""What a model family is: a rule table (parameter name -> how it is partitioned) and the
-answers that depend on the family's naming. A family knows no file layout (it never imports
-:mod:`reshard.formats`) and no storage."""
+"""What a model family is: a rule table (parameter name -> how it is partitioned), the answers
+that depend on the family's naming, and the deciders of its model facts. A family knows no file
+layout (it never imports :mod:`reshard.formats`) and no storage."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from reshard.core import facts
+from reshard.core.options import ReshardOptions
+from reshard.core.plan_types import CanonicalParam, ParamPlan, SourceStage
 from reshard.core.rules import Rule
+from reshard.core.source import SourceCheckpoint
 
 
 class ModelFamily(ABC):
@@ -28,6 +32,38 @@ class ModelFamily(ABC):
     def naming(self, keys: Sequence[str]) -> str:
         """The naming variant the names follow (recorded in the model facts)."""
         return self.name
+
+    # -- the deciders of the model facts ------------------------------------------------------------
+    # The planner asks the family for each fact. The defaults are Megatron-LM's (the flags, then
+    # the saved Megatron ``args``, then the shapes; see :mod:`reshard.core.facts`): every family
+    # built in writes Megatron-LM's ``args``. A family whose checkpoints say a fact another way
+    # overrides its decider; each records where its answer came from in ``origin``.
+
+    def decide_heads(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
+                     origin: dict[str, str], where: str) -> tuple[int | None, int | None, int | None]:
+        """(hidden size, attention heads, head dim), None where unknown."""
+        return facts.head_facts(options, args, params, origin, where)
+
+    def decide_groups(self, options: ReshardOptions, args: Any, heads: int | None, params: list[CanonicalParam],
+                      head_dim: int | None, n: int, origin: dict[str, str], where: str) -> int | None:
+        """Query groups of the attention (``heads`` for multi-head attention), None where unknown."""
+        return facts.decide_groups(options, args, heads, params, head_dim, n, origin, where)
+
+    def decide_swiglu(self, options: ReshardOptions, args: Any, params: list[CanonicalParam], n: int, m: int,
+                      origin: dict[str, str], where: str) -> bool | None:
+        """Whether the MLP is gated (its fc1 holds [gate; up] rows per rank)."""
+        return facts.decide_swiglu(options, args, params, n, m, origin, where)
+
+    def decide_vocab(self, options: ReshardOptions, args: Any, params: list[CanonicalParam], n: int, m: int,
+                     origin: dict[str, str], where: str, padded_for: int | None = None,
+                     default_divisor: int | None = None) -> facts.Vocab:
+        """The vocabulary rows at source and target TP (padding)."""
+        return facts.decide_vocab(options, args, params, n, m, origin, where, padded_for, default_divisor)
+
+    def decide_tied(self, args: Any, naming: str, params: list[ParamPlan], stages: list[SourceStage],
+                    origin: dict[str, str], source: SourceCheckpoint) -> bool | None:
+        """Whether the output layer is the word embeddings (tied)."""
+        return facts.decide_tied(args, naming, params, stages, origin, source)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

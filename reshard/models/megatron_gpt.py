@@ -2,8 +2,8 @@
 ``language_model.encoder.*``) and megatron-core names (``embedding.*``, ``decoder.layers.N.*``,
 ``output_layer.*``), dense MLP (optionally SwiGLU), MHA or GQA: one rule table.
 
-The deciders of this family's model facts (heads, query groups, gating, vocabulary padding, tied
-embeddings) are in :mod:`reshard.core.facts`.
+This family decides its model facts (heads, query groups, gating, vocabulary padding, tied
+embeddings) with the default, Megatron-LM deciders of :class:`~reshard.models.base.ModelFamily`.
 """
 
 from __future__ import annotations
