@@ -10,7 +10,7 @@ be refused). Add one with :func:`register_format` or the ``reshard.formats`` ent
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,9 @@ from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
 
-__all__ = ["CheckpointFormat", "available", "check_file", "get_format", "is_marker", "listing_patterns", "locate",
-           "needed_ranges", "register_format", "registry", "unregister_format"]
+__all__ = ["CheckpointFormat", "available", "check_file", "descriptor_entries", "get_format", "is_marker",
+           "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects",
+           "unregister_format"]
 
 
 def locate(src: str | Path) -> SourceCheckpoint:
@@ -46,6 +47,26 @@ def locate(src: str | Path) -> SourceCheckpoint:
 def listing_patterns() -> tuple[re.Pattern[str], ...]:
     """Names (relative to a checkpoint's root) that some registered format reads."""
     return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers))
+
+
+def select_objects(names: Sequence[str], read: Callable[[str], bytes], url: Callable[[str], str]) -> list[str]:
+    """The objects of a remote folder's listing a conversion needs: the first format whose markers
+    narrow it decides (see :meth:`CheckpointFormat.select_objects`); else all of them."""
+    for fmt in available():
+        kept = fmt.select_objects(names, read, url)
+        if kept is not None:
+            return kept
+    return list(names)
+
+
+def descriptor_entries(raw: bytes, where: str) -> list[str]:
+    """The objects a remote descriptor lists, relative to its folder (the first format that reads it)."""
+    for fmt in available():
+        entries = fmt.descriptor_entries(raw, where)
+        if entries is not None:
+            return entries
+    raise CheckpointFormatError("is a file but no registered format reads it as a checkpoint descriptor",
+                                culprit=where, hint="point at the folder that holds the checkpoint's files")
 
 
 def is_marker(name: str) -> bool:

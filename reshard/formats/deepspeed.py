@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from reshard.core.errors import CheckpointFormatError
+from reshard.core.errors import CheckpointFormatError, StorageError
 from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, parse_version,
                                  rank_file_name)
 from reshard.formats.base import CheckpointFormat, check_contiguous
@@ -96,6 +96,24 @@ class DeepSpeedDescriptorFormat(CheckpointFormat):
 
     def locate(self, path: Path) -> SourceCheckpoint:
         return _locate_descriptor(path)
+
+    def descriptor_entries(self, raw: bytes, where: str) -> list[str] | None:
+        """The ``checkpoints`` files under ``base_dir``, which must stay inside the descriptor's folder
+        (an object store has no absolute paths to follow, and ``..`` would leave the prefix)."""
+        try:
+            data = json.loads(raw)
+            entries = list(data["checkpoints"])
+            base = data.get("base_dir") or ""
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StorageError(f"malformed descriptor JSON: {exc}", culprit=where, hint="fix the JSON") from None
+        out = []
+        for e in entries:
+            rel = PurePosixPath(str(base), str(e)) if base else PurePosixPath(str(e))
+            if rel.is_absolute() or ".." in rel.parts or "://" in str(rel):
+                raise StorageError(f"descriptor entry {e!r} (base_dir {base!r}) is not a relative path",
+                                   culprit=where, hint="remote descriptors must list files relative to their folder")
+            out.append(str(rel))
+        return out
 
 
 def _locate_descriptor(path: Path) -> SourceCheckpoint:

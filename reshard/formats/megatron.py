@@ -7,6 +7,7 @@ iteration) or one iteration folder (``iter_XXXXXXX`` / ``release``), with one
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,20 @@ class MegatronFormat(CheckpointFormat):
     def detect(self, folder: Path) -> bool:
         return (folder / MEGATRON_LATEST).is_file() or any(
             MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in folder.iterdir())
+
+    def select_objects(self, names: Sequence[str], read: Callable[[str], bytes],
+                       url: Callable[[str], str]) -> list[str] | None:
+        """A run folder: only the iteration its ``latest_checkpointed_iteration.txt`` names (and the
+        marker), whatever the layout inside (per-rank files or torch_dist)."""
+        if MEGATRON_LATEST not in names:
+            return None
+        text = read(MEGATRON_LATEST).decode(errors="replace").strip()
+        prefix = f"{iteration_dir(text) or text}/"
+        kept = [n for n in names if n == MEGATRON_LATEST or n.startswith(prefix)]
+        if len(kept) == 1 and len(names) > 1:
+            raise CheckpointFormatError(f"names iteration {text} but {prefix} does not exist",
+                                        culprit=url(MEGATRON_LATEST), hint="point at an existing iteration folder instead")
+        return kept
 
     writes_pipeline_stages = True
     ckpt_format = "torch"

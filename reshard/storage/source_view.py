@@ -13,7 +13,6 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -23,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from reshard.core.errors import CheckpointFormatError, StorageError
-from reshard.core.source import MEGATRON_LATEST, iteration_dir
+from reshard.core.errors import StorageError
 from reshard.crashpoints import crash_point
-from reshard.formats import is_marker, listing_patterns, needed_ranges
+from reshard.formats import (descriptor_entries, is_marker, listing_patterns, locate, needed_ranges,
+                             select_objects)
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.location import Location, open_location, storage_errors
 
@@ -97,19 +96,16 @@ def list_objects(loc: Location) -> list[RemoteObject]:
     return objs
 
 
-def _only_latest_iteration(loc: Location, objs: list[RemoteObject]) -> list[RemoteObject]:
-    """For a Megatron run folder, keep just the iteration named by the tracker file."""
-    tracker = next((o for o in objs if o.name == MEGATRON_LATEST), None)
-    if tracker is None:
-        return objs
-    with storage_errors(tracker.url):
-        text = loc.fs.cat_file(tracker.path).decode().strip()
-    prefix = f"{iteration_dir(text) or text}/"
-    kept = [o for o in objs if o.name == MEGATRON_LATEST or o.name.startswith(prefix)]
-    if len(kept) == 1 and len(objs) > 1:
-        raise CheckpointFormatError(f"names iteration {text} but {prefix} does not exist", culprit=tracker.url,
-                                    hint="point at an existing iteration folder instead")
-    return kept
+def _needed(loc: Location, objs: list[RemoteObject]) -> list[RemoteObject]:
+    """The listed objects a conversion needs, as the formats decide from their markers (a Megatron-LM
+    run folder: only the iteration its marker names)."""
+    by_name = {o.name: o for o in objs}
+
+    def read(name: str) -> bytes:
+        with storage_errors(by_name[name].url):
+            return loc.fs.cat_file(by_name[name].path)
+
+    return [by_name[n] for n in select_objects(list(by_name), read, lambda n: by_name[n].url)]
 
 
 def discover(url: str, storage_options: Mapping[str, Any] | None = None) -> Discovery:
@@ -119,7 +115,7 @@ def discover(url: str, storage_options: Mapping[str, Any] | None = None) -> Disc
         is_file = loc.fs.isfile(loc.path)
     if is_file:
         return _discover_descriptor(loc)
-    objs = _only_latest_iteration(loc, list_objects(loc))
+    objs = _needed(loc, list_objects(loc))
     if all(is_marker(o.name) for o in objs):
         raise StorageError("holds no checkpoint (no model-state files under this prefix)", culprit=url,
                            hint="point at the folder that holds mp_rank_XX_model_states.pt files")
@@ -132,27 +128,16 @@ def _discover_descriptor(loc: Location) -> Discovery:
         raw = loc.fs.cat_file(loc.path)
     name = PurePosixPath(loc.path).name
     if loc.is_local:  # core validates local descriptors itself (absolute base_dir allowed there)
-        from reshard.formats import locate
-
         files = locate(loc.path).files
         objs = [RemoteObject(url=str(f), path=str(f), name=f.name, size=f.stat().st_size,
                              etag=f"mtime:{f.stat().st_mtime}") for f in files]
         return Discovery(loc.url, True, objs, name, raw)
-    try:
-        data = json.loads(raw)
-        entries = list(data["checkpoints"])
-        base = data.get("base_dir") or ""
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StorageError(f"malformed descriptor JSON: {exc}", culprit=loc.url, hint="fix the JSON") from None
+    entries = descriptor_entries(raw, loc.url)
     folder = loc.path.rsplit("/", 1)[0]
     folder_url = loc.url.rsplit("/", 1)[0]
     objs = []
     with storage_errors(loc.url):
-        for e in entries:
-            rel = PurePosixPath(str(base), str(e)) if base else PurePosixPath(str(e))
-            if rel.is_absolute() or ".." in rel.parts or "://" in str(rel):
-                raise StorageError(f"descriptor entry {e!r} (base_dir {base!r}) is not a relative path",
-                                   culprit=loc.url, hint="remote descriptors must list files relative to their folder")
+        for rel in entries:
             info = loc.fs.info(f"{folder}/{rel}")
             objs.append(RemoteObject(f"{folder_url}/{rel}", f"{folder}/{rel}", str(rel), int(info["size"]),
                                      _etag(info)))
