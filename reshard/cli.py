@@ -340,6 +340,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "bytes": total_bytes, "num_heads": plan.facts.heads,
            "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
            "layout": source.format, "pp": source.pp, "skipped": sorted(plan.dropped),
+           "optimizer": _optimizer(source),
            "facts": plan.facts.to_record(), "files": list(source.relative_names) + list(source.relative_aux)}
     if ns.json:
         print(json.dumps(rec, indent=2))
@@ -350,12 +351,27 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
                 for fk, fv in v.items():
                     if fk != "origin" and fv is not None:
                         print(f"  {fk:28} {fv}" + (f"  (from {origin[fk]})" if fk in origin else ""))
+            elif k == "optimizer":
+                if v:
+                    print(f"{k:12} ZeRO stage {v['zero_stage']}, {v['dp']} data-parallel ranks, {v['groups']} "
+                          f"parameter groups, {v['master_elements']} {v['master_dtype']} master weights per TP rank "
+                          f"(step {v['step']}; convert them with --weights master)")
             elif k == "skipped":
                 if v:
                     print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
             elif k != "files":
                 print(f"{k:12} {v}")
     return 0
+
+
+def _optimizer(source: Any) -> dict[str, Any] | None:
+    """The ZeRO optimizer state beside the checkpoint's files, if its format reads any (a remote
+    source's optimizer files are not fetched to inspect it: None)."""
+    from reshard.core.options import ReshardOptions
+    from reshard.core.zero_master import optimizer_summary
+    from reshard.formats import get_format
+
+    return optimizer_summary(get_format(source.format).companions(source, ReshardOptions(weights="master")))
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -62,7 +62,7 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
         cache = cache or ShardCache()
         workdir = cache.new_workdir("run")
     try:
-        disc = discover(src, storage_options)  # a listing: sizes and ETags, no tensor bytes
+        disc = discover(src, storage_options, options)  # a listing: sizes and ETags, no tensor bytes
         cid = conversion_id([dataclasses.asdict(o) for o in disc.objects], options.to_record())
         dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir,
                                 source=src_loc, check=False)

@@ -89,6 +89,12 @@ FOREIGN_NAMES: tuple[str, ...] = (
     "numpy.dtypes.Int64DType",
     "pathlib.PosixPath",
     "signal.Signals",
+    # DeepSpeed ZeRO optimizer files (``*_optim_states.pt``): the loss scaler, the stage enum, the
+    # per-parameter fragment addresses. Read as data; DeepSpeed is never imported.
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
 )
 
 

@@ -37,6 +37,9 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
     return Field(default=default, description=description, json_schema_extra=extra or None)
 
 
+#: ``--weights``: the module's own tensors, or the optimizer's fp32 master weights.
+WEIGHTS = ("module", "master")
+
 #: Fields that must be positive integers when given.
 _POSITIVE = ("target_tp", "target_pp", "num_heads", "num_query_groups", "vocab_size", "make_vocab_size_divisible_by",
              "groups")
@@ -92,6 +95,10 @@ class ReshardOptions(BaseModel):
     to: str | None = _opt(None, "output format: megatron, deepspeed, torch_dist, ... (default: the source's own; "
                                 "torch_dist sources are written as Megatron-LM per-rank files)", metavar="FORMAT")
 
+    weights: str = _opt("module", "which weights to convert: 'module' (the copy the model ran with) or 'master' "
+                                  "(the optimizer's fp32 master weights, from DeepSpeed ZeRO 1/2 optimizer files)",
+                        metavar="WHICH")
+
     max_shard_size: str | int | None = _opt(None, "largest file of an output written in shards, e.g. 2GB, 500MB, "
                                                   "1GiB or bytes (hf; default 5GB, as Hugging Face)", metavar="SIZE")
 
@@ -99,6 +106,13 @@ class ReshardOptions(BaseModel):
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value, flag_of("max_shard_size"))
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, value: str) -> str:
+        if value not in WEIGHTS:
+            raise LayoutError(f"{value!r} is not one of {', '.join(WEIGHTS)}", culprit=flag_of("weights"))
+        return value
 
     @model_validator(mode="after")
     def _check_values(self) -> ReshardOptions:

@@ -53,7 +53,7 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
             "target_config": params.target_config, "cache_dir": cache_dir,
             "gpu_concurrency_limit": params.gpu_concurrency_limit}
 
-    disc = discover_shards(params.source, params.storage_options)
+    disc = discover_shards(params.source, params.storage_options, options)
     objects = disc["objects"]
     log.info("discovered %d objects under %s", len(objects), params.source)
     cache = ShardCache(cache_dir)

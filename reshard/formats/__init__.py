@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
+from reshard.core.options import ReshardOptions
 from reshard.core.shard_check import METADATA
 from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
@@ -44,9 +45,11 @@ def locate(src: str | Path) -> SourceCheckpoint:
                                 hint="pass the folder that holds mp_rank_XX_model_states.pt files")
 
 
-def listing_patterns() -> tuple[re.Pattern[str], ...]:
-    """Names (relative to a checkpoint's root) that some registered format reads."""
-    return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers))
+def listing_patterns(options: ReshardOptions | None = None) -> tuple[re.Pattern[str], ...]:
+    """Names (relative to a checkpoint's root) that some registered format reads (under ``options``:
+    with the files only some options read)."""
+    extra = [p for fmt in available() for p in fmt.optional_patterns(options)] if options is not None else []
+    return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers)) + tuple(extra)
 
 
 def select_objects(names: Sequence[str], read: Callable[[str], bytes], url: Callable[[str], str]) -> list[str]:

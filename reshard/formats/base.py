@@ -44,6 +44,11 @@ class CheckpointFormat(ABC):
     #: fetched whole before the checkpoint is located.
     markers: ClassVar[tuple[re.Pattern[str], ...]] = ()
 
+    def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
+        """Names of files read only under some ``options`` (the ZeRO optimizer files, for
+        ``--weights master``): discovery fetches them then, and never otherwise."""
+        return ()
+
     def detect(self, folder: Path) -> bool:
         """Does this local folder hold a checkpoint of this format? (Names only.)"""
         return False
@@ -93,6 +98,23 @@ class CheckpointFormat(ABC):
         or ``model``. Default: a torch zip file through the weights-only loader and allowlist."""
         return load_shard(path)
 
+    def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
+        """File ``index`` of ``source`` as the conversion sees it under ``options``: what :meth:`load`
+        reads, unless the options ask for other weights than the module's own (``--weights
+        master``), which only a format that carries them provides. The planner and the engine
+        read source files through this."""
+        if options.weights != "module":
+            raise LayoutError(f"--weights {options.weights} is not available for the {self.title or self.name} "
+                              f"layout", culprit="--weights",
+                              hint="master weights are read from DeepSpeed ZeRO stage 1/2 checkpoints; drop the flag")
+        return self.load(source.files[index])
+
+    def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
+        """Files :meth:`open` reads besides ``source.files`` under ``options`` (the ZeRO optimizer
+        files, for ``--weights master``): a pipeline that fetches shard by shard links them in
+        before any file is opened. Default: none."""
+        return ()
+
     def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
         """The planner's view of ``source``: its files' top-level entries and module dicts as rows
         of the (stage, TP rank) grid, each checked for what one format can tell (module key, same
@@ -104,10 +126,10 @@ class CheckpointFormat(ABC):
         of its stage (see :func:`reshard.core.plan.build_grid_plan`)."""
         n = source.tp
         if headers_only:
-            heads = [self.load(source.stage_files(s)[0]) for s in range(source.pp)]
+            heads = [self.open(source, options, s * n) for s in range(source.pp)]
             shards = [heads[i // n] for i in range(len(source.files))]
         else:
-            shards = [self.load(f) for f in source.files]
+            shards = [self.open(source, options, i) for i in range(len(source.files))]
         names = [str(f) for f in source.files]
         module_key, modules = module_dicts(shards, names, options.module_key, n)
         self.check_saved_degrees(shards[0].get("args"), source)

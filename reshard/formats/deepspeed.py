@@ -18,11 +18,13 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, StorageError
-from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, parse_version,
-                                 rank_file_name)
+from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, choose_module_key,
+                                 parse_version, rank_file_name)
+from reshard.core.zero_master import OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, optim_files
 from reshard.formats.base import CheckpointFormat, check_contiguous
 
 if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
     from reshard.core.plan_types import Plan
 
 #: The descriptor written beside DeepSpeed-layout outputs (loadable by DeepSpeed's SDLoaderFactory).
@@ -44,6 +46,29 @@ class DeepSpeedFormat(CheckpointFormat):
 
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str]:
         return {DESCRIPTOR_NAME: json.dumps(descriptor_for(plan, names), indent=2)}
+
+    def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
+        return (OPTIM_FILE_PATTERN,) if options.weights == "master" else ()
+
+    def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
+        if options.weights != "master":
+            return ()
+        folders = sorted({f.parent for f in source.files})
+        return tuple(c for d in folders for c in sorted(d.iterdir()) if OPTIM_FILE_RE.match(c.name))
+
+    def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
+        """``--weights master``: the module's parameters replaced by the fp32 master weights of the
+        ZeRO stage 1/2 optimizer files beside the rank file (:mod:`reshard.core.zero_master`)."""
+        if options.weights != "master":
+            return super().open(source, options, index)
+        path = source.files[index]
+        sd = dict(self.load(path))
+        key = choose_module_key(sd, options.module_key, str(path))
+        if not isinstance(sd.get(key), dict):
+            return sd  # the planner names what is wrong with it
+        tp_rank = int(RANK_FILE_RE.match(path.name).group(1)) if RANK_FILE_RE.match(path.name) else index
+        sd[key] = master_module(sd[key], sd, optim_files(path.parent, tp_rank, str(path)))
+        return sd
 
     def locate(self, path: Path) -> SourceCheckpoint:
         folder = path

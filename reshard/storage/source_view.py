@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from reshard.core.errors import StorageError
+from reshard.core.options import ReshardOptions
 from reshard.crashpoints import crash_point
 from reshard.formats import (descriptor_entries, is_marker, listing_patterns, locate, needed_ranges,
                              select_objects)
@@ -74,14 +75,15 @@ def check_source_exists(loc: Location) -> None:
                        hint="check the URL (bucket and prefix) and the credentials")
 
 
-def list_objects(loc: Location) -> list[RemoteObject]:
-    """Model-state objects under a folder URL, with size and ETag (their cache identity)."""
+def list_objects(loc: Location, options: ReshardOptions | None = None) -> list[RemoteObject]:
+    """Model-state objects under a folder URL (and the files ``options`` need besides, e.g. ZeRO
+    optimizer files for ``--weights master``), with size and ETag (their cache identity)."""
     check_source_exists(loc)
     with storage_errors(loc.url):
         found = loc.fs.find(loc.path, detail=True)
     base = loc.path.rstrip("/")
     objs = []
-    wanted = listing_patterns()  # what some registered format reads
+    wanted = listing_patterns(options)  # what some registered format reads
     for path, info in sorted(found.items()):
         rel = path[len(base):].lstrip("/") if path.startswith(base) else PurePosixPath(path).name
         if info.get("type", "file") != "file" or not any(p.search(rel) for p in wanted):
@@ -108,14 +110,16 @@ def _needed(loc: Location, objs: list[RemoteObject]) -> list[RemoteObject]:
     return [by_name[n] for n in select_objects(list(by_name), read, lambda n: by_name[n].url)]
 
 
-def discover(url: str, storage_options: Mapping[str, Any] | None = None) -> Discovery:
-    """List what must be fetched for the checkpoint at ``url`` (folder or descriptor JSON)."""
+def discover(url: str, storage_options: Mapping[str, Any] | None = None,
+             options: ReshardOptions | None = None) -> Discovery:
+    """List what must be fetched for the checkpoint at ``url`` (folder or descriptor JSON) to
+    convert it under ``options`` (None: the default options)."""
     loc = open_location(url, storage_options)
     with storage_errors(url):
         is_file = loc.fs.isfile(loc.path)
     if is_file:
         return _discover_descriptor(loc)
-    objs = _needed(loc, list_objects(loc))
+    objs = _needed(loc, list_objects(loc, options))
     if all(is_marker(o.name) for o in objs):
         raise StorageError("holds no checkpoint (no model-state files under this prefix)", culprit=url,
                            hint="point at the folder that holds mp_rank_XX_model_states.pt files")

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
+from reshard.core.options import ReshardOptions
 from reshard.formats import check_file
 from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache
@@ -26,10 +27,10 @@ TRANSIENT_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(back
 
 
 @task(name="discover-shards", **TRANSIENT_RETRIES)
-def discover_shards(source: str, storage_options: dict[str, Any]) -> dict[str, Any]:
-    """List the source's model-state objects with size and ETag (never cached: this *is* the
-    freshness check that every other cache key depends on)."""
-    disc = discover(source, storage_options)
+def discover_shards(source: str, storage_options: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """List the source's model-state objects (and what ``options`` need besides) with size and ETag
+    (never cached: this *is* the freshness check that every other cache key depends on)."""
+    disc = discover(source, storage_options, ReshardOptions.from_fields(options))
     return {"url": disc.url, "is_local": disc.is_local,
             "objects": [dataclasses.asdict(o) for o in disc.objects],
             "descriptor_name": disc.descriptor_name,

@@ -120,7 +120,8 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
         source = locate(str(view))
     by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
     names = [by_path.get(os.path.realpath(f)) for f in source.files]
-    aux = [by_path.get(os.path.realpath(f)) for f in source.aux]
+    read_too = source.aux + get_format(source.format).companions(source, _options(job))  # read by every target
+    aux = [by_path.get(os.path.realpath(f)) for f in read_too]
     if None in names or None in aux:  # a local descriptor may list files outside its folder: no per-shard early start
         names = [o.name for o in disc.objects if not is_marker(o.name)]
         headers, aux = names, []

@@ -1,0 +1,309 @@
+"""The fp32 master weights of a DeepSpeed ZeRO stage 1/2 checkpoint, as lazy module tensors.
+
+Under ZeRO 1/2 a rank file's module holds the 16-bit copy the forward pass used; the weights the
+optimizer updates are fp32, flattened per parameter group and cut into one equal partition per
+data-parallel rank, in ``zero_pp_rank_D_mp_rank_TT_optim_states.pt`` (``bf16_``-prefixed under
+bf16). Their order is the model states file's ``param_shapes`` (one ordered name -> shape map per
+group); DeepSpeed pads the flat group, and newer releases each parameter
+(``param_alignment_paddings``), so the group's elements are found by walking the shapes:
+
+=====================================  ==========================================================
+group ``g`` of DP ranks ``0..D-1``     parameter ``k`` of the group
+=====================================  ==========================================================
+flat = partition[0] ++ ... ++ [D-1]    ``flat[o_k : o_k + numel_k].view(shape_k)``, where
+(each ``single_partition_of_fp32_      ``o_0 = 0`` and ``o_{k+1} = o_k + numel_k + pad_k``
+groups[g]``; the last may be shorter)  (``pad_k``: ``param_alignment_paddings[g][k]``, else 0)
+end of the walk                        equals ``len(flat)`` up to DeepSpeed's alignment to
+                                       ``2 * D`` elements; anything else is refused
+=====================================  ==========================================================
+
+A parameter may straddle two partitions: :class:`FlatSlice` reads it from both, lazily (the
+partitions are memory-mapped; nothing is read until a target asks for a box). Module entries no
+group holds are frozen parameters (or buffers): kept from the module copy, floating ones upcast to
+fp32 (:class:`Upcast`); ``shared_params`` (one tensor under two names) alias the owner's master.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
+from reshard.core.foreign import Foreign
+from reshard.core.lazy import LazyTensor
+from reshard.core.safe_load import load_shard
+
+OPTIM_STATE = "optimizer_state_dict"
+FP32_PARTITIONS = "single_partition_of_fp32_groups"
+OPTIM_FILE_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: The same files as names in a listing (relative to the checkpoint's root).
+OPTIM_FILE_PATTERN = re.compile(r"(^|/)(?:bf16_|fp16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+
+
+class FlatSlice(LazyTensor):
+    """One parameter inside a flat fp32 group cut into partitions: ``pieces`` of ``(partition,
+    first element, elements)`` in order, viewed as ``shape``. A box that is a run of the flat
+    elements (whole trailing dims) is copied from the pieces it spans (a view when it lies in one);
+    any other box is cut from the whole parameter, read once for it."""
+
+    def __init__(self, pieces: list[tuple[torch.Tensor, int, int]], shape: tuple[int, ...]) -> None:
+        self.pieces, self.shape, self.dtype = pieces, tuple(shape), pieces[0][0].dtype
+
+    def _run(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
+        """The box as flat elements ``[lo, hi)``, if it is one run."""
+        if not self.shape:
+            return 0, 1
+        inner = math.prod(self.shape[1:])
+        if any(o != 0 or s != d for o, s, d in zip(offsets[1:], sizes[1:], self.shape[1:])):
+            return None
+        return offsets[0] * inner, (offsets[0] + sizes[0]) * inner
+
+    def _segments(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        out, at = [], 0
+        for t, start, n in self.pieces:
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                out.append((t, start + a - at, b - a, a - lo))
+            at += n
+        return out
+
+    def view_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        run = self._run(offsets, sizes)
+        if run is None:
+            return None
+        segs = self._segments(*run)
+        if len(segs) != 1:
+            return None
+        t, start, n, _ = segs[0]
+        return t.narrow(0, start, n).view(sizes)
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        run = self._run(offsets, sizes)
+        if run is None:
+            whole = self.read_box(tuple(0 for _ in self.shape), self.shape)
+            box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            if out is None:
+                return box.contiguous()
+            return out.copy_(box)
+        if out is None:
+            view = self.view_box(offsets, sizes)
+            if view is not None:
+                return view
+            out = torch.empty(sizes, dtype=self.dtype)
+        flat = out.view(-1) if out.is_contiguous() else None
+        buf = flat if flat is not None else torch.empty(run[1] - run[0], dtype=self.dtype)
+        for t, start, n, at in self._segments(*run):
+            buf.narrow(0, at, n).copy_(t.narrow(0, start, n))
+        if flat is None:
+            out.copy_(buf.view(sizes))
+        return out
+
+    def __repr__(self) -> str:
+        return f"FlatSlice({[(s, n) for _, s, n in self.pieces]}, shape={self.shape})"
+
+
+class Upcast(LazyTensor):
+    """A module tensor read as ``dtype`` (a frozen parameter's 16-bit copy, as fp32)."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self.tensor, self.shape, self.dtype = tensor, tuple(tensor.shape), dtype
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        box = self.tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        if out is None:
+            return box.to(self.dtype).contiguous()
+        return out.copy_(box)
+
+
+def optim_files(folder: Path, tp_rank: int, where: str) -> list[Path]:
+    """The ZeRO optimizer files of tensor-parallel rank ``tp_rank`` in ``folder``, by data-parallel
+    rank (which must be 0..D-1, one file each)."""
+    by_dp: dict[int, list[Path]] = {}
+    for child in sorted(folder.iterdir()):
+        m = OPTIM_FILE_RE.match(child.name)
+        if m and int(m.group(2)) == tp_rank and child.is_file():
+            by_dp.setdefault(int(m.group(1)), []).append(child)
+    if not by_dp:
+        raise CheckpointFormatError(f"no ZeRO optimizer files (zero_pp_rank_D_mp_rank_{tp_rank:02d}_optim_states.pt) "
+                                    f"beside it: --weights master reads the fp32 weights from them", culprit=where,
+                                    hint="copy the *_optim_states.pt files of every data-parallel rank, or drop "
+                                         "--weights master to convert the module's own weights")
+    ranks = sorted(by_dp)
+    if ranks != list(range(len(ranks))) or any(len(v) > 1 for v in by_dp.values()):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise CheckpointFormatError(f"ZeRO optimizer files of data-parallel ranks {ranks} for TP rank {tp_rank}"
+                                    + (f": missing {missing}" if missing else ": a rank appears twice"),
+                                    culprit=str(folder), hint="supply one *_optim_states.pt file per data-parallel rank")
+    return [by_dp[r][0] for r in ranks]
+
+
+def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], files: Sequence[Path]
+                  ) -> dict[str, Any]:
+    """``module`` (a rank file's module, in its order) with every parameter replaced by its fp32
+    master weight from the ZeRO optimizer ``files`` (data-parallel ranks in order); see the module
+    docstring. Validates everything it reads: stage, partition count, step, group sizes, shapes."""
+    where = str(files[0])
+    states = [_optimizer_state(f) for f in files]
+    stage = _stage(states[0], where)
+    dp = len(files)
+    for st, f in zip(states, files):
+        counts = st.get("partition_count")
+        counts = counts if isinstance(counts, list) else [counts]
+        if any(c != dp for c in counts):
+            raise CheckpointFormatError(f"partition_count {st.get('partition_count')} but {dp} data-parallel files "
+                                        f"were found", culprit=str(f), hint="supply every data-parallel rank's "
+                                                                            "*_optim_states.pt file, and no others")
+        if _stage(st, str(f)) != stage:
+            raise InconsistentShardsError("ZeRO stage differs from data-parallel rank 0's", culprit=str(f),
+                                          hint="all files must come from one checkpoint")
+    _check_same_step(states, files)
+    param_shapes = model_states.get("param_shapes")
+    if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
+        raise CheckpointFormatError("has no param_shapes (one name -> shape map per parameter group)",
+                                    culprit=where, hint="the model states file does not come from a ZeRO engine")
+    groups = [st.get(FP32_PARTITIONS) for st in states]
+    for g, f in zip(groups, files):
+        if not isinstance(g, list) or len(g) != len(param_shapes) or \
+                not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in g):
+            raise CheckpointFormatError(f"{FP32_PARTITIONS} does not hold {len(param_shapes)} flat fp32 groups "
+                                        f"as param_shapes has", culprit=str(f), hint="the files do not belong together")
+    paddings = states[0].get("param_alignment_paddings")
+    masters: dict[str, LazyTensor] = {}
+    for gi, shapes in enumerate(param_shapes):
+        parts = [g[gi] for g in groups]
+        pads = paddings[gi] if isinstance(paddings, list) and gi < len(paddings) else None
+        masters.update(_walk_group(gi, shapes, parts, pads, dp, files))
+
+    out: dict[str, Any] = {}
+    shared = model_states.get("shared_params") or {}
+    for key, value in module.items():
+        master = masters.get(key)
+        if master is None and key in shared:
+            master = masters.get(shared[key])
+        if master is not None:
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != master.shape:
+                raise InconsistentShardsError(f"{key}: param_shapes says {master.shape} but the module holds "
+                                              f"{tuple(value.shape)}", culprit=where,
+                                              hint="the optimizer files do not belong to this model states file")
+            out[key] = master
+        elif isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                key not in (model_states.get("buffer_names") or ()):
+            out[key] = Upcast(value, torch.float32)  # frozen: the optimizer holds no copy
+        else:
+            out[key] = value
+    unused = sorted(set(masters) - set(module))
+    if unused:
+        raise InconsistentShardsError(f"param_shapes names {unused[:3]} that the module does not hold", culprit=where,
+                                      hint="the model states file and the optimizer files do not belong together")
+    return out
+
+
+def optimizer_summary(files: Sequence[Path]) -> dict[str, Any] | None:
+    """What ``reshard inspect`` says of the ZeRO optimizer files beside a checkpoint: stage,
+    data-parallel size, parameter groups, the master weights' dtype and elements, the step (from
+    tensor-parallel rank 0's files; None when there are none)."""
+    mine = [f for f in files if (m := OPTIM_FILE_RE.match(f.name)) and int(m.group(2)) == 0]
+    if not mine:
+        return None
+    states = [_optimizer_state(f) for f in sorted(mine, key=lambda f: int(OPTIM_FILE_RE.match(f.name).group(1)))]
+    parts = [t for st in states for t in st.get(FP32_PARTITIONS) or [] if isinstance(t, torch.Tensor)]
+    step = _step(states[0])
+    return {"zero_stage": _stage(states[0], str(mine[0])), "dp": len(states),
+            "groups": len(states[0].get(FP32_PARTITIONS) or []),
+            "master_dtype": str(parts[0].dtype).replace("torch.", "") if parts else None,
+            "master_elements": sum(int(t.numel()) for t in parts), "step": int(step) if step is not None else None}
+
+
+def _optimizer_state(path: Path) -> dict[str, Any]:
+    sd = load_shard(path)
+    st = sd.get(OPTIM_STATE)
+    if not isinstance(st, dict):
+        raise CheckpointFormatError(f"has no {OPTIM_STATE!r} dict", culprit=str(path),
+                                    hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")
+    return st
+
+
+def _stage(state: Mapping[str, Any], where: str) -> int:
+    raw = state.get("zero_stage")
+    value = raw.foreign_args[0] if isinstance(raw, Foreign) and raw.foreign_args else raw
+    if value == 3:
+        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file: reshard reads master weights from "
+                                    "stages 1 and 2 only, so far", culprit=where,
+                                    hint="consolidate with DeepSpeed's zero_to_fp32.py")
+    if value not in (1, 2) or FP32_PARTITIONS not in state:
+        raise CheckpointFormatError(f"is not a ZeRO stage 1/2 optimizer file (zero_stage {value!r})", culprit=where,
+                                    hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")
+    return int(value)
+
+
+def _check_same_step(states: list[dict[str, Any]], files: Sequence[Path]) -> None:
+    """Every data-parallel file must be from the same optimizer step (a partial overwrite mixes them)."""
+    steps = [_step(st) for st in states]
+    for step, f in zip(steps[1:], files[1:]):
+        if step != steps[0]:
+            raise InconsistentShardsError(f"optimizer step {step} differs from data-parallel rank 0's {steps[0]}",
+                                          culprit=str(f), hint="the files come from different checkpoints; re-copy "
+                                                               "one step's files")
+
+
+def _step(state: Mapping[str, Any]) -> float | None:
+    base = state.get("base_optimizer_state")
+    per_param = base.get("state") if isinstance(base, dict) else None
+    if isinstance(per_param, dict):
+        for value in per_param.values():
+            step = value.get("step") if isinstance(value, dict) else None
+            if isinstance(step, torch.Tensor):
+                return float(step.reshape(-1)[0])
+            if isinstance(step, (int, float)):
+                return float(step)
+    return None
+
+
+def _walk_group(gi: int, shapes: Mapping[str, Any], parts: list[torch.Tensor], pads: Any, dp: int,
+                files: Sequence[Path]) -> dict[str, FlatSlice]:
+    """Every parameter of group ``gi`` as its run of the flat group (see the module docstring)."""
+    for p, f in zip(parts, files):
+        if p.dtype != torch.float32:
+            raise CheckpointFormatError(f"the fp32 partition of parameter group {gi} is {p.dtype}", culprit=str(f),
+                                        hint="pass a DeepSpeed ZeRO checkpoint's own *_optim_states.pt files")
+    if pads is not None and (not isinstance(pads, list) or len(pads) != len(shapes)):
+        raise CheckpointFormatError(f"param_alignment_paddings of group {gi} does not list its {len(shapes)} "
+                                    f"parameters", culprit=str(files[0]), hint="the files do not belong together")
+    spans = [(p, 0, int(p.numel())) for p in parts]
+    total = sum(n for _, _, n in spans)
+    offset, out = 0, {}
+    for k, (name, shape) in enumerate(shapes.items()):
+        shape = tuple(int(d) for d in shape)
+        numel = math.prod(shape)
+        if offset + numel > total:
+            raise CheckpointFormatError(f"parameter group {gi} holds {total} fp32 elements but its parameters need "
+                                        f"more (at {name})", culprit=str(files[0]),
+                                        hint="param_shapes and the optimizer files do not belong together")
+        out[name] = FlatSlice(_pieces(spans, offset, numel), shape)
+        offset += numel + (int(pads[k]) if pads is not None else 0)
+    align = 2 * dp
+    if math.ceil(offset / align) != math.ceil(total / align):
+        raise CheckpointFormatError(f"parameter group {gi}: its parameters take {offset} fp32 elements but the "
+                                    f"{dp} partitions hold {total} (more than DeepSpeed's padding)",
+                                    culprit=str(files[0]), hint="param_shapes and the optimizer files do not "
+                                                                "belong together")
+    return out
+
+
+def _pieces(spans: list[tuple[torch.Tensor, int, int]], lo: int, numel: int) -> list[tuple[torch.Tensor, int, int]]:
+    out, at, hi = [], 0, lo + numel
+    for t, start, n in spans:
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            out.append((t, start + a - at, b - a))
+        at += n
+    if not out:  # an empty parameter: a zero-length view of the first partition
+        out.append((spans[0][0], 0, 0))
+    return out

@@ -1,0 +1,184 @@
+"""``--weights master``: the fp32 master weights of ZeRO stage 1/2 checkpoints saved by DeepSpeed's
+own engine (CPU, gloo, one process per data-parallel rank; see ``tests/zero_engine.py``), equal key
+for key to DeepSpeed's ``zero_to_fp32``; bad optimizer files refused in one line, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.cli import main
+from reshard.core.safe_load import load_shard
+
+HERE = Path(__file__).resolve().parent
+TAG = "global_step2"
+#: (ZeRO stage, dtype, data-parallel ranks): fp32 with 2 ranks, bf16 with 3 (a parameter straddles
+#: partitions of unequal length), ZeRO-1 under bf16.
+CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _save(root: Path, stage: int, dtype: str, dp: int) -> Path:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(HERE / "zero_engine.py"), str(root), port, str(r), str(dp),
+                               str(stage), dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(dp)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    return root / TAG
+
+
+@pytest.fixture(scope="module")
+def zero_ckpts(tmp_path_factory) -> dict[tuple[int, str, int], Path]:
+    """Each configuration saved once for the module."""
+    root = tmp_path_factory.mktemp("zero_master")
+    return {c: _save(root / f"z{c[0]}_{c[1]}_dp{c[2]}", *c) for c in CONFIGS}
+
+
+def _zero_to_fp32(step: Path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(step.parent), tag=step.name)
+
+
+def _module(folder: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    return load_shard(folder / f"mp_rank_{rank:02d}_model_states.pt", mmap=False)["module"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-{c[1]}-dp{c[2]}")
+def test_master_weights_equal_zero_to_fp32(zero_ckpts, config, tmp_path, capsys):
+    step = zero_ckpts[config]
+    assert main(["run", "--direct", str(step), str(tmp_path / "out"), "--target-tp", "1", "--weights", "master"]) == 0
+    got, ref, module = _module(tmp_path / "out"), _zero_to_fp32(step), _module(step)
+    assert list(got) == list(module)  # the module's order, every entry
+    assert {v.dtype for v in got.values()} == {torch.float32}
+    for key, value in ref.items():
+        assert torch.equal(got[key], value), key
+    for key in set(module) - set(ref):  # frozen, and zero_to_fp32 lists none: the module copy, upcast
+        assert torch.equal(got[key], module[key].float()), key
+    if config[1] == "bf16":  # the 16-bit copy is not the master: a test that read it would fail
+        assert any(not torch.equal(module[k].float(), ref[k]) for k in ref)
+    capsys.readouterr()
+    assert main(["inspect", str(step), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["optimizer"]
+    assert (rec["zero_stage"], rec["dp"], rec["groups"], rec["master_dtype"], rec["step"]) == (
+        config[0], config[2], 2, "float32", 2)
+    # and the default stays the module's own weights
+    assert main(["run", "--direct", str(step), str(tmp_path / "plain"), "--target-tp", "1"]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(_module(tmp_path / "plain").values(), module.values()))
+
+
+def test_master_weights_at_another_tp_merge_back_to_zero_to_fp32(zero_ckpts, tmp_path):
+    step = zero_ckpts[(2, "bf16", 3)]
+    assert main(["run", "--direct", str(step), str(tmp_path / "tp2"), "--target-tp", "2", "--num-heads", "8",
+                 "--weights", "master"]) == 0
+    assert {v.dtype for v in _module(tmp_path / "tp2", 1).values()} == {torch.float32}
+    assert main(["run", "--direct", str(tmp_path / "tp2"), str(tmp_path / "tp1"), "--target-tp", "1"]) == 0
+    got, ref = _module(tmp_path / "tp1"), _zero_to_fp32(step)
+    assert all(torch.equal(got[k], v) for k, v in ref.items())
+
+
+def _refused(capsys, src: Path, out: Path, *needles: str, extra: tuple[str, ...] = ()) -> None:
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    assert main(["run", "--direct", str(src), str(out), "--target-tp", "1", "--weights", "master", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(n in err[0] for n in needles), err
+    assert not out.exists()
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_bad_optimizer_files_are_refused_in_one_line(zero_ckpts, tmp_path, capsys):
+    good = zero_ckpts[(2, "bf16", 3)]
+    optim = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+
+    bad = shutil.copytree(good, tmp_path / "missing")
+    (bad / optim.format(1)).unlink()
+    _refused(capsys, bad, tmp_path / "o1", "data-parallel ranks [0, 2]", "missing [1]")
+
+    bad = shutil.copytree(good, tmp_path / "none")
+    for f in bad.glob("*optim_states.pt"):
+        f.unlink()
+    _refused(capsys, bad, tmp_path / "o2", "no ZeRO optimizer files")
+
+    bad = shutil.copytree(good, tmp_path / "step")  # one rank's file from another step
+    f = bad / optim.format(2)
+    sd = torch.load(f, weights_only=False)
+    for state in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+        state["step"] = state["step"] + 1
+    torch.save(sd, f)
+    _refused(capsys, bad, tmp_path / "o3", "optimizer step 3.0 differs from data-parallel rank 0's 2.0")
+
+    bad = shutil.copytree(good, tmp_path / "shapes")  # param_shapes that do not add up to the groups
+    f = bad / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    group = sd["param_shapes"][0]
+    group[next(reversed(group))] = torch.Size([1])
+    torch.save(sd, f)
+    _refused(capsys, bad, tmp_path / "o4", "parameter group 0", "partitions hold")
+
+    bad = shutil.copytree(good, tmp_path / "unsafe")  # a crafted optimizer file never runs code
+    torch.save({"optimizer_state_dict": _Boom()}, bad / optim.format(0))
+    _refused(capsys, bad, tmp_path / "o5", "refused to unpickle")
+    assert not (tmp_path / "pwned").exists()
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {Path(__file__).parent}/pwned",))
+
+
+def test_master_weights_need_optimizer_files_and_a_layout_that_has_them(sample_factory, tmp_path, capsys):
+    from reshard.sample import write_core_sample_checkpoint
+
+    plain = sample_factory(1)  # a DeepSpeed rank file with no ZeRO optimizer files beside it
+    assert main(["run", "--direct", str(plain), str(tmp_path / "o"), "--target-tp", "1", "--weights", "master"]) == 2
+    assert "no ZeRO optimizer files" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    run = tmp_path / "run"
+    write_core_sample_checkpoint(run, tp=1)
+    assert main(["plan", str(run), "--target-tp", "1", "--weights", "master"]) == 2
+    assert "--weights master is not available for the megatron layout" in capsys.readouterr().err
+    assert main(["plan", str(plain), "--target-tp", "1", "--weights", "best"]) == 2
+    assert "--weights: 'best' is not one of module, master" in capsys.readouterr().err
+
+
+def test_the_flow_reads_master_weights_from_s3(zero_ckpts, tmp_path, request, monkeypatch):
+    """Discovery fetches the optimizer files only when --weights master asks for them."""
+    request.getfixturevalue("prefect_env")
+    import s3fs
+
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+    from reshard.storage.source_view import discover
+
+    step = zero_ckpts[(2, "bf16", 3)]
+    server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+    s3fs.S3FileSystem(**server.storage_options()).put(str(step) + "/", f"{bucket[5:]}/zm/", recursive=True)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    source = f"{bucket}/zm"
+    so = {"client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": server.region},
+          "config_kwargs": {"s3": {"addressing_style": "path"}}}
+    from reshard.core.options import ReshardOptions
+
+    plain = {o.name for o in discover(source, so).objects}
+    master = {o.name for o in discover(source, so, ReshardOptions(weights="master")).objects}
+    assert plain == {"mp_rank_00_model_states.pt"}
+    assert master - plain == {f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(3)}
+    run_flow(ReshardParams(source=source, destination=str(tmp_path / "out"), target_tp=1, weights="master",
+                           storage_options=so, cache_dir=str(tmp_path / "cache")))
+    got, ref = _module(tmp_path / "out"), _zero_to_fp32(step)
+    assert all(torch.equal(got[k], v) for k, v in ref.items())

@@ -1,0 +1,68 @@
+"""Save a legacy-GPT checkpoint with DeepSpeed's own engine under ZeRO stage 1 or 2 (CPU, gloo),
+one process per data-parallel rank: ``python tests/zero_engine.py OUT PORT RANK WORLD STAGE DTYPE``.
+
+The model is :mod:`reshard.sample`'s small legacy GPT, its parameters registered under their
+Megatron names (so reshard's rule table reads the checkpoint), trained two steps with Adam so the
+fp32 master weights differ from the 16-bit module copy. Two parameter groups (no weight decay on
+biases and norms, as Megatron-LM does), and the position embeddings frozen."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+out, port, rank, world, stage, dtype = sys.argv[1:7]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import deepspeed  # noqa: E402
+from reshard.sample import GPTConfig, full_weights, shard_state_dicts  # noqa: E402
+
+FROZEN = "position_embeddings.weight"
+
+
+def populate(root: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Register ``sd``'s tensors as parameters of ``root`` under ``sd``'s dotted names."""
+    for name, t in sd.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, nn.Module())
+            m = m._modules[part]
+        m.register_parameter(leaf, nn.Parameter(t.detach().clone().float(), requires_grad=name != FROZEN))
+
+
+class Toy(nn.Module):
+    """Every parameter gets a gradient (a fixed random weighting of its entries, times the input)."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        populate(self, sd)
+        gen = torch.Generator().manual_seed(1)
+        self.coef = {n: torch.randn(p.shape, generator=gen) for n, p in self.named_parameters()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(((p.float() - 0.5) ** 2 * self.coef[n]).sum() for n, p in self.named_parameters()) * x.mean()
+
+
+cfg = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=32)
+module = shard_state_dicts(cfg, full_weights(cfg, 0), 1, 2.0, dtype=torch.float32)[0]
+model = Toy(module)
+decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(".weight") and "norm" not in n]
+no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not any(p is q for q in decay)]
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+          "zero_optimization": {"stage": int(stage)}}
+if dtype in ("bf16", "fp16"):
+    config[dtype] = {"enabled": True}
+engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True,
+                                  model_parameters=[{"params": decay, "weight_decay": 0.1},
+                                                    {"params": no_decay, "weight_decay": 0.0}])
+for _ in range(2):
+    x = torch.ones(2, 4, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16 if dtype == "fp16" else torch.float32)
+    engine.backward(engine(x).float())
+    engine.step()
+engine.save_checkpoint(out, tag="global_step2")
