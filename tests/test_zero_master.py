@@ -31,22 +31,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _save(root: Path, stage: int, dtype: str, dp: int) -> Path:
+def _save(root: Path, stage: int, dtype: str, dp: int, tp: int = 1) -> Path:
     env = dict(os.environ, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "zero_engine.py"), str(root), port, str(r), str(dp),
-                               str(stage), dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(dp)]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "zero_engine.py"), str(root), port, str(r), str(dp * tp),
+                               str(stage), dtype, str(tp)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for r in range(dp * tp)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     return root / TAG
 
 
+#: ZeRO 2, bf16, TP 2 x DP 2: master weights of a tensor-parallel source (zero_to_fp32 reads TP 1 only).
+TP2 = (2, "bf16", 2, 2)
+
+
 @pytest.fixture(scope="module")
-def zero_ckpts(tmp_path_factory) -> dict[tuple[int, str, int], Path]:
+def zero_ckpts(tmp_path_factory) -> dict[tuple, Path]:
     """Each configuration saved once for the module."""
     root = tmp_path_factory.mktemp("zero_master")
-    return {c: _save(root / f"z{c[0]}_{c[1]}_dp{c[2]}", *c) for c in CONFIGS}
+    return {c: _save(root / "_".join(map(str, c)), *c) for c in (*CONFIGS, TP2)}
 
 
 def _zero_to_fp32(step: Path) -> dict[str, torch.Tensor]:
@@ -90,6 +95,33 @@ def test_master_weights_at_another_tp_merge_back_to_zero_to_fp32(zero_ckpts, tmp
     assert main(["run", "--direct", str(tmp_path / "tp2"), str(tmp_path / "tp1"), "--target-tp", "1"]) == 0
     got, ref = _module(tmp_path / "tp1"), _zero_to_fp32(step)
     assert all(torch.equal(got[k], v) for k, v in ref.items())
+
+
+def test_master_weights_of_a_tensor_parallel_source(zero_ckpts, tmp_path):
+    """TP 2 x DP 2 -> TP 1 equals zero_to_fp32 run on each TP rank's own files (renamed to rank 0, the
+    only one it reads), the per-rank results merged by the (separately proven) module-weights path."""
+    step = zero_ckpts[TP2]
+    assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--target-tp", "1", "--num-heads", "8",
+                 "--weights", "master"]) == 0
+    ref = tmp_path / "ref_tp2"
+    ref.mkdir()
+    for t in range(2):
+        one = tmp_path / f"rank{t}" / TAG
+        one.mkdir(parents=True)
+        shutil.copy(step / f"mp_rank_{t:02d}_model_states.pt", one / "mp_rank_00_model_states.pt")
+        for d in range(2):
+            shutil.copy(step / f"bf16_zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt",
+                        one / f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+        fp32 = _zero_to_fp32(one)
+        sd = torch.load(step / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)
+        assert set(sd["module"]) == set(fp32)
+        sd["module"] = {k: fp32[k] for k in sd["module"]}
+        torch.save(sd, ref / f"mp_rank_{t:02d}_model_states.pt")
+    assert main(["run", "--direct", str(ref), str(tmp_path / "want"), "--target-tp", "1", "--num-heads", "8"]) == 0
+    got, want = _module(tmp_path / "got"), _module(tmp_path / "want")
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert any(not torch.equal(a.float(), b) for a, b in zip(_module(step).values(), _module(step, 1).values())
+               if a.shape == b.shape)  # the two TP ranks hold different weights: a swap would show
 
 
 def _refused(capsys, src: Path, out: Path, *needles: str, extra: tuple[str, ...] = ()) -> None:

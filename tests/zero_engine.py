@@ -1,5 +1,8 @@
 """Save a legacy-GPT checkpoint with DeepSpeed's own engine under ZeRO stage 1 or 2 (CPU, gloo),
-one process per data-parallel rank: ``python tests/zero_engine.py OUT PORT RANK WORLD STAGE DTYPE``.
+one process per (data-parallel, tensor-parallel) rank:
+``python tests/zero_engine.py OUT PORT RANK WORLD STAGE DTYPE [TP]`` (global rank ``dp * TP + tp``, as
+Megatron-LM numbers them; with TP > 1 a model-parallel unit tells DeepSpeed the groups, as
+Megatron-DeepSpeed's ``mpu`` does).
 
 The model is :mod:`reshard.sample`'s small legacy GPT, its parameters registered under their
 Megatron names (so reshard's rule table reads the checkpoint), trained two steps with Adam so the
@@ -12,6 +15,7 @@ import os
 import sys
 
 out, port, rank, world, stage, dtype = sys.argv[1:7]
+TP = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
 
 import torch  # noqa: E402
@@ -48,8 +52,49 @@ class Toy(nn.Module):
         return sum(((p.float() - 0.5) ** 2 * self.coef[n]).sum() for n, p in self.named_parameters()) * x.mean()
 
 
+class ModelParallelUnit:
+    """The groups DeepSpeed asks a model-parallel unit for: TP ranks adjacent, DP ranks strided."""
+
+    def __init__(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(), dist.get_rank()
+        self.tp, self.dp = tp, world // tp
+        self.tp_rank, self.dp_rank = me % tp, me // tp
+        for d in range(self.dp):  # every process creates every group, in one order
+            g = dist.new_group([d * tp + t for t in range(tp)])
+            if d == self.dp_rank:
+                self.tp_group = g
+        for t in range(tp):
+            g = dist.new_group([d * tp + t for d in range(self.dp)])
+            if t == self.tp_rank:
+                self.dp_group = g
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+
+mpu = None
+if TP > 1:
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = ModelParallelUnit(TP)
 cfg = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=32)
-module = shard_state_dicts(cfg, full_weights(cfg, 0), 1, 2.0, dtype=torch.float32)[0]
+module = shard_state_dicts(cfg, full_weights(cfg, 0), TP, 2.0, dtype=torch.float32)[int(rank) % TP]
 model = Toy(module)
 decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(".weight") and "norm" not in n]
 no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not any(p is q for q in decay)]
@@ -58,7 +103,7 @@ config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": int(stage)}}
 if dtype in ("bf16", "fp16"):
     config[dtype] = {"enabled": True}
-engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True,
+engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True, mpu=mpu,
                                   model_parameters=[{"params": decay, "weight_decay": 0.1},
                                                     {"params": no_decay, "weight_decay": 0.0}])
 for _ in range(2):
