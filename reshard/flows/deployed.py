@@ -65,6 +65,7 @@ def reshard_deployment(
     make_vocab_size_divisible_by: int | None = None,
     to: str | None = None,
     max_shard_size: str | int | None = None,
+    weights: str = "module",
     module_key: str = "auto",
     overwrite: bool = False,
     device: str | None = None,
