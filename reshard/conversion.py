@@ -77,7 +77,10 @@ def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str,
 def zero_gate(plan: Plan, target_config: Mapping[str, Any] | None) -> ZeroDecision:
     """Validate the source's saved ZeRO config (and the user's target config) before any
     transfer; ZeRO-3 placeholders are refused."""
-    decision = decide_conversion(plan.ds_config, dict(target_config) if target_config else None)
+    elsewhere = "the fp32 master weights are read from the optimizer partitions" if plan.options.weights == "master" \
+        else None
+    decision = decide_conversion(plan.ds_config, dict(target_config) if target_config else None,
+                                 weights_elsewhere=elsewhere)
     if decision.verify_full_tensors:
         empty = [p.key for p in plan.params if 0 in p.shape]
         if empty:

@@ -21,8 +21,9 @@ from reshard.core.safe_load import load_shard
 HERE = Path(__file__).resolve().parent
 TAG = "global_step2"
 #: (ZeRO stage, dtype, data-parallel ranks): fp32 with 2 ranks, bf16 with 3 (a parameter straddles
-#: partitions of unequal length), ZeRO-1 under bf16.
-CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2)]
+#: partitions of unequal length), ZeRO-1 under bf16, ZeRO-3 (each parameter partitioned, the
+#: module files placeholders) under bf16 and fp32.
+CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), (3, "bf16", 2), (3, "fp32", 3)]
 
 
 def _free_port() -> int:
@@ -61,7 +62,10 @@ def _zero_to_fp32(step: Path) -> dict[str, torch.Tensor]:
 
 
 def _module(folder: Path, rank: int = 0) -> dict[str, torch.Tensor]:
-    return load_shard(folder / f"mp_rank_{rank:02d}_model_states.pt", mmap=False)["module"]
+    f = folder / f"mp_rank_{rank:02d}_model_states.pt"
+    if not f.exists():  # a ZeRO-3 engine folder: data-parallel rank 0's model states
+        f = folder / f"zero_pp_rank_0_mp_rank_{rank:02d}_model_states.pt"
+    return load_shard(f, mmap=False)["module"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-{c[1]}-dp{c[2]}")
@@ -71,10 +75,14 @@ def test_master_weights_equal_zero_to_fp32(zero_ckpts, config, tmp_path, capsys)
     got, ref, module = _module(tmp_path / "out"), _zero_to_fp32(step), _module(step)
     assert list(got) == list(module)  # the module's order, every entry
     assert {v.dtype for v in got.values()} == {torch.float32}
-    for key, value in ref.items():
-        assert torch.equal(got[key], value), key
+    for key, value in ref.items():  # (zero_to_fp32 keeps a frozen ZeRO-3 parameter in its 16-bit dtype)
+        assert torch.equal(got[key], value.float()), key
     for key in set(module) - set(ref):  # frozen, and zero_to_fp32 lists none: the module copy, upcast
         assert torch.equal(got[key], module[key].float()), key
+    if config[0] == 3:  # placeholders: without --weights master, refused
+        assert main(["run", "--direct", str(step), str(tmp_path / "plain"), "--target-tp", "1"]) == 2
+        assert "--weights master" in capsys.readouterr().err
+        return
     if config[1] == "bf16":  # the 16-bit copy is not the master: a test that read it would fail
         assert any(not torch.equal(module[k].float(), ref[k]) for k in ref)
     capsys.readouterr()

@@ -27,29 +27,41 @@ from reshard.sample import GPTConfig, full_weights, shard_state_dicts  # noqa: E
 FROZEN = "position_embeddings.weight"
 
 
+class Leaf(nn.Module):
+    """A module of the tree: its forward is its own parameters' share of the loss (a fixed random
+    weighting of their entries), so ZeRO-3 gathers exactly its parameters when it is called."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.new_zeros((), dtype=torch.float32)
+        for name, p in self._parameters.items():
+            total = total + ((p.float() - 0.5) ** 2 * self.coef[name]).sum()
+        return total * x.float().mean()
+
+
 def populate(root: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     """Register ``sd``'s tensors as parameters of ``root`` under ``sd``'s dotted names."""
+    gen = torch.Generator().manual_seed(1)
     for name, t in sd.items():
         *path, leaf = name.split(".")
         m = root
         for part in path:
             if part not in m._modules:
-                m.add_module(part, nn.Module())
+                m.add_module(part, Leaf())
+                m._modules[part].coef = {}
             m = m._modules[part]
         m.register_parameter(leaf, nn.Parameter(t.detach().clone().float(), requires_grad=name != FROZEN))
+        m.coef[leaf] = torch.randn(t.shape, generator=gen)
 
 
 class Toy(nn.Module):
-    """Every parameter gets a gradient (a fixed random weighting of its entries, times the input)."""
+    """Every parameter gets a gradient: the loss is the sum of every module's share."""
 
     def __init__(self, sd: dict[str, torch.Tensor]) -> None:
         super().__init__()
         populate(self, sd)
-        gen = torch.Generator().manual_seed(1)
-        self.coef = {n: torch.randn(p.shape, generator=gen) for n, p in self.named_parameters()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(((p.float() - 0.5) ** 2 * self.coef[n]).sum() for n, p in self.named_parameters()) * x.mean()
+        return sum(m(x) for m in self.modules() if isinstance(m, Leaf))
 
 
 class ModelParallelUnit:
@@ -111,3 +123,6 @@ for _ in range(2):
     engine.backward(engine(x).float())
     engine.step()
 engine.save_checkpoint(out, tag="global_step2")
+torch.distributed.barrier()
+sys.stdout.flush()
+os._exit(0)  # gloo's threads may abort an orderly interpreter exit once the files are saved

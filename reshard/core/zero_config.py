@@ -797,28 +797,32 @@ def _source_facts(ds_config: Any) -> tuple[int, bool, list[str]]:
 
 
 def decide_conversion(ds_config: Optional[dict], target_config: Optional[dict] = None, *,
-                      allow_zero3_target: bool = False) -> ZeroDecision:
+                      allow_zero3_target: bool = False, weights_elsewhere: str | None = None) -> ZeroDecision:
     """Decide, before any transfer, whether the source's model states hold real weights.
 
     ``ds_config`` is the config DeepSpeed saved in the model-states dict (whole config or bare
     ZeRO section); ``target_config`` is the config the resharded checkpoint will be loaded
     with. Stage 0-2 sources are fine; stage 3 is refused (the tensors are placeholders) unless
-    it was saved with ``gather_16bit_weights_on_model_save``. An invalid target config, or one
-    that cannot load a model-states checkpoint, raises :class:`ConfigError`.
+    it was saved with ``gather_16bit_weights_on_model_save``, or the weights the conversion reads
+    are not the placeholders (``weights_elsewhere`` says where they are: the optimizer's fp32
+    master weights under ``--weights master``, or whole module tensors of a checkpoint converted
+    since). An invalid target config, or one that cannot load a model-states checkpoint, raises
+    :class:`ConfigError`.
     """
     stage, gathered, notes = _source_facts(ds_config)
     verify = False
-    if stage == ZeroStage.WEIGHTS:
+    if stage == ZeroStage.WEIGHTS and weights_elsewhere:
+        notes.append(f"ZeRO-3 config: accepted, {weights_elsewhere}")
+    elif stage == ZeroStage.WEIGHTS:
         if not gathered:
             raise ZeroPartitionedCheckpointError(
                 "the source checkpoint was saved with ZeRO stage 3, so the tensors in its "
                 "mp_rank_*_model_states.pt files are empty placeholders: the real weights are partitioned "
                 "across the data-parallel ranks in zero_pp_rank_*_optim_states.pt files, and "
-                "gather_16bit_weights_on_model_save was off. reshard cannot consolidate ZeRO shards yet, "
-                "so it refuses rather than write empty weights",
+                "gather_16bit_weights_on_model_save was off; reshard refuses rather than write empty weights",
                 culprit=f"ds_config.{SECTION}.stage",
-                hint="run DeepSpeed's zero_to_fp32.py on the checkpoint folder and reshard the consolidated "
-                     "weights, or re-save from training with "
+                hint="pass --weights master to convert the optimizer's fp32 master weights (as DeepSpeed's "
+                     "zero_to_fp32.py would consolidate them), or re-save from training with "
                      f"{SECTION}.gather_16bit_weights_on_model_save=true")
         verify = True
         notes.append("ZeRO-3 source saved with gather_16bit_weights_on_model_save: accepted, but every "

@@ -21,6 +21,19 @@ A parameter may straddle two partitions: :class:`FlatSlice` reads it from both, 
 partitions are memory-mapped; nothing is read until a target asks for a box). Module entries no
 group holds are frozen parameters (or buffers): kept from the module copy, floating ones upcast to
 fp32 (:class:`Upcast`); ``shared_params`` (one tensor under two names) alias the owner's master.
+
+ZeRO stage 3 partitions each parameter instead (:func:`master_module_zero3`): every rank holds
+``ceil(numel / D)`` elements of it, one parameter after another through its groups' flat
+``fp32_flat_groups``, the last rank's share zero-padded; the module files hold empty placeholders,
+and a frozen parameter is each rank's ``frozen_param_fragments`` entry:
+
+=====================================  ==========================================================
+parameter ``k`` (all groups in order)  ``cat(rank_0[o_k : o_k + c_k], ..., rank_{D-1}[...])``
+                                       cut to ``numel_k``, where ``c_k = ceil(numel_k / D)``,
+                                       ``o_0 = 0``, ``o_{k+1} = o_k + c_k`` (rank ``r``'s groups
+                                       concatenated)
+frozen parameter ``f``                 ``cat(fragment_f of every rank)`` cut to ``numel_f``
+=====================================  ==========================================================
 """
 
 from __future__ import annotations
@@ -109,14 +122,17 @@ class FlatSlice(LazyTensor):
 
 
 class Upcast(LazyTensor):
-    """A module tensor read as ``dtype`` (a frozen parameter's 16-bit copy, as fp32)."""
+    """A tensor read as ``dtype`` (a frozen parameter's 16-bit copy, as fp32), box by box."""
 
-    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, tensor: torch.Tensor | LazyTensor, dtype: torch.dtype) -> None:
         self.tensor, self.shape, self.dtype = tensor, tuple(tensor.shape), dtype
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        box = self.tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        if isinstance(self.tensor, LazyTensor):
+            box = self.tensor.read_box(offsets, sizes)
+        else:
+            box = self.tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         if out is None:
             return box.to(self.dtype).contiguous()
         return out.copy_(box)
@@ -221,6 +237,86 @@ def optimizer_summary(files: Sequence[Path]) -> dict[str, Any] | None:
             "master_elements": sum(int(t.numel()) for t in parts), "step": int(step) if step is not None else None}
 
 
+def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mapping[str, Any]],
+                        files: Sequence[Path]) -> dict[str, Any]:
+    """``module`` (placeholders, in the module's order) with every parameter its fp32 master weight
+    from ZeRO stage 3 optimizer ``files`` and each data-parallel rank's ``model_states`` (frozen
+    fragments); see the module docstring."""
+    where = str(files[0])
+    states = [_optimizer_state(f) for f in files]
+    dp = len(files)
+    for st, f in zip(states, files):
+        if _stage(st, str(f), allow_3=True) != 3:
+            raise InconsistentShardsError("is not a ZeRO stage 3 optimizer file as its model states are",
+                                          culprit=str(f), hint="all files must come from one checkpoint")
+        if st.get("partition_count") != dp:
+            raise CheckpointFormatError(f"partition_count {st.get('partition_count')} but {dp} data-parallel files "
+                                        f"were found", culprit=str(f), hint="supply every data-parallel rank's "
+                                                                            "*_optim_states.pt file, and no others")
+    _check_same_step(states, files)
+    param_shapes = model_states[0].get("param_shapes")
+    if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
+        raise CheckpointFormatError("has no param_shapes (one name -> shape map per parameter group)",
+                                    culprit=where, hint="the model states file does not come from a ZeRO engine")
+    shapes = {name: tuple(int(d) for d in shape) for group in param_shapes for name, shape in group.items()}
+    flats: list[list[tuple[torch.Tensor, int, int]]] = []
+    for st, f in zip(states, files):
+        groups = st.get("fp32_flat_groups")
+        if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) and t.dim() == 1 and
+                                                   t.dtype == torch.float32 for t in groups):
+            raise CheckpointFormatError("fp32_flat_groups is not a list of flat fp32 tensors", culprit=str(f),
+                                        hint="pass a DeepSpeed ZeRO stage 3 checkpoint's own *_optim_states.pt files")
+        flats.append([(t, 0, int(t.numel())) for t in groups])
+    masters: dict[str, LazyTensor] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        share = math.ceil(numel / dp)
+        if any(offset + share > sum(n for _, _, n in spans) for spans in flats):
+            raise CheckpointFormatError(f"the fp32 partitions end before parameter {name}: param_shapes needs more "
+                                        f"elements than the {dp} ranks hold", culprit=where,
+                                        hint="param_shapes and the optimizer files do not belong together")
+        pieces = [p for spans in flats for p in _pieces(spans, offset, share)]
+        masters[name] = FlatSlice(_cut(pieces, numel), shape)
+        offset += share
+    for spans, f in zip(flats, files):
+        held = sum(n for _, _, n in spans)
+        if offset != held:
+            raise CheckpointFormatError(f"the parameters take {offset} fp32 elements per rank but it holds {held}",
+                                        culprit=str(f), hint="param_shapes and the optimizer files do not belong "
+                                                             "together")
+    frozen = model_states[0].get("frozen_param_shapes") or {}
+    for name, shape in frozen.items():
+        frags = [ms.get("frozen_param_fragments", {}).get(name) for ms in model_states]
+        if not all(isinstance(t, torch.Tensor) for t in frags):
+            raise CheckpointFormatError(f"frozen parameter {name} lacks a fragment on some data-parallel rank",
+                                        culprit=where, hint="supply every data-parallel rank's model states file")
+        shape = tuple(int(d) for d in shape)
+        pieces = [(t.reshape(-1), 0, int(t.numel())) for t in frags]
+        masters[name] = Upcast(FlatSlice(_cut(pieces, math.prod(shape)), shape), torch.float32)
+    shared = model_states[0].get("shared_params") or {}
+    out: dict[str, Any] = {}
+    for key, value in module.items():
+        master = masters.get(key) or masters.get(shared.get(key, ""))
+        out[key] = master if master is not None else value
+    unused = sorted(set(masters) - set(module))
+    if unused:
+        raise InconsistentShardsError(f"param_shapes names {unused[:3]} that the module does not hold", culprit=where,
+                                      hint="the model states file and the optimizer files do not belong together")
+    return out
+
+
+def _cut(pieces: list[tuple[torch.Tensor, int, int]], numel: int) -> list[tuple[torch.Tensor, int, int]]:
+    """The first ``numel`` elements of ``pieces`` (the padding after them dropped)."""
+    out, left = [], numel
+    for t, start, n in pieces:
+        if left <= 0:
+            break
+        out.append((t, start, min(n, left)))
+        left -= n
+    return out or [(pieces[0][0], 0, 0)]
+
+
 def _optimizer_state(path: Path) -> dict[str, Any]:
     sd = load_shard(path)
     st = sd.get(OPTIM_STATE)
@@ -230,13 +326,15 @@ def _optimizer_state(path: Path) -> dict[str, Any]:
     return st
 
 
-def _stage(state: Mapping[str, Any], where: str) -> int:
+def _stage(state: Mapping[str, Any], where: str, *, allow_3: bool = False) -> int:
     raw = state.get("zero_stage")
     value = raw.foreign_args[0] if isinstance(raw, Foreign) and raw.foreign_args else raw
+    if value == 3 and allow_3 and "fp32_flat_groups" in state:
+        return 3
     if value == 3:
-        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file: reshard reads master weights from "
-                                    "stages 1 and 2 only, so far", culprit=where,
-                                    hint="consolidate with DeepSpeed's zero_to_fp32.py")
+        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file beside model states that are not ZeRO-3's "
+                                    "(zero_pp_rank_D_mp_rank_TT_model_states.pt)", culprit=where,
+                                    hint="the files come from different checkpoints")
     if value not in (1, 2) or FP32_PARTITIONS not in state:
         raise CheckpointFormatError(f"is not a ZeRO stage 1/2 optimizer file (zero_stage {value!r})", culprit=where,
                                     hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")

@@ -4,9 +4,9 @@ tensor-parallel rank, the module under ``module``), or a DeepSpeed checkpoint de
     {"type": "Megatron", "checkpoints": [...], "version": 2.0,
      "parallelization": "tp", "mp_size": 8, "base_dir": "..."}
 
-whose file list is relative to ``base_dir`` (or the JSON's folder). Also recognized, to be
-refused with what to do: a ZeRO stage 3 engine folder (``zero_pp_rank_R_mp_rank_TT_model_states.pt``
-holding placeholders; the weights are partitioned over the optimizer files).
+whose file list is relative to ``base_dir`` (or the JSON's folder). Also a ZeRO stage 3 engine folder
+(``zero_pp_rank_R_mp_rank_TT_model_states.pt`` holding placeholders; the weights are partitioned over
+the optimizer files): converted with ``--weights master``, refused with what to do otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from reshard.core.errors import CheckpointFormatError, StorageError
 from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, choose_module_key,
                                  parse_version, rank_file_name)
-from reshard.core.zero_master import OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, optim_files
+from reshard.core.zero_master import (OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, master_module_zero3,
+                                      optim_files)
 from reshard.formats.base import CheckpointFormat, check_contiguous
 
 if TYPE_CHECKING:
@@ -87,26 +88,88 @@ class DeepSpeedFormat(CheckpointFormat):
 
 
 class DeepSpeedZero3Format(CheckpointFormat):
-    """A ZeRO stage 3 engine folder: recognized so that it is refused for the right reason."""
+    """A ZeRO stage 3 engine folder: ``zero_pp_rank_D_mp_rank_TT_model_states.pt`` per (data-parallel,
+    tensor-parallel) rank, whose modules hold only placeholders; the weights are partitioned over the
+    ``*_optim_states.pt`` files. Converted with ``--weights master`` (the fp32 master weights, written
+    in DeepSpeed's per-rank layout); refused otherwise, with what to do."""
 
     name = "deepspeed-zero3"
     priority = 40
     patterns = (re.compile(r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$"),)
+    writes_as = DEEPSPEED
 
     def detect(self, folder: Path) -> bool:
         return any(ZERO3_MODEL_FILE_RE.match(c.name) for c in folder.iterdir())
 
     def shard_role(self, name: str, listing: Sequence[str]) -> str | None:
-        return None  # refused when located; its files are not checked one by one
+        return None  # read whole by open(); its files are not checked one by one
+
+    def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
+        return (OPTIM_FILE_PATTERN,) if options.weights == "master" else ()
 
     def locate(self, path: Path) -> SourceCheckpoint:
-        first = min(c.name for c in path.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name))
-        raise CheckpointFormatError(
-            f"a DeepSpeed ZeRO stage 3 checkpoint ({first}, ...): its model-states files hold only "
-            f"placeholders, the weights are partitioned over the *_optim_states.pt files of every "
-            f"data-parallel rank", culprit=str(path),
-            hint="consolidate the weights with the zero_to_fp32.py script DeepSpeed saved beside the "
-                 "checkpoint, or save with stage3_gather_16bit_weights_on_model_save=true, and convert that")
+        """Data-parallel rank 0's model states file of each TP rank, as the grid (the other ranks'
+        files are read beside it: :meth:`companions`)."""
+        grid = _zero3_grid(path)
+        return SourceCheckpoint(tuple(grid[t][0] for t in sorted(grid)), origin=str(path), format=self.name)
+
+    def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
+        if options.weights != "master":
+            return ()
+        folder = source.files[0].parent
+        others = [f for files in _zero3_grid(folder).values() for f in files[1:]]
+        return tuple(others) + tuple(c for c in sorted(folder.iterdir()) if OPTIM_FILE_RE.match(c.name))
+
+    def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
+        if options.weights != "master":
+            first = source.files[0].name
+            raise CheckpointFormatError(
+                f"a DeepSpeed ZeRO stage 3 checkpoint ({first}, ...): its model-states files hold only "
+                f"placeholders, the weights are partitioned over the *_optim_states.pt files of every "
+                f"data-parallel rank", culprit=source.origin,
+                hint="convert the optimizer's fp32 weights with --weights master, consolidate them with the "
+                     "zero_to_fp32.py script DeepSpeed saved beside the checkpoint, or save with "
+                     "stage3_gather_16bit_weights_on_model_save=true and convert that")
+        path = source.files[index]
+        tp_rank = int(ZERO3_MODEL_FILE_RE.match(path.name).group(2))
+        states = [self.load(f) for f in _zero3_grid(path.parent)[tp_rank]]
+        sd = dict(states[0])
+        key = choose_module_key(sd, options.module_key, str(path))
+        if not isinstance(sd.get(key), dict):
+            return sd  # the planner names what is wrong with it
+        sd[key] = master_module_zero3(sd[key], states, optim_files(path.parent, tp_rank, str(path)))
+        sd.pop("frozen_param_fragments", None)  # consumed: the module holds the whole frozen parameters
+        sd["ds_config"] = _gathered(sd.get("ds_config"))
+        return sd
+
+
+def _gathered(ds_config: Any) -> Any:
+    """The saved config, saying that the module holds whole tensors: a ZeRO-3 checkpoint converted
+    from its master weights is what ``stage3_gather_16bit_weights_on_model_save`` saves (whole
+    weights in the model states), so reading the output again needs no optimizer files."""
+    if not isinstance(ds_config, dict) or not isinstance(ds_config.get("zero_optimization"), dict):
+        return ds_config
+    zero = {k: v for k, v in ds_config["zero_optimization"].items()
+            if k not in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")}
+    return {**ds_config, "zero_optimization": {**zero, "gather_16bit_weights_on_model_save": True}}
+
+
+def _zero3_grid(folder: Path) -> dict[int, list[Path]]:
+    """TP rank -> its model states files by data-parallel rank (0..D-1 for every TP rank)."""
+    grid: dict[int, dict[int, Path]] = {}
+    for child in sorted(folder.iterdir()):
+        m = ZERO3_MODEL_FILE_RE.match(child.name)
+        if m and child.is_file():
+            grid.setdefault(int(m.group(2)), {})[int(m.group(1))] = child
+    check_contiguous(sorted(grid), str(folder))
+    dps = {t: sorted(files) for t, files in grid.items()}
+    for t, ranks in dps.items():
+        check_contiguous(ranks, f"{folder} (data-parallel ranks of TP rank {t})")
+        if len(ranks) != len(dps[0]):
+            raise CheckpointFormatError(f"TP rank {t} has {len(ranks)} data-parallel model states files, TP rank 0 "
+                                        f"{len(dps[0])}", culprit=str(folder),
+                                        hint="supply every zero_pp_rank_D_mp_rank_TT_model_states.pt file")
+    return {t: [files[d] for d in sorted(files)] for t, files in grid.items()}
 
 
 class DeepSpeedDescriptorFormat(CheckpointFormat):
