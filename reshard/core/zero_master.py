@@ -49,6 +49,7 @@ import torch
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
 from reshard.core.foreign import Foreign
 from reshard.core.lazy import LazyTensor
+from reshard.core.pages import PageDropper
 from reshard.core.safe_load import load_shard
 
 OPTIM_STATE = "optimizer_state_dict"
@@ -62,10 +63,14 @@ class FlatSlice(LazyTensor):
     """One parameter inside a flat fp32 group cut into partitions: ``pieces`` of ``(partition,
     first element, elements)`` in order, viewed as ``shape``. A box that is a run of the flat
     elements (whole trailing dims) is copied from the pieces it spans (a view when it lies in one);
-    any other box is cut from the whole parameter, read once for it."""
+    any other box is cut from the whole parameter, read once for it. The partitions are mapped
+    files: ``pages`` gives back what was read once it is copied or written (memory stays a few
+    tensors however large the optimizer files are)."""
 
-    def __init__(self, pieces: list[tuple[torch.Tensor, int, int]], shape: tuple[int, ...]) -> None:
+    def __init__(self, pieces: list[tuple[torch.Tensor, int, int]], shape: tuple[int, ...],
+                 pages: PageDropper | None = None) -> None:
         self.pieces, self.shape, self.dtype = pieces, tuple(shape), pieces[0][0].dtype
+        self.pages = pages
 
     def _run(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
         """The box as flat elements ``[lo, hi)``, if it is one run."""
@@ -112,10 +117,16 @@ class FlatSlice(LazyTensor):
         flat = out.view(-1) if out.is_contiguous() else None
         buf = flat if flat is not None else torch.empty(run[1] - run[0], dtype=self.dtype)
         for t, start, n, at in self._segments(*run):
-            buf.narrow(0, at, n).copy_(t.narrow(0, start, n))
+            src = t.narrow(0, start, n)
+            buf.narrow(0, at, n).copy_(src)
+            self.release(src)
         if flat is None:
             out.copy_(buf.view(sizes))
         return out
+
+    def release(self, t: torch.Tensor) -> None:
+        if self.pages is not None:
+            self.pages.drop(t.data_ptr(), t.numel() * t.element_size())
 
     def __repr__(self) -> str:
         return f"FlatSlice({[(s, n) for _, s, n in self.pieces]}, shape={self.shape})"
@@ -191,11 +202,12 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
             raise CheckpointFormatError(f"{FP32_PARTITIONS} does not hold {len(param_shapes)} flat fp32 groups "
                                         f"as param_shapes has", culprit=str(f), hint="the files do not belong together")
     paddings = states[0].get("param_alignment_paddings")
+    pages = PageDropper(files)  # the optimizer files are mapped now
     masters: dict[str, LazyTensor] = {}
     for gi, shapes in enumerate(param_shapes):
         parts = [g[gi] for g in groups]
         pads = paddings[gi] if isinstance(paddings, list) and gi < len(paddings) else None
-        masters.update(_walk_group(gi, shapes, parts, pads, dp, files))
+        masters.update(_walk_group(gi, shapes, parts, pads, dp, files, pages))
 
     out: dict[str, Any] = {}
     shared = model_states.get("shared_params") or {}
@@ -267,6 +279,7 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
             raise CheckpointFormatError("fp32_flat_groups is not a list of flat fp32 tensors", culprit=str(f),
                                         hint="pass a DeepSpeed ZeRO stage 3 checkpoint's own *_optim_states.pt files")
         flats.append([(t, 0, int(t.numel())) for t in groups])
+    pages = PageDropper(files)  # the optimizer files are mapped now
     masters: dict[str, LazyTensor] = {}
     offset = 0
     for name, shape in shapes.items():
@@ -277,7 +290,7 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
                                         f"elements than the {dp} ranks hold", culprit=where,
                                         hint="param_shapes and the optimizer files do not belong together")
         pieces = [p for spans in flats for p in _pieces(spans, offset, share)]
-        masters[name] = FlatSlice(_cut(pieces, numel), shape)
+        masters[name] = FlatSlice(_cut(pieces, numel), shape, pages)
         offset += share
     for spans, f in zip(flats, files):
         held = sum(n for _, _, n in spans)
@@ -365,7 +378,7 @@ def _step(state: Mapping[str, Any]) -> float | None:
 
 
 def _walk_group(gi: int, shapes: Mapping[str, Any], parts: list[torch.Tensor], pads: Any, dp: int,
-                files: Sequence[Path]) -> dict[str, FlatSlice]:
+                files: Sequence[Path], pages: PageDropper) -> dict[str, FlatSlice]:
     """Every parameter of group ``gi`` as its run of the flat group (see the module docstring)."""
     for p, f in zip(parts, files):
         if p.dtype != torch.float32:
@@ -384,7 +397,7 @@ def _walk_group(gi: int, shapes: Mapping[str, Any], parts: list[torch.Tensor], p
             raise CheckpointFormatError(f"parameter group {gi} holds {total} fp32 elements but its parameters need "
                                         f"more (at {name})", culprit=str(files[0]),
                                         hint="param_shapes and the optimizer files do not belong together")
-        out[name] = FlatSlice(_pieces(spans, offset, numel), shape)
+        out[name] = FlatSlice(_pieces(spans, offset, numel), shape, pages)
         offset += numel + (int(pads[k]) if pads is not None else 0)
     align = 2 * dp
     if math.ceil(offset / align) != math.ceil(total / align):

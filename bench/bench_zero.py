@@ -1,0 +1,154 @@
+"""Side-by-side benchmark: the fp32 master weights of a ZeRO stage 2 checkpoint, ``reshard run
+--direct --weights master`` against DeepSpeed's own ``zero_to_fp32`` (its command line), in one
+run, at two depths (memory must stay flat when the layers double).
+
+    python bench/bench_zero.py                # hidden 4096, 2 and 4 layers, DP 2 (7.4 / 12.3 GB of optimizer state)
+    python bench/bench_zero.py --quick        # smoke test of the script itself (tiny model)
+
+The source is synthetic but has DeepSpeed's layout exactly (``zero_to_fp32`` reads it): a legacy-GPT
+``mp_rank_00_model_states.pt`` (bf16 module, ``param_shapes``) and one
+``zero_pp_rank_D_mp_rank_00_optim_states.pt`` per data-parallel rank holding its partition of the
+flat fp32 group and the two Adam moments. Written under ``bench/data/`` (git-ignored) and deleted
+after its depth is measured (it is large). Both tools' outputs are checked to hold equal tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hf import timed  # noqa: E402
+from bench_torch_dist import log  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TAG = "global_step1"
+DP = 2
+
+
+def make_source(root: Path, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> Path:
+    """A ZeRO-2 bf16 checkpoint of a legacy GPT, written parameter by parameter per DP rank."""
+    from reshard.sample import GPTConfig, full_weights, shard_state_dicts
+
+    step = root / TAG
+    if (root / ".complete").exists():
+        return step
+    shutil.rmtree(root, ignore_errors=True)
+    step.mkdir(parents=True)
+    cfg = GPTConfig(layers=1, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
+    one = shard_state_dicts(cfg, full_weights(cfg, 0), 1, 2.0, dtype=torch.bfloat16)[0]
+    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    layer0 = [(k, v) for k, v in one.items() if ".layers.0." in k]
+    for k, v in one.items():  # layer 0 repeated as layers 0..L-1, in Megatron's key order
+        if ".layers.0." not in k:
+            module[k] = v
+        elif k == layer0[0][0]:
+            for i in range(layers):
+                for lk, lv in layer0:
+                    module[lk.replace(".layers.0.", f".layers.{i}.")] = lv.clone()
+    shapes = OrderedDict((k, v.shape) for k, v in module.items())
+    total = sum(v.numel() for v in module.values())
+    align = 2 * DP
+    padded = math.ceil(total / align) * align
+    part = padded // DP
+    flat = torch.empty(padded, dtype=torch.float32)
+    at = 0
+    for v in module.values():  # master = the bf16 copy plus a little (so they differ)
+        flat[at:at + v.numel()] = v.reshape(-1).float() + 1e-3
+        at += v.numel()
+    flat[at:] = 0
+    torch.save({"module": module, "buffer_names": [], "optimizer": None, "param_shapes": [shapes],
+                "frozen_param_shapes": OrderedDict(), "shared_params": {}, "frozen_param_fragments": OrderedDict(),
+                "dp_world_size": DP, "mp_world_size": 1, "ds_version": "0.19.8",
+                "ds_config": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}},
+               step / "mp_rank_00_model_states.pt")
+    del module
+    for d in range(DP):
+        mine = flat[d * part:(d + 1) * part].clone()
+        state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(mine), "exp_avg_sq": torch.zeros_like(mine)}
+        torch.save({"optimizer_state_dict": {
+            "zero_stage": 2, "partition_count": [DP], "single_partition_of_fp32_groups": [mine],
+            "base_optimizer_state": {"state": {0: state}, "param_groups": [{"lr": 1e-4, "params": [0]}]},
+            "group_paddings": [padded - total if d == DP - 1 else 0], "ds_version": "0.19.8"},
+            "ds_config": {}, "ds_version": "0.19.8"}, step / f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+        del mine, state
+    (root / "latest").write_text(TAG)
+    (root / ".complete").touch()
+    return step
+
+
+def report(title: str, rows: dict[str, dict[str, float]], peer: str) -> None:
+    base = rows[peer]["seconds"]
+    print(f"{title}\n{'method':40} {'seconds':>8} {'x ' + peer:>28} {'peak RSS':>10}")
+    for name, rec in rows.items():
+        print(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / base:28.2f} {rec['peak_rss_mib']:7d} MiB")
+
+
+def _root(layers: int, shape: dict[str, int]) -> Path:
+    return HERE / "data" / f"zero2_h{shape['hidden']}_l{layers}_dp{DP}_bf16"
+
+
+def size(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+COMPARE = """
+import sys, torch
+a = torch.load(sys.argv[1] + "/mp_rank_00_model_states.pt", mmap=True, weights_only=False)["module"]
+b = torch.load(sys.argv[2] + "/pytorch_model.bin", mmap=True, weights_only=False)
+sys.exit(0 if list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in b) else 1)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--make", type=int, metavar="LAYERS", help=argparse.SUPPRESS)  # the child that writes a source
+    ns = ap.parse_args(argv)
+    shape = dict(hidden=256, heads=8, vocab=1024, seq=128) if ns.quick else \
+        dict(hidden=4096, heads=32, vocab=50304, seq=2048)
+    if ns.make:
+        make_source(_root(ns.make, shape), ns.make, **shape)
+        return 0
+    depths = (1, 2) if ns.quick else (2, 4)
+    work = HERE / "out" / "zero"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for layers in depths:
+        root = _root(layers, shape)
+        log(f"writing the source ({layers} layers)")
+        # in a child: a parent that grew while writing it would hand its peak RSS to every command it forks
+        subprocess.run([sys.executable, __file__, "--make", str(layers)] + (["--quick"] if ns.quick else []),
+                       check=True)
+        step = root / TAG
+        optim = sum(f.stat().st_size for f in step.glob("*optim_states.pt"))
+        methods = {
+            "reshard --direct --weights master": [sys.executable, "-m", "reshard.cli", "run", "--direct", str(step),
+                                                  "{out}", "--target-tp", "1", "--weights", "master"],
+            "DeepSpeed zero_to_fp32": [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(root), "{out}",
+                                       "-t", TAG],
+        }
+        rows = timed(methods, step, work, ns.runs, f"{layers} layers")
+        a, b = work / "check_reshard", work / "check_ds"
+        for cmd, out in zip(methods.values(), (a, b)):
+            subprocess.run([c.replace("{out}", str(out)) for c in cmd], check=True, capture_output=True)
+        same = subprocess.run([sys.executable, "-c", COMPARE, str(a), str(b)]).returncode == 0
+        shutil.rmtree(a)
+        shutil.rmtree(b)
+        report(f"\n{layers} layers: model states {size(step) - optim:,} B, optimizer files {optim:,} B; "
+               f"outputs hold equal tensors: {same}", rows, "DeepSpeed zero_to_fp32")
+        if not ns.quick:
+            shutil.rmtree(root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
