@@ -184,11 +184,13 @@ def agree(reshard_cmd: list[str], naive_cmd: list[str], work: Path, compare: str
     return same
 
 
-def report(title: str, rows: dict[str, dict[str, float]], floor_name: str) -> None:
+def report(title: str, rows: dict[str, dict[str, float]], floor_name: str, ratio: str = "x floor") -> None:
+    """Each method's median seconds, its ratio to ``floor_name``'s (column ``ratio``) and peak RSS."""
     floor = rows[floor_name]["seconds"]
-    print(f"{title}\n{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}")
+    w = max(8, len(ratio))
+    print(f"{title}\n{'method':40} {'seconds':>8} {ratio:>{w}} {'peak RSS':>10}")
     for name, rec in rows.items():
-        print(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:7d} MiB")
+        print(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:{w}.2f} {rec['peak_rss_mib']:7d} MiB")
 
 
 EXPORT, IMPORT = "reshard --direct TP 8 -> hf", "reshard --direct hf -> TP 2"

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hf import timed  # noqa: E402
+from bench_hf import report, timed  # noqa: E402
 from bench_torch_dist import log  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -84,13 +84,6 @@ def make_source(root: Path, layers: int, hidden: int, heads: int, vocab: int, se
     return step
 
 
-def report(title: str, rows: dict[str, dict[str, float]], peer: str) -> None:
-    base = rows[peer]["seconds"]
-    print(f"{title}\n{'method':40} {'seconds':>8} {'x ' + peer:>28} {'peak RSS':>10}")
-    for name, rec in rows.items():
-        print(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / base:28.2f} {rec['peak_rss_mib']:7d} MiB")
-
-
 def _root(layers: int, shape: dict[str, int]) -> Path:
     return HERE / "data" / f"zero2_h{shape['hidden']}_l{layers}_dp{DP}_bf16"
 
@@ -144,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(a)
         shutil.rmtree(b)
         report(f"\n{layers} layers: model states {size(step) - optim:,} B, optimizer files {optim:,} B; "
-               f"outputs hold equal tensors: {same}", rows, "DeepSpeed zero_to_fp32")
+               f"outputs hold equal tensors: {same}", rows, "DeepSpeed zero_to_fp32", ratio="x zero_to_fp32")
         if not ns.quick:
             shutil.rmtree(root)
     return 0

@@ -74,6 +74,22 @@ def s3_bucket(s3_server):
     return f"s3://{name}"
 
 
+def upload_to_s3(local: Path, s3_server, s3_bucket: str, monkeypatch, prefix: str = "src") -> tuple[str, dict]:
+    """Copy ``local`` (a folder, or a file with its folder) to ``s3_bucket/prefix`` on the tests' S3
+    server; returns its URL and the storage options a run needs. The keys go in the environment,
+    as a deployment's workers get them, never in the options (runs refuse credentials there)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_server.storage_options())
+    folder = local if local.is_dir() else local.parent
+    fs.put(str(folder) + "/", f"{s3_bucket[5:]}/{prefix}/", recursive=True)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    so = {"client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": s3_server.region},
+          "config_kwargs": {"s3": {"addressing_style": "path"}}}
+    return f"{s3_bucket}/{prefix}" + ("" if local.is_dir() else f"/{local.name}"), so
+
+
 @pytest.fixture(scope="session")
 def prefect_env(tmp_path_factory):
     """A temporary Prefect server/database for the session, offline, with results persisted

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import upload_to_s3
 from layout_helpers import convert
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError, MissingModelFactError
 from reshard.core.safe_load import load_shard
@@ -398,13 +399,9 @@ def test_prefect_flow_s3_to_s3_equals_direct(pipe, tmp_path, s3_server, s3_bucke
     from reshard.flows.runner import run_flow
 
     src = pipe(2, 2)
+    source, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch, prefix="pipe")
     fs = s3fs.S3FileSystem(**s3_server.storage_options())
-    fs.put(str(src) + "/", f"{s3_bucket[5:]}/pipe/", recursive=True)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
-    so = {"client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": s3_server.region},
-          "config_kwargs": {"s3": {"addressing_style": "path"}}}
-    out = run_flow(ReshardParams(source=f"{s3_bucket}/pipe", destination=f"{s3_bucket}/out", target_tp=1,
+    out = run_flow(ReshardParams(source=source, destination=f"{s3_bucket}/out", target_tp=1,
                                  target_pp=1, storage_options=so, cache_dir=str(tmp_path / "cache")))
     run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(target_tp=1, target_pp=1))
     expected = {p.name for p in (tmp_path / "direct").iterdir() if p.suffix == ".pt"}

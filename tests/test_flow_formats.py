@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import task_states
+from conftest import task_states, upload_to_s3
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError
 from reshard.core.plan import ReshardOptions
 from reshard.direct import run_direct
@@ -54,20 +54,6 @@ def _outputs(folder: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != MANIFEST_NAME}
 
 
-def _to_s3(local: Path, s3_server, s3_bucket: str, monkeypatch) -> tuple[str, dict]:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**s3_server.storage_options())
-    folder = local if local.is_dir() else local.parent
-    fs.put(str(folder) + "/", f"{s3_bucket[5:]}/src/", recursive=True)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
-    so = {"client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": s3_server.region},
-          "config_kwargs": {"s3": {"addressing_style": "path"}}}
-    url = f"{s3_bucket}/src" + ("" if local.is_dir() else f"/{local.name}")
-    return url, so
-
-
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_every_format_through_the_flow_equals_direct(fmt, where, sample_factory, tmp_path, request, monkeypatch):
@@ -75,7 +61,7 @@ def test_every_format_through_the_flow_equals_direct(fmt, where, sample_factory,
     run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(**opts))
     source, so = str(src), {}
     if where == "s3":
-        source, so = _to_s3(src, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
+        source, so = upload_to_s3(src, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
                             monkeypatch)
     out = run_flow(ReshardParams(source=source, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
@@ -101,7 +87,7 @@ def test_a_bad_shard_is_caught_by_its_own_check_wherever_it_lives(where, tmp_pat
     name = _corrupt_layer_file(src)
     source, so = str(src), {}
     if where == "s3":
-        source, so = _to_s3(src, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
+        source, so = upload_to_s3(src, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
                             monkeypatch)
     with pytest.raises(CheckpointFormatError, match="'bogus' is not a tensor") as info:
         run_flow(ReshardParams(source=source, destination=str(tmp_path / "out"), storage_options=so,
@@ -115,7 +101,7 @@ def test_a_truncated_remote_rank_file_is_refused_by_the_shard_check(sample_facto
     src, opts = _deepspeed(tmp_path, sample_factory)
     f = src / "mp_rank_03_model_states.pt"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    source, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    source, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     with pytest.raises(CorruptCheckpointError) as info:
         run_flow(ReshardParams(source=source, destination=str(tmp_path / "out"), storage_options=so,
                                cache_dir=str(tmp_path / "cache"), **opts))

@@ -251,11 +251,12 @@ def test_the_flow_exports_from_s3_like_direct_and_reports_the_architecture(mcore
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs, _to_s3
+    from conftest import upload_to_s3
+    from test_flow_formats import _outputs
 
     src, opts = mcore[("qwen", 2, 1)], {"to": "hf", "max_shard_size": "100KB"}
     run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(**opts))
-    url, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     out = run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
     assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")

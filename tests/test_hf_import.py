@@ -243,9 +243,10 @@ def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_
     config.json and the index): the same files as ``--direct``."""
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs, _to_s3
+    from conftest import upload_to_s3
+    from test_flow_formats import _outputs
 
-    url, so = _to_s3(imported["hf"]["llama"], s3_server, s3_bucket, monkeypatch)
+    url, so = upload_to_s3(imported["hf"]["llama"], s3_server, s3_bucket, monkeypatch)
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so, target_tp=2,
                            cache_dir=str(tmp_path / "cache")))
     assert _outputs(tmp_path / "flow") == _outputs(imported["runs"][("llama", 2)])

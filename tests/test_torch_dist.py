@@ -358,12 +358,13 @@ def test_the_flow_reads_and_writes_torch_dist_from_s3_like_direct(direction, dis
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs, _to_s3
+    from conftest import upload_to_s3
+    from test_flow_formats import _outputs
 
     src, opts = ((dist[("gqa_swiglu", 2, 1)], {"target_tp": 2}) if direction == "in"
                  else (mcore[("gqa_swiglu", 2, 1)], {"to": "torch_dist"}))
     run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(**opts))
-    url, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     out = run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
     assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
@@ -398,7 +399,8 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
     from reshard.storage.cache import ShardCache
-    from test_flow_formats import _outputs, _to_s3
+    from conftest import upload_to_s3
+    from test_flow_formats import _outputs
 
     src = dist[("gqa_swiglu", 2, 1)]  # carries Adam moments: two thirds of its .distcp bytes
     meta = read_metadata(src / "iter_0000007" / ".metadata")
@@ -406,7 +408,7 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
     total = sum(p.stat().st_size for p in (src / "iter_0000007").glob("*.distcp"))
     assert model < total / 2
     run_direct(str(src), str(tmp_path / "local"), ReshardOptions(target_tp=2))
-    url, so = _to_s3(src, s3_server, s3_bucket, monkeypatch)
+    url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     run_direct(url, str(tmp_path / "direct"), ReshardOptions(target_tp=2), storage_options=so,
                cache=ShardCache(tmp_path / "dcache"))
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import upload_to_s3
 from reshard.cli import main
 from reshard.core.errors import CheckpointFormatError
 
@@ -70,15 +71,8 @@ def test_the_flow_refuses_it_from_local_and_s3(zero3, where, tmp_path, request, 
 
     source, so = str(zero3), {}
     if where == "s3":
-        import s3fs
-
-        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
-        s3fs.S3FileSystem(**server.storage_options()).put(str(zero3) + "/", f"{bucket[5:]}/z3/", recursive=True)
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
-        source = f"{bucket}/z3"
-        so = {"client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": server.region},
-              "config_kwargs": {"s3": {"addressing_style": "path"}}}
+        source, so = upload_to_s3(zero3, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
+                                  monkeypatch, prefix="z3")
     with pytest.raises(CheckpointFormatError, match="ZeRO stage 3") as info:
         run_flow(ReshardParams(source=source, destination=str(tmp_path / "out"), target_tp=1, storage_options=so,
                                cache_dir=str(tmp_path / "cache")))

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import upload_to_s3
 from reshard.cli import main
+from reshard.core.options import ReshardOptions
 from reshard.core.safe_load import load_shard
 
 HERE = Path(__file__).resolve().parent
@@ -199,21 +201,13 @@ def test_master_weights_need_optimizer_files_and_a_layout_that_has_them(sample_f
 def test_the_flow_reads_master_weights_from_s3(zero_ckpts, config, tmp_path, request, monkeypatch):
     """Discovery fetches the optimizer files only when --weights master asks for them."""
     request.getfixturevalue("prefect_env")
-    import s3fs
-
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
     from reshard.storage.source_view import discover
 
     step = zero_ckpts[config]
-    server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
-    s3fs.S3FileSystem(**server.storage_options()).put(str(step) + "/", f"{bucket[5:]}/zm/", recursive=True)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
-    source = f"{bucket}/zm"
-    so = {"client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": server.region},
-          "config_kwargs": {"s3": {"addressing_style": "path"}}}
-    from reshard.core.options import ReshardOptions
+    source, so = upload_to_s3(step, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
+                              monkeypatch, prefix="zm")
 
     plain = {o.name for o in discover(source, so).objects}
     master = {o.name for o in discover(source, so, ReshardOptions(weights="master")).objects}
@@ -224,3 +218,22 @@ def test_the_flow_reads_master_weights_from_s3(zero_ckpts, config, tmp_path, req
                            storage_options=so, cache_dir=str(tmp_path / "cache")))
     got, ref = _module(tmp_path / "out"), _zero_to_fp32(step)
     assert all(torch.equal(got[k], v.float()) for k, v in ref.items())
+
+
+def test_a_parameter_straddling_partitions_reads_every_box_right():
+    """FlatSlice against plain slicing: row runs (a view inside one partition, copied across two),
+    column boxes, a box copied into a strided ``out``."""
+    from reshard.core.lazy import overlaps
+    from reshard.core.zero_master import FlatSlice
+
+    flat = torch.arange(40, dtype=torch.float32)
+    parts = [(flat[:13].clone(), 0, 13), (flat[13:29].clone(), 0, 16), (flat[29:].clone(), 0, 11)]
+    t = FlatSlice([(p, s, n) for p, s, n, _ in overlaps(parts, 5, 29)], (4, 6))
+    want = flat[5:29].view(4, 6)
+    for offsets, sizes in [((0, 0), (4, 6)), ((1, 0), (2, 6)), ((0, 2), (4, 3)), ((3, 1), (1, 5)), ((2, 0), (2, 6))]:
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        assert torch.equal(t.read_box(offsets, sizes), want[box]), (offsets, sizes)
+        out = torch.empty(sizes[1], sizes[0]).t()  # not contiguous
+        assert torch.equal(t.read_box(offsets, sizes, out=out), want[box])
+    assert t.view_box((0, 0), (1, 6)) is not None  # elements 5..10: inside the first partition
+    assert t.view_box((1, 0), (2, 6)) is None  # elements 11..22 straddle the boundary at 13

@@ -22,9 +22,31 @@ call                               returns
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+def overlaps(spans: Iterable[tuple[T, int, int]], lo: int, hi: int) -> list[tuple[T, int, int, int]]:
+    """Of ``spans`` laid end to end (``(item, its first index, count)``), the parts covering
+    ``[lo, hi)``: ``(item, first index in it, count, index in the range)``.
+
+    ==============================  ============================================
+    spans, range                    parts
+    ==============================  ============================================
+    ``(a, 0, 4), (b, 2, 3)``, 3..6  ``(a, 3, 1, 0), (b, 2, 2, 1)``
+    ==============================  ============================================
+    """
+    out, at = [], 0
+    for item, start, n in spans:
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            out.append((item, start + a - at, b - a, a - lo))
+        at += n
+    return out
 
 
 class LazyTensor(ABC):
@@ -96,13 +118,7 @@ class RowConcat(LazyTensor):
 
     def _pieces(self, lo: int, hi: int) -> list[tuple[LazyTensor, int, int, int]]:
         """``(tensor, its first row, rows, row in the box)`` covering rows ``[lo, hi)``."""
-        out, at = [], 0
-        for t, start, rows in self.segments:
-            a, b = max(lo, at), min(hi, at + rows)
-            if a < b:
-                out.append((t, start + a - at, b - a, a - lo))
-            at += rows
-        return out
+        return overlaps(self.segments, lo, hi)
 
     def view_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
         pieces = self._pieces(offsets[0], offsets[0] + sizes[0])

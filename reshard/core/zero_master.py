@@ -48,7 +48,7 @@ import torch
 
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
 from reshard.core.foreign import Foreign
-from reshard.core.lazy import LazyTensor
+from reshard.core.lazy import LazyTensor, overlaps
 from reshard.core.pages import PageDropper
 from reshard.core.safe_load import load_shard
 
@@ -82,13 +82,7 @@ class FlatSlice(LazyTensor):
         return offsets[0] * inner, (offsets[0] + sizes[0]) * inner
 
     def _segments(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int, int]]:
-        out, at = [], 0
-        for t, start, n in self.pieces:
-            a, b = max(lo, at), min(hi, at + n)
-            if a < b:
-                out.append((t, start + a - at, b - a, a - lo))
-            at += n
-        return out
+        return overlaps(self.pieces, lo, hi)
 
     def view_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
         run = self._run(offsets, sizes)
@@ -409,12 +403,8 @@ def _walk_group(gi: int, shapes: Mapping[str, Any], parts: list[torch.Tensor], p
 
 
 def _pieces(spans: list[tuple[torch.Tensor, int, int]], lo: int, numel: int) -> list[tuple[torch.Tensor, int, int]]:
-    out, at, hi = [], 0, lo + numel
-    for t, start, n in spans:
-        a, b = max(lo, at), min(hi, at + n)
-        if a < b:
-            out.append((t, start + a - at, b - a))
-        at += n
+    """The parts of ``spans`` (end to end) holding elements ``[lo, lo + numel)``."""
+    out = [(t, start, n) for t, start, n, _ in overlaps(spans, lo, lo + numel)]
     if not out:  # an empty parameter: a zero-length view of the first partition
         out.append((spans[0][0], 0, 0))
     return out
