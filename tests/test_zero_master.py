@@ -46,15 +46,15 @@ def _save(root: Path, stage: int, dtype: str, dp: int, tp: int = 1) -> Path:
     return root / TAG
 
 
-#: ZeRO 2, bf16, TP 2 x DP 2: master weights of a tensor-parallel source (zero_to_fp32 reads TP 1 only).
-TP2 = (2, "bf16", 2, 2)
+#: ZeRO 2 and 3, bf16, TP 2 x DP 2: master weights of tensor-parallel sources (zero_to_fp32 reads TP 1 only).
+TP2 = [(2, "bf16", 2, 2), (3, "bf16", 2, 2)]
 
 
 @pytest.fixture(scope="module")
 def zero_ckpts(tmp_path_factory) -> dict[tuple, Path]:
     """Each configuration saved once for the module."""
     root = tmp_path_factory.mktemp("zero_master")
-    return {c: _save(root / "_".join(map(str, c)), *c) for c in (*CONFIGS, TP2)}
+    return {c: _save(root / "_".join(map(str, c)), *c) for c in (*CONFIGS, *TP2)}
 
 
 def _zero_to_fp32(step: Path) -> dict[str, torch.Tensor]:
@@ -107,31 +107,35 @@ def test_master_weights_at_another_tp_merge_back_to_zero_to_fp32(zero_ckpts, tmp
     assert all(torch.equal(got[k], v.float()) for k, v in ref.items())
 
 
-def test_master_weights_of_a_tensor_parallel_source(zero_ckpts, tmp_path):
+@pytest.mark.parametrize("config", TP2, ids=["zero2", "zero3"])
+def test_master_weights_of_a_tensor_parallel_source(zero_ckpts, config, tmp_path):
     """TP 2 x DP 2 -> TP 1 equals zero_to_fp32 run on each TP rank's own files (renamed to rank 0, the
     only one it reads), the per-rank results merged by the (separately proven) module-weights path."""
-    step = zero_ckpts[TP2]
+    step = zero_ckpts[config]
     assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--target-tp", "1", "--num-heads", "8",
                  "--weights", "master"]) == 0
     ref = tmp_path / "ref_tp2"
     ref.mkdir()
+    per_rank = []
     for t in range(2):
         one = tmp_path / f"rank{t}" / TAG
         one.mkdir(parents=True)
-        shutil.copy(step / f"mp_rank_{t:02d}_model_states.pt", one / "mp_rank_00_model_states.pt")
-        for d in range(2):
-            shutil.copy(step / f"bf16_zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt",
-                        one / f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+        for f in step.iterdir():  # this TP rank's files, as the TP 1 checkpoint zero_to_fp32 reads
+            if f"mp_rank_{t:02d}" in f.name:
+                shutil.copy(f, one / f.name.replace(f"mp_rank_{t:02d}", "mp_rank_00"))
         fp32 = _zero_to_fp32(one)
-        sd = torch.load(step / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)
+        model_states = next(f for f in sorted(step.iterdir()) if f"mp_rank_{t:02d}_model_states" in f.name)
+        sd = torch.load(model_states, weights_only=False)
         assert set(sd["module"]) == set(fp32)
-        sd["module"] = {k: fp32[k] for k in sd["module"]}
+        sd["module"] = {k: fp32[k].float() for k in sd["module"]}
+        sd.pop("ds_config")  # a plain per-rank checkpoint of whole weights
         torch.save(sd, ref / f"mp_rank_{t:02d}_model_states.pt")
+        per_rank.append(sd["module"])
     assert main(["run", "--direct", str(ref), str(tmp_path / "want"), "--target-tp", "1", "--num-heads", "8"]) == 0
     got, want = _module(tmp_path / "got"), _module(tmp_path / "want")
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
-    assert any(not torch.equal(a.float(), b) for a, b in zip(_module(step).values(), _module(step, 1).values())
-               if a.shape == b.shape)  # the two TP ranks hold different weights: a swap would show
+    assert any(not torch.equal(per_rank[0][k], per_rank[1][k]) for k in per_rank[0]
+               if per_rank[0][k].shape == per_rank[1][k].shape)  # the TP ranks differ: a swap would show
 
 
 def _refused(capsys, src: Path, out: Path, *needles: str, extra: tuple[str, ...] = ()) -> None:
