@@ -119,7 +119,8 @@ def options_from_args(a: Any) -> dict[str, Any]:
 
 
 def _iteration(ckpt: Path) -> Path:
-    """A run folder's latest iteration folder (``iter_XXXXXXX`` or ``release``); else ``ckpt``."""
+    """The iteration folder (``iter_`` and the 7-digit step, or ``release``) that a run folder's
+    ``latest_checkpointed_iteration.txt`` names; ``ckpt`` itself when it is no run folder."""
     marker = ckpt / "latest_checkpointed_iteration.txt"
     if not marker.exists():
         return ckpt

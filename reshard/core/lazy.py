@@ -72,6 +72,17 @@ class LazyTensor(ABC):
         """``t`` (a view this tensor returned) has been written: give back what holds it (pages
         of a mapped file). Default: nothing."""
 
+    def _destination(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                     out: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """Where :meth:`read_box` puts a box: ``(view, True)`` when no ``out`` is given and the box
+        is one region of a mapped file (nothing left to copy), else ``(out or a new tensor, False)``."""
+        if out is not None:
+            return out, False
+        view = self.view_box(offsets, sizes)
+        if view is not None:
+            return view, True
+        return torch.empty(sizes, dtype=self.dtype), False
+
     def _box(self, dim: int, start: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         offsets = tuple(start if i == dim else 0 for i in range(len(self.shape)))
         sizes = tuple(length if i == dim else d for i, d in enumerate(self.shape))
@@ -129,11 +140,9 @@ class RowConcat(LazyTensor):
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            view = self.view_box(offsets, sizes)
-            if view is not None:
-                return view
-            out = torch.empty(sizes, dtype=self.dtype)
+        out, done = self._destination(offsets, sizes, out)
+        if done:
+            return out
         for t, start, rows, at in self._pieces(offsets[0], offsets[0] + sizes[0]):
             t.read_box((start, *offsets[1:]), (rows, *sizes[1:]), out=out.narrow(0, at, rows))
         return out

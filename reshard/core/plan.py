@@ -109,7 +109,11 @@ class DecidedParams:
     swiglu: bool | None
     vocab: Vocab
     params: list[ParamPlan]
-    carried: list[ParamPlan]
+
+    @property
+    def carried(self) -> list[ParamPlan]:
+        """The carried entries as plan entries (no partition spec)."""
+        return [r.planned(None) for r in self.carried_raw]
 
     def model_facts(self, tied: bool | None, source_layers: tuple[int, ...], target_layers: tuple[int, ...]
                     ) -> ModelFacts:
@@ -146,8 +150,7 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
     check_replicated(params, read.stages)
     return DecidedParams(family=family, naming=family.naming(all_keys), resolution=resolution, raw=raw,
                          carried_raw=carried_raw, layers_per_stage=layers_per_stage, origin=origin, hidden=hidden,
-                         heads=heads, head_dim=head_dim, groups=groups, swiglu=swiglu, vocab=vocab, params=params,
-                         carried=[r.planned(None) for r in carried_raw])
+                         heads=heads, head_dim=head_dim, groups=groups, swiglu=swiglu, vocab=vocab, params=params)
 
 
 def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: SourceCheckpoint

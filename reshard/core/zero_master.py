@@ -54,6 +54,8 @@ from reshard.core.safe_load import load_shard
 
 OPTIM_STATE = "optimizer_state_dict"
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
+#: Where each ZeRO stage keeps its flat fp32 partitions in an optimizer file.
+PARTITIONS_KEY = {1: FP32_PARTITIONS, 2: FP32_PARTITIONS, 3: "fp32_flat_groups"}
 OPTIM_FILE_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 #: The same files as names in a listing (relative to the checkpoint's root).
 OPTIM_FILE_PATTERN = re.compile(r"(^|/)(?:bf16_|fp16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
@@ -103,11 +105,9 @@ class FlatSlice(LazyTensor):
             if out is None:
                 return box.contiguous()
             return out.copy_(box)
-        if out is None:
-            view = self.view_box(offsets, sizes)
-            if view is not None:
-                return view
-            out = torch.empty(sizes, dtype=self.dtype)
+        out, done = self._destination(offsets, sizes, out)
+        if done:
+            return out
         flat = out.view(-1) if out.is_contiguous() else None
         buf = flat if flat is not None else torch.empty(run[1] - run[0], dtype=self.dtype)
         for t, start, n, at in self._segments(*run):
@@ -173,6 +173,10 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
     where = str(files[0])
     states = [_optimizer_state(f) for f in files]
     stage = _stage(states[0], where)
+    if stage == 3:
+        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file beside model states that are not ZeRO-3's "
+                                    "(zero_pp_rank_D_mp_rank_TT_model_states.pt)", culprit=where,
+                                    hint="the files come from different checkpoints")
     dp = len(files)
     for st, f in zip(states, files):
         counts = st.get("partition_count")
@@ -235,10 +239,11 @@ def optimizer_summary(files: Sequence[Path]) -> dict[str, Any] | None:
     if not mine:
         return None
     states = [_optimizer_state(f) for f in sorted(mine, key=lambda f: int(OPTIM_FILE_RE.match(f.name).group(1)))]
-    parts = [t for st in states for t in st.get(FP32_PARTITIONS) or [] if isinstance(t, torch.Tensor)]
+    stage = _stage(states[0], str(mine[0]))
+    key = PARTITIONS_KEY[stage]
+    parts = [t for st in states for t in st.get(key) or [] if isinstance(t, torch.Tensor)]
     step = _step(states[0])
-    return {"zero_stage": _stage(states[0], str(mine[0])), "dp": len(states),
-            "groups": len(states[0].get(FP32_PARTITIONS) or []),
+    return {"zero_stage": stage, "dp": len(states), "groups": len(states[0].get(key) or []),
             "master_dtype": str(parts[0].dtype).replace("torch.", "") if parts else None,
             "master_elements": sum(int(t.numel()) for t in parts), "step": int(step) if step is not None else None}
 
@@ -252,7 +257,7 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
     states = [_optimizer_state(f) for f in files]
     dp = len(files)
     for st, f in zip(states, files):
-        if _stage(st, str(f), allow_3=True) != 3:
+        if _stage(st, str(f)) != 3:
             raise InconsistentShardsError("is not a ZeRO stage 3 optimizer file as its model states are",
                                           culprit=str(f), hint="all files must come from one checkpoint")
         if st.get("partition_count") != dp:
@@ -333,18 +338,13 @@ def _optimizer_state(path: Path) -> dict[str, Any]:
     return st
 
 
-def _stage(state: Mapping[str, Any], where: str, *, allow_3: bool = False) -> int:
+def _stage(state: Mapping[str, Any], where: str) -> int:
+    """The ZeRO stage an optimizer file was saved at (1, 2 or 3, with that stage's partitions)."""
     raw = state.get("zero_stage")
     value = raw.foreign_args[0] if isinstance(raw, Foreign) and raw.foreign_args else raw
-    if value == 3 and allow_3 and "fp32_flat_groups" in state:
-        return 3
-    if value == 3:
-        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file beside model states that are not ZeRO-3's "
-                                    "(zero_pp_rank_D_mp_rank_TT_model_states.pt)", culprit=where,
-                                    hint="the files come from different checkpoints")
-    if value not in (1, 2) or FP32_PARTITIONS not in state:
-        raise CheckpointFormatError(f"is not a ZeRO stage 1/2 optimizer file (zero_stage {value!r})", culprit=where,
-                                    hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")
+    if value not in PARTITIONS_KEY or PARTITIONS_KEY[value] not in state:
+        raise CheckpointFormatError(f"is not a ZeRO optimizer file (zero_stage {value!r}, or no fp32 partitions)",
+                                    culprit=where, hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")
     return int(value)
 
 

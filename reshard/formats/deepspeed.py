@@ -49,7 +49,7 @@ class DeepSpeedFormat(CheckpointFormat):
         return {DESCRIPTOR_NAME: json.dumps(descriptor_for(plan, names), indent=2)}
 
     def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
-        return (OPTIM_FILE_PATTERN,) if options.weights == "master" else ()
+        return _optimizer_patterns(options)
 
     def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
         if options.weights != "master":
@@ -67,7 +67,7 @@ class DeepSpeedFormat(CheckpointFormat):
         key = choose_module_key(sd, options.module_key, str(path))
         if not isinstance(sd.get(key), dict):
             return sd  # the planner names what is wrong with it
-        tp_rank = int(RANK_FILE_RE.match(path.name).group(1)) if RANK_FILE_RE.match(path.name) else index
+        tp_rank = int(m.group(1)) if (m := RANK_FILE_RE.match(path.name)) else index
         sd[key] = master_module(sd[key], sd, optim_files(path.parent, tp_rank, str(path)))
         return sd
 
@@ -105,7 +105,7 @@ class DeepSpeedZero3Format(CheckpointFormat):
         return None  # read whole by open(); its files are not checked one by one
 
     def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
-        return (OPTIM_FILE_PATTERN,) if options.weights == "master" else ()
+        return _optimizer_patterns(options)
 
     def locate(self, path: Path) -> SourceCheckpoint:
         """Data-parallel rank 0's model states file of each TP rank, as the grid (the other ranks'
@@ -141,6 +141,12 @@ class DeepSpeedZero3Format(CheckpointFormat):
         sd.pop("frozen_param_fragments", None)  # consumed: the module holds the whole frozen parameters
         sd["ds_config"] = _gathered(sd.get("ds_config"))
         return sd
+
+
+def _optimizer_patterns(options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
+    """The ZeRO optimizer files, listed for ``--weights master`` only (they hold ~12 bytes per
+    parameter: never fetched for a conversion of the module's own weights)."""
+    return (OPTIM_FILE_PATTERN,) if options.weights == "master" else ()
 
 
 def _gathered(ds_config: Any) -> Any:

@@ -398,12 +398,8 @@ class DistTensor(LazyTensor):
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            view = self.view_box(offsets, sizes)
-            if view is not None:
-                return view
-            out = torch.empty(sizes, dtype=self.dtype)
-        if 0 in sizes:
+        out, done = self._destination(offsets, sizes, out)
+        if done or 0 in sizes:
             return out
         g_off, g_size = self._global(offsets, sizes)
         for c, lo, hi in self._hits(g_off, g_size):
