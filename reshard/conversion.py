@@ -19,6 +19,7 @@ from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan
 from reshard.core.zero_config import ZeroDecision, decide_conversion
+from reshard.formats.output import weights_read
 from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT
 from reshard.storage.source_view import LocalSource
@@ -77,8 +78,8 @@ def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str,
 def zero_gate(plan: Plan, target_config: Mapping[str, Any] | None) -> ZeroDecision:
     """Validate the source's saved ZeRO config (and the user's target config) before any
     transfer; ZeRO-3 placeholders are refused."""
-    elsewhere = "the fp32 master weights are read from the optimizer partitions" if plan.options.weights == "master" \
-        else None
+    read = weights_read(plan.options) - {"module"}
+    elsewhere = f"the weights are read from the optimizer partitions ({', '.join(sorted(read))})" if read else None
     decision = decide_conversion(plan.ds_config, dict(target_config) if target_config else None,
                                  weights_elsewhere=elsewhere)
     if decision.verify_full_tensors:

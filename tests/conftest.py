@@ -40,6 +40,49 @@ def sample_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def zero_checkpoint(tmp_path_factory):
+    """``make(stage, dtype, dp, tp=1) -> tag folder``: a checkpoint saved by DeepSpeed's own engine
+    (``tests/zero_engine.py``, one process per rank), each configuration once per session."""
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("zero")
+
+    def make(stage: int, dtype: str, dp: int, tp: int = 1) -> Path:
+        key = (stage, dtype, dp, tp)
+        if key not in cache:
+            cache[key] = run_zero_engine(root / "_".join(map(str, key)), stage, dtype, dp, tp)
+        return cache[key]
+
+    return make
+
+
+#: The tag the test engine saves under.
+ZERO_TAG = "global_step2"
+
+
+def run_zero_engine(out: Path, stage: int, dtype: str, dp: int, tp: int = 1, resume: Path | None = None) -> Path:
+    """Run ``tests/zero_engine.py`` on ``dp * tp`` processes: save a checkpoint under ``out`` (its
+    tag folder returned), or with ``resume`` load that universal checkpoint and write what the
+    engine resumed with to the file ``out``."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = dict(os.environ, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
+    script = str(Path(__file__).resolve().parent / "zero_engine.py")
+    tail = [str(tp)] + ([str(resume)] if resume is not None else [])
+    procs = [subprocess.Popen([sys.executable, script, str(out), port, str(r), str(dp * tp), str(stage), dtype, *tail],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(dp * tp)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError("DeepSpeed's engine failed:\n" + "\n".join(o[-3000:] for o in outs))
+    return out if resume is not None else out / ZERO_TAG
+
+
 def rank_files(folder: Path) -> list[str]:
     return [str(p) for p in sorted(Path(folder).glob("mp_rank_*_model_states.pt"))]
 

@@ -7,43 +7,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import upload_to_s3
+from conftest import ZERO_TAG as TAG, upload_to_s3
 from reshard.cli import main
 from reshard.core.options import ReshardOptions
 from reshard.core.safe_load import load_shard
 
-HERE = Path(__file__).resolve().parent
-TAG = "global_step2"
 #: (ZeRO stage, dtype, data-parallel ranks): fp32 with 2 ranks, bf16 with 3 (a parameter straddles
 #: partitions of unequal length), ZeRO-1 under bf16, ZeRO-3 (each parameter partitioned, the
 #: module files placeholders) under bf16 and fp32.
 CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), (3, "bf16", 2), (3, "fp32", 3)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _save(root: Path, stage: int, dtype: str, dp: int, tp: int = 1) -> Path:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "zero_engine.py"), str(root), port, str(r), str(dp * tp),
-                               str(stage), dtype, str(tp)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for r in range(dp * tp)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    return root / TAG
 
 
 #: ZeRO 2 and 3, bf16, TP 2 x DP 2: master weights of tensor-parallel sources (zero_to_fp32 reads TP 1 only).
@@ -51,10 +28,9 @@ TP2 = [(2, "bf16", 2, 2), (3, "bf16", 2, 2)]
 
 
 @pytest.fixture(scope="module")
-def zero_ckpts(tmp_path_factory) -> dict[tuple, Path]:
-    """Each configuration saved once for the module."""
-    root = tmp_path_factory.mktemp("zero_master")
-    return {c: _save(root / "_".join(map(str, c)), *c) for c in (*CONFIGS, *TP2)}
+def zero_ckpts(zero_checkpoint) -> dict[tuple, Path]:
+    """Each configuration saved once (for the session: the universal checkpoint tests share them)."""
+    return {c: zero_checkpoint(*c) for c in (*CONFIGS, *TP2)}
 
 
 def _zero_to_fp32(step: Path) -> dict[str, torch.Tensor]:

@@ -1,13 +1,20 @@
-"""Save a legacy-GPT checkpoint with DeepSpeed's own engine under ZeRO stage 1 or 2 (CPU, gloo),
+"""Save a legacy-GPT checkpoint with DeepSpeed's own engine under ZeRO stage 1, 2 or 3 (CPU, gloo),
 one process per (data-parallel, tensor-parallel) rank:
-``python tests/zero_engine.py OUT PORT RANK WORLD STAGE DTYPE [TP]`` (global rank ``dp * TP + tp``, as
-Megatron-LM numbers them; with TP > 1 a model-parallel unit tells DeepSpeed the groups, as
+``python tests/zero_engine.py OUT PORT RANK WORLD STAGE DTYPE [TP [RESUME]]`` (global rank ``dp * TP + tp``,
+as Megatron-LM numbers them; with TP > 1 a model-parallel unit tells DeepSpeed the groups, as
 Megatron-DeepSpeed's ``mpu`` does).
 
 The model is :mod:`reshard.sample`'s small legacy GPT, its parameters registered under their
 Megatron names (so reshard's rule table reads the checkpoint), trained two steps with Adam so the
 fp32 master weights differ from the 16-bit module copy. Two parameter groups (no weight decay on
-biases and norms, as Megatron-LM does), and the position embeddings frozen."""
+biases and norms, as Megatron-LM does), and the position embeddings frozen. The module carries the
+``universal_checkpoint_info`` Megatron-DeepSpeed gives its models (which parameters are replicated
+or row-parallel, the vocabulary), so DeepSpeed's ``ds_to_universal`` can convert the checkpoint.
+
+With ``RESUME`` (a universal checkpoint's folder) the engine is started with
+``checkpoint.load_universal`` instead, loads it, and data-parallel rank 0 saves what it resumed with
+(every trained parameter's whole fp32 weight and Adam moments, the step, the groups' settings) to
+``OUT`` (a ``torch.save`` file)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import sys
 
 out, port, rank, world, stage, dtype = sys.argv[1:7]
 TP = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+RESUME = sys.argv[8] if len(sys.argv) > 8 else None
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
 
 import torch  # noqa: E402
@@ -108,6 +116,14 @@ if TP > 1:
 cfg = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=32)
 module = shard_state_dicts(cfg, full_weights(cfg, 0), TP, 2.0, dtype=torch.float32)[int(rank) % TP]
 model = Toy(module)
+model.universal_checkpoint_info = {  # as Megatron-DeepSpeed declares its GPT's layout
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": [r".*layernorm\.(weight|bias)", r".*attention\.dense\.bias",
+                                         r".*mlp\.dense_4h_to_h\.bias"],  # (the frozen embeddings: none)
+    "parameter_with_row_parallelism_patterns": [r".*attention\.dense\.weight", r".*mlp\.dense_4h_to_h\.weight"],
+    "vocabulary_parameter_patterns": [r".*word_embeddings\.weight"],
+    "original_vocab_size": cfg.vocab,
+}
 decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(".weight") and "norm" not in n]
 no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not any(p is q for q in decay)]
 config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -115,14 +131,31 @@ config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": int(stage)}}
 if dtype in ("bf16", "fp16"):
     config[dtype] = {"enabled": True}
+if RESUME:
+    config["checkpoint"] = {"load_universal": True}
 engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True, mpu=mpu,
-                                  model_parameters=[{"params": decay, "weight_decay": 0.1},
+                                  model_parameters=[{"params": decay, "weight_decay": 0.1 if not RESUME else 0.5},
                                                     {"params": no_decay, "weight_decay": 0.0}])
+if RESUME:  # the groups' settings (weight decay 0.5 above) must come from the checkpoint
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    engine.load_checkpoint(RESUME)
+    state = {name: {"fp32": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                    "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+             for name, p in model.named_parameters() if p.requires_grad}
+    inner = engine.optimizer.optimizer
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    steps = [inner.state[g["params"][0]].get("step") for g in inner.param_groups]
+    if int(rank) == 0:
+        torch.save({"params": state, "groups": groups, "steps": steps}, out)
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 for _ in range(2):
     x = torch.ones(2, 4, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16 if dtype == "fp16" else torch.float32)
     engine.backward(engine(x).float())
     engine.step()
-engine.save_checkpoint(out, tag="global_step2")
+engine.save_checkpoint(out, tag="global_step2", client_state={"checkpoint_version": 3.0})
 torch.distributed.barrier()
 sys.stdout.flush()
 os._exit(0)  # gloo's threads may abort an orderly interpreter exit once the files are saved

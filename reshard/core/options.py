@@ -37,8 +37,9 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
     return Field(default=default, description=description, json_schema_extra=extra or None)
 
 
-#: ``--weights``: the module's own tensors, or the optimizer's fp32 master weights.
-WEIGHTS = ("module", "master")
+#: ``--weights``: the module's own tensors, or one of the optimizer's per-parameter states (the fp32
+#: master weights, Adam's first and second moments), each read from the ZeRO optimizer files.
+WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: Fields that must be positive integers when given.
 _POSITIVE = ("target_tp", "target_pp", "num_heads", "num_query_groups", "vocab_size", "make_vocab_size_divisible_by",
@@ -95,8 +96,9 @@ class ReshardOptions(BaseModel):
     to: str | None = _opt(None, "output format: megatron, deepspeed, torch_dist, ... (default: the source's own; "
                                 "torch_dist sources are written as Megatron-LM per-rank files)", metavar="FORMAT")
 
-    weights: str = _opt("module", "which weights to convert: 'module' (the copy the model ran with) or 'master' "
-                                  "(the optimizer's fp32 master weights, from DeepSpeed ZeRO 1/2 optimizer files)",
+    weights: str = _opt("module", "which weights to convert: 'module' (the copy the model ran with), 'master' "
+                                  "(the optimizer's fp32 master weights, from DeepSpeed ZeRO optimizer files), or "
+                                  "Adam's moments 'exp_avg' / 'exp_avg_sq' (from the same files)",
                         metavar="WHICH")
 
     max_shard_size: str | int | None = _opt(None, "largest file of an output written in shards, e.g. 2GB, 500MB, "

@@ -4,6 +4,8 @@ the last stage), which source files each output reads, its bytes, and its name."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from reshard.core.checks import check_head_equals_embeddings
 from reshard.core.errors import LayoutError
 from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_target
@@ -81,7 +83,7 @@ def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
 
 def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
                 options: ReshardOptions, n: int, m: int, tpp: int, output_format: str, *,
-                name: str | None = None, rank: int | None = None) -> TargetPlan:
+                name: str | None = None, rank: int | None = None, weights: str | None = None) -> TargetPlan:
     base = source_ranks_for_target(n, m, t)[0]
     files: set[int] = set()
     for tp in params:
@@ -97,20 +99,26 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
         name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
     return TargetPlan(rank=stage * m + t if rank is None else rank, name=name, sources=srcs, bytes_read=read,
                       bytes_written=written,
-                      tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params))
+                      tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params), weights=weights)
 
 
 def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOptions, n: int, m: int, tpp: int,
-                output_format: str) -> tuple[TargetPlan, ...]:
+                output_format: str, held: Mapping[str, set[tuple[int, str]] | None]) -> tuple[TargetPlan, ...]:
     """The one target of a layout of global tensors, as the files its format cuts it into
-    (:meth:`~reshard.formats.base.CheckpointFormat.file_groups`): each a target of its own, so
-    every writer, the flow's per-target caching and the manifest handle them unchanged."""
+    (:meth:`~reshard.formats.base.CheckpointFormat.split`), for each set of weights it is written
+    from (``held``: weights -> the ``(stage, file key)`` of the parameters they hold, None: all):
+    each file a target of its own, so every writer, the flow's per-target caching and the manifest
+    handle them unchanged."""
     fmt = get_format(output_format)
-    params = list(target.params)
-    starts = fmt.file_groups([target_size(tp.param, n, m, options.quantize) for tp in params], options)
-    if starts == [0]:
-        return (target,)
-    bounds = [*starts, len(params)]
-    return tuple(target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, n, m, tpp, output_format,
-                             name=fmt.part_name(target.name, i, len(starts)), rank=i)
-                 for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    out: list[TargetPlan] = []
+    for weights, keys in held.items():
+        params = [tp for tp in target.params if keys is None or (tp.param.stage, tp.param.src_key) in keys]
+        sizes = [target_size(tp.param, n, m, options.quantize) for tp in params]
+        files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
+        if len(held) == 1 and files == [(target.name, 0, len(params))]:
+            return (target,)
+        own = None if weights == options.weights else weights
+        out += [target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, n, m, tpp, output_format,
+                            name=name, rank=len(out) + i, weights=own)
+                for i, (name, a, b) in enumerate(files)]
+    return tuple(out)

@@ -59,6 +59,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     fmt = get_format(source.format)  # reads the files
     out_fmt = output_format(source, options)  # names and writes the outputs
     out_fmt.check_target(tpp)
+    out_fmt.check_source(source, options)
     read = fmt.read(source, options, headers_only=headers_only)
     version = decide_version(read.shards, read.names, source, options)
     d = decide_parameters(read, options, version, source, fmt)
@@ -74,8 +75,9 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     targets = tuple(target_plan(s, t, placed[s], source, options, n, m, tpp, out_fmt.name)
                     for s in range(tpp) for t in range(m))
     if not out_fmt.per_rank and len(targets) == 1:
-        targets = split_files(targets[0], source, options, n, m, tpp, out_fmt.name)
-    dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES}
+        held = {w: _held(fmt, source, options, w, read.module_key) for w in out_fmt.weight_sets(options)}
+        targets = split_files(targets[0], source, options, n, m, tpp, out_fmt.name, held or {options.weights: None})
+    dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES and k not in out_fmt.keeps}
     ds_config = read.shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
     facts = d.model_facts(tied, tuple(d.layers_per_stage), tuple(target_layers))
@@ -87,6 +89,18 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
                 extra_files=extra)
     out_fmt.check_plan(plan)
     return plan
+
+
+def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptions, weights: str, module_key: str
+          ) -> set[tuple[int, str]] | None:
+    """The ``(stage, file key)`` of the entries the source's module holds when read as ``weights``
+    (Adam moments exist for trained parameters only; None: all, as planned). Read from the first
+    file of each stage, lazily."""
+    if weights == options.weights:
+        return None
+    other = options.model_copy(update={"weights": weights})
+    return {(s, key) for s in range(source.pp) for key, value in fmt.open(source, other, s * source.tp)[module_key].items()
+            if isinstance(value, (torch.Tensor, LazyTensor))}
 
 
 @dataclass(frozen=True, kw_only=True)

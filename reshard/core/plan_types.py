@@ -119,6 +119,9 @@ class TargetPlan:
     base_rank: int = 0
     params: tuple[TargetParam, ...] = ()
     kind: str = "rank"
+    #: The weights its module is read as (a ``--weights`` value), when not the plan's own (a
+    #: universal checkpoint's files of Adam moments); None: ``options.weights``.
+    weights: str | None = None
 
 
 #: ``TargetPlan.kind``: top-level entries with the module under ``module_key``.
@@ -166,6 +169,13 @@ class Plan:
     @property
     def target_tp(self) -> int:
         return self.options.target_tp
+
+    def target_options(self, tgt: int) -> ReshardOptions:
+        """The options target ``tgt``'s sources are opened with (its own ``weights``, if any)."""
+        weights = self.targets[tgt].weights
+        if weights is None or weights == self.options.weights:
+            return self.options
+        return self.options.model_copy(update={"weights": weights})
 
     @property
     def peak_memory_estimate(self) -> int:

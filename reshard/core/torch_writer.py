@@ -195,6 +195,33 @@ def as_bytes(data: Any) -> tuple[memoryview, Any]:
     return (mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")), None
 
 
+def first_rows(t: PendingTensor, rows: int) -> PendingTensor:
+    """The first ``rows`` rows of ``t``, produced by ``t``'s own producer (the bytes after them
+    are dropped as they come): a padded vocabulary cut to its true rows, streamed."""
+    keep = rows * (t.nbytes // t.shape[0]) if t.shape and t.shape[0] else 0
+
+    def produce(sink: RecordSink) -> None:
+        t.produce(_PrefixSink(sink, keep))
+
+    return PendingTensor((rows, *t.shape[1:]), t.dtype, produce, t.requires_grad, t.name)
+
+
+class _PrefixSink(RecordSink):
+    """Passes on the first ``limit`` bytes written to it, drops the rest."""
+
+    def __init__(self, sink: RecordSink, limit: int) -> None:
+        self.sink, self.limit, self.pos = sink, limit, 0
+
+    def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
+        mv, hold = as_bytes(data)
+        take = max(0, min(len(mv), self.limit - self.pos))
+        self.pos += len(mv)
+        if take:
+            self.sink.write(mv[:take], release, (keep, hold, data))
+        elif release is not None:
+            release()
+
+
 class _MemorySink(RecordSink):
     def __init__(self, out: torch.Tensor) -> None:
         self.out = out

@@ -1,4 +1,5 @@
-"""The fp32 master weights of a DeepSpeed ZeRO stage 1/2 checkpoint, as lazy module tensors.
+"""The fp32 master weights of a DeepSpeed ZeRO checkpoint (and, laid out alike, Adam's moments), as
+lazy module tensors.
 
 Under ZeRO 1/2 a rank file's module holds the 16-bit copy the forward pass used; the weights the
 optimizer updates are fp32, flattened per parameter group and cut into one equal partition per
@@ -16,6 +17,10 @@ groups[g]``; the last may be shorter)  (``pad_k``: ``param_alignment_paddings[g]
 end of the walk                        equals ``len(flat)`` up to DeepSpeed's alignment to
                                        ``2 * D`` elements; anything else is refused
 =====================================  ==========================================================
+
+Adam's moments (``exp_avg``, ``exp_avg_sq``: the base optimizer's per-group state, one flat tensor
+per group as long as the group's fp32 partition) are cut exactly like the master weights
+(:data:`STATES` names where each lives); a frozen parameter has none and is left out of them.
 
 A parameter may straddle two partitions: :class:`FlatSlice` reads it from both, lazily (the
 partitions are memory-mapped; nothing is read until a target asks for a box). Module entries no
@@ -56,6 +61,9 @@ OPTIM_STATE = "optimizer_state_dict"
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
 #: Where each ZeRO stage keeps its flat fp32 partitions in an optimizer file.
 PARTITIONS_KEY = {1: FP32_PARTITIONS, 2: FP32_PARTITIONS, 3: "fp32_flat_groups"}
+#: The per-parameter optimizer states that are read as module tensors (``--weights``), as they are
+#: named in a universal checkpoint: the fp32 master weights and Adam's two moments.
+STATES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 OPTIM_FILE_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 #: The same files as names in a listing (relative to the checkpoint's root).
 OPTIM_FILE_PATTERN = re.compile(r"(^|/)(?:bf16_|fp16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
@@ -165,11 +173,12 @@ def optim_files(folder: Path, tp_rank: int, where: str) -> list[Path]:
     return [by_dp[r][0] for r in ranks]
 
 
-def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], files: Sequence[Path]
-                  ) -> dict[str, Any]:
+def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], files: Sequence[Path],
+                  which: str = "master") -> dict[str, Any]:
     """``module`` (a rank file's module, in its order) with every parameter replaced by its fp32
-    master weight from the ZeRO optimizer ``files`` (data-parallel ranks in order); see the module
-    docstring. Validates everything it reads: stage, partition count, step, group sizes, shapes."""
+    master weight (``which``: or an Adam moment, see :data:`STATES`) from the ZeRO optimizer ``files``
+    (data-parallel ranks in order); see the module docstring. Validates everything it reads: stage,
+    partition count, step, group sizes, shapes."""
     where = str(files[0])
     states = [_optimizer_state(f) for f in files]
     stage = _stage(states[0], where)
@@ -193,12 +202,7 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
     if not isinstance(param_shapes, list) or not all(isinstance(g, Mapping) for g in param_shapes):
         raise CheckpointFormatError("has no param_shapes (one name -> shape map per parameter group)",
                                     culprit=where, hint="the model states file does not come from a ZeRO engine")
-    groups = [st.get(FP32_PARTITIONS) for st in states]
-    for g, f in zip(groups, files):
-        if not isinstance(g, list) or len(g) != len(param_shapes) or \
-                not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in g):
-            raise CheckpointFormatError(f"{FP32_PARTITIONS} does not hold {len(param_shapes)} flat fp32 groups "
-                                        f"as param_shapes has", culprit=str(f), hint="the files do not belong together")
+    groups = [_flat_groups(st, stage, which, len(param_shapes), str(f)) for st, f in zip(states, files)]
     paddings = states[0].get("param_alignment_paddings")
     pages = PageDropper(files)  # the optimizer files are mapped now
     masters: dict[str, LazyTensor] = {}
@@ -221,7 +225,8 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
             out[key] = master
         elif isinstance(value, torch.Tensor) and value.is_floating_point() and \
                 key not in (model_states.get("buffer_names") or ()):
-            out[key] = Upcast(value, torch.float32)  # frozen: the optimizer holds no copy
+            if which == "master":  # frozen: the optimizer holds no copy (and no moments)
+                out[key] = Upcast(value, torch.float32)
         else:
             out[key] = value
     unused = sorted(set(masters) - set(module))
@@ -248,11 +253,40 @@ def optimizer_summary(files: Sequence[Path]) -> dict[str, Any] | None:
             "master_elements": sum(int(t.numel()) for t in parts), "step": int(step) if step is not None else None}
 
 
+def universal_globals(model_states: Mapping[str, Any], optim_file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a universal checkpoint keeps of a ZeRO stage 1/2 optimizer besides the per-parameter
+    states: its settings (the file's entries less the partitions and the per-parameter state, the
+    base optimizer's ``param_groups`` added: learning rates, betas, weight decay) and each trained
+    parameter's ``step`` (its group's), from one optimizer file and its model states."""
+    where = str(optim_file)
+    state = _optimizer_state(optim_file)
+    if _stage(state, where) == 3:
+        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file", culprit=where,
+                                    hint="universal checkpoints are written from ZeRO stage 1/2 checkpoints")
+    base = state.get("base_optimizer_state")
+    groups = base.get("param_groups") if isinstance(base, dict) else None
+    per_group = base.get("state") if isinstance(base, dict) else None
+    param_shapes = model_states.get("param_shapes")
+    if not isinstance(groups, list) or not isinstance(per_group, dict) or not isinstance(param_shapes, list) or \
+            len(groups) != len(param_shapes):
+        raise CheckpointFormatError("has no base optimizer param_groups and state matching param_shapes",
+                                    culprit=where, hint="pass a DeepSpeed ZeRO stage 1/2 checkpoint's own files")
+    settings = {k: v for k, v in state.items() if k not in ("base_optimizer_state", "param_slice_mappings",
+                                                            FP32_PARTITIONS)}
+    settings["param_groups"] = groups
+    steps = {}
+    for g, shapes in enumerate(param_shapes):
+        step = per_group.get(g, {}).get("step") if isinstance(per_group.get(g), dict) else None
+        if step is not None:
+            steps.update({name: step for name in shapes})
+    return settings, steps
+
+
 def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mapping[str, Any]],
-                        files: Sequence[Path]) -> dict[str, Any]:
+                        files: Sequence[Path], which: str = "master") -> dict[str, Any]:
     """``module`` (placeholders, in the module's order) with every parameter its fp32 master weight
-    from ZeRO stage 3 optimizer ``files`` and each data-parallel rank's ``model_states`` (frozen
-    fragments); see the module docstring."""
+    (``which``: or an Adam moment, see :data:`STATES`) from ZeRO stage 3 optimizer ``files`` and
+    each data-parallel rank's ``model_states`` (frozen fragments); see the module docstring."""
     where = str(files[0])
     states = [_optimizer_state(f) for f in files]
     dp = len(files)
@@ -272,9 +306,9 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
     shapes = {name: tuple(int(d) for d in shape) for group in param_shapes for name, shape in group.items()}
     flats: list[list[tuple[torch.Tensor, int, int]]] = []
     for st, f in zip(states, files):
-        groups = st.get("fp32_flat_groups")
-        if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) and t.dim() == 1 and
-                                                   t.dtype == torch.float32 for t in groups):
+        count = len(st.get("fp32_flat_groups") or ())
+        groups = _flat_groups(st, 3, which, count, str(f))
+        if not all(t.dtype == torch.float32 for t in groups):
             raise CheckpointFormatError("fp32_flat_groups is not a list of flat fp32 tensors", culprit=str(f),
                                         hint="pass a DeepSpeed ZeRO stage 3 checkpoint's own *_optim_states.pt files")
         flats.append([(t, 0, int(t.numel())) for t in groups])
@@ -297,8 +331,8 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
             raise CheckpointFormatError(f"the parameters take {offset} fp32 elements per rank but it holds {held}",
                                         culprit=str(f), hint="param_shapes and the optimizer files do not belong "
                                                              "together")
-    frozen = model_states[0].get("frozen_param_shapes") or {}
-    for name, shape in frozen.items():
+    frozen = model_states[0].get("frozen_param_shapes") if which == "master" else None  # no moments
+    for name, shape in (frozen or {}).items():
         frags = [ms.get("frozen_param_fragments", {}).get(name) for ms in model_states]
         if not all(isinstance(t, torch.Tensor) for t in frags):
             raise CheckpointFormatError(f"frozen parameter {name} lacks a fragment on some data-parallel rank",
@@ -310,7 +344,8 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
     out: dict[str, Any] = {}
     for key, value in module.items():
         master = masters.get(key) or masters.get(shared.get(key, ""))
-        out[key] = master if master is not None else value
+        if master is not None or which == "master" or not isinstance(value, torch.Tensor):
+            out[key] = master if master is not None else value
     unused = sorted(set(masters) - set(module))
     if unused:
         raise InconsistentShardsError(f"param_shapes names {unused[:3]} that the module does not hold", culprit=where,
@@ -336,6 +371,27 @@ def _optimizer_state(path: Path) -> dict[str, Any]:
         raise CheckpointFormatError(f"has no {OPTIM_STATE!r} dict", culprit=str(path),
                                     hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")
     return st
+
+
+def _flat_groups(state: Mapping[str, Any], stage: int, which: str, count: int, where: str) -> list[torch.Tensor]:
+    """The ``count`` flat per-group tensors of state ``which`` in one optimizer file: the fp32
+    partitions, or the base optimizer's per-group Adam moments (same lengths, same cut)."""
+    if which == "master":
+        groups: Any = state.get(PARTITIONS_KEY[stage])
+        what = PARTITIONS_KEY[stage]
+    else:
+        base = state.get("base_optimizer_state" if stage < 3 else OPTIM_STATE)
+        per_group = base.get("state") if isinstance(base, dict) else None
+        groups = [per_group.get(g, {}).get(which) if isinstance(per_group, dict) and
+                  isinstance(per_group.get(g), dict) else None for g in range(count)]
+        what = f"the optimizer's {which} state"
+    if not isinstance(groups, list) or len(groups) != count or \
+            not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in groups):
+        raise CheckpointFormatError(f"{what} does not hold {count} flat groups as param_shapes has", culprit=where,
+                                    hint="the files do not belong together, or the optimizer is not Adam "
+                                         "(only Adam's moments are read)" if which != "master" else
+                                         "the files do not belong together")
+    return groups
 
 
 def _stage(state: Mapping[str, Any], where: str) -> int:

@@ -106,7 +106,7 @@ class CheckpointFormat(ABC):
         if options.weights != "module":
             raise LayoutError(f"--weights {options.weights} is not available for the {self.title or self.name} "
                               f"layout", culprit="--weights",
-                              hint="master weights are read from DeepSpeed ZeRO stage 1/2 checkpoints; drop the flag")
+                              hint="optimizer states are read from DeepSpeed ZeRO checkpoints; drop the flag")
         return self.load(source.files[index])
 
     def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
@@ -164,6 +164,10 @@ class CheckpointFormat(ABC):
     ckpt_format: ClassVar[str | None] = None
     #: How errors name the layout (default: ``name``).
     title: ClassVar[str] = ""
+    #: Top-level entries of the source that this output keeps although a reshard drops them
+    #: elsewhere (:data:`~reshard.core.plan_types.DROPPED_ENTRIES`): a universal checkpoint resumes
+    #: training, so it keeps the LR scheduler.
+    keeps: ClassVar[frozenset[str]] = frozenset()
 
     def check_target(self, target_pp: int) -> None:
         """Refuse a target layout this format cannot write."""
@@ -179,6 +183,28 @@ class CheckpointFormat(ABC):
         """Path, relative to the destination, of the output file of (tp_rank, pp_rank)."""
         raise LayoutError(f"the {self.name} format is read-only here: reshard cannot write it", culprit=source.origin,
                           hint="convert to a format reshard writes (DeepSpeed or Megatron-LM layout)")
+
+    def check_source(self, source: SourceCheckpoint, options: ReshardOptions) -> None:
+        """Refuse, before anything is read, a source this output cannot be written from (a layout
+        that needs what only some sources hold: a universal checkpoint, the ZeRO optimizer files)."""
+
+    def weight_sets(self, options: ReshardOptions) -> tuple[str, ...]:
+        """The weights (``--weights`` values) this output's files are written from, when it holds
+        more than ``options.weights`` (a DeepSpeed universal checkpoint: the module, the fp32 master
+        weights and both Adam moments, each in files of its own; see :meth:`split`). Default: none."""
+        return ()
+
+    def split(self, name: str, keys: Sequence[str], sizes: Sequence[int], options: ReshardOptions,
+              weights: str) -> list[tuple[str, int, int]]:
+        """The files a layout of global tensors writes its one target ``name`` as, for the parameters
+        named ``keys`` (in order; ``sizes``: their bytes) read as ``weights``: ``(file name, first,
+        stop)`` per file, a run of the parameters each. Default: cut where :meth:`file_groups` says,
+        named by :meth:`part_name`."""
+        starts = self.file_groups(sizes, options)
+        if starts == [0]:
+            return [(name, 0, len(keys))]
+        bounds = [*starts, len(keys)]
+        return [(self.part_name(name, i, len(starts)), a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
         """A layout of global tensors written as several files: where its one target is cut, as the

@@ -23,6 +23,7 @@ from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, S
 from reshard.core.zero_master import (OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, master_module_zero3,
                                       optim_files)
 from reshard.formats.base import CheckpointFormat, check_contiguous
+from reshard.formats.output import weights_read
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -52,15 +53,16 @@ class DeepSpeedFormat(CheckpointFormat):
         return _optimizer_patterns(options)
 
     def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
-        if options.weights != "master":
+        if weights_read(options) == {"module"}:
             return ()
         folders = sorted({f.parent for f in source.files})
         return tuple(c for d in folders for c in sorted(d.iterdir()) if OPTIM_FILE_RE.match(c.name))
 
     def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
-        """``--weights master``: the module's parameters replaced by the fp32 master weights of the
-        ZeRO stage 1/2 optimizer files beside the rank file (:mod:`reshard.core.zero_master`)."""
-        if options.weights != "master":
+        """``--weights master`` (or ``exp_avg`` / ``exp_avg_sq``): the module's parameters replaced by
+        the fp32 master weights (or Adam's moments) of the ZeRO stage 1/2 optimizer files beside the
+        rank file (:mod:`reshard.core.zero_master`)."""
+        if options.weights == "module":
             return super().open(source, options, index)
         path = source.files[index]
         sd = dict(self.load(path))
@@ -68,7 +70,7 @@ class DeepSpeedFormat(CheckpointFormat):
         if not isinstance(sd.get(key), dict):
             return sd  # the planner names what is wrong with it
         tp_rank = int(m.group(1)) if (m := RANK_FILE_RE.match(path.name)) else index
-        sd[key] = master_module(sd[key], sd, optim_files(path.parent, tp_rank, str(path)))
+        sd[key] = master_module(sd[key], sd, optim_files(path.parent, tp_rank, str(path)), options.weights)
         return sd
 
     def locate(self, path: Path) -> SourceCheckpoint:
@@ -114,14 +116,14 @@ class DeepSpeedZero3Format(CheckpointFormat):
         return SourceCheckpoint(tuple(grid[t][0] for t in sorted(grid)), origin=str(path), format=self.name)
 
     def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
-        if options.weights != "master":
+        if weights_read(options) == {"module"}:
             return ()
         folder = source.files[0].parent
         others = [f for files in _zero3_grid(folder).values() for f in files[1:]]
         return tuple(others) + tuple(c for c in sorted(folder.iterdir()) if OPTIM_FILE_RE.match(c.name))
 
     def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
-        if options.weights != "master":
+        if options.weights == "module":
             first = source.files[0].name
             raise CheckpointFormatError(
                 f"a DeepSpeed ZeRO stage 3 checkpoint ({first}, ...): its model-states files hold only "
@@ -137,16 +139,16 @@ class DeepSpeedZero3Format(CheckpointFormat):
         key = choose_module_key(sd, options.module_key, str(path))
         if not isinstance(sd.get(key), dict):
             return sd  # the planner names what is wrong with it
-        sd[key] = master_module_zero3(sd[key], states, optim_files(path.parent, tp_rank, str(path)))
+        sd[key] = master_module_zero3(sd[key], states, optim_files(path.parent, tp_rank, str(path)), options.weights)
         sd.pop("frozen_param_fragments", None)  # consumed: the module holds the whole frozen parameters
         sd["ds_config"] = _gathered(sd.get("ds_config"))
         return sd
 
 
 def _optimizer_patterns(options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
-    """The ZeRO optimizer files, listed for ``--weights master`` only (they hold ~12 bytes per
-    parameter: never fetched for a conversion of the module's own weights)."""
-    return (OPTIM_FILE_PATTERN,) if options.weights == "master" else ()
+    """The ZeRO optimizer files, listed only when the conversion reads optimizer states (they hold
+    ~12 bytes per parameter: never fetched for a conversion of the module's own weights)."""
+    return () if weights_read(options) == {"module"} else (OPTIM_FILE_PATTERN,)
 
 
 def _gathered(ds_config: Any) -> Any:

@@ -26,3 +26,13 @@ def output_format(source: SourceCheckpoint, options: ReshardOptions) -> Checkpoi
         raise LayoutError(f"cannot write a {fmt.title or fmt.name} checkpoint in the {out.title or out.name} layout",
                           culprit="--to", hint=f"use --to {own.name}, or --to a layout of global tensors (torch_dist)")
     return out
+
+
+def weights_read(options: ReshardOptions) -> set[str]:
+    """The weights (``--weights`` values) a conversion under ``options`` reads: its own, and those
+    its output format is written from (a universal checkpoint's optimizer states). A source format
+    fetches and opens the ZeRO optimizer files only when this holds more than ``module``."""
+    sets = {options.weights}
+    if options.to is not None and options.to in registry:
+        sets.update(get_format(options.to).weight_sets(options))
+    return sets

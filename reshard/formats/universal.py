@@ -1,0 +1,171 @@
+"""DeepSpeed's universal checkpoint (``--to universal``): a training checkpoint that any data-parallel
+size, and any TP a model-parallel unit asks for, resumes from (DeepSpeed's ``checkpoint.load_universal``).
+
+Written from a DeepSpeed ZeRO stage 1/2 checkpoint (the model states and every data-parallel rank's
+optimizer files), as DeepSpeed's ``ds_to_universal.py`` writes it, but streamed: each file is a
+target of the plan, read from the optimizer partitions as it is written, with no temp folder of
+per-slice files. The layout under the destination::
+
+    latest_universal                      the tag (global_stepN), as DeepSpeed's loader looks it up
+    TAG/mp_rank_00_model_states.pt        the model states at TP 1 (engine metadata, LR scheduler)
+    TAG/zero/optimizer_state.pt           optimizer settings: param_groups, loss scaler, ...
+    TAG/zero/NAME/fp32.pt                 per parameter: the fp32 master weight,
+    TAG/zero/NAME/exp_avg.pt              Adam's first moment,
+    TAG/zero/NAME/exp_avg_sq.pt           its second moment (each a dict, below),
+    TAG/zero/NAME/step.pt                 and the optimizer step (trained parameters only)
+
+Each state file is ``{"cat_dim": d, "param": whole tensor}``, the keys saying how DeepSpeed's loader
+cuts the whole tensor for a TP rank; the rule table decides them (the source needs no
+``universal_checkpoint_info`` patterns):
+
+==========================  ==================================================================
+rule of the parameter       entries besides ``param`` (in this order)
+==========================  ==================================================================
+replicated (norms, biases   none: every rank loads the whole tensor
+of row-parallel layers)
+column-parallel, QKV        ``cat_dim`` 0
+row-parallel                ``cat_dim`` 1
+gated MLP (SwiGLU) fc1      ``cat_dim`` 0, ``param_n_sub_params`` 2 ([gate; up], each cut alike)
+vocabulary (embeddings,     ``cat_dim`` 0, ``vocab_tensor`` True; rows cut to the true vocabulary
+output layer)               (``universal_checkpoint_info.original_vocab_size``, else the model
+                            facts'), the loader pads them for its TP
+==========================  ==================================================================
+
+Frozen parameters have ``fp32.pt`` only (the module copy, upcast), as in DeepSpeed's own output.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from reshard.core import foreign
+from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.safe_load import load_shard
+from reshard.core.source import DEEPSPEED, SourceCheckpoint, rank_file_name
+from reshard.core.torch_writer import PendingTensor, first_rows
+from reshard.core.zero_master import STATES, optim_files, universal_globals
+from reshard.formats.base import CheckpointFormat
+
+if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
+    from reshard.core.plan_types import Plan
+
+UNIVERSAL = "universal"
+#: The marker DeepSpeed's loader reads (``load_universal``) instead of ``latest``.
+LATEST_UNIVERSAL = "latest_universal"
+#: Top-level entries of the model states kept (a resumed training needs its LR schedule).
+KEPT = frozenset({"optimizer", "lr_scheduler"})
+
+
+class UniversalFormat(CheckpointFormat):
+    name = UNIVERSAL
+    title = "DeepSpeed universal checkpoint"
+    priority = 95
+    per_rank = False
+    keeps = KEPT
+
+    def locate(self, path: Path) -> SourceCheckpoint:
+        raise CheckpointFormatError("reshard writes DeepSpeed universal checkpoints but does not read them",
+                                    culprit=str(path), hint="convert the DeepSpeed ZeRO checkpoint it was made from")
+
+    def check_source(self, source: SourceCheckpoint, options: ReshardOptions) -> None:
+        if source.format != DEEPSPEED:
+            what = "a ZeRO stage 3 checkpoint" if source.format == "deepspeed-zero3" else \
+                f"a {source.format} checkpoint"
+            raise LayoutError(f"a universal checkpoint is written from a DeepSpeed ZeRO stage 1/2 checkpoint (model "
+                              f"states and optimizer files), not from {what}", culprit="--to universal",
+                              hint="convert a DeepSpeed ZeRO stage 1/2 checkpoint (ZeRO-3: use DeepSpeed's "
+                                   "ds_to_universal.py), or write another format")
+        if options.weights != "module":
+            raise LayoutError("a universal checkpoint holds the module, the master weights and Adam's moments "
+                              "already", culprit="--weights", hint="drop --weights")
+        if options.quantize:
+            raise LayoutError("a universal checkpoint resumes training: its weights are not quantized",
+                              culprit="--quantize", hint="drop --quantize")
+
+    def check_plan(self, plan: Plan) -> None:
+        for p in plan.params:
+            if p.spec is not None and p.spec.parts > 2:
+                raise LayoutError(f"checkpoint_version {plan.version} stores QKV as [3, heads, head_dim] rows, which "
+                                  f"DeepSpeed's universal loader would cut wrongly (it cuts whole rows)",
+                                  culprit=p.key, hint="if the checkpoint stores QKV per head (Megatron-DeepSpeed: "
+                                                      "checkpoint_version 3, often not saved), say so with --version 3")
+
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
+        return f"{_tag(source)}/{rank_file_name(0)}"
+
+    def weight_sets(self, options: ReshardOptions) -> tuple[str, ...]:
+        return ("module", *STATES)
+
+    def split(self, name: str, keys: Sequence[str], sizes: Sequence[int], options: ReshardOptions,
+              weights: str) -> list[tuple[str, int, int]]:
+        if weights == "module":
+            return [(name, 0, len(keys))]
+        tag = name.split("/")[0]
+        return [(f"{tag}/zero/{key}/{STATES[weights]}.pt", i, i + 1) for i, key in enumerate(keys)]
+
+    def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
+        target = plan.targets[tgt]
+        if target.weights is None:
+            return sd  # the model states file
+        (entry,) = target.params
+        value = sd[plan.module_key][entry.out_key]
+        p = entry.param
+        rec: dict[str, Any] = {}
+        if p.spec is not None:
+            rec["cat_dim"] = p.spec.dim
+            if p.spec.parts == 2:
+                rec["param_n_sub_params"] = 2
+        if p.rule.vocab:
+            rec["vocab_tensor"] = True
+            rows = _true_vocab(plan, sd)
+            if rows is not None and rows < value.shape[0]:
+                value = first_rows(value, rows) if isinstance(value, PendingTensor) else value[:rows]
+        rec["param"] = value
+        return rec
+
+    def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
+        src = plan.source
+        tag = _tag(src)
+        model_states = load_shard(src.files[0])
+        settings, steps = universal_globals(model_states, optim_files(src.files[0].parent, 0, str(src.files[0]))[0])
+        out: dict[str, str | bytes] = {LATEST_UNIVERSAL: tag, f"{tag}/zero/optimizer_state.pt": _saved(settings)}
+        trained = {t.params[0].out_key for t in plan.targets if t.weights == "exp_avg"}
+        for key in sorted(trained):
+            if key in steps:
+                out[f"{tag}/zero/{key}/step.pt"] = _saved(steps[key])
+        return out
+
+    def describe(self, plan: Plan) -> list[str]:
+        trained = sum(t.weights == "exp_avg" for t in plan.targets)
+        frozen = sum(t.weights == "master" for t in plan.targets) - trained
+        return [f"DeepSpeed universal checkpoint: {trained} trained parameters (fp32 master, exp_avg, exp_avg_sq, "
+                f"step)" + (f", {frozen} frozen (fp32 only)" if frozen else "")
+                + "; resume with DeepSpeed's checkpoint.load_universal=true at any data-parallel size"]
+
+
+def _tag(source: SourceCheckpoint) -> str:
+    """The output's tag: DeepSpeed's default for the saved step (``global_stepN``, from the model
+    states' ``global_steps``), so the output does not depend on where the source was read from (a
+    remote source is read through a local view of another name); the source folder's name when
+    the step was not saved."""
+    steps = load_shard(source.files[0]).get("global_steps")
+    return f"global_step{steps}" if isinstance(steps, int) else source.files[0].parent.name
+
+
+def _true_vocab(plan: Plan, sd: dict[str, Any]) -> int | None:
+    info = sd.get("universal_checkpoint_info")
+    size = info.get("original_vocab_size") if isinstance(info, dict) else None
+    return size if isinstance(size, int) else plan.facts.vocab_size
+
+
+def _saved(obj: Any) -> bytes:
+    """``obj`` as ``torch.save`` writes it (DeepSpeed's pickled classes under their own names)."""
+    buf = io.BytesIO()
+    foreign.save(obj.clone() if isinstance(obj, torch.Tensor) else obj, buf)
+    return buf.getvalue()
