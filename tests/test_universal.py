@@ -18,8 +18,10 @@ from conftest import ZERO_TAG, run_zero_engine
 from reshard.cli import main
 
 #: (ZeRO stage, dtype, data-parallel ranks[, TP]): fp32, bf16 with unequal partitions (DP 3),
-#: ZeRO-1, and TP 2 x DP 2 (merged by the rule table; ds_to_universal by the source's patterns).
-CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), (2, "bf16", 2, 2)]
+#: ZeRO-1, DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation: files that name
+#: no ZeRO stage), and TP 2 x DP 2 (merged by the rule table; ds_to_universal by the source's patterns).
+BF16_OPTIMIZER = (1, "bf16-fp32acc", 2)
+CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), BF16_OPTIMIZER, (2, "bf16", 2, 2)]
 
 
 def _ds_to_universal(step: Path, out: Path) -> Path:
@@ -107,6 +109,20 @@ def test_an_engine_resumes_from_it_as_from_deepspeeds_own(zero_checkpoint, confi
 
         ref = get_fp32_state_dict_from_zero_checkpoint(str(step.parent), tag=step.name)
         assert all(torch.equal(params[k]["fp32"], ref[k]) for k in params)
+
+
+def test_bf16_optimizer_master_weights_equal_ds_to_universal(zero_checkpoint, tmp_path):
+    """BF16_Optimizer files (no ``zero_stage``; ``zero_to_fp32`` refuses them): ``--weights master``
+    equals the fp32.pt files of DeepSpeed's ``ds_to_universal``, the module copy differs."""
+    step = zero_checkpoint(*BF16_OPTIMIZER)
+    assert main(["run", "--direct", str(step), str(tmp_path / "m"), "--target-tp", "1", "--weights", "master"]) == 0
+    got = torch.load(tmp_path / "m" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    bf16 = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    want = _ds_to_universal(step, tmp_path / "want") / ZERO_TAG / "zero"
+    assert list(got) == list(bf16)
+    for key, value in got.items():
+        assert torch.equal(value, torch.load(want / key / "fp32.pt")["param"]), key
+    assert any(not torch.equal(got[k], bf16[k].float()) for k in got)
 
 
 def test_adam_moments_as_module_weights(zero_checkpoint, tmp_path):

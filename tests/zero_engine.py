@@ -131,6 +131,8 @@ config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": int(stage)}}
 if dtype in ("bf16", "fp16"):
     config[dtype] = {"enabled": True}
+if dtype == "bf16-fp32acc":  # ZeRO-1 so configured runs DeepSpeed's BF16_Optimizer (files without zero_stage)
+    config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
 if RESUME:
     config["checkpoint"] = {"load_universal": True}
 engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True, mpu=mpu,
@@ -152,7 +154,7 @@ if RESUME:  # the groups' settings (weight decay 0.5 above) must come from the c
     sys.stdout.flush()
     os._exit(0)
 for _ in range(2):
-    x = torch.ones(2, 4, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16 if dtype == "fp16" else torch.float32)
+    x = torch.ones(2, 4, dtype=torch.bfloat16 if dtype.startswith("bf16") else torch.float16 if dtype == "fp16" else torch.float32)
     engine.backward(engine(x).float())
     engine.step()
 engine.save_checkpoint(out, tag="global_step2", client_state={"checkpoint_version": 3.0})

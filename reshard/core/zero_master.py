@@ -59,8 +59,10 @@ from reshard.core.safe_load import load_shard
 
 OPTIM_STATE = "optimizer_state_dict"
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
-#: Where each ZeRO stage keeps its flat fp32 partitions in an optimizer file.
-PARTITIONS_KEY = {1: FP32_PARTITIONS, 2: FP32_PARTITIONS, 3: "fp32_flat_groups"}
+#: Where each ZeRO stage keeps its flat fp32 partitions in an optimizer file (0: DeepSpeed's
+#: BF16_Optimizer, which bf16 ZeRO-1 with fp32 gradient accumulation runs: ZeRO-1's layout, and files
+#: that name no stage).
+PARTITIONS_KEY = {0: FP32_PARTITIONS, 1: FP32_PARTITIONS, 2: FP32_PARTITIONS, 3: "fp32_flat_groups"}
 #: The per-parameter optimizer states that are read as module tensors (``--weights``), as they are
 #: named in a universal checkpoint: the fp32 master weights and Adam's two moments.
 STATES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -398,6 +400,8 @@ def _stage(state: Mapping[str, Any], where: str) -> int:
     """The ZeRO stage an optimizer file was saved at (1, 2 or 3, with that stage's partitions)."""
     raw = state.get("zero_stage")
     value = raw.foreign_args[0] if isinstance(raw, Foreign) and raw.foreign_args else raw
+    if raw is None and "base_optimizer_state" in state:
+        value = 0  # BF16_Optimizer
     if value not in PARTITIONS_KEY or PARTITIONS_KEY[value] not in state:
         raise CheckpointFormatError(f"is not a ZeRO optimizer file (zero_stage {value!r}, or no fp32 partitions)",
                                     culprit=where, hint="pass a DeepSpeed ZeRO checkpoint's *_optim_states.pt files")
