@@ -248,10 +248,13 @@ def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
 def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
                             name: str, culprit: str, scratch: "ScratchBuffers | None") -> PendingTensor:
     """A partitioned parameter's target slice from lazy sources, each segment along ``spec.dim``
-    read as one box (only the rows this target needs). Along dim 0 a box that is one region of
+    read as boxes (only the rows this target needs). Along dim 0 a box that is one region of
     a mapped file is written from the mapping, chunk by chunk, its pages given back as written;
-    any other box, and along a later dim the whole slice, is gathered into a reused scratch
-    buffer (fresh allocations per tensor would pile up in the allocator's arenas)."""
+    any other box is gathered into reused scratch buffers (fresh allocations per tensor would
+    pile up in the allocator's arenas) a block of at most :data:`GATHER_BYTES` at a time — along
+    ``spec.dim`` when it is the outermost dim that is not 1, else of whole rows of dim 0, each
+    holding every segment's columns — so memory stays a few blocks whatever the tensor's size (a
+    parameter cut by a ZeRO partition boundary, a row-parallel weight)."""
     any_src = next(iter(sources.values()))
     d = spec.dim
     segs = _segments(spec, any_src.shape[d] // spec.parts, n, m, tgt)
@@ -273,29 +276,46 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
         else:
             sources[s].read(d, start, length, out=out)
 
+    def fill_rows(r0: int, out: torch.Tensor) -> None:
+        """Rows ``r0 .. r0 + len(out)`` of dim 0, every segment's columns along ``d``."""
+        col = 0
+        for s, start, length in segs:
+            part = out.narrow(d, col, length)
+            if s == FILL:
+                part.zero_()
+            else:
+                offsets = tuple(r0 if i == 0 else start if i == d else 0 for i in range(len(shape)))
+                sources[s].read_box(offsets, tuple(part.shape), out=part)
+            col += length
+
     def produce(sink: RecordSink) -> None:
         with _read_errors(culprit):
             if math.prod(shape) == 0:
                 return
             if d == 0 or math.prod(any_src.shape[:d]) == 1:
                 for s, start, length in segs:
-                    box = [length if i == d else x for i, x in enumerate(any_src.shape)]
                     view = None if s == FILL else sources[s].view(d, start, length)
                     if view is not None:
                         _write_from_source(sink, sources[s], view)
-                    elif math.prod(box):
-                        gathered(box, functools.partial(fill_segment, s, start, length), sink)
+                        continue
+                    for r0, rows in _blocks(length, math.prod(any_src.shape[d + 1:]) * isz):
+                        box = [rows if i == d else x for i, x in enumerate(any_src.shape)]
+                        gathered(box, functools.partial(fill_segment, s, start + r0, rows), sink)
                 return
-
-            def fill_all(out: torch.Tensor) -> None:
-                col = 0
-                for s, start, length in segs:
-                    fill_segment(s, start, length, out.narrow(d, col, length))
-                    col += length
-
-            gathered(shape, fill_all, sink)
+            for r0, rows in _blocks(shape[0], math.prod(shape[1:]) * isz):
+                gathered([rows, *shape[1:]], functools.partial(fill_rows, r0), sink)
 
     return PendingTensor(tuple(shape), dtype, produce, False, name)
+
+
+#: The most bytes gathered into one scratch buffer (a few are in flight at once).
+GATHER_BYTES = 2 * CHUNK_BYTES
+
+
+def _blocks(rows: int, row_bytes: int) -> list[tuple[int, int]]:
+    """``rows`` cut into runs of whole rows of at most :data:`GATHER_BYTES` (at least one row each)."""
+    step = max(1, GATHER_BYTES // max(1, row_bytes))
+    return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
 
 
 def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: "PageDropper") -> None:
