@@ -142,7 +142,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             break
 
     module: "OrderedDict[str, Any]" = OrderedDict()
-    scratch = ScratchBuffers()  # shared by this target's gathered tensors (written one at a time)
+    scratch = _thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
     quant = _QuantState(plan, tp) if opts.quantize else None
     for entry in tp.params:
         p = entry.param
@@ -487,12 +487,26 @@ class ScratchBuffers:
         with self.lock:
             if self.free.empty() and self.made < self.limit:
                 self.made += 1
-                return torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+                return torch.empty(max(nbytes, GATHER_BYTES), dtype=torch.uint8)
         buf = self.free.get()
         return buf if buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)  # a wider row
 
     def give(self, buf: torch.Tensor) -> None:
         self.free.put(buf)
+
+
+_local = threading.local()
+
+
+def _thread_scratch() -> ScratchBuffers:
+    """This thread's scratch buffers, kept from target to target: a conversion of many small
+    targets (a universal checkpoint's file per parameter) would otherwise allocate fresh buffers
+    for each, and freed blocks of this size stay in the allocator's arenas (peak memory grows with
+    the number of targets). Per thread, so concurrent conversions never wait on each other's."""
+    pool = getattr(_local, "scratch", None)
+    if pool is None:
+        pool = _local.scratch = ScratchBuffers()
+    return pool
 
 
 def _view(addr: int, nbytes: int) -> memoryview:
