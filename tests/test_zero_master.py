@@ -19,8 +19,9 @@ from reshard.core.safe_load import load_shard
 
 #: (ZeRO stage, dtype, data-parallel ranks): fp32 with 2 ranks, bf16 with 3 (a parameter straddles
 #: partitions of unequal length), ZeRO-1 under bf16, ZeRO-3 (each parameter partitioned, the
-#: module files placeholders) under bf16 and fp32.
-CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), (3, "bf16", 2), (3, "fp32", 3)]
+#: module files placeholders) under bf16 and fp32, and with 16-bit gathering on (which only
+#: save_16bit_model uses: the checkpoint's module files are still placeholders).
+CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), (3, "bf16", 2), (3, "fp32", 3), (3, "bf16-gather", 2)]
 
 
 #: ZeRO 2 and 3, bf16, TP 2 x DP 2: master weights of tensor-parallel sources (zero_to_fp32 reads TP 1 only).

@@ -131,6 +131,9 @@ config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": int(stage)}}
 if dtype in ("bf16", "fp16"):
     config[dtype] = {"enabled": True}
+if dtype == "bf16-gather":  # ZeRO-3 that gathers 16-bit weights for save_16bit_model (the checkpoint still partitions)
+    config.update(bf16={"enabled": True})
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
 if dtype == "bf16-fp32acc":  # ZeRO-1 so configured runs DeepSpeed's BF16_Optimizer (files without zero_stage)
     config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
 if RESUME:
