@@ -33,6 +33,16 @@ import deepspeed  # noqa: E402
 from reshard.sample import GPTConfig, full_weights, shard_state_dicts  # noqa: E402
 
 FROZEN = "position_embeddings.weight"
+#: DTYPE may name a variant, ``bf16-gather``: the config it adds.
+VARIANTS = {
+    "": {},
+    # ZeRO-3 gathering 16-bit weights for save_16bit_model (the checkpoint's module files stay placeholders)
+    "gather": {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}},
+    # ZeRO-1 so configured runs DeepSpeed's BF16_Optimizer (its files name no ZeRO stage)
+    "fp32acc": {"data_types": {"grad_accum_dtype": "fp32"}},
+    # ZeRO-2 reordering each group's parameters round-robin over the ranks (param_shapes follows)
+    "roundrobin": {"zero_optimization": {"round_robin_gradients": True}},
+}
 
 
 class Leaf(nn.Module):
@@ -129,13 +139,11 @@ no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not an
 config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
           "zero_optimization": {"stage": int(stage)}}
-if dtype in ("bf16", "fp16"):
-    config[dtype] = {"enabled": True}
-if dtype == "bf16-gather":  # ZeRO-3 that gathers 16-bit weights for save_16bit_model (the checkpoint still partitions)
-    config.update(bf16={"enabled": True})
-    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-if dtype == "bf16-fp32acc":  # ZeRO-1 so configured runs DeepSpeed's BF16_Optimizer (files without zero_stage)
-    config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+base, _, variant = dtype.partition("-")
+if base in ("bf16", "fp16"):
+    config[base] = {"enabled": True}
+for section, extra in VARIANTS[variant].items():
+    config.setdefault(section, {}).update(extra)
 if RESUME:
     config["checkpoint"] = {"load_universal": True}
 engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True, mpu=mpu,
@@ -157,7 +165,7 @@ if RESUME:  # the groups' settings (weight decay 0.5 above) must come from the c
     sys.stdout.flush()
     os._exit(0)
 for _ in range(2):
-    x = torch.ones(2, 4, dtype=torch.bfloat16 if dtype.startswith("bf16") else torch.float16 if dtype == "fp16" else torch.float32)
+    x = torch.ones(2, 4, dtype=torch.bfloat16 if base == "bf16" else torch.float16 if base == "fp16" else torch.float32)
     engine.backward(engine(x).float())
     engine.step()
 engine.save_checkpoint(out, tag="global_step2", client_state={"checkpoint_version": 3.0})
