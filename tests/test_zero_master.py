@@ -21,9 +21,10 @@ from reshard.core.safe_load import load_shard
 #: partitions of unequal length), ZeRO-1 under bf16, ZeRO-3 (each parameter partitioned, the
 #: module files placeholders) under bf16 and fp32, and with 16-bit gathering on (which only
 #: save_16bit_model uses: the checkpoint's module files are still placeholders); ZeRO-2 with
-#: round-robin gradients (each group's parameters reordered over the ranks).
+#: round-robin gradients (each group's parameters reordered over the ranks); an output layer tied
+#: to the word embeddings (one Parameter, two names: ``shared_params``).
 CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), (3, "bf16", 2), (3, "fp32", 3), (3, "bf16-gather", 2),
-           (2, "bf16-roundrobin", 3)]
+           (2, "bf16-roundrobin", 3), (2, "bf16-tied", 2)]
 
 
 #: ZeRO 2 and 3, bf16, TP 2 x DP 2: master weights of tensor-parallel sources (zero_to_fp32 reads TP 1 only).

@@ -24,6 +24,7 @@ import sys
 out, port, rank, world, stage, dtype = sys.argv[1:7]
 TP = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 RESUME = sys.argv[8] if len(sys.argv) > 8 else None
+base, _, variant = dtype.partition("-")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
 
 import torch  # noqa: E402
@@ -42,6 +43,8 @@ VARIANTS = {
     "fp32acc": {"data_types": {"grad_accum_dtype": "fp32"}},
     # ZeRO-2 reordering each group's parameters round-robin over the ranks (param_shapes follows)
     "roundrobin": {"zero_optimization": {"round_robin_gradients": True}},
+    # one Parameter under two names: the output layer tied to the word embeddings
+    "tied": {},
 }
 
 
@@ -126,6 +129,10 @@ if TP > 1:
 cfg = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=32)
 module = shard_state_dicts(cfg, full_weights(cfg, 0), TP, 2.0, dtype=torch.float32)[int(rank) % TP]
 model = Toy(module)
+if variant == "tied":  # the output layer is the word embeddings' Parameter under a second name (shared_params)
+    model.add_module("output_layer", Leaf())
+    model.output_layer.coef = {"weight": model.word_embeddings.coef["weight"]}
+    model.output_layer.register_parameter("weight", model.word_embeddings.weight)
 model.universal_checkpoint_info = {  # as Megatron-DeepSpeed declares its GPT's layout
     "universal_checkpoint_version": 0.2,
     "tp_replicated_parameter_patterns": [r".*layernorm\.(weight|bias)", r".*attention\.dense\.bias",
@@ -139,7 +146,6 @@ no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not an
 config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
           "zero_optimization": {"stage": int(stage)}}
-base, _, variant = dtype.partition("-")
 if base in ("bf16", "fp16"):
     config[base] = {"enabled": True}
 for section, extra in VARIANTS[variant].items():
