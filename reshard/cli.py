@@ -353,9 +353,10 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
                         print(f"  {fk:28} {fv}" + (f"  (from {origin[fk]})" if fk in origin else ""))
             elif k == "optimizer":
                 if v:
-                    print(f"{k:12} ZeRO stage {v['zero_stage']}, {v['dp']} data-parallel ranks, {v['groups']} "
+                    stage = "BF16_Optimizer" if v["zero_stage"] == 0 else f"ZeRO stage {v['zero_stage']}"
+                    print(f"{k:12} {stage}, {v['dp']} data-parallel ranks, {v['groups']} "
                           f"parameter groups, {v['master_elements']} {v['master_dtype']} master weights per TP rank "
-                          f"(step {v['step']}; convert them with --weights master)")
+                          f"(step {v['step']}; convert them with --weights master, or --to universal)")
             elif k == "skipped":
                 if v:
                     print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")

@@ -5,6 +5,9 @@ the last stage), which source files each output reads, its bytes, and its name."
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
 
 from reshard.core.checks import check_head_equals_embeddings
 from reshard.core.errors import LayoutError
@@ -103,16 +106,20 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
 
 
 def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOptions, n: int, m: int, tpp: int,
-                output_format: str, held: Mapping[str, set[tuple[int, str]] | None]) -> tuple[TargetPlan, ...]:
+                output_format: str, held: Mapping[str, Mapping[tuple[int, str], torch.dtype] | None]
+                ) -> tuple[TargetPlan, ...]:
     """The one target of a layout of global tensors, as the files its format cuts it into
     (:meth:`~reshard.formats.base.CheckpointFormat.split`), for each set of weights it is written
-    from (``held``: weights -> the ``(stage, file key)`` of the parameters they hold, None: all):
+    from (``held``: weights -> the ``(stage, file key)`` of the parameters they hold and their dtype
+    there, None: all, as planned):
     each file a target of its own, so every writer, the flow's per-target caching and the manifest
     handle them unchanged."""
     fmt = get_format(output_format)
     out: list[TargetPlan] = []
     for weights, keys in held.items():
-        params = [tp for tp in target.params if keys is None or (tp.param.stage, tp.param.src_key) in keys]
+        params = [tp if keys is None else replace(tp, param=replace(tp.param, dtype=keys[(tp.param.stage,
+                                                                                          tp.param.src_key)]))
+                  for tp in target.params if keys is None or (tp.param.stage, tp.param.src_key) in keys]
         sizes = [target_size(tp.param, n, m, options.quantize) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
         if len(held) == 1 and files == [(target.name, 0, len(params))]:

@@ -92,14 +92,15 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
 
 
 def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptions, weights: str, module_key: str
-          ) -> set[tuple[int, str]] | None:
-    """The ``(stage, file key)`` of the entries the source's module holds when read as ``weights``
-    (Adam moments exist for trained parameters only; None: all, as planned). Read from the first
-    file of each stage, lazily."""
+          ) -> dict[tuple[int, str], torch.dtype] | None:
+    """The ``(stage, file key)`` of the tensors the source's module holds when read as ``weights``,
+    with their dtype (Adam moments exist for trained parameters only, in fp32; None: all, as
+    planned). Read from the first file of each stage, lazily."""
     if weights == options.weights:
         return None
     other = options.model_copy(update={"weights": weights})
-    return {(s, key) for s in range(source.pp) for key, value in fmt.open(source, other, s * source.tp)[module_key].items()
+    return {(s, key): value.dtype for s in range(source.pp)
+            for key, value in fmt.open(source, other, s * source.tp)[module_key].items()
             if isinstance(value, (torch.Tensor, LazyTensor))}
 
 

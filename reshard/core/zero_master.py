@@ -239,7 +239,8 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
 
 
 def optimizer_summary(files: Sequence[Path]) -> dict[str, Any] | None:
-    """What ``reshard inspect`` says of the ZeRO optimizer files beside a checkpoint: stage,
+    """What ``reshard inspect`` says of the ZeRO optimizer files beside a checkpoint: stage (0:
+    DeepSpeed's BF16_Optimizer, see :data:`PARTITIONS_KEY`),
     data-parallel size, parameter groups, the master weights' dtype and elements, the step (from
     tensor-parallel rank 0's files; None when there are none)."""
     mine = [f for f in files if (m := OPTIM_FILE_RE.match(f.name)) and int(m.group(2)) == 0]
