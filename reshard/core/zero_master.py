@@ -43,7 +43,9 @@ frozen parameter ``f``                 ``cat(fragment_f of every rank)`` cut to 
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -368,6 +370,22 @@ def _cut(pieces: list[tuple[torch.Tensor, int, int]], numel: int) -> list[tuple[
 
 
 def _optimizer_state(path: Path) -> dict[str, Any]:
+    """The ``optimizer_state_dict`` of one ZeRO optimizer file, memory-mapped (never written to).
+
+    Kept for the process (up to :data:`OPEN_FILES` files, keyed by path, size and modification time):
+    every target of a conversion reads its sources' optimizer files, and a universal checkpoint is one
+    target per parameter and state — parsing each file's pickle again for each would cost
+    ``targets x TP x DP`` loads, where ``ds_to_universal`` reads each file once."""
+    stat = os.stat(path)
+    return _optimizer_state_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+#: Optimizer files kept loaded (mapped; their pages are given back as they are read).
+OPEN_FILES = 1024
+
+
+@functools.lru_cache(maxsize=OPEN_FILES)
+def _optimizer_state_of(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     sd = load_shard(path)
     st = sd.get(OPTIM_STATE)
     if not isinstance(st, dict):
