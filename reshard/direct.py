@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard import progress
+from reshard.core.zero_master import forget_optimizer_files
 from reshard.conversion import (manifest_for, side_files, source_folders, source_record, urls_in_errors,
                                 zero_gate)
 from reshard.core.engine import TargetResult, convert_target, pick_device
@@ -117,6 +118,7 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
                                        hint="run the conversions to different destinations") from None
             raise
     finally:
+        forget_optimizer_files()  # their mappings would keep evicted cache files' disk space
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.perf_counter() - t0

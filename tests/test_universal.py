@@ -125,6 +125,13 @@ def test_bf16_optimizer_master_weights_equal_ds_to_universal(zero_checkpoint, tm
     assert any(not torch.equal(got[k], bf16[k].float()) for k in got)
 
 
+def test_every_optimizer_state_is_a_weights_choice():
+    from reshard.core.options import WEIGHTS
+    from reshard.core.zero_master import STATES
+
+    assert set(WEIGHTS) == {"module", *STATES}
+
+
 def test_adam_moments_as_module_weights(zero_checkpoint, tmp_path):
     """``--weights exp_avg``: the first moment written as the module (per TP rank), equal to the
     universal checkpoint's; frozen parameters have none and are left out."""

@@ -219,5 +219,8 @@ def test_a_parameter_straddling_partitions_reads_every_box_right():
         assert torch.equal(t.read_box(offsets, sizes), want[box]), (offsets, sizes)
         out = torch.empty(sizes[1], sizes[0]).t()  # not contiguous
         assert torch.equal(t.read_box(offsets, sizes, out=out), want[box])
+    for offsets, sizes in [((0, 2), (1, 3)), ((2, 1), (1, 4))]:  # runs inside one row: views
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        assert torch.equal(t.view_box(offsets, sizes), want[box]), (offsets, sizes)
     assert t.view_box((0, 0), (1, 6)) is not None  # elements 5..10: inside the first partition
     assert t.view_box((1, 0), (2, 6)) is None  # elements 11..22 straddle the boundary at 13

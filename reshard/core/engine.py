@@ -253,8 +253,9 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
     any other box is gathered into reused scratch buffers (fresh allocations per tensor would
     pile up in the allocator's arenas) a block of at most :data:`GATHER_BYTES` at a time — along
     ``spec.dim`` when it is the outermost dim that is not 1, else of whole rows of dim 0, each
-    holding every segment's columns — so memory stays a few blocks whatever the tensor's size (a
-    parameter cut by a ZeRO partition boundary, a row-parallel weight)."""
+    holding every segment's columns — so the buffers in flight are a few blocks (a row wider than a
+    block is one block), not the tensor (a parameter cut by a ZeRO partition boundary, a
+    row-parallel weight); sources that read the whole tensor for any box are read in one block."""
     any_src = next(iter(sources.values()))
     d = spec.dim
     segs = _segments(spec, any_src.shape[d] // spec.parts, n, m, tgt)
@@ -262,12 +263,17 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
     shape[d] = sum(length for _, _, length in segs)
     dtype, isz = any_src.dtype, any_src.dtype.itemsize
     pool = scratch if scratch is not None else ScratchBuffers()
+    whole = any(src.box_reads_whole for src in sources.values())  # then one block: each read converts it all
 
     def gathered(box_shape: list[int], fill: Callable[[torch.Tensor], None], sink: RecordSink) -> None:
         nbytes = math.prod(box_shape) * isz
         buf = pool.take(nbytes)
         out = buf[:nbytes].view(dtype).view(box_shape)
-        fill(out)
+        try:
+            fill(out)
+        except BaseException:
+            pool.give(buf)
+            raise
         sink.write(tensor_bytes(out), release=functools.partial(pool.give, buf), keep=buf)
 
     def fill_segment(s: int, start: int, length: int, out: torch.Tensor) -> None:
@@ -298,11 +304,11 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
                     if view is not None:
                         _write_from_source(sink, sources[s], view)
                         continue
-                    for r0, rows in _blocks(length, math.prod(any_src.shape[d + 1:]) * isz):
+                    for r0, rows in _blocks(length, math.prod(any_src.shape[d + 1:]) * isz, whole):
                         box = [rows if i == d else x for i, x in enumerate(any_src.shape)]
                         gathered(box, functools.partial(fill_segment, s, start + r0, rows), sink)
                 return
-            for r0, rows in _blocks(shape[0], math.prod(shape[1:]) * isz):
+            for r0, rows in _blocks(shape[0], math.prod(shape[1:]) * isz, whole):
                 gathered([rows, *shape[1:]], functools.partial(fill_rows, r0), sink)
 
     return PendingTensor(tuple(shape), dtype, produce, False, name)
@@ -312,9 +318,10 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
 GATHER_BYTES = 2 * CHUNK_BYTES
 
 
-def _blocks(rows: int, row_bytes: int) -> list[tuple[int, int]]:
-    """``rows`` cut into runs of whole rows of at most :data:`GATHER_BYTES` (at least one row each)."""
-    step = max(1, GATHER_BYTES // max(1, row_bytes))
+def _blocks(rows: int, row_bytes: int, whole: bool = False) -> list[tuple[int, int]]:
+    """``rows`` cut into runs of whole rows of at most :data:`GATHER_BYTES` (at least one row each;
+    ``whole``: one run, for sources that read the whole tensor for any box)."""
+    step = rows if whole else max(1, GATHER_BYTES // max(1, row_bytes))
     return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
 
 
@@ -606,9 +613,13 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     # quantizing is compute: it keeps torch's threads
     threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
     fmt = get_format(plan.output_format)
-    with threads:
-        stats = fmt.write(fmt.prepare(plan, tgt, sd), out_path, pickle_module=pickle_module, sha256=sha256,
-                          on_bytes=on_bytes)
+    try:
+        with threads:
+            stats = fmt.write(fmt.prepare(plan, tgt, sd), out_path, pickle_module=pickle_module, sha256=sha256,
+                              on_bytes=on_bytes)
+    except BaseException:
+        _local.scratch = None  # buffers a failed writer never gave back: the next target starts afresh
+        raise
     del sd, shards
     return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
                         time.perf_counter() - t0, stats.sha256)

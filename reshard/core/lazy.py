@@ -55,6 +55,8 @@ class LazyTensor(ABC):
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    #: Does reading any box read the whole tensor? (Then a reader asks for it in one box.)
+    box_reads_whole: bool = False
 
     @abstractmethod
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
@@ -159,6 +161,8 @@ class Converted(LazyTensor):
     """A tensor computed from a whole other one (a transpose, a row permutation that is no run of
     rows): each read converts the whole source and keeps only the box asked for, so memory is one
     such tensor at a time (nothing is cached between reads: a target is written tensor by tensor)."""
+
+    box_reads_whole = True
 
     def __init__(self, source: LazyTensor, convert: Callable[[torch.Tensor], torch.Tensor],
                  shape: tuple[int, ...]) -> None:

@@ -122,7 +122,7 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
                   for tp in target.params if keys is None or (tp.param.stage, tp.param.src_key) in keys]
         sizes = [target_size(tp.param, n, m, options.quantize) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
-        if len(held) == 1 and files == [(target.name, 0, len(params))]:
+        if len(held) == 1 and keys is None and files == [(target.name, 0, len(params))]:
             return (target,)
         own = None if weights == options.weights else weights
         out += [target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, n, m, tpp, output_format,

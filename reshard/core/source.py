@@ -39,6 +39,8 @@ DEEPSPEED = "deepspeed"
 MEGATRON = "megatron"
 #: DeepSpeed pipeline parallelism: ``layer_LL-model_TT-model_states.pt`` plus module-less rank files.
 DEEPSPEED_PIPE = "deepspeed-pipeline"
+#: A DeepSpeed ZeRO stage 3 engine folder (``zero_pp_rank_D_mp_rank_TT_model_states.pt``).
+DEEPSPEED_ZERO3 = "deepspeed-zero3"
 SUPPORTED_VERSIONS: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0)
 MODULE_KEYS: tuple[str, ...] = ("module", "model")
 AUTO = "auto"

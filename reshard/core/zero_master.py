@@ -77,7 +77,7 @@ class FlatSlice(LazyTensor):
     """One parameter inside a flat fp32 group cut into partitions: ``pieces`` of ``(partition,
     first element, elements)`` in order, viewed as ``shape``. A box that is a run of the flat
     elements (whole trailing dims) is copied from the pieces it spans (a view when it lies in one);
-    any other box is cut from the whole parameter, read once for it. The partitions are mapped
+    any other box is cut from its rows of dim 0, read as one run. The partitions are mapped
     files: ``pages`` gives back what was read once it is copied or written (memory stays a few
     tensors however large the optimizer files are)."""
 
@@ -87,13 +87,20 @@ class FlatSlice(LazyTensor):
         self.pages = pages
 
     def _run(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
-        """The box as flat elements ``[lo, hi)``, if it is one run."""
+        """The box as flat elements ``[lo, hi)``, if it is one run: single indices on the dims
+        before some dim ``k``, any range on ``k``, whole dims after it."""
         if not self.shape:
             return 0, 1
-        inner = math.prod(self.shape[1:])
-        if any(o != 0 or s != d for o, s, d in zip(offsets[1:], sizes[1:], self.shape[1:])):
+        k = 0
+        while k < len(sizes) - 1 and sizes[k] == 1:
+            k += 1
+        if any(o != 0 or s != d for o, s, d in zip(offsets[k + 1:], sizes[k + 1:], self.shape[k + 1:])):
             return None
-        return offsets[0] * inner, (offsets[0] + sizes[0]) * inner
+        lo, stride = 0, 1
+        for o, d in zip(reversed(offsets), reversed(self.shape)):
+            lo += o * stride
+            stride *= d
+        return lo, lo + math.prod(sizes)
 
     def _segments(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int, int]]:
         return overlaps(self.pieces, lo, hi)
@@ -111,9 +118,9 @@ class FlatSlice(LazyTensor):
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
         run = self._run(offsets, sizes)
-        if run is None:
-            whole = self.read_box(tuple(0 for _ in self.shape), self.shape)
-            box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        if run is None:  # read its rows of dim 0 (one run), keep the box's columns
+            rows = self.read_box((offsets[0], *(0 for _ in self.shape[1:])), (sizes[0], *self.shape[1:]))
+            box = rows[(slice(None), *(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:])))]
             if out is None:
                 return box.contiguous()
             return out.copy_(box)
@@ -165,9 +172,10 @@ def optim_files(folder: Path, tp_rank: int, where: str) -> list[Path]:
             by_dp.setdefault(int(m.group(1)), []).append(child)
     if not by_dp:
         raise CheckpointFormatError(f"no ZeRO optimizer files (zero_pp_rank_D_mp_rank_{tp_rank:02d}_optim_states.pt) "
-                                    f"beside it: --weights master reads the fp32 weights from them", culprit=where,
-                                    hint="copy the *_optim_states.pt files of every data-parallel rank, or drop "
-                                         "--weights master to convert the module's own weights")
+                                    f"beside it: the optimizer's states (--weights master, exp_avg, exp_avg_sq; "
+                                    f"--to universal) are read from them", culprit=where,
+                                    hint="copy the *_optim_states.pt files of every data-parallel rank, or convert "
+                                         "the module's own weights (no --weights, no --to universal)")
     ranks = sorted(by_dp)
     if ranks != list(range(len(ranks))) or any(len(v) > 1 for v in by_dp.values()):
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
@@ -219,7 +227,7 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
     shared = model_states.get("shared_params") or {}
     for key, value in module.items():
         master = masters.get(key)
-        if master is None and key in shared:
+        if master is None and key in shared and which == "master":  # (an alias has no moments of its own)
             master = masters.get(shared[key])
         if master is not None:
             if isinstance(value, torch.Tensor) and tuple(value.shape) != master.shape:
@@ -231,7 +239,7 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
                 key not in (model_states.get("buffer_names") or ()):
             if which == "master":  # frozen: the optimizer holds no copy (and no moments)
                 out[key] = Upcast(value, torch.float32)
-        else:
+        elif which == "master":  # buffers, integer tensors, non-tensor entries: kept as they are
             out[key] = value
     unused = sorted(set(masters) - set(module))
     if unused:
@@ -314,7 +322,7 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
         count = len(st.get("fp32_flat_groups") or ())
         groups = _flat_groups(st, 3, which, count, str(f))
         if not all(t.dtype == torch.float32 for t in groups):
-            raise CheckpointFormatError("fp32_flat_groups is not a list of flat fp32 tensors", culprit=str(f),
+            raise CheckpointFormatError(f"{STATES[which]} partitions are not flat fp32 tensors", culprit=str(f),
                                         hint="pass a DeepSpeed ZeRO stage 3 checkpoint's own *_optim_states.pt files")
         flats.append([(t, 0, int(t.numel())) for t in groups])
     pages = PageDropper(files)  # the optimizer files are mapped now
@@ -349,7 +357,9 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
     out: dict[str, Any] = {}
     for key, value in module.items():
         master = masters.get(key) or masters.get(shared.get(key, ""))
-        if master is not None or which == "master" or not isinstance(value, torch.Tensor):
+        if which != "master" and key in shared:
+            continue  # moments: the owner's only (as ds_to_universal writes them)
+        if master is not None or which == "master":
             out[key] = master if master is not None else value
     unused = sorted(set(masters) - set(module))
     if unused:
@@ -382,6 +392,12 @@ def _optimizer_state(path: Path) -> dict[str, Any]:
 
 #: Optimizer files kept loaded (mapped; their pages are given back as they are read).
 OPEN_FILES = 1024
+
+
+def forget_optimizer_files() -> None:
+    """Drop the optimizer files kept loaded (a conversion calls this when it ends: a mapped file
+    keeps its disk space after the shard cache evicts it)."""
+    _optimizer_state_of.cache_clear()
 
 
 @functools.lru_cache(maxsize=OPEN_FILES)

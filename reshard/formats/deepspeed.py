@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, StorageError
-from reshard.core.source import (DEEPSPEED, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, choose_module_key,
+from reshard.core.source import (DEEPSPEED, DEEPSPEED_ZERO3, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, choose_module_key,
                                  parse_version, rank_file_name)
 from reshard.core.zero_master import (OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, master_module_zero3,
                                       optim_files)
@@ -95,7 +95,7 @@ class DeepSpeedZero3Format(CheckpointFormat):
     ``*_optim_states.pt`` files. Converted with ``--weights master`` (the fp32 master weights, written
     in DeepSpeed's per-rank layout); refused otherwise, with what to do."""
 
-    name = "deepspeed-zero3"
+    name = DEEPSPEED_ZERO3
     priority = 40
     patterns = (re.compile(r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$"),)
     writes_as = DEEPSPEED

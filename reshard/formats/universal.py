@@ -46,7 +46,7 @@ import torch
 from reshard.core import foreign
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.safe_load import load_shard
-from reshard.core.source import DEEPSPEED, SourceCheckpoint, rank_file_name
+from reshard.core.source import DEEPSPEED, DEEPSPEED_ZERO3, SourceCheckpoint, rank_file_name
 from reshard.core.torch_writer import PendingTensor, first_rows
 from reshard.core.zero_master import STATES, optim_files, universal_globals
 from reshard.formats.base import CheckpointFormat
@@ -75,7 +75,7 @@ class UniversalFormat(CheckpointFormat):
 
     def check_source(self, source: SourceCheckpoint, options: ReshardOptions) -> None:
         if source.format != DEEPSPEED:
-            what = "a ZeRO stage 3 checkpoint" if source.format == "deepspeed-zero3" else \
+            what = "a ZeRO stage 3 checkpoint" if source.format == DEEPSPEED_ZERO3 else \
                 f"a {source.format} checkpoint"
             raise LayoutError(f"a universal checkpoint is written from a DeepSpeed ZeRO stage 1/2 checkpoint (model "
                               f"states and optimizer files), not from {what}", culprit="--to universal",
@@ -125,7 +125,7 @@ class UniversalFormat(CheckpointFormat):
             rec["vocab_tensor"] = True
             rows = _true_vocab(plan, sd)
             if rows is not None and rows < value.shape[0]:
-                value = first_rows(value, rows) if isinstance(value, PendingTensor) else value[:rows]
+                value = first_rows(value, rows) if isinstance(value, PendingTensor) else value[:rows].clone()
         rec["param"] = value
         return rec
 
@@ -144,9 +144,14 @@ class UniversalFormat(CheckpointFormat):
     def describe(self, plan: Plan) -> list[str]:
         trained = sum(t.weights == "exp_avg" for t in plan.targets)
         frozen = sum(t.weights == "master" for t in plan.targets) - trained
-        return [f"DeepSpeed universal checkpoint: {trained} trained parameters (fp32 master, exp_avg, exp_avg_sq, "
-                f"step)" + (f", {frozen} frozen (fp32 only)" if frozen else "")
-                + "; resume with DeepSpeed's checkpoint.load_universal=true at any data-parallel size"]
+        lines = [f"DeepSpeed universal checkpoint: {trained} trained parameters (fp32 master, exp_avg, exp_avg_sq, "
+                 f"step)" + (f", {frozen} frozen (fp32 only)" if frozen else "")
+                 + "; resume with DeepSpeed's checkpoint.load_universal=true at any data-parallel size"]
+        if any(p.rule.vocab for p in plan.params) and _true_vocab(plan, load_shard(plan.source.files[0])) is None:
+            lines.append("vocabulary rows kept as saved, padding included: the true vocabulary size is unknown "
+                         "(pass --vocab-size V to cut Megatron's padding; DeepSpeed's loader cannot load more "
+                         "rows than its own padding)")
+        return lines
 
 
 def _tag(source: SourceCheckpoint) -> str:

@@ -26,6 +26,7 @@ from reshard.core.options import ReshardOptions
 from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
 from reshard.formats import get_format, is_marker, locate
+from reshard.core.zero_master import forget_optimizer_files
 from reshard.conversion import (manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
                                 source_record, urls_in_errors, zero_gate)
 from reshard import progress
@@ -269,6 +270,7 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
                             job["conversion_id"], job["target_pp"], job["output_format"])
     crash_point("staged-all")
     dest.commit([r["path"] for r in records], manifest)
+    forget_optimizer_files()  # this process's targets are done: their mappings would keep disk space
     return manifest
 
 
