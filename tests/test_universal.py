@@ -125,6 +125,49 @@ def test_bf16_optimizer_master_weights_equal_ds_to_universal(zero_checkpoint, tm
     assert any(not torch.equal(got[k], bf16[k].float()) for k in got)
 
 
+def test_bf16_optimizer_inspected_and_universal_files_planned_in_fp32(zero_checkpoint, capsys):
+    from reshard.core.options import ReshardOptions
+    from reshard.core.planner import build_plan
+
+    step = zero_checkpoint(*BF16_OPTIMIZER)
+    capsys.readouterr()
+    assert main(["inspect", str(step)]) == 0
+    assert "optimizer    BF16_Optimizer, 2 data-parallel ranks" in capsys.readouterr().out
+    plan = build_plan(str(step), ReshardOptions(to="universal"))
+    sizes = {t.name.split("/zero/")[-1]: t.bytes_written for t in plan.targets}
+    emb = plan.params[0]
+    assert emb.key == "word_embeddings.weight" and emb.dtype == torch.bfloat16
+    n = emb.shape[0] * emb.shape[1]
+    assert sizes["word_embeddings.weight/exp_avg.pt"] == sizes["word_embeddings.weight/fp32.pt"] == 4 * n
+
+
+def test_optimizer_files_are_read_once_per_conversion(zero_checkpoint, tmp_path):
+    from reshard.core import zero_master
+
+    step = zero_checkpoint(2, "bf16", 3)
+    f = next(step.glob("*optim_states.pt"))
+    assert zero_master._optimizer_state(f) is zero_master._optimizer_state(f)  # kept
+    zero_master.forget_optimizer_files()
+    assert main(["run", "--direct", str(step), str(tmp_path / "u"), "--to", "universal"]) == 0
+    assert zero_master._optimizer_state_of.cache_info().currsize == 0  # dropped when the run ended
+
+
+def test_a_tied_alias_has_no_moments_of_its_own(zero_checkpoint, tmp_path):
+    """``shared_params``: the output layer is the word embeddings' Parameter. Its master weight is the
+    owner's; Adam's moments are the owner's only (ds_to_universal writes none for the alias)."""
+    step = zero_checkpoint(2, "bf16-tied", 2)
+    for weights in ("master", "exp_avg"):
+        assert main(["run", "--direct", str(step), str(tmp_path / weights), "--target-tp", "1",
+                     "--weights", weights]) == 0
+    master = torch.load(tmp_path / "master" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    moment = torch.load(tmp_path / "exp_avg" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert torch.equal(master["output_layer.weight"], master["word_embeddings.weight"])
+    assert "word_embeddings.weight" in moment and "output_layer.weight" not in moment
+    assert main(["run", "--direct", str(step), str(tmp_path / "u"), "--to", "universal"]) == 0
+    assert sorted(p.name for p in (tmp_path / "u" / ZERO_TAG / "zero" / "output_layer.weight").iterdir()) == \
+        ["fp32.pt"]
+
+
 def test_every_optimizer_state_is_a_weights_choice():
     from reshard.core.options import WEIGHTS
     from reshard.core.zero_master import STATES
@@ -163,6 +206,8 @@ def test_what_cannot_be_written_as_universal_is_refused_in_one_line(zero_checkpo
     (bad / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     _refused(capsys, bad, tmp_path / "o4", "missing [1]")
     _refused(capsys, good, tmp_path / "o5", "drop --target-tp", "--target-tp", "2")
+    _refused(capsys, good, tmp_path / "o6", "drop --quantize", "--quantize")
+    _refused(capsys, good, tmp_path / "o7", "cut wrongly", "--version", "0")
 
 
 def test_the_flow_writes_it_from_s3(zero_checkpoint, tmp_path, request, monkeypatch):
