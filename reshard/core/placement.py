@@ -116,13 +116,13 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
     handle them unchanged."""
     fmt = get_format(output_format)
     out: list[TargetPlan] = []
-    for weights, keys in held.items():
-        params = [tp if keys is None else replace(tp, param=replace(tp.param, dtype=keys[(tp.param.stage,
-                                                                                          tp.param.src_key)]))
-                  for tp in target.params if keys is None or (tp.param.stage, tp.param.src_key) in keys]
+    for weights, dtypes in held.items():
+        params = list(target.params) if dtypes is None else [
+            replace(tp, param=replace(tp.param, dtype=dtypes[at])) for tp in target.params
+            if (at := (tp.param.stage, tp.param.src_key)) in dtypes]
         sizes = [target_size(tp.param, n, m, options.quantize) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
-        if len(held) == 1 and keys is None and files == [(target.name, 0, len(params))]:
+        if len(held) == 1 and dtypes is None and files == [(target.name, 0, len(params))]:
             return (target,)
         own = None if weights == options.weights else weights
         out += [target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, n, m, tpp, output_format,

@@ -272,10 +272,7 @@ def universal_globals(model_states: Mapping[str, Any], optim_file: Path) -> tupl
     base optimizer's ``param_groups`` added: learning rates, betas, weight decay) and each trained
     parameter's ``step`` (its group's), from one optimizer file and its model states."""
     where = str(optim_file)
-    state = _optimizer_state(optim_file)
-    if _stage(state, where) == 3:
-        raise CheckpointFormatError("is a ZeRO stage 3 optimizer file", culprit=where,
-                                    hint="universal checkpoints are written from ZeRO stage 1/2 checkpoints")
+    state = _optimizer_state(optim_file)  # (its stage was checked when the plan read the master weights)
     base = state.get("base_optimizer_state")
     groups = base.get("param_groups") if isinstance(base, dict) else None
     per_group = base.get("state") if isinstance(base, dict) else None

@@ -47,7 +47,7 @@ from reshard.core import foreign
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.safe_load import load_shard
 from reshard.core.source import DEEPSPEED, DEEPSPEED_ZERO3, SourceCheckpoint, rank_file_name
-from reshard.core.torch_writer import PendingTensor, first_rows
+from reshard.core.torch_writer import first_rows
 from reshard.core.zero_master import STATES, optim_files, universal_globals
 from reshard.formats.base import CheckpointFormat
 
@@ -125,14 +125,14 @@ class UniversalFormat(CheckpointFormat):
             rec["vocab_tensor"] = True
             rows = _true_vocab(plan, sd)
             if rows is not None and rows < value.shape[0]:
-                value = first_rows(value, rows) if isinstance(value, PendingTensor) else value[:rows].clone()
+                value = first_rows(value, rows)
         rec["param"] = value
         return rec
 
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
         src = plan.source
-        tag = _tag(src)
         model_states = load_shard(src.files[0])
+        tag = _tag_of(model_states, src)
         settings, steps = universal_globals(model_states, optim_files(src.files[0].parent, 0, str(src.files[0]))[0])
         out: dict[str, str | bytes] = {LATEST_UNIVERSAL: tag, f"{tag}/zero/optimizer_state.pt": _saved(settings)}
         trained = {t.params[0].out_key for t in plan.targets if t.weights == "exp_avg"}
@@ -159,7 +159,11 @@ def _tag(source: SourceCheckpoint) -> str:
     states' ``global_steps``), so the output does not depend on where the source was read from (a
     remote source is read through a local view of another name); the source folder's name when
     the step was not saved."""
-    steps = load_shard(source.files[0]).get("global_steps")
+    return _tag_of(load_shard(source.files[0]), source)
+
+
+def _tag_of(model_states: dict[str, Any], source: SourceCheckpoint) -> str:
+    steps = model_states.get("global_steps")
     return f"global_step{steps}" if isinstance(steps, int) else source.files[0].parent.name
 
 
