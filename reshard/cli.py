@@ -323,6 +323,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
+    from reshard.core.experts import experts_per_layer
     from reshard.core.options import ReshardOptions
     from reshard.core.planner import build_plan
     from reshard.formats import locate
@@ -339,7 +340,8 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
            "bytes": total_bytes, "num_heads": plan.facts.heads,
            "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-           "layout": source.format, "pp": source.pp, "skipped": sorted(plan.dropped),
+           "layout": source.format, "pp": plan.source.pp, "ep": plan.source.ep,
+           "experts": max(experts_per_layer(plan.params).values(), default=0), "skipped": sorted(plan.dropped),
            "optimizer": _optimizer(source),
            "facts": plan.facts.to_record(), "files": list(source.relative_names) + list(source.relative_aux)}
     if ns.json:

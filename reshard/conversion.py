@@ -52,8 +52,8 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
         if rel in etags:
             rec["etag"] = etags[rel]
         files.append(rec)
-    return {"url": local.url, "tp": plan.source_tp, "pp": plan.source_pp, "format": plan.source.format,
-            "version": plan.version, "files": files}
+    return {"url": local.url, "tp": plan.source_tp, "pp": plan.source_pp, "ep": plan.source.ep,
+            "format": plan.source.format, "version": plan.version, "files": files}
 
 
 def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,

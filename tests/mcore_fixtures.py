@@ -62,7 +62,7 @@ def model_options(name: str) -> dict[str, Any]:
     return {**_BASE, **MODELS[name][0]}
 
 
-_CACHE: dict[str, dict[tuple[str, int, int], Path]] = {}
+_CACHE: dict[str, dict[Any, Path]] = {}
 
 
 def _run_harness(jobs: list[dict[str, Any]], workdir: Path) -> None:
@@ -128,6 +128,53 @@ def mcore_forward_dist(cases: list[tuple[str | None, Path, int]], workdir: Path)
              "out": str(workdir / f"logits_dist_{i}.pt")} for i, (name, ckpt, tp) in enumerate(cases)]
     _run_harness(jobs, workdir)
     return [torch.load(j["out"]) for j in jobs]
+
+
+#: Mixture-of-experts models (SequentialMLP experts, megatron-core's ``allgather`` dispatcher) and
+#: the (tp, ep, pp) layouts each is written at (expert TP = TP). ``moe``: Qwen-MoE-like (SwiGLU
+#: experts, shared experts, a dense first layer: ``moe_layer_freq`` [0, 1]); ``moe_gelu``: every
+#: layer MoE, plain GELU experts, top-1 routing on sigmoid scores with an expert bias;
+#: ``moe_bias``: SwiGLU experts with linear biases.
+MOE_MODELS: dict[str, tuple[dict[str, Any], tuple[tuple[int, int, int], ...]]] = {
+    "moe": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope", "tied": False,
+             "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4, "moe_ffn": 48,
+             "shared_ffn": 32, "moe_layer_freq": [0, 1]}, ((1, 2, 1), (2, 2, 1), (1, 1, 1), (1, 2, 2))),
+    "moe_gelu": ({"ffn": 128, "bias": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4,
+                  "moe_ffn": 64, "topk": 1, "expert_bias": True}, ((2, 1, 1), (1, 4, 1))),
+    # linear biases in experts: megatron-core allows them at expert TP 1 only
+    "moe_bias": ({"ffn": 128, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4, "moe_ffn": 64,
+                  "swiglu": True}, ((1, 2, 1),)),
+}
+
+
+def moe_options(name: str) -> dict[str, Any]:
+    return {**_BASE, **MOE_MODELS[name][0]}
+
+
+def mcore_moe_checkpoints(root: Path) -> dict[tuple[str, int, int, int], Path]:
+    """Every (model, tp, ep, pp) MoE checkpoint of :data:`MOE_MODELS`, written once under ``root``
+    (with pp == 1 also ``logits.pt``: megatron-core's forward at the layout it was written at)."""
+    key = "moe"
+    if key not in _CACHE:
+        lays = [(name, *lay) for name, (_, lays) in MOE_MODELS.items() for lay in lays]
+        out = {lay: root / f"{lay[0]}_tp{lay[1]}_ep{lay[2]}_pp{lay[3]}" for lay in lays}
+        jobs = [{"kind": "write", "out": str(out[lay]), "tp": lay[1], "ep": lay[2], "pp": lay[3],
+                 "model": moe_options(lay[0]), "tokens": TOKENS} for lay in lays]
+        _run_harness(jobs, root)
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
+def mcore_forward_moe(cases: list[tuple[str, Path, int, int]], workdir: Path
+                      ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """megatron-core logits and routing decisions (router name -> tokens x experts) for each (MoE
+    model, checkpoint folder, tp, ep): built at that layout, strict ``load_state_dict`` of its own
+    rank file, forward, logits gathered over TP."""
+    n = len(list(workdir.glob("logits_moe_*.pt"))) if workdir.exists() else 0
+    jobs = [{"kind": "forward", "ckpt": str(ckpt), "tp": tp, "ep": ep, "model": moe_options(name), "tokens": TOKENS,
+             "out": str(workdir / f"logits_moe_{n + i}.pt")} for i, (name, ckpt, tp, ep) in enumerate(cases)]
+    _run_harness(jobs, workdir)
+    return [(torch.load(j["out"]), torch.load(j["out"] + ".routing")) for j in jobs]
 
 
 def iteration_folder(run: Path) -> Path:

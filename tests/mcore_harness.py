@@ -17,6 +17,12 @@ Run as a script: ``python mcore_harness.py jobs.json``. The launcher imports meg
   ``--use-checkpoint-args`` would), not from ``model``: what an import wrote there is tested too
   (``forward_dist`` likewise, from the folder's ``common.pt``).
 
+MoE models (``experts`` in the model options) are built with SequentialMLP experts and the
+``allgather`` token dispatcher at expert-parallel size ``ep`` (world ``tp * pp * ep``, expert TP =
+TP), saved in ``mp_rank_TT[_PPP]_EEE`` folders; each router's routing decisions of the forward
+are saved beside the logits (``routing.pt``; ``<out>.routing`` for a ``forward`` job). megatron-core
+names ``te_general_gemm`` in its router only when Transformer Engine is installed: it is set to None.
+
 Four CPU shims, for code paths that assume CUDA even when ``use_cpu_initialization`` is set:
 ``torch.cuda.current_device`` returns "cpu" (a scratch buffer's device), ``Tensor.cuda`` is the
 identity (the tied-embedding sync across pipeline stages moves the weight to CUDA before its
@@ -60,10 +66,19 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab / unit) * unit
 
 
-def build_model(m: dict[str, Any], tp: int, pp: int, seed: int) -> GPTModel:
+def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1) -> GPTModel:
     torch.manual_seed(seed)
     norm = m.get("norm", "LayerNorm")
     kw: dict[str, Any] = {}
+    spec_kw: dict[str, Any] = {}
+    if m.get("experts"):  # MoE: SequentialMLP experts, the allgather dispatcher (runs without GPUs)
+        kw.update(num_moe_experts=m["experts"], moe_router_topk=m.get("topk", 2), moe_ffn_hidden_size=m["moe_ffn"],
+                  moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
+                  expert_tensor_parallel_size=tp, moe_layer_freq=m.get("moe_layer_freq", 1),
+                  moe_shared_expert_intermediate_size=m.get("shared_ffn"),
+                  moe_router_enable_expert_bias=m.get("expert_bias", False),
+                  moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax")
+        spec_kw.update(num_experts=m["experts"])
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     elif m.get("openai_gelu"):
@@ -77,22 +92,36 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int) -> GPTModel:
         layernorm_epsilon=m.get("eps", 1e-5), use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32 if pp > 1 else None, **kw)
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization=norm),
+    if spec_kw:  # dense and MoE layers as moe_layer_freq says: the decoder block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=norm,
+                                          pp_rank=ps.get_pipeline_model_parallel_rank())
+    else:
+        spec = get_gpt_layer_local_spec(normalization=norm)
+    return GPTModel(cfg, spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=m.get("tied", True),
                     position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000))
 
 
-def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
+def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1) -> Any:
     """A Megatron-LM-like ``args`` Namespace (the attributes reshard and Megatron's loader read)."""
     import argparse
+
+    moe = {}
+    if m.get("experts"):
+        moe = dict(num_experts=m["experts"], moe_router_topk=m.get("topk", 2), moe_ffn_hidden_size=m["moe_ffn"],
+                   moe_shared_expert_intermediate_size=m.get("shared_ffn"), moe_layer_freq=m.get("moe_layer_freq", 1),
+                   expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                   moe_router_enable_expert_bias=m.get("expert_bias", False))
 
     groups = m.get("groups")
     # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
     recorded = {arg: m[key] for key, arg in (("qkv_bias", "add_qkv_bias"), ("eps", "norm_epsilon"),
                                              ("rope_base", "rotary_base")) if key in m}
-    return argparse.Namespace(**recorded,
+    return argparse.Namespace(**recorded, **moe,
         num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
         num_attention_heads=m["heads"], kv_channels=m["hidden"] // m["heads"],
         group_query_attention=groups is not None, num_query_groups=groups or 1, swiglu=bool(m.get("swiglu")),
@@ -100,7 +129,7 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int) -> Any:
         add_bias_linear=m.get("bias", True), untie_embeddings_and_output_weights=not m.get("tied", True),
         vocab_size=m.get("saved_vocab_size"), padded_vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp),
         make_vocab_size_divisible_by=m["divisible_by"], max_position_embeddings=m["seq"], seq_length=m["seq"],
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp * ep,
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
         num_layers_per_virtual_pipeline_stage=None, attention_backend=AttnBackend.auto,
         params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt",
@@ -115,7 +144,10 @@ def options_from_args(a: Any) -> dict[str, Any]:
             "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False), "eps": a.norm_epsilon,
             "rope_base": getattr(a, "rotary_base", 10000), "pos": a.position_embedding_type,
             "tied": not a.untie_embeddings_and_output_weights, "vocab": a.padded_vocab_size, "divisible_by": 1,
-            "seq": a.max_position_embeddings}
+            "seq": a.max_position_embeddings,
+            **({"experts": a.num_experts, "topk": a.moe_router_topk, "moe_ffn": a.moe_ffn_hidden_size,
+                "shared_ffn": a.moe_shared_expert_intermediate_size, "moe_layer_freq": a.moe_layer_freq,
+                "expert_bias": a.moe_router_enable_expert_bias} if getattr(a, "num_experts", None) else {})}
 
 
 def _iteration(ckpt: Path) -> Path:
@@ -128,10 +160,25 @@ def _iteration(ckpt: Path) -> Path:
     return ckpt / (f"iter_{int(text):07d}" if text.isdigit() else text)
 
 
+#: The routing decisions of the last forward (MoE): router name -> which experts each token went to.
+ROUTING: dict[str, torch.Tensor] = {}
+
+
+def _record_routing(model: GPTModel) -> None:
+    """Keep each MoE router's ``routing_map`` (tokens x experts, bool): top-k is discontinuous, so
+    equal logits after a conversion should come with equal routing, checked on its own."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, TopKRouter):
+            mod.register_forward_hook(lambda _m, _i, out, name=name: ROUTING.__setitem__(name, out[1].clone()))
+
+
 def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
     s = len(tokens)
     mask = torch.triu(torch.ones(s, s), diagonal=1).bool().view(1, 1, s, s)
     model.eval()
+    _record_routing(model)
     with torch.no_grad():
         out = model(torch.tensor([tokens]), torch.arange(s).unsqueeze(0), attention_mask=mask)
     parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
@@ -139,37 +186,43 @@ def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
     return torch.cat(parts, dim=-1)[0]
 
 
-def _rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def _rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's ``get_checkpoint_name``: ``mp_rank_TT``, ``_PPP`` with PP > 1, ``_EEE`` with EP > 1."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
 def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]  # dist_checkpointing's preload
+    import megatron.core.transformer.moe.moe_utils as moe_utils  # names te_general_gemm only when TE is installed
+
+    moe_utils.te_general_gemm = None
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    tp, pp = job["tp"], job.get("pp", 1)
+    tp, pp, ep = job["tp"], job.get("pp", 1), job.get("ep", 1)
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
         mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        ep_rank = ps.get_expert_model_parallel_rank()
         state = None
         if job["kind"] == "forward":
-            state = torch.load(_iteration(Path(job["ckpt"])) / _rank_dir(tp_rank, 0, 1) / "model_optim_rng.pt",
-                               weights_only=False)
+            state = torch.load(_iteration(Path(job["ckpt"])) / _rank_dir(tp_rank, 0, 1, ep_rank, ep) /
+                               "model_optim_rng.pt", weights_only=False)
         if job.get("from_args"):  # a torch_dist folder keeps its args in common.pt
             saved = state if state is not None else torch.load(_iteration(Path(job["ckpt"])) / "common.pt",
                                                                weights_only=False)
             job = {**job, "model": options_from_args(saved["args"])}
-        model = build_model(job["model"], tp, pp, job.get("seed", 1234))
+        model = build_model(job["model"], tp, pp, job.get("seed", 1234), ep)
         if job["kind"] == "write":
             out = Path(job["out"])
-            f = out / f"iter_{ITERATION:07d}" / _rank_dir(tp_rank, pp_rank, pp) / "model_optim_rng.pt"
+            f = out / f"iter_{ITERATION:07d}" / _rank_dir(tp_rank, pp_rank, pp, ep_rank, ep) / "model_optim_rng.pt"
             f.parent.mkdir(parents=True, exist_ok=True)
             sd = {
-                "args": megatron_args(job["model"], tp, pp), "checkpoint_version": 3.0, "iteration": ITERATION,
+                "args": megatron_args(job["model"], tp, pp, ep), "checkpoint_version": 3.0, "iteration": ITERATION,
                 "model": model.state_dict_for_save_checkpoint(),
                 "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]},
                 "opt_param_scheduler": {"num_steps": ITERATION},
@@ -185,6 +238,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                 logits = _logits(model, job["tokens"])
                 if rank == 0:
                     torch.save(logits, out / "logits.pt")
+                    torch.save(ROUTING, out / "routing.pt")
         elif job["kind"] == "write_dist":
             _write_dist(job, model, tp, pp)
         elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
@@ -204,6 +258,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             logits = _logits(model, job["tokens"])
             if rank == 0:
                 torch.save(logits, job["out"])
+                torch.save(ROUTING, job["out"] + ".routing")
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -253,7 +308,7 @@ def _free_port() -> int:
 def main(jobs_file: str) -> None:
     jobs = json.loads(Path(jobs_file).read_text())
     for job in jobs:
-        world = job["tp"] * job.get("pp", 1)
+        world = job["tp"] * job.get("pp", 1) * job.get("ep", 1)  # data-parallel over EP (expert TP = TP)
         mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
 
 

@@ -133,7 +133,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
     tp = plan.targets[tgt]
     src = plan.source
     # a DeepSpeed pipeline layer file is a module state dict itself (its rows follow the rank files)
-    modules = {i: sd if src.layer_ids and i >= src.pp * src.tp else sd[plan.module_key] for i, sd in shards.items()}
+    modules = {i: sd if src.layer_ids and i >= src.rows * src.tp else sd[plan.module_key] for i, sd in shards.items()}
     n, m, opts = plan.source_tp, plan.target_tp, plan.options
     first = shards[tp.sources[0]]
     for i in tp.sources:  # top-level entries from the base rank of the first stage read
@@ -539,7 +539,7 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
 
 
 def retarget_args(args: Any, plan: Plan) -> Any:
-    """A copy of the saved Megatron ``args`` describing the output: TP and PP degrees, the padded
+    """A copy of the saved Megatron ``args`` describing the output: TP, PP and EP degrees, the padded
     vocabulary, the checkpoint format; uneven first/last pipeline stage sizes are cleared when PP changes (reshard
     splits layers evenly)."""
     new = copy.copy(args)
@@ -548,6 +548,10 @@ def retarget_args(args: Any, plan: Plan) -> Any:
             setattr(new, name, plan.target_tp)
     if hasattr(new, "pipeline_model_parallel_size"):
         setattr(new, "pipeline_model_parallel_size", plan.target_pp)
+    if getattr(new, "expert_model_parallel_size", None) is not None or plan.target_ep > 1:
+        setattr(new, "expert_model_parallel_size", plan.target_ep)
+    if getattr(new, "expert_tensor_parallel_size", None) is not None:  # experts are split like the dense TP
+        setattr(new, "expert_tensor_parallel_size", plan.target_tp)
     facts = plan.facts
     if facts is not None and hasattr(new, "padded_vocab_size") and facts.padded_vocab_target is not None:
         setattr(new, "padded_vocab_size", facts.padded_vocab_target)

@@ -14,7 +14,7 @@ from reshard.core.checks import bit_equal
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError, MissingModelFactError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, CanonicalParam, SourceStage
-from reshard.core.rules import Place, QuantSlot
+from reshard.core.rules import Kind, Place, QuantSlot
 from reshard.core.source import SourceCheckpoint, parse_version
 
 
@@ -115,15 +115,25 @@ def decide_groups(options: ReshardOptions, args: Any, heads: int | None, raw: li
     return groups
 
 
+#: fc1 -> fc2 in a parameter name (legacy and megatron-core MLPs, experts included).
+_FC_PAIRS = (("dense_h_to_4h", "dense_4h_to_h"), ("linear_fc1", "linear_fc2"))
+
+
+def _fc2_key(fc1_key: str) -> str:
+    for a, b in _FC_PAIRS:
+        fc1_key = fc1_key.replace(a, b)
+    return fc1_key
+
+
 def decide_swiglu(options: ReshardOptions, args: Any, raw: list[CanonicalParam], n: int, m: int,
                   origin: dict[str, str], where: str) -> bool | None:
     """Whether fc1 is gated ([W; V] per rank): decided exactly by the shapes — a gated fc1 has twice
     the rows fc2 has input columns — and cross-checked against args.swiglu and --swiglu."""
-    fc1 = {r.layer: r for r in raw if r.rule.quant is QuantSlot.H_TO_4H}
-    fc2 = {r.layer: r for r in raw if r.rule.quant is QuantSlot.FOUR_H_TO_H}
+    fc1 = [r for r in raw if r.rule.mlp and r.rule.gated]  # every MLP's fc1 weight: dense, expert, shared expert
+    fc2 = {r.key: r for r in raw if r.rule.mlp and r.rule.kind is Kind.ROW}
     seen: set[bool] = set()
-    for layer, a in fc1.items():
-        b = fc2.get(layer)
+    for a in fc1:
+        b = fc2.get(_fc2_key(a.key))
         if b is None or len(a.shape) != 2 or len(b.shape) != 2:
             continue
         rows, cols = a.shape[0], b.shape[1]
@@ -157,7 +167,7 @@ def decide_swiglu(options: ReshardOptions, args: Any, raw: list[CanonicalParam],
         origin["swiglu"] = "args"
         return saved
     if fc1 and n != m:
-        key = next(iter(fc1.values())).key
+        key = fc1[0].key
         raise MissingModelFactError(
             f"whether the MLP is gated (SwiGLU) is unknown, and {n} -> {m} ranks moves its gate and "
             f"up halves differently", culprit=key, hint="pass --swiglu or --no-swiglu")

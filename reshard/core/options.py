@@ -42,8 +42,8 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
 WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: Fields that must be positive integers when given.
-_POSITIVE = ("target_tp", "target_pp", "num_heads", "num_query_groups", "vocab_size", "make_vocab_size_divisible_by",
-             "groups")
+_POSITIVE = ("target_tp", "target_pp", "target_ep", "num_heads", "num_query_groups", "vocab_size",
+             "make_vocab_size_divisible_by", "groups")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -85,6 +85,8 @@ class ReshardOptions(BaseModel):
                                     negative=("--no-mlp-extra-grouping", "do not double the groups for MLP weights"))
     target_pp: int | None = _opt(None, "pipeline-parallel stages of the output (default: as the source)",
                                  metavar="P", minimum=1)
+    target_ep: int | None = _opt(None, "expert-parallel ranks of the output, for a mixture-of-experts model "
+                                       "(default: as the source)", metavar="E", minimum=1)
     num_query_groups: int | None = _opt(None, "query groups (GQA), when the saved args lack them (needed to split "
                                               "safely)", metavar="G", minimum=1)
     swiglu: bool | None = _opt(None, "the MLP is gated (SwiGLU), when neither args nor shapes tell",

@@ -21,18 +21,20 @@ from reshard.formats.registry import get_format
 
 
 def place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_stage: list[int], spp: int,
-          tpp: int, stages: list[SourceStage], warnings: list[str], where: str
+          tpp: int, stages: list[SourceStage], warnings: list[str], where: str, ep: int = 1
           ) -> tuple[list[list[TargetParam]], list[int]]:
     """Assign every logical entry to a target stage under its output name (local layer numbers).
 
     Same PP: every entry stays where the source has it, under its source name. Another PP:
     layers split evenly, embeddings to the first stage, final norm and output to the last; the
     tied head copy is dropped when PP becomes 1 (after checking it equals the embeddings) and
-    recreated on the last stage when PP grows from 1."""
+    recreated on the last stage when PP grows from 1. (``ep``: the source's expert-parallel rows
+    per stage; which target EP rank holds an expert is decided per target, see
+    :func:`reshard.core.experts.rank_experts`.)"""
     placed: list[list[TargetParam]] = [[] for _ in range(tpp)]
     if tpp == spp:
         for p in entries:
-            placed[p.stage].append(TargetParam(out_key=p.src_key, param=p))
+            placed[p.stage // ep].append(TargetParam(out_key=p.src_key, param=p))
         return placed, list(layers_per_stage)
     num_layers = sum(layers_per_stage)
     if num_layers % tpp:
@@ -86,7 +88,8 @@ def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
 
 def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
                 options: ReshardOptions, n: int, m: int, tpp: int, output_format: str, *,
-                name: str | None = None, rank: int | None = None, weights: str | None = None) -> TargetPlan:
+                name: str | None = None, rank: int | None = None, weights: str | None = None, ep_rank: int = 0,
+                ep: int = 1) -> TargetPlan:
     base = source_ranks_for_target(n, m, t)[0]
     files: set[int] = set()
     for tp in params:
@@ -99,10 +102,11 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
     read = sum(source.files[i].stat().st_size for i in srcs) + sum(f.stat().st_size for f in source.aux)
     written = sum(target_size(tp.param, n, m, options.quantize) for tp in params)
     if name is None:
-        name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp)
+        experts = {"ep_rank": ep_rank, "ep": ep} if ep > 1 else {}
+        name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
     return TargetPlan(rank=stage * m + t if rank is None else rank, name=name, sources=srcs, bytes_read=read,
-                      bytes_written=written,
-                      tp_rank=t, pp_rank=stage, base_rank=base, params=tuple(params), weights=weights)
+                      bytes_written=written, tp_rank=t, pp_rank=stage, ep_rank=ep_rank, base_rank=base,
+                      params=tuple(params), weights=weights)
 
 
 def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOptions, n: int, m: int, tpp: int,

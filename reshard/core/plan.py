@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from reshard.core.checks import check_replicated
-from reshard.core.errors import CheckpointFormatError, InconsistentShardsError
+from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
+from reshard.core.experts import check_expert_ranks, experts_per_layer, rank_experts
 from reshard.core.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
 from reshard.core.placement import place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
                                      SourceStage, dropped_warning)
-from reshard.core.rules import Kind, Resolution, Rule, layer_index, with_layer
+from reshard.core.rules import Kind, Resolution, Rule, expert_index, layer_index, with_expert, with_layer
 from reshard.core.source import SourceCheckpoint
 from reshard.core.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
@@ -44,10 +45,11 @@ if TYPE_CHECKING:
     from reshard.formats.base import CheckpointFormat
 
 
-def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int, *,
+def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp: int | None, *,
                     headers_only: bool = False) -> Plan:
     """The plan of a checkpoint whose files form a (stage, TP rank) grid of module dicts
-    (DeepSpeed ``mp_rank_XX`` files, Megatron-LM folders) at target PP ``tpp``; see
+    (DeepSpeed ``mp_rank_XX`` files, Megatron-LM folders) at target PP ``target_pp`` (None: the
+    source's stages, or one where the output has none); see
     :func:`reshard.core.planner.build_plan`, which validates the degrees and picks the planner.
 
     ``headers_only``: read just the first rank file of each pipeline stage and take it as
@@ -58,9 +60,11 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     n, m = source.tp, options.target_tp
     fmt = get_format(source.format)  # reads the files
     out_fmt = output_format(source, options)  # names and writes the outputs
-    out_fmt.check_target(tpp)
     out_fmt.check_source(source, options)
     read = fmt.read(source, options, headers_only=headers_only)
+    source = read.source or source  # rows read as the saved args say (stages or expert-parallel ranks)
+    tpp = (source.pp if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
+    out_fmt.check_target(tpp)
     version = decide_version(read.shards, read.names, source, options)
     d = decide_parameters(read, options, version, source, fmt)
     stages, params, carried = read.stages, d.params, d.carried
@@ -69,11 +73,14 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     order = {r.key: i for i, r in enumerate(sorted(d.raw + d.carried_raw, key=lambda r: r.order))}
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
     placed, target_layers = place(entries, d.naming, tied, d.layers_per_stage, source.pp, tpp, stages,
-                                  warnings, source.origin)
+                                  warnings, source.origin, source.ep)
     if options.quantize:
         check_quantization(params, options, n, m)
-    targets = tuple(target_plan(s, t, placed[s], source, options, n, m, tpp, out_fmt.name)
-                    for s in range(tpp) for t in range(m))
+    experts = experts_per_layer(params)
+    tep = _target_ep(experts, source, options, out_fmt)
+    targets = tuple(target_plan(s, t, rank_experts(placed[s], e, tep, experts), source, options, n, m, tpp,
+                                out_fmt.name, rank=(s * tep + e) * m + t, ep_rank=e, ep=tep)
+                    for s in range(tpp) for e in range(tep) for t in range(m))
     if not out_fmt.per_rank and len(targets) == 1:
         held = {w: _held(fmt, source, options, w, read.module_key) for w in out_fmt.weight_sets(options)}
         targets = split_files(targets[0], source, options, n, m, tpp, out_fmt.name, held or {options.weights: None})
@@ -91,6 +98,26 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int,
     return plan
 
 
+def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options: ReshardOptions,
+               out_fmt: CheckpointFormat) -> int:
+    """The output's expert-parallel degree: ``--target-ep``, else the source's (1 in a layout of
+    global tensors); refused where the output cannot hold experts or they do not divide."""
+    if experts and not out_fmt.holds_experts:
+        raise LayoutError(f"this is a mixture-of-experts model; the {out_fmt.title or out_fmt.name} layout cannot "
+                          f"hold its experts here", culprit=source.origin,
+                          hint="write Megatron-LM per-rank files (--to megatron)")
+    default = source.ep if out_fmt.per_rank else 1
+    tep = default if options.target_ep is None else options.target_ep
+    if tep != 1 and not experts:
+        raise LayoutError(f"the model has no experts to place on {tep} expert-parallel ranks", culprit="--target-ep",
+                          hint="drop --target-ep (or pass 1)")
+    if tep != 1 and not out_fmt.per_rank:
+        raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout holds global tensors; it has no "
+                          f"expert-parallel degree", culprit="--target-ep", hint="drop --target-ep")
+    check_expert_ranks(experts, tep, "--target-ep")
+    return tep
+
+
 def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptions, weights: str, module_key: str
           ) -> dict[tuple[int, str], torch.dtype] | None:
     """The ``(stage, file key)`` of the tensors the source's module holds when read as ``weights``,
@@ -99,7 +126,7 @@ def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptio
     if weights == options.weights:
         return None
     other = options.model_copy(update={"weights": weights})
-    return {(s, key): value.dtype for s in range(source.pp)
+    return {(s, key): value.dtype for s in range(source.rows)
             for key, value in fmt.open(source, other, s * source.tp)[module_key].items()
             if isinstance(value, (torch.Tensor, LazyTensor))}
 
@@ -176,19 +203,26 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
     carried: list[CanonicalParam] = []
     layers_per_stage: list[int] = []
     seen: dict[str, int] = {}
-    offset = 0
+    offsets: dict[int, int] = {}  # pipeline stage -> its first layer's global number
+    orders: dict[int, _Order] = {}
+    staged = len({st.stage for st in stages}) > 1
     for st in stages:
-        local = sorted({i for i in (layer_index(st.canonical_name(k)) for k in st.modules[0]) if i is not None})
-        if len(stages) > 1 and local != list(range(len(local))):
-            raise CheckpointFormatError(f"pipeline stage {st.index} numbers its layers {local[:8]}, not 0..k-1",
-                                        culprit=st.names[0], hint="each stage's file must number its layers locally")
-        layers_per_stage.append(len(local) if len(stages) > 1 else (max(local) + 1 if local else 0))
+        if st.stage not in offsets:  # a stage's first row (EP rank 0) numbers its layers and orders its entries
+            local = sorted({i for i in (layer_index(st.canonical_name(k)) for k in st.modules[0]) if i is not None})
+            if staged and local != list(range(len(local))):
+                raise CheckpointFormatError(f"pipeline stage {st.stage} numbers its layers {local[:8]}, not 0..k-1",
+                                            culprit=st.names[0],
+                                            hint="each stage's file must number its layers locally")
+            offsets[st.stage] = sum(layers_per_stage)
+            layers_per_stage.append(len(local) if staged else (max(local) + 1 if local else 0))
+            orders[st.stage] = _Order(list(st.modules[0]), sum(len(o.pos) for o in orders.values()))
+        offset, order = offsets[st.stage], orders[st.stage]
         for key, v0 in st.modules[0].items():
             name = st.canonical_name(key)
             rule = by_key[name]
             li = layer_index(name)
             glob = None if li is None else li + offset
-            logical = name if glob is None or len(stages) == 1 else with_layer(name, glob)
+            logical = name if glob is None or not staged else with_layer(name, glob)
             if logical in seen:
                 raise CheckpointFormatError(f"{logical} is held by pipeline stages {seen[logical]} and {st.index}",
                                             culprit=source.origin, hint="stages must hold disjoint parameters")
@@ -196,19 +230,37 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
             if rule.kind is Kind.CARRIED:  # opaque per-rank state (TE fp8 meta): never compared
                 shape, dtype = (tuple(v0.shape), v0.dtype) if isinstance(v0, torch.Tensor) else ((), None)
                 carried.append(CanonicalParam(key=logical, rule=rule, shape=shape, dtype=dtype, layer=glob, stage=st.index,
-                                              src_key=key, order=len(seen)))
+                                              src_key=key, order=order.of(key, name)))
                 continue
             if not isinstance(v0, (torch.Tensor, LazyTensor)):
                 raise CheckpointFormatError(f"module entry {key} is a {type(v0).__name__}, not a tensor",
                                             culprit=st.names[0])
-            for mod, name in zip(st.modules[1:], st.names[1:]):
+            for mod, file in zip(st.modules[1:], st.names[1:]):
                 t = mod[key]
                 if not isinstance(t, (torch.Tensor, LazyTensor)) or t.shape != v0.shape or t.dtype != v0.dtype:
                     what = (f"{tuple(t.shape)}/{t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__)
                     raise InconsistentShardsError(
                         f"{key}: shape/dtype {what} differs from rank 0's {tuple(v0.shape)}/{v0.dtype}",
-                        culprit=name, hint="all rank files must come from one checkpoint")
+                        culprit=file, hint="all rank files must come from one checkpoint")
             tensors.append(CanonicalParam(key=logical, rule=rule, shape=tuple(v0.shape), dtype=v0.dtype, layer=glob,
-                                          stage=st.index, src_key=key, order=len(seen)))
-        offset += layers_per_stage[-1]
+                                          stage=st.index, src_key=key, order=order.of(key, name)))
     return tensors, carried, layers_per_stage
+
+
+class _Order:
+    """Output order of one pipeline stage's entries: its first row's file order, each layer's
+    experts (from every EP rank) by global number where that row has its local experts."""
+
+    def __init__(self, keys: list[str], start: int) -> None:
+        self.pos = {k: start + i for i, k in enumerate(keys)}
+        self.block: dict[int | None, int] = {}
+        for k in keys:
+            if expert_index(k) is not None:
+                self.block.setdefault(layer_index(k), self.pos[k])
+
+    def of(self, key: str, name: str) -> tuple[int, int, int]:
+        """The order of file key ``key`` (canonical ``name``)."""
+        g = expert_index(name)
+        if g is None:
+            return (self.pos[key], -1, 0)
+        return (self.block[layer_index(key)], g, self.pos[with_expert(key, 0)])

@@ -116,6 +116,8 @@ class TargetPlan:
     bytes_written: int
     tp_rank: int = 0
     pp_rank: int = 0
+    #: Its expert-parallel rank (MoE; 0 without experts).
+    ep_rank: int = 0
     base_rank: int = 0
     params: tuple[TargetParam, ...] = ()
     kind: str = "rank"
@@ -170,6 +172,11 @@ class Plan:
     def target_tp(self) -> int:
         return self.options.target_tp
 
+    @property
+    def target_ep(self) -> int:
+        """The output's expert-parallel degree (1 without experts)."""
+        return 1 + max((t.ep_rank for t in self.targets), default=0)
+
     def target_options(self, tgt: int) -> ReshardOptions:
         """The options target ``tgt``'s sources are opened with (its own ``weights``, if any)."""
         weights = self.targets[tgt].weights
@@ -209,9 +216,18 @@ class SourceStage:
     canonical: Mapping[str, str] = field(default_factory=dict)
     #: What the row holds, when its format tells rows apart (a pipeline layer file's role).
     role: str | None = None
+    #: The pipeline stage the row belongs to (None: the row is a stage, ``index``) and its
+    #: expert-parallel rank: a stage's EP rows after the first hold that rank's experts only.
+    pp_stage: int | None = None
+    expert_rank: int = 0
 
     def canonical_name(self, key: str) -> str:
         return self.canonical.get(key, key)
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage of this row."""
+        return self.index if self.pp_stage is None else self.pp_stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +240,9 @@ class SourceRead:
     names: list[str]
     module_key: str
     stages: list[SourceStage]
+    #: The source as its files' contents tell it (a Megatron-LM folder ``mp_rank_TT_NNN`` is a
+    #: pipeline stage NNN or an expert-parallel rank NNN: only the saved args say); None: as located.
+    source: SourceCheckpoint | None = None
 
     @property
     def args(self) -> Any:
@@ -241,7 +260,8 @@ class CanonicalParam:
     """One parameter as the planner sees it, whatever the format: its canonical name (``key``;
     global layer number), rule, per-rank shape and dtype, layer, and where its per-rank pieces
     are — row ``stage`` of the source grid, entry ``src_key`` of each of the row's files (read
-    lazily through the format). ``order``: position in the source, for the output's order."""
+    lazily through the format). ``order``: position in the source, for the output's order (a
+    tuple: an expert's entries sort by their global expert number inside their layer's experts)."""
 
     key: str
     rule: Rule
@@ -250,7 +270,7 @@ class CanonicalParam:
     layer: int | None
     stage: int
     src_key: str
-    order: int
+    order: tuple[int, int, int]
 
     def planned(self, spec: PartitionSpec | None) -> ParamPlan:
         """This parameter's plan with its partition spec (None: replicated or carried)."""

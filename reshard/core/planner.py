@@ -33,13 +33,11 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
     elif not out.per_rank and options.target_tp != 1:
         raise LayoutError(f"the {out.title or out.name} layout holds global tensors, loadable at any TP; it has no "
                           f"tensor-parallel degree", culprit="--target-tp", hint="drop --target-tp")
-    default_pp = source.pp if out.writes_pipeline_stages else 1
-    tpp = default_pp if options.target_pp is None else options.target_pp  # both degrees positive: ReshardOptions
     if source.format == DEEPSPEED_PIPE:  # layer files: their own planner, same rules and engine
         if out.name != DEEPSPEED_PIPE:  # that planner writes layer files only
             raise LayoutError(f"DeepSpeed pipeline layer files are written back only as layer files, not in the "
                               f"{out.title or out.name} layout", culprit="--to",
                               hint="drop --to, or convert Megatron-LM per-rank files instead")
-        return build_pipe_plan(source, options, tpp)
-    return build_grid_plan(source, options, tpp, headers_only=headers_only)
+        return build_pipe_plan(source, options, source.pp if options.target_pp is None else options.target_pp)
+    return build_grid_plan(source, options, options.target_pp, headers_only=headers_only)
 

@@ -118,6 +118,33 @@ def with_layer(key: str, index: int) -> str:
     return _LAYER_RE.sub(f".layers.{index}.", key, count=1)
 
 
+#: Where a parameter name carries its expert number (MoE): SequentialMLP's
+#: ``mlp.experts.local_experts.{i}.linear_fc1.weight`` and grouped GEMM's
+#: ``mlp.experts.linear_fc1.weight{i}``. Per-rank files number experts locally (``i`` on EP rank
+#: ``e`` is global expert ``e * E/EP + i``); canonical names carry the global number.
+_EXPERT_RES: tuple[re.Pattern[str], ...] = (
+    re.compile(r"(\.local_experts\.)(\d+)(\.)"),
+    re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)()$"),
+)
+
+
+def expert_index(key: str) -> int | None:
+    """The expert number in a parameter name, or None for a parameter of no single expert."""
+    for rx in _EXPERT_RES:
+        m = rx.search(key)
+        if m:
+            return int(m.group(2))
+    return None
+
+
+def with_expert(key: str, index: int) -> str:
+    """``key`` with its expert number replaced (a local number on an EP rank <-> the global one)."""
+    for rx in _EXPERT_RES:
+        if rx.search(key):
+            return rx.sub(lambda m: f"{m.group(1)}{index}{m.group(3)}", key, count=1)
+    raise ValueError(f"{key} names no expert")
+
+
 def is_megatron_core(keys: Iterable[str]) -> bool:
     """Whether parameter names follow megatron-core (``decoder.layers.N``) rather than legacy."""
     return any(k.startswith(("decoder.", "output_layer.")) for k in keys)
@@ -150,7 +177,7 @@ def resolve(keys: Iterable[str], rules: tuple[Rule, ...], source: str = "checkpo
         raise UnknownParameterError(
             f"{len(unmatched)} parameter(s) match no rule: {shown}", culprit=source,
             hint="reshard does not guess how unknown parameters are partitioned; supported are legacy "
-                 "Megatron GPT names and megatron-core GPT names (dense MLP, no MoE/MLA)")
+                 "Megatron GPT names and megatron-core GPT names (dense or MoE MLP; no MLA)")
     families = {r.family for r in rules if r.name in used} - {"shared"}
     unused = tuple(r.name for r in rules
                    if r.name not in used and not r.optional and r.family in families)

@@ -5,8 +5,11 @@ Which files form a checkpoint is each format's business (:mod:`reshard.formats`:
 folders, DeepSpeed ``mp_rank_XX`` files and descriptors, DeepSpeed pipeline layer files); they
 all produce this one grid, which is all the planner sees.
 
-Files are kept as a grid ``stages[pp][tp]``; ``files`` is that grid flattened stage by stage, so a
-file's index is ``pp * TP + tp`` (for PP = 1, its tensor-parallel rank). A DeepSpeed pipeline
+Files are kept as a grid of rows of TP files; ``files`` is that grid flattened row by row, so a
+file's index is ``row * TP + tp`` (for PP = 1 and EP = 1, its tensor-parallel rank). A row is a
+pipeline stage, or with expert parallelism (MoE) one expert-parallel rank of a stage: row
+``pp * EP + ep`` (the dense weights are replicated over a stage's EP rows; each row holds its own
+experts). A DeepSpeed pipeline
 folder's layer files follow the ``mp_rank`` files as further rows of the grid, one row per layer
 (``layer_ids``), so ``files[(PP + g) * TP + tp]`` is layer ``layer_ids[g]`` of rank ``tp``.
 
@@ -29,7 +32,7 @@ LAYER_FILE_NO_MODEL_RE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 #: DeepSpeed ZeRO stage 3 saves one model-states file per (data-parallel rank, model-parallel rank),
 #: holding only placeholders; the weights are partitioned over the matching ``*_optim_states.pt``.
 ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(_\d+)?$")
+MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
 MEGATRON_FILE = "model_optim_rng.pt"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 ITER_DIR_RE = re.compile(r"^iter_(\d+)$")
@@ -50,7 +53,8 @@ AUTO = "auto"
 class SourceCheckpoint:
     """A located checkpoint: rank files (stage by stage, rank order) plus format-level settings.
 
-    ``pp``: pipeline stages (the grid is ``files[s * tp : (s + 1) * tp]`` per stage);
+    ``pp``: pipeline stages, ``ep``: expert-parallel ranks per stage (the grid's rows are
+    ``files[r * tp : (r + 1) * tp]``, row ``r = stage * ep + expert rank``);
     ``iteration``: a Megatron iteration folder's name (``iter_0000100``, ``release``);
     ``aux``: files every grid file reads its tensors from (a torch_dist checkpoint's grid is its
     ``.metadata``; its ``common.pt`` and ``.distcp`` files are ``aux``): fetched, checked and
@@ -66,22 +70,28 @@ class SourceCheckpoint:
     iteration: str | None = None
     layer_ids: tuple[int, ...] = ()
     aux: tuple[Path, ...] = ()
+    ep: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows of rank files: one per (pipeline stage, expert-parallel rank)."""
+        return self.pp * self.ep
 
     @property
     def tp(self) -> int:
-        return len(self.files) // (self.pp + len(self.layer_ids))
+        return len(self.files) // (self.rows + len(self.layer_ids))
+
+    def row(self, stage: int, expert_rank: int = 0) -> int:
+        """The grid row of pipeline stage ``stage``'s expert-parallel rank ``expert_rank``."""
+        return stage * self.ep + expert_rank
 
     def layer_file_index(self, group: int, rank: int) -> int:
         """Position in ``files`` of DeepSpeed pipeline layer ``layer_ids[group]``, TP rank ``rank``."""
-        return (self.pp + group) * self.tp + rank
+        return (self.rows + group) * self.tp + rank
 
-    def stage_files(self, stage: int) -> tuple[Path, ...]:
-        """Stage ``stage``'s rank files in tensor-parallel rank order."""
-        return self.files[stage * self.tp:(stage + 1) * self.tp]
-
-    def index(self, stage: int, rank: int) -> int:
-        """Position of (stage, tensor-parallel rank) in ``files``."""
-        return stage * self.tp + rank
+    def index(self, row: int, rank: int) -> int:
+        """Position of (grid row, tensor-parallel rank) in ``files`` (a row is a stage when EP = 1)."""
+        return row * self.tp + rank
 
     @property
     def relative_names(self) -> tuple[str, ...]:
@@ -111,9 +121,10 @@ def layer_file_name(layer: int, rank: int) -> str:
     return f"layer_{layer:02d}-model_{rank:02d}-model_states.pt"
 
 
-def megatron_file_name(iteration: str, rank: int, stage: int, pp: int) -> str:
-    """Megatron-LM's path of one rank's file, relative to the run folder."""
-    folder = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
+def megatron_file_name(iteration: str, rank: int, stage: int, pp: int, expert_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's path of one rank's file, relative to the run folder: ``mp_rank_TT``, then
+    ``_PPP`` when PP > 1, then ``_EEE`` when EP > 1 (Megatron-LM's ``get_checkpoint_name``)."""
+    folder = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{expert_rank:03d}" if ep > 1 else "")
     return f"{iteration}/{folder}/{MEGATRON_FILE}"
 
 

@@ -53,6 +53,7 @@ def reshard_deployment(
     destination: str = DEFAULT_DESTINATION,
     storage_options: dict[str, Any] | None = None,
     target_pp: int | None = None,
+    target_ep: int | None = None,
     quantize: bool = False,
     bits: int = 8,
     groups: int = 64,

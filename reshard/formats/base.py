@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from reshard.core.checks import check_same_keys
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
+from reshard.core.experts import expert_rows
 from reshard.core.plan_types import SourceRead, SourceStage
 from reshard.core.safe_load import load_shard
 from reshard.core.shard_check import RANK, check_shard_file
@@ -126,18 +127,26 @@ class CheckpointFormat(ABC):
         of its stage (see :func:`reshard.core.plan.build_grid_plan`)."""
         n = source.tp
         if headers_only:
-            heads = [self.open(source, options, s * n) for s in range(source.pp)]
+            heads = [self.open(source, options, r * n) for r in range(source.rows)]
             shards = [heads[i // n] for i in range(len(source.files))]
         else:
             shards = [self.open(source, options, i) for i in range(len(source.files))]
         names = [str(f) for f in source.files]
         module_key, modules = module_dicts(shards, names, options.module_key, n)
+        source = self.axes(shards[0].get("args"), source)
         self.check_saved_degrees(shards[0].get("args"), source)
-        stages = [SourceStage(index=s, names=names[s * n:(s + 1) * n], modules=modules[s * n:(s + 1) * n])
-                  for s in range(source.pp)]
+        stages = [SourceStage(index=r, names=names[r * n:(r + 1) * n], modules=modules[r * n:(r + 1) * n],
+                              pp_stage=r // source.ep, expert_rank=r % source.ep) for r in range(source.rows)]
         for st in stages:
             check_same_keys(st.modules, st.names)
-        return SourceRead(shards=shards, names=names, module_key=module_key, stages=stages)
+        if source.ep > 1:
+            stages = expert_rows(stages)
+        return SourceRead(shards=shards, names=names, module_key=module_key, stages=stages, source=source)
+
+    def axes(self, args: Any, source: SourceCheckpoint) -> SourceCheckpoint:
+        """``source`` with its grid's rows read as the saved ``args`` say (pipeline stages or
+        expert-parallel ranks), when its file names alone cannot tell. Default: as located."""
+        return source
 
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         """Refuse a partial copy when the saved ``args`` name more ranks than were found."""
@@ -162,6 +171,9 @@ class CheckpointFormat(ABC):
     writes_pipeline_stages: ClassVar[bool] = False
     #: Megatron-LM's ``args.ckpt_format`` for this layout (written into the output's ``args``).
     ckpt_format: ClassVar[str | None] = None
+    #: Can this layout hold MoE experts? A per-rank one then also has an expert-parallel axis
+    #: (``target_name``'s ``ep_rank``/``ep``).
+    holds_experts: ClassVar[bool] = False
     #: How errors name the layout (default: ``name``).
     title: ClassVar[str] = ""
     #: Top-level entries of the source that this output keeps although a reshard drops them
@@ -180,7 +192,8 @@ class CheckpointFormat(ABC):
         """Refuse a validated plan this format cannot write (e.g. a naming it has no place for)."""
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
-        """Path, relative to the destination, of the output file of (tp_rank, pp_rank)."""
+        """Path, relative to the destination, of the output file of (tp_rank, pp_rank). A layout that
+        :attr:`holds_experts` also takes ``ep_rank=`` and ``ep=``, passed when EP > 1."""
         raise LayoutError(f"the {self.name} format is read-only here: reshard cannot write it", culprit=source.origin,
                           hint="convert to a format reshard writes (DeepSpeed or Megatron-LM layout)")
 

@@ -1,13 +1,15 @@
 """Megatron-LM's own layout: a run folder (``latest_checkpointed_iteration.txt`` naming the
 iteration) or one iteration folder (``iter_XXXXXXX`` / ``release``), with one
-``mp_rank_TT[_PPP]/model_optim_rng.pt`` per tensor-parallel rank ``TT`` and pipeline stage ``PPP``
-(``_PPP`` only when PP > 1), the module under ``model`` and Megatron's ``args`` beside it.
+``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per tensor-parallel rank ``TT``, pipeline stage
+``PPP`` (only when PP > 1) and expert-parallel rank ``EEE`` (only when EP > 1: MoE), the module
+under ``model`` and Megatron's ``args`` beside it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from reshard.formats.base import CheckpointFormat, check_contiguous
 class MegatronFormat(CheckpointFormat):
     name = MEGATRON
     priority = 10
-    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+)?/model_optim_rng\.pt$"),)
+    patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+){0,2}/model_optim_rng\.pt$"),)
     markers = (re.compile(r"(^|/)latest_checkpointed_iteration\.txt$"),)
 
     def detect(self, folder: Path) -> bool:
@@ -43,21 +45,38 @@ class MegatronFormat(CheckpointFormat):
         return kept
 
     writes_pipeline_stages = True
+    holds_experts = True
     ckpt_format = "torch"
 
-    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
-        return megatron_file_name(source.iteration or "release", tp_rank, pp_rank, pp)
+    def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0,
+                    ep: int = 1) -> str:
+        return megatron_file_name(source.iteration or "release", tp_rank, pp_rank, pp, ep_rank, ep)
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         return {MEGATRON_LATEST: iteration_text(source.iteration or "release")}
 
+    def axes(self, args: Any, source: SourceCheckpoint) -> SourceCheckpoint:
+        """``mp_rank_TT_NNN`` is pipeline stage NNN, or expert-parallel rank NNN when the saved args
+        say EP > 1 and PP 1 (Megatron-LM names the folder the same way for both)."""
+        if source.ep == 1 and source.pp > 1 and int_arg(args, "pipeline_model_parallel_size") == 1 and \
+                int_arg(args, "expert_model_parallel_size") == source.pp:
+            return replace(source, pp=1, ep=source.pp)
+        return source
+
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
-                                  ("pipeline_model_parallel_size", source.pp, "pipeline stages")):
+                                  ("pipeline_model_parallel_size", source.pp, "pipeline stages"),
+                                  ("expert_model_parallel_size", source.ep, "expert-parallel ranks")):
             saved = int_arg(args, name)
             if saved is not None and saved != found:
                 raise CheckpointFormatError(f"args.{name} is {saved} but {found} {what} were found",
                                             culprit=source.origin, hint="supply all rank folders of the checkpoint")
+        etp = int_arg(args, "expert_tensor_parallel_size")
+        if etp is not None and etp != source.tp and int_arg(args, "num_experts"):
+            raise CheckpointFormatError(
+                f"args.expert_tensor_parallel_size is {etp} but the tensor-parallel size is {source.tp}: experts split "
+                f"over another TP than the dense layers are not supported", culprit=source.origin,
+                hint="save the checkpoint with --expert-tensor-parallel-size equal to --tensor-model-parallel-size")
 
     def locate(self, path: Path) -> SourceCheckpoint:
         if (path / MEGATRON_LATEST).is_file():
@@ -87,41 +106,42 @@ def iteration_folder(run: Path) -> Path:
 
 
 def _locate_iteration(folder: Path, origin: str) -> SourceCheckpoint:
-    """An iteration folder of ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files, as a (pp, tp) grid."""
-    grid: dict[tuple[int, int], Path] = {}
-    staged: set[bool] = set()
+    """An iteration folder of ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` files, as a grid of
+    (stage, expert-parallel rank) rows of TP files. A two-number folder ``mp_rank_TT_NNN`` is
+    taken as stage NNN here; the saved args may make it an expert-parallel rank
+    (:meth:`MegatronFormat.axes`), which changes no file's place in the grid."""
+    grid: dict[tuple[int, int, int], Path] = {}
+    numbers: set[int] = set()
     for child in sorted(folder.iterdir()):
         m = MEGATRON_RANK_DIR_RE.match(child.name)
         if not (m and child.is_dir()):
             continue
-        if m.group(3):
-            raise CheckpointFormatError(f"{child.name}: expert-parallel (MoE) checkpoints are not supported",
-                                        culprit=str(folder), hint="reshard handles dense GPT models only")
         f = child / MEGATRON_FILE
         if not f.is_file():
             raise CheckpointFormatError(f"{child.name}/ holds no {MEGATRON_FILE}", culprit=str(folder),
                                         hint="copy the missing rank file (distributed-optimizer files alone "
                                              "hold no weights)")
-        tp, pp = int(m.group(1)), int(m.group(2)) if m.group(2) is not None else 0
-        staged.add(m.group(2) is not None)
-        if (pp, tp) in grid:
-            raise CheckpointFormatError(f"rank {tp} of stage {pp} appears twice ({child.name})", culprit=str(folder),
+        tp, pp, ep = (int(g) if g is not None else 0 for g in m.groups())
+        numbers.add(sum(g is not None for g in m.groups()))
+        if (pp, ep, tp) in grid:
+            raise CheckpointFormatError(f"{child.name} appears twice", culprit=str(folder),
                                         hint="keep exactly one folder per rank")
-        grid[(pp, tp)] = f
-    if len(staged) > 1:
-        raise CheckpointFormatError("mixes mp_rank_TT and mp_rank_TT_PPP folders", culprit=str(folder),
-                                    hint="remove stray folders from another pipeline layout")
-    n_pp = 1 + max(pp for pp, _ in grid)
-    n_tp = 1 + max(tp for _, tp in grid)
+        grid[(pp, ep, tp)] = f
+    if len(numbers) > 1:
+        raise CheckpointFormatError("mixes mp_rank_TT, mp_rank_TT_NNN and mp_rank_TT_PPP_EEE folders",
+                                    culprit=str(folder), hint="remove stray folders from another parallel layout")
+    n_pp, n_ep, n_tp = (1 + max(key[i] for key in grid) for i in range(3))
     for stage in range(n_pp):
-        ranks = sorted(tp for pp, tp in grid if pp == stage)
-        if not ranks:
-            raise CheckpointFormatError(f"pipeline stage {stage} has no rank folders", culprit=str(folder),
-                                        hint="copy the missing mp_rank_TT_PPP folders")
-        check_contiguous(ranks, f"{folder} (stage {stage})")
-        if len(ranks) != n_tp:
-            missing = sorted(set(range(n_tp)) - set(ranks))
-            raise CheckpointFormatError(f"stage {stage} lacks tensor-parallel ranks {missing}", culprit=str(folder),
-                                        hint="copy the missing rank folders")
-    files = tuple(grid[(s, t)] for s in range(n_pp) for t in range(n_tp))
-    return SourceCheckpoint(files, origin=origin, format=MEGATRON, pp=n_pp, iteration=folder.name)
+        for expert_rank in range(n_ep):
+            where = f"stage {stage}" + (f", expert-parallel rank {expert_rank}" if n_ep > 1 else "")
+            ranks = sorted(tp for pp, ep, tp in grid if (pp, ep) == (stage, expert_rank))
+            if not ranks:
+                raise CheckpointFormatError(f"{where} has no rank folders", culprit=str(folder),
+                                            hint="copy the missing mp_rank_* folders")
+            check_contiguous(ranks, f"{folder} ({where})")
+            if len(ranks) != n_tp:
+                missing = sorted(set(range(n_tp)) - set(ranks))
+                raise CheckpointFormatError(f"{where} lacks tensor-parallel ranks {missing}", culprit=str(folder),
+                                            hint="copy the missing rank folders")
+    files = tuple(grid[(s, e, t)] for s in range(n_pp) for e in range(n_ep) for t in range(n_tp))
+    return SourceCheckpoint(files, origin=origin, format=MEGATRON, pp=n_pp, ep=n_ep, iteration=folder.name)

@@ -1,6 +1,7 @@
 """Megatron GPT models — legacy Megatron / DeepSpeed names (``transformer.*``,
 ``language_model.encoder.*``) and megatron-core names (``embedding.*``, ``decoder.layers.N.*``,
-``output_layer.*``), dense MLP (optionally SwiGLU), MHA or GQA: one rule table.
+``output_layer.*``), dense MLP (optionally SwiGLU) or megatron-core MoE layers (router, routed
+and shared experts), MHA or GQA: one rule table.
 
 This family decides its model facts (heads, query groups, gating, vocabulary padding, tied
 embeddings) with the default, Megatron-LM deciders of :class:`~reshard.models.base.ModelFamily`.
@@ -24,6 +25,8 @@ _LEG_FINAL = r"^(?:transformer|language_model\.encoder)\."
 # --- megatron-core names (embedding.*, decoder.layers.N.*, output_layer.*) ----------------------
 _D = r"^decoder\.layers\.\d+\."
 _LN = r"(?:weight|bias)$"
+#: An expert's fc1/fc2 (completed by ``1\.weight|linear_fc1\.weight\d+)$`` and the like).
+_EXPERT = r"mlp\.experts\.(?:local_experts\.\d+\.linear_fc"
 
 _V, _G = QKVLayout.VERSIONED, QKVLayout.GROUPED
 _FIRST, _LAST = Place.FIRST, Place.LAST
@@ -72,6 +75,26 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
     _core("linear_fc1.bias", _D + r"mlp\.linear_fc1\.bias$", Kind.COLUMN, gated=True, optional=True),
     _core("linear_fc2.weight", _D + r"mlp\.linear_fc2\.weight$", Kind.ROW, QuantSlot.FOUR_H_TO_H, mlp=True),
     _core("linear_fc2.bias", _D + r"mlp\.linear_fc2\.bias$", Kind.REPLICATED, optional=True),
+    # megatron-core MoE layers: the router, routed experts (SequentialMLP's local_experts.{i}.linear_fc*
+    # or grouped GEMM's linear_fc*.weight{i}; numbered globally here, see rules.expert_index) and
+    # shared experts; expert weights split over TP like a dense MLP's (expert TP = TP)
+    _core("router", _D + r"mlp\.router\.(?:weight|bias|expert_bias)$", Kind.REPLICATED, optional=True),
+    _core("experts.linear_fc1.weight", _D + _EXPERT + r"1\.weight|linear_fc1\.weight\d+)$", Kind.COLUMN,
+          mlp=True, gated=True, optional=True),
+    _core("experts.linear_fc1.bias", _D + _EXPERT + r"1\.bias|linear_fc1\.bias\d+)$", Kind.COLUMN, gated=True,
+          optional=True),
+    _core("experts.linear_fc2.weight", _D + _EXPERT + r"2\.weight|linear_fc2\.weight\d+)$", Kind.ROW, mlp=True,
+          optional=True),
+    _core("experts.linear_fc2.bias", _D + _EXPERT + r"2\.bias|linear_fc2\.bias\d+)$", Kind.REPLICATED,
+          optional=True),
+    _core("shared_experts.linear_fc1.weight", _D + r"mlp\.shared_experts\.linear_fc1\.weight$", Kind.COLUMN,
+          mlp=True, gated=True, optional=True),
+    _core("shared_experts.linear_fc1.bias", _D + r"mlp\.shared_experts\.linear_fc1\.bias$", Kind.COLUMN,
+          gated=True, optional=True),
+    _core("shared_experts.linear_fc2.weight", _D + r"mlp\.shared_experts\.linear_fc2\.weight$", Kind.ROW,
+          mlp=True, optional=True),
+    _core("shared_experts.rest", _D + r"mlp\.shared_experts\.(?:linear_fc2\.bias|gate_weight)$", Kind.REPLICATED,
+          optional=True),
     _core("layernorms", _D + r"(?:input_layernorm|pre_mlp_layernorm)\." + _LN, Kind.REPLICATED, optional=True),
     _core("fused_layernorms", _D + r"(?:self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_" + _LN,
           Kind.REPLICATED, optional=True),

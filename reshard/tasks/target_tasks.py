@@ -129,7 +129,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     elif source.layer_ids:  # DeepSpeed pipeline layer files: the layout is planned from all of them
         headers = list(names)
     else:
-        headers = [names[source.index(s, 0)] for s in range(source.pp)]
+        headers = [names[source.index(r, 0)] for r in range(source.rows)]
     return dict(job, source_files=names, source_aux=aux, headers=headers + aux)
 
 

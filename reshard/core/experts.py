@@ -1,0 +1,111 @@
+"""Expert parallelism (MoE): how per-rank files number their experts and how a target layout
+deals them out. Pure functions over names and plan records; the rule table says how each expert
+tensor is split over TP (like a dense MLP's), this module only says *which rank* holds an expert.
+
+Megatron-LM's per-rank layout puts each expert-parallel rank in a folder of its own
+(``mp_rank_TT[_PPP]_EEE``); every EP rank of a stage holds the same dense weights and its own
+``E / EP`` experts, numbered locally:
+
+=====================  ==============================  ==============================
+EP rank ``e``           file key (local number ``i``)    canonical key (global number)
+=====================  ==============================  ==============================
+``0 .. EP-1``           ``...local_experts.{i}.<rest>``  ``...local_experts.{e*E/EP+i}.<rest>``
+``0 .. EP-1``           ``...linear_fc1.weight{i}``      ``...linear_fc1.weight{e*E/EP+i}``
+=====================  ==============================  ==============================
+
+The planner sees one parameter per global expert; a target EP rank ``e'`` of ``EP'`` holds the
+global experts ``e' * E/EP' .. (e'+1) * E/EP' - 1``, renumbered from 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
+from reshard.core.plan_types import ParamPlan, SourceStage, TargetParam
+from reshard.core.rules import expert_index, layer_index, with_expert
+
+
+def local_experts(keys: Sequence[str], where: str) -> int:
+    """Experts per MoE layer in one file (0: no MoE layer), checked to be numbered 0..L-1 in
+    every MoE layer alike."""
+    per_layer: dict[int | None, set[int]] = {}
+    for key in keys:
+        i = expert_index(key)
+        if i is not None:
+            per_layer.setdefault(layer_index(key), set()).add(i)
+    counts = set()
+    for layer, found in per_layer.items():
+        if sorted(found) != list(range(len(found))):
+            raise CheckpointFormatError(f"layer {layer} numbers its experts {sorted(found)[:8]}, not 0..L-1",
+                                        culprit=where, hint="each rank file must number its experts locally")
+        counts.add(len(found))
+    if len(counts) > 1:
+        raise CheckpointFormatError(f"MoE layers hold different numbers of experts ({sorted(counts)})",
+                                    culprit=where, hint="reshard needs one expert count for all MoE layers")
+    return counts.pop() if counts else 0
+
+
+def expert_rows(stages: list[SourceStage]) -> list[SourceStage]:
+    """The grid's rows with their experts under global numbers: the EP ranks of a stage must hold
+    the same keys (same dense weights, same count of local experts); the rows after a stage's first
+    keep only their experts (the dense weights are taken from EP rank 0)."""
+    first: dict[int, SourceStage] = {}
+    out = []
+    for st in stages:
+        keys = list(st.modules[0])
+        head = first.setdefault(st.stage, st)
+        if set(keys) != set(head.modules[0]):
+            diff = sorted(set(keys) ^ set(head.modules[0]))
+            raise InconsistentShardsError(
+                f"expert-parallel rank {st.expert_rank} holds other parameters than rank {head.expert_rank} "
+                f"({len(diff)} differ, e.g. {diff[0]})", culprit=st.names[0],
+                hint="all expert-parallel rank folders must come from one checkpoint (same experts per rank)")
+        per_rank = local_experts(keys, st.names[0])
+        base = st.expert_rank * per_rank
+        canonical = dict(st.canonical)
+        for key in keys:
+            i = expert_index(key)
+            if i is not None:
+                canonical[key] = with_expert(st.canonical_name(key), base + i)
+        modules = st.modules if st is head else [
+            {k: v for k, v in mod.items() if expert_index(k) is not None} for mod in st.modules]
+        out.append(replace(st, canonical=canonical, modules=modules))
+    return out
+
+
+def experts_per_layer(params: Sequence[ParamPlan]) -> dict[int | None, int]:
+    """Global experts per MoE layer (layer -> count), from the planned parameters."""
+    found: dict[int | None, set[int]] = {}
+    for p in params:
+        g = expert_index(p.key)
+        if g is not None:
+            found.setdefault(p.layer, set()).add(g)
+    return {layer: len(gs) for layer, gs in found.items()}
+
+
+def check_expert_ranks(counts: dict[int | None, int], ep: int, where: str) -> None:
+    """Every MoE layer's experts must divide evenly over the target's ``ep`` ranks."""
+    for layer, experts in counts.items():
+        if experts % ep:
+            valid = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise LayoutError(f"{experts} experts (layer {layer}) cannot be divided over {ep} expert-parallel "
+                              f"ranks", culprit=where,
+                              hint=f"choose --target-ep among {', '.join(map(str, valid))}")
+
+
+def rank_experts(entries: Sequence[TargetParam], rank: int, ep: int, counts: dict[int | None, int]
+                 ) -> list[TargetParam]:
+    """What target expert-parallel rank ``rank`` of ``ep`` holds of a stage's ``entries``: every
+    entry of no single expert, and its own experts renumbered from 0 under their output names."""
+    out = []
+    for tp in entries:
+        g = expert_index(tp.param.key)
+        if g is None:
+            out.append(tp)
+            continue
+        per_rank = counts[tp.param.layer] // ep
+        if g // per_rank == rank:
+            out.append(replace(tp, out_key=with_expert(tp.out_key, g % per_rank)))
+    return out

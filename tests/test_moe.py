@@ -1,0 +1,264 @@
+"""Mixture-of-experts checkpoints written by real megatron-core (0.16.1, CPU, gloo): SequentialMLP
+experts under expert parallelism, in Megatron-LM's ``mp_rank_TT[_PPP]_EEE`` folders.
+
+megatron-core builds each expert from the CPU generator at its local position, so the same seed
+gives the same model at every TP of one EP but other experts at another EP. Hence two proofs:
+
+* at the same EP, a TP change equals megatron-core's own shards at the target TP, tensor for tensor
+  and key for key in megatron-core's order;
+* at any (TP, EP, PP), megatron-core loads the output strictly at the target layout and computes
+  the source layout's logits, with the same routing decisions in every MoE layer (top-k is
+  discontinuous: equal logits could hide a near tie, equal routing cannot).
+
+A misplaced expert is caught: swapping two experts of a converted checkpoint changes the logits
+far above the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from layout_helpers import convert
+from mcore_fixtures import mcore_forward_moe, mcore_moe_checkpoints, needs_mcore
+from reshard.cli import main
+from reshard.core.safe_load import load_shard
+
+pytestmark = needs_mcore
+
+#: (model, source (tp, ep, pp), target (tp, ep, pp)); a target with pp > 1 is converted on to the
+#: source's own (tp, ep) with pp 1 before the forward (megatron-core's pipeline schedule is not run).
+CONVERSIONS: list[tuple[str, tuple[int, int, int], tuple[int, int, int]]] = [
+    ("moe", (1, 2, 1), (2, 2, 1)),
+    ("moe", (2, 2, 1), (1, 1, 1)),
+    ("moe", (2, 2, 1), (1, 4, 1)),
+    ("moe", (1, 2, 1), (2, 4, 1)),
+    ("moe", (1, 1, 1), (2, 2, 1)),
+    ("moe", (1, 2, 1), (1, 4, 2)),
+    ("moe_gelu", (2, 1, 1), (1, 2, 1)),
+    ("moe_gelu", (1, 4, 1), (2, 1, 1)),
+    ("moe_bias", (1, 2, 1), (1, 4, 1)),
+    ("moe_bias", (1, 2, 1), (1, 1, 1)),
+]
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="session")
+def moe(tmp_path_factory):
+    return mcore_moe_checkpoints(tmp_path_factory.mktemp("moe"))
+
+
+def _iteration(run: Path) -> Path:
+    return run / f"iter_{int((run / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+
+
+def _modules(run: Path) -> dict[str, dict]:
+    return {d.name: load_shard(d / "model_optim_rng.pt", mmap=False) for d in sorted(_iteration(run).iterdir())}
+
+
+def _layout(tp: int, ep: int, pp: int) -> dict[str, int]:
+    return {"target_tp": tp, "target_ep": ep, "target_pp": pp}
+
+
+@pytest.fixture(scope="module")
+def converted(moe, tmp_path_factory):
+    """Every conversion of :data:`CONVERSIONS` and megatron-core's forward on each output."""
+    root = tmp_path_factory.mktemp("moe_out")
+    cases, outs = [], []
+    for i, (name, (st, se, sp), (tt, te, tpp)) in enumerate(CONVERSIONS):
+        out = root / f"c{i}"
+        convert(moe[(name, st, se, sp)], out, **_layout(tt, te, tpp))
+        outs.append(out)
+        if tpp > 1:  # back to one stage for the forward, through another layout
+            out = root / f"c{i}_pp1"
+            convert(outs[-1], out, **_layout(st, se, 1))
+        cases.append((name, out, tt if tpp == 1 else st, te if tpp == 1 else se))
+    return outs, mcore_forward_moe(cases, root)
+
+
+def test_a_tp_change_equals_megatron_cores_own_shards(moe, tmp_path):
+    for (st, tt) in ((1, 2), (2, 1)):
+        out = tmp_path / f"tp{st}to{tt}"
+        convert(moe[("moe", st, 2, 1)], out, target_tp=tt)
+        ours, theirs = _modules(out), _modules(moe[("moe", tt, 2, 1)])
+        assert list(ours) == list(theirs) == [f"mp_rank_{t:02d}_{e:03d}" for t in range(tt) for e in range(2)]
+        for folder, sd in theirs.items():
+            mine = ours[folder]["model"]
+            assert list(mine) == list(sd["model"]), folder  # megatron-core's order, experts included
+            for key, value in sd["model"].items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(mine[key], value), (folder, key)
+                else:
+                    assert mine[key] == value, (folder, key)
+            args = ours[folder]["args"]
+            assert (args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                    args.expert_tensor_parallel_size) == (tt, 2, tt)
+
+
+@pytest.mark.parametrize("case", range(len(CONVERSIONS)), ids=[f"{n}-{s}-to-{t}" for n, s, t in CONVERSIONS])
+def test_megatron_core_computes_the_source_logits_and_routing_at_the_target_layout(moe, converted, case):
+    name, src, dst = CONVERSIONS[case]
+    outs, results = converted
+    logits, routing = results[case]
+    run = moe[(name, *src[:2], 1)] if src[2] == 1 else None
+    assert run is not None
+    want, want_routing = torch.load(run / "logits.pt"), torch.load(run / "routing.pt")
+    assert torch.allclose(logits, want, atol=ATOL, rtol=0), (logits - want).abs().max()
+    assert want_routing and routing.keys() == want_routing.keys()
+    for router, chosen in want_routing.items():
+        assert torch.equal(routing[router], chosen), router
+    folders = sorted(d.name for d in _iteration(outs[case]).iterdir())
+    tt, te, tpp = dst
+    assert len(folders) == tt * te * tpp
+    if te > 1 and tpp > 1:
+        assert folders[-1] == f"mp_rank_{tt - 1:02d}_{tpp - 1:03d}_{te - 1:03d}"
+
+
+def test_a_misplaced_expert_changes_the_logits(moe, tmp_path):
+    """What the logits test would see if reshard dealt experts out wrongly: two experts swapped."""
+    out = tmp_path / "out"
+    convert(moe[("moe", 1, 2, 1)], out, target_tp=1, target_ep=1)
+    f = _iteration(out) / "mp_rank_00" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    a, b = (f"decoder.layers.1.mlp.experts.local_experts.{i}.linear_fc1.weight" for i in (0, 3))
+    sd["model"][a], sd["model"][b] = sd["model"][b], sd["model"][a]
+    torch.save(sd, f)
+    [(logits, _)] = mcore_forward_moe([("moe", out, 1, 1)], tmp_path)
+    want = torch.load(moe[("moe", 1, 2, 1)] / "logits.pt")
+    assert (logits - want).abs().max() > 100 * ATOL
+
+
+def test_experts_round_trip_byte_stable_through_other_layouts(moe, tmp_path):
+    src = moe[("moe", 2, 2, 1)]
+    convert(src, tmp_path / "a", **_layout(1, 4, 2))
+    convert(tmp_path / "a", tmp_path / "b", **_layout(2, 2, 1))
+    for folder, sd in _modules(src).items():
+        back = _modules(tmp_path / "b")[folder]["model"]
+        assert list(back) == list(sd["model"])
+        assert all(torch.equal(back[k], v) for k, v in sd["model"].items() if isinstance(v, torch.Tensor))
+
+
+def test_a_two_number_folder_is_an_expert_rank_when_the_args_say_so(moe, capsys):
+    """``mp_rank_00_001`` is EP rank 1 here (PP 1, EP 2 in the args), not pipeline stage 1."""
+    assert main(["inspect", str(moe[("moe", 1, 2, 1)]), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert (rec["tp"], rec["pp"], rec["ep"], rec["experts"]) == (1, 1, 2, 4)
+
+
+def test_grouped_gemm_names_are_dealt_out_like_sequential_ones(moe, tmp_path):
+    """megatron-core's grouped-GEMM experts (``experts.linear_fc1.weight{i}``), written here by
+    renaming SequentialMLP's keys the way megatron-core names them: EP 2 -> 1 numbers them globally."""
+    src = tmp_path / "grouped"
+    shutil.copytree(moe[("moe", 1, 2, 1)], src)
+    for f in _iteration(src).glob("*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["model"] = {_grouped(k): v for k, v in sd["model"].items() if not _expert_extra(k)}
+        torch.save(sd, f)
+    convert(src, tmp_path / "out", target_tp=1, target_ep=1)
+    [(folder, out)] = _modules(tmp_path / "out").items()
+    src_modules = _modules(src)
+    for e, sd in enumerate(src_modules.values()):
+        for i in range(2):
+            for fc in (1, 2):
+                assert torch.equal(out["model"][f"decoder.layers.1.mlp.experts.linear_fc{fc}.weight{2 * e + i}"],
+                                   sd["model"][f"decoder.layers.1.mlp.experts.linear_fc{fc}.weight{i}"])
+    assert sum(".experts.linear_fc" in k for k in out["model"]) == 8
+
+
+def _grouped(key: str) -> str:
+    import re
+
+    m = re.match(r"(.*\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$", key)
+    return f"{m.group(1)}{m.group(3)}.weight{m.group(2)}" if m else key
+
+
+def _expert_extra(key: str) -> bool:
+    return ".local_experts." in key and key.endswith("_extra_state")
+
+
+# --- refusals: one line, exit 2, nothing written ------------------------------------------------
+
+def _refused(capsys, args: list[str], dst: Path, *needles: str) -> None:
+    code = main(args)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert not dst.exists()
+
+
+def test_an_expert_count_the_target_ep_does_not_divide_is_refused(moe, tmp_path, capsys):
+    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "o"), "--target-tp", "1",
+                      "--target-ep", "3"], tmp_path / "o", "4 experts", "3 expert-parallel ranks", "1, 2, 4")
+
+
+def test_a_missing_expert_rank_folder_is_refused(moe, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(moe[("moe", 2, 2, 1)], src)
+    shutil.rmtree(_iteration(src) / "mp_rank_01_001")
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "lacks tensor-parallel ranks [1]")
+    shutil.rmtree(_iteration(src) / "mp_rank_00_001")
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "expert_model_parallel_size is 2 but 1 expert-parallel ranks")
+
+
+def test_expert_counts_that_disagree_across_ranks_are_refused(moe, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(moe[("moe", 1, 2, 1)], src)
+    f = _iteration(src) / "mp_rank_00_001" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["model"] = {k: v for k, v in sd["model"].items() if ".local_experts.1." not in k}
+    torch.save(sd, f)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "mp_rank_00_001", "expert-parallel rank 1 holds other parameters than rank 0")
+
+
+def test_experts_split_over_another_tp_are_refused(moe, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(moe[("moe", 2, 2, 1)], src)
+    for f in _iteration(src).glob("*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].expert_tensor_parallel_size = 1
+        torch.save(sd, f)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "expert_tensor_parallel_size is 1")
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dist"])
+def test_outputs_that_cannot_hold_experts_refuse_them(moe, tmp_path, capsys, fmt):
+    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "o"), "--to", fmt],
+             tmp_path / "o", "mixture-of-experts", "--to megatron")
+
+
+def test_target_ep_on_a_dense_model_is_refused(sample_factory, tmp_path, capsys):
+    src = sample_factory(tp=2)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1", "--target-ep", "2"],
+             tmp_path / "o", "no experts", "--target-ep")
+
+
+def test_the_flow_reshards_experts_from_s3(moe, tmp_path, request, monkeypatch):
+    """The Prefect flow from object storage (a run folder of three-number ``mp_rank_TT_PPP_EEE``
+    folders after a first conversion) writes the same bytes as ``--direct``."""
+    request.getfixturevalue("prefect_env")
+    from conftest import upload_to_s3
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+
+    src = tmp_path / "src"
+    convert(moe[("moe", 1, 2, 1)], src, **_layout(1, 2, 2))
+    source, so = upload_to_s3(src, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
+                              monkeypatch, prefix="moe")
+    run_flow(ReshardParams(source=source, destination=str(tmp_path / "flow"), target_tp=2, target_ep=4,
+                           target_pp=1, storage_options=so, cache_dir=str(tmp_path / "cache")))
+    assert main(["run", "--direct", str(src), str(tmp_path / "direct"), "--target-tp", "2", "--target-ep", "4",
+                 "--target-pp", "1"]) == 0
+    files = {p.relative_to(tmp_path / "direct").as_posix() for p in (tmp_path / "direct").rglob("*") if p.is_file()}
+    assert len([f for f in files if f.endswith("model_optim_rng.pt")]) == 8
+    for f in sorted(files - {"reshard_manifest.json"}):
+        assert (tmp_path / "flow" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
