@@ -1,7 +1,8 @@
 """Mixture-of-experts benchmark: a synthetic fp16 megatron-core MoE checkpoint (8 layers, every
-layer MoE with SwiGLU experts, TP 1) converted EP 8 -> EP 2, against the byte-copy floor of the
-source and the naive script a user would write (load every EP rank's file, renumber the experts,
-save each target rank); then the same with twice the experts: reshard's peak RSS must stay flat.
+layer MoE with SwiGLU experts, TP 1) converted EP 8 -> EP 2 and EP 8 -> Hugging Face (Mixtral),
+against the byte-copy floor of the source and, for EP 8 -> EP 2, the naive script a user would
+write (load every EP rank's file, renumber the experts, save each target rank); then the same with
+twice the experts: reshard's peak RSS must stay flat.
 
     python bench/bench_moe.py               # full run (64 and 128 experts)
     python bench/bench_moe.py --quick       # smoke test of the benchmark itself
@@ -69,6 +70,7 @@ def make_source(folder: Path, layers: int, experts: int, hidden: int, moe_ffn: i
                               padded_vocab_size=vocab, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
                               pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
                               expert_tensor_parallel_size=1, num_experts=experts, moe_ffn_hidden_size=moe_ffn,
+                              moe_router_topk=2,
                               transformer_impl="local", ckpt_format="torch")
     dense = torch.Generator().manual_seed(0)
 
@@ -131,6 +133,7 @@ def agree(reshard_cmd: list[str], naive_cmd: list[str], work: Path) -> bool:
 
 
 RESHARD, FLOOR_NAME = "reshard --direct EP 8 -> EP 2", "floor (EP 8 bytes)"
+TO_HF = "reshard --direct EP 8 -> hf (Mixtral)"
 NAIVE_NAME = "naive: load all, renumber, save"
 
 
@@ -161,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                        check=True)
         methods = {FLOOR_NAME: FLOOR + [str(src), "{out}"],
                    RESHARD: reshard(str(src), "{out}", "--target-tp", "1", "--target-ep", "2"),
-                   NAIVE_NAME: NAIVE + [str(src), "{out}", "2"]}
+                   NAIVE_NAME: NAIVE + [str(src), "{out}", "2"],
+                   TO_HF: reshard(str(src), "{out}", "--to", "hf")}
         if experts != ns.experts:  # memory scaling: reshard only
-            methods = {RESHARD: methods[RESHARD]}
+            methods = {RESHARD: methods[RESHARD], TO_HF: methods[TO_HF]}
         else:
             results["same tensors as the naive script"] = agree(methods[RESHARD], methods[NAIVE_NAME], work)
         results[f"experts={experts}"] = {"source GB": round(size(src) / 1e9, 2),
@@ -171,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     base, deep = results[f"experts={ns.experts}"], results[f"experts={2 * ns.experts}"]
     report(f"EP 8 -> EP 2, {ns.experts} experts x {shape['layers']} layers ({base['source GB']} GB)",
            {k: v for k, v in base.items() if isinstance(v, dict)}, FLOOR_NAME)
-    print(f"peak RSS {RESHARD}: {base[RESHARD]['peak_rss_mib']} MiB with {ns.experts} experts, "
-          f"{deep[RESHARD]['peak_rss_mib']} MiB with {2 * ns.experts} ({deep['source GB']} GB)")
+    for name in (RESHARD, TO_HF):
+        print(f"peak RSS {name}: {base[name]['peak_rss_mib']} MiB with {ns.experts} experts, "
+              f"{deep[name]['peak_rss_mib']} MiB with {2 * ns.experts} ({deep['source GB']} GB)")
     print(f"same tensors as the naive script: {results['same tensors as the naive script']}")
     print(json.dumps(results))
     return 0

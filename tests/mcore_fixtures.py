@@ -141,6 +141,15 @@ MOE_MODELS: dict[str, tuple[dict[str, Any], tuple[tuple[int, int, int], ...]]] =
              "shared_ffn": 32, "moe_layer_freq": [0, 1]}, ((1, 2, 1), (2, 2, 1), (1, 1, 1), (1, 2, 2))),
     "moe_gelu": ({"ffn": 128, "bias": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4,
                   "moe_ffn": 64, "topk": 1, "expert_bias": True}, ((2, 1, 1), (1, 4, 1))),
+    # Hugging Face's MoE architectures: Mixtral (every layer MoE, no shared expert, top-2 renormalized) and
+    # Qwen2-MoE (QKV bias, a dense first layer, a sigmoid-gated shared expert, top-2 not renormalized)
+    "mixtral": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
+                 "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4,
+                 "moe_ffn": 48, "eps": 1e-6, "rope_base": 50000.0}, ((2, 2, 1),)),
+    "qwen_moe": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "qkv_bias": True,
+                  "pos": "rope", "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128,
+                  "experts": 4, "moe_ffn": 48, "shared_ffn": 32, "shared_gate": True, "pre_softmax": True,
+                  "moe_layer_freq": [0, 1], "eps": 1e-6}, ((1, 2, 1),)),
     # linear biases in experts: megatron-core allows them at expert TP 1 only
     "moe_bias": ({"ffn": 128, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4, "moe_ffn": 64,
                   "swiglu": True}, ((1, 2, 1),)),

@@ -77,7 +77,8 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1) -> 
                   expert_tensor_parallel_size=tp, moe_layer_freq=m.get("moe_layer_freq", 1),
                   moe_shared_expert_intermediate_size=m.get("shared_ffn"),
                   moe_router_enable_expert_bias=m.get("expert_bias", False),
-                  moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax")
+                  moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
+                  moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
         spec_kw.update(num_experts=m["experts"])
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
@@ -115,7 +116,9 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1) -> Any:
         moe = dict(num_experts=m["experts"], moe_router_topk=m.get("topk", 2), moe_ffn_hidden_size=m["moe_ffn"],
                    moe_shared_expert_intermediate_size=m.get("shared_ffn"), moe_layer_freq=m.get("moe_layer_freq", 1),
                    expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
-                   moe_router_enable_expert_bias=m.get("expert_bias", False))
+                   moe_router_enable_expert_bias=m.get("expert_bias", False),
+                   moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
+                   moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
 
     groups = m.get("groups")
     # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
@@ -147,7 +150,8 @@ def options_from_args(a: Any) -> dict[str, Any]:
             "seq": a.max_position_embeddings,
             **({"experts": a.num_experts, "topk": a.moe_router_topk, "moe_ffn": a.moe_ffn_hidden_size,
                 "shared_ffn": a.moe_shared_expert_intermediate_size, "moe_layer_freq": a.moe_layer_freq,
-                "expert_bias": a.moe_router_enable_expert_bias} if getattr(a, "num_experts", None) else {})}
+                "expert_bias": a.moe_router_enable_expert_bias, "pre_softmax": a.moe_router_pre_softmax,
+                "shared_gate": a.moe_shared_expert_gate} if getattr(a, "num_experts", None) else {})}
 
 
 def _iteration(ckpt: Path) -> Path:

@@ -357,7 +357,8 @@ def test_megatron_folder_errors(samples, tmp_path):
     _refuses(tmp_path, run, CheckpointFormatError, "args.tensor_model_parallel_size is 2 but 1", target_tp=1)
     moe = tmp_path / "moe" / "iter_0000100" / "mp_rank_00_000_001"
     moe.mkdir(parents=True)
-    _refuses(tmp_path, moe.parent, CheckpointFormatError, "expert-parallel", target_tp=1)
+    _refuses(tmp_path, moe.parent, CheckpointFormatError, "mp_rank_00_000_001/ holds no model_optim_rng.pt",
+             target_tp=1)
     dist = tmp_path / "dist"
     dist.mkdir()
     (dist / "__0_0.distcp").write_bytes(b"x")

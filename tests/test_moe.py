@@ -230,10 +230,92 @@ def test_experts_split_over_another_tp_are_refused(moe, tmp_path, capsys):
              "expert_tensor_parallel_size is 1")
 
 
-@pytest.mark.parametrize("fmt", ["hf", "torch_dist"])
-def test_outputs_that_cannot_hold_experts_refuse_them(moe, tmp_path, capsys, fmt):
-    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "o"), "--to", fmt],
+def test_outputs_that_cannot_hold_experts_refuse_them(moe, tmp_path, capsys):
+    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "o"), "--to", "torch_dist"],
              tmp_path / "o", "mixture-of-experts", "--to megatron")
+
+
+# --- Hugging Face: Mixtral and Qwen2-MoE ----------------------------------------------------------
+
+HF_CASES = [("mixtral", (2, 2, 1), "MixtralForCausalLM"), ("qwen_moe", (1, 2, 1), "Qwen2MoeForCausalLM")]
+TOL = 2e-5
+
+
+def _hf_export(src: Path, out: Path) -> Path:
+    assert main(["run", "--direct", str(src), str(out), "--to", "hf"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name,layout,arch", HF_CASES, ids=[c[0] for c in HF_CASES])
+def test_transformers_runs_the_moe_export_with_megatron_cores_logits(moe, tmp_path, name, layout, arch):
+    from test_hf_export import hf_logits
+
+    src = moe[(name, *layout)]
+    out = _hf_export(src, tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [arch] and cfg["num_experts_per_tok"] == 2
+    if arch == "Qwen2MoeForCausalLM":
+        assert (cfg["num_experts"], cfg["norm_topk_prob"], cfg["mlp_only_layers"], cfg["qkv_bias"]) == (4, False, [0],
+                                                                                                       True)
+        assert (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]) == \
+            (96, 48, 32)
+    else:
+        assert (cfg["num_local_experts"], cfg["intermediate_size"], cfg["rope_theta"], cfg["rms_norm_eps"]) == \
+            (4, 48, 50000.0, 1e-6)
+    logits = hf_logits(out)
+    assert (logits - torch.load(src / "logits.pt")).abs().max() < TOL
+
+
+def _swapped(a: str, b: str):
+    def edit(sd: dict) -> None:
+        sd[a], sd[b] = sd[b], sd[a]
+    return edit
+
+
+def _renumbered(template: str, experts: int = 4):
+    """Every expert under the next one's number (what a wrong local -> global numbering writes)."""
+    def edit(sd: dict) -> None:
+        moved = [sd[template.format(e)] for e in range(experts)]
+        for e in range(experts):
+            sd[template.format(e)] = moved[(e + 1) % experts]
+    return edit
+
+
+_MX = "model.layers.1.block_sparse_moe."
+_QW = "model.layers.1.mlp."
+WRONG_MOE = {
+    "mixtral": {
+        "experts renumbered by one": {"tensors": _renumbered(_MX + "experts.{}.w2.weight")},
+        "an expert's gate (w1) and up (w3) swapped": {"tensors": _swapped(_MX + "experts.2.w1.weight",
+                                                                          _MX + "experts.2.w3.weight")},
+        "top-1 routing instead of top-2": {"config": {"num_experts_per_tok": 1}},
+    },
+    "qwen_moe": {
+        "top-k renormalized (norm_topk_prob)": {"config": {"norm_topk_prob": True}},
+        "experts renumbered by one": {"tensors": _renumbered(_QW + "experts.{}.down_proj.weight")},
+        "the shared expert's gate and up swapped": {"tensors": _swapped(_QW + "shared_expert.gate_proj.weight",
+                                                                        _QW + "shared_expert.up_proj.weight")},
+    },
+}
+
+
+@pytest.mark.parametrize("name,layout,arch", HF_CASES, ids=[c[0] for c in HF_CASES])
+def test_the_moe_logits_comparison_catches_each_plausible_wrong_export(moe, tmp_path, name, layout, arch):
+    from test_hf_export import _mutated, hf_logits
+
+    src = moe[(name, *layout)]
+    good = _hf_export(src, tmp_path / "good")
+    want = torch.load(src / "logits.pt")
+    for i, (label, change) in enumerate(WRONG_MOE[name].items()):
+        diff = (hf_logits(_mutated(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
+        assert diff > 10 * TOL, f"{label}: logits moved only {diff:.2e}"
+
+
+def test_moe_models_no_hugging_face_architecture_computes_are_refused(moe, tmp_path, capsys):
+    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "a"), "--to", "hf"],
+             tmp_path / "a", "shared experts without a gate")
+    _refused(capsys, ["run", "--direct", str(moe[("moe_gelu", 1, 4, 1)]), str(tmp_path / "b"), "--to", "hf"],
+             tmp_path / "b", "mixture-of-experts model with LayerNorm")
 
 
 def test_target_ep_on_a_dense_model_is_refused(sample_factory, tmp_path, capsys):

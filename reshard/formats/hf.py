@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
+from reshard.core.rules import expert_index
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError, as_bytes,
@@ -141,6 +142,7 @@ class HFFormat(CheckpointFormat):
 
     # -- writing ------------------------------------------------------------------------------
     per_rank = False
+    holds_experts = True  # Mixtral and Qwen2-MoE (global expert numbers)
 
     def check_plan(self, plan: Plan) -> None:
         if plan.options.quantize:
@@ -237,16 +239,18 @@ def _architecture(plan: Plan) -> HFArchitecture:
     written = {core_name(tp.out_key) if legacy else tp.out_key: tp.param for t in plan.targets for tp in t.params}
     keys = set(written)
     dtypes = {p.dtype for p in written.values() if p.dtype is not None}
-    ffn = None
+    widths: dict[str, int] = {}  # FFN width of the dense MLPs, routed experts, shared experts
     for key, p in written.items():
-        if key.endswith("mlp.linear_fc1.weight") and p.spec is not None:
+        kind = "expert" if expert_index(key) is not None else "shared" if ".shared_experts." in key else "dense"
+        if re.search(r"linear_fc1\.weight\d*$", key) and p.spec is not None:
             rows = p.shape[p.spec.dim] * plan.source_tp if p.spec.total is None else p.spec.total * p.spec.parts
-            ffn = rows // 2 if plan.facts.swiglu else rows  # SwiGLU's fc1 is [gate; up]
+            widths[kind] = rows // 2 if plan.facts.swiglu else rows  # SwiGLU's fc1 is [gate; up]
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
     args = target_state(plan, 0).get("args")
-    return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32, ffn)
+    return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32,
+                               widths.get("dense"), widths.get("expert"), widths.get("shared"))
 
 
 class _PerPlan:

@@ -9,16 +9,21 @@ Pure: no files, no torch I/O. The ``hf`` format (:mod:`reshard.formats.hf`) stre
 Architectures (decided by :func:`decide_architecture` from the saved ``args`` and the tensors
 present; anything else is refused with what differs — never an approximate export):
 
-=====================  ===========================================================================
-architecture           megatron-core model
-=====================  ===========================================================================
-``LlamaForCausalLM``   RMSNorm, SwiGLU, rotary (whole head, not interleaved, no scaling), no linear
-                       biases — or biases on every linear layer (``attention_bias``, ``mlp_bias``)
-``Qwen2ForCausalLM``   the same with biases on the fused QKV only (``--add-qkv-bias``)
-``GPT2LMHeadModel``    LayerNorm, GELU (exact; ``gelu_new`` with ``--openai-gelu``), learned absolute
-                       positions, biases on every linear layer, multi-head attention (legacy
-                       Megatron GPT, megatron-core's GPT with those settings)
-=====================  ===========================================================================
+=======================  =========================================================================
+architecture             megatron-core model
+=======================  =========================================================================
+``LlamaForCausalLM``     RMSNorm, SwiGLU, rotary (whole head, not interleaved, no scaling), no
+                         linear biases — or biases on every linear layer (``attention_bias``,
+                         ``mlp_bias``)
+``Qwen2ForCausalLM``     the same with biases on the fused QKV only (``--add-qkv-bias``)
+``GPT2LMHeadModel``      LayerNorm, GELU (exact; ``gelu_new`` with ``--openai-gelu``), learned
+                         absolute positions, biases on every linear layer, multi-head attention
+                         (legacy Megatron GPT, megatron-core's GPT with those settings)
+``MixtralForCausalLM``   Llama's, every MLP a MoE layer (softmax top-k renormalized), no shared
+                         expert (export only)
+``Qwen2MoeForCausalLM``  Llama's or Qwen2's, MoE layers with one sigmoid-gated shared expert,
+                         dense layers allowed (``mlp_only_layers``) (export only)
+=======================  =========================================================================
 
 Tensor transforms (one class each, owning its byte mapping; rows are the leading dim):
 
@@ -57,6 +62,7 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
+from reshard.core.rules import expert_index, layer_index
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
 ROPE_BASE_DEFAULT = 10000.0
@@ -254,7 +260,8 @@ class GPT2QKV(WholeTensorTransform):
         return Converted(c_attn, to_core, shape)
 
 
-_FIELDS = {"layer": r"(?P<layer>\d+)", "p": r"(?P<p>weight|bias)", "prefix": r"(?P<prefix>(?:.+\.)?)"}
+_FIELDS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)", "p": r"(?P<p>weight|bias)",
+           "prefix": r"(?P<prefix>(?:.+\.)?)"}
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -331,8 +338,33 @@ GPT2_NAMES: NameTable = _table(
     ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
     (_EXTRA_STATE, None, ()),
 )
-#: Each architecture's name table.
+_E = "mlp.experts."
+#: A routed expert's megatron-core names: SequentialMLP's, then grouped GEMM's.
+_FC1 = (_L + _E + "local_experts.{expert}.linear_fc1.weight", _L + _E + "linear_fc1.weight{expert}")
+_FC2 = (_L + _E + "local_experts.{expert}.linear_fc2.weight", _L + _E + "linear_fc2.weight{expert}")
+#: megatron-core MoE layers <-> Mixtral's (``block_sparse_moe``: router ``gate``, experts' ``w1`` gate,
+#: ``w3`` up and ``w2`` down projections), on top of Llama's names.
+MIXTRAL_NAMES: NameTable = LLAMA_NAMES + _table(
+    (_L + "mlp.router.weight", Same(), (_H + "block_sparse_moe.gate.weight",)),
+    (_FC1, GatedSplit(), (_H + "block_sparse_moe.experts.{expert}.w1.weight",
+                          _H + "block_sparse_moe.experts.{expert}.w3.weight")),
+    (_FC2, Same(), (_H + "block_sparse_moe.experts.{expert}.w2.weight",)),
+)
+#: megatron-core MoE layers <-> Qwen2-MoE's (router ``mlp.gate``, ``mlp.experts.{e}.*_proj``, one
+#: shared expert and its sigmoid gate), on top of Llama's names (its dense layers).
+QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _table(
+    (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
+    (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")),
+    (_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",)),
+    (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
+     (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight")),
+    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",)),
+    (_L + "mlp.shared_experts.gate_weight", Same(), (_H + "mlp.shared_expert_gate.weight",)),
+)
+#: Each architecture's name table, both directions (import reads these).
 NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES}
+#: The architectures written by an export: the imported ones and the MoE ones (export only).
+EXPORT_TABLES = {**NAME_TABLES, "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -347,9 +379,9 @@ class Export:
 
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts, architecture: str) -> Export:
-    """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`NAME_TABLES`); an unknown
+    """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`EXPORT_TABLES`); an unknown
     key is an error."""
-    for row in NAME_TABLES[architecture]:
+    for row in EXPORT_TABLES[architecture]:
         m = next((m for m in (p.match(key) for p in row.core_patterns) if m), None)
         if m is None:
             continue
@@ -387,10 +419,11 @@ def _arg(args: Any, *names: str, default: Any = None) -> Any:
 
 
 def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
-                        ffn: int | None) -> HFArchitecture:
+                        ffn: int | None, moe_ffn: int | None = None, shared_ffn: int | None = None) -> HFArchitecture:
     """The Hugging Face architecture that computes this megatron-core model exactly (see the module
     table), from the saved ``args`` and the tensor names present; :class:`LayoutError` naming the
-    first difference otherwise."""
+    first difference otherwise. ``ffn``, ``moe_ffn``, ``shared_ffn``: the FFN widths of the dense
+    MLPs, the routed experts and the shared experts (None: none such)."""
 
     def refuse(what: str) -> LayoutError:
         return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
@@ -402,8 +435,7 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
     for flag, what in (("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm",
                                                           "residual taken after the layer norm"),
                        ("qk_layernorm", "query/key layer norms"), ("rotary_interleaved", "interleaved rotary"),
-                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention"),
-                       ("moe_num_experts", "mixture of experts"), ("num_experts", "mixture of experts")):
+                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention")):
         if _arg(args, flag, default=False):
             raise refuse(f"{what} ({flag})")
     if has(r"(q_layernorm|k_layernorm)\."):
@@ -411,6 +443,8 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
     if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
         raise refuse("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
     norm = _arg(args, "normalization", default="LayerNorm")  # Megatron-LM's default
+    if norm == "LayerNorm" and has(r"\.mlp\.router\.weight$"):
+        raise refuse("a mixture-of-experts model with LayerNorm (Mixtral and Qwen2-MoE use RMSNorm)")
     if norm == "LayerNorm":
         return _gpt2(args, facts, has, dtype, ffn, refuse)
     if norm != "RMSNorm":
@@ -442,6 +476,9 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
                                        if _arg(args, "rotary_base") is None else ""),
              f"rms_norm_eps {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon",
                                                                               "layernorm_epsilon") is None else ""))
+    if has(r"\.mlp\.router\.weight$"):
+        return _moe(args, facts, keys, config, notes, (qkv_bias, proj_bias, mlp_bias), ffn, moe_ffn, shared_ffn,
+                    refuse)
     if qkv_bias and not proj_bias and not mlp_bias:
         if facts.head_dim * facts.heads != facts.hidden:
             raise refuse("head dim x heads differs from the hidden size, which Qwen2 assumes")
@@ -495,3 +532,72 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
                  args, "norm_epsilon", "layernorm_epsilon") is None else ""))
     return HFArchitecture(name="GPT2LMHeadModel", config=config, notes=notes,
                           reason="LayerNorm, GELU, learned positions, biases on every linear layer, multi-head")
+
+
+def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], notes: tuple[str, ...],
+         biases: tuple[bool, bool, bool], ffn: int | None, moe_ffn: int | None, shared_ffn: int | None,
+         refuse: Any) -> HFArchitecture:
+    """A Llama-like model whose MLPs are megatron-core MoE layers: ``MixtralForCausalLM`` (every layer
+    MoE, no shared expert, the top-k softmax scores renormalized: megatron-core's default top-k of
+    the logits then softmax) or ``Qwen2MoeForCausalLM`` (one sigmoid-gated shared expert per MoE
+    layer, dense layers allowed, ``norm_topk_prob`` as ``--moe-router-pre-softmax`` says, QKV bias
+    optional). Routing that neither computes (sigmoid scores, expert bias, groups, capacity, scaling)
+    is refused."""
+    qkv_bias, proj_bias, mlp_bias = biases
+    if proj_bias or mlp_bias:
+        raise refuse("linear biases besides the QKV's in a mixture-of-experts model")
+    score = _arg(args, "moe_router_score_function", default="softmax")
+    if score != "softmax":
+        raise refuse(f"router scores by {score} (Mixtral and Qwen2-MoE route on softmax scores)")
+    if any(k.endswith(".mlp.router.expert_bias") for k in keys) or _arg(args, "moe_router_enable_expert_bias",
+                                                                         default=False):
+        raise refuse("a router expert bias (aux-loss-free load balancing)")
+    for flag, what in (("moe_router_num_groups", "group-limited routing"), ("moe_expert_capacity_factor",
+                                                                           "token dropping (expert capacity)"),
+                       ("moe_input_jitter_eps", "router input jitter")):
+        if _arg(args, flag):
+            raise refuse(f"{what} ({flag})")
+    if _arg(args, "moe_router_topk_scaling_factor", default=1.0) != 1.0:
+        raise refuse("scaled routing weights (moe_router_topk_scaling_factor)")
+    topk = _arg(args, "moe_router_topk")
+    if not isinstance(topk, int):
+        raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
+    per_layer: dict[int | None, set[int]] = {}
+    for k in keys:
+        g = expert_index(k)
+        if g is not None:
+            per_layer.setdefault(layer_index(k), set()).add(g)
+    experts = max((len(v) for v in per_layer.values()), default=0)
+    moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
+    dense = sorted(set(range(facts.num_layers)) - moe_layers)
+    shared = any(k.endswith(".mlp.shared_experts.linear_fc1.weight") for k in keys)
+    pre_softmax = bool(_arg(args, "moe_router_pre_softmax", default=False))
+    routing = {"num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
+    if not shared:
+        if dense:
+            raise refuse(f"dense layers {dense} beside MoE layers without shared experts (Mixtral's layers are all "
+                         "MoE; Qwen2-MoE's MoE layers have a shared expert)")
+        if pre_softmax:
+            raise refuse("top-k softmax scores not renormalized (--moe-router-pre-softmax; Mixtral renormalizes "
+                         "and has no shared expert)")
+        if qkv_bias:
+            raise refuse("a QKV bias (Mixtral has none)")
+        return HFArchitecture(
+            name="MixtralForCausalLM", notes=notes,
+            config={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config,
+                    "intermediate_size": moe_ffn, "num_local_experts": experts, "sliding_window": None, **routing},
+            reason=f"RMSNorm, SwiGLU, rotary, {experts} experts in every layer, top-{topk} of softmax renormalized")
+    if not any(k.endswith(".mlp.shared_experts.gate_weight") for k in keys):
+        raise refuse("shared experts without a gate (Qwen2-MoE gates its shared expert by a sigmoid)")
+    if facts.head_dim * facts.heads != facts.hidden:
+        raise refuse("head dim x heads differs from the hidden size, which Qwen2-MoE assumes")
+    config = {k: v for k, v in config.items() if k != "head_dim"}
+    return HFArchitecture(
+        name="Qwen2MoeForCausalLM", notes=notes,
+        config={"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **config,
+                "intermediate_size": ffn or moe_ffn, "moe_intermediate_size": moe_ffn,
+                "shared_expert_intermediate_size": shared_ffn, "num_experts": experts,
+                "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": dense,
+                "qkv_bias": qkv_bias, "use_sliding_window": False, **routing},
+        reason=f"RMSNorm, SwiGLU, rotary, {experts} experts and a gated shared expert per MoE layer, top-{topk} "
+               f"of softmax{'' if pre_softmax else ' renormalized'}" + (", QKV bias" if qkv_bias else ""))
