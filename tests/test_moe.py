@@ -53,7 +53,8 @@ def moe(tmp_path_factory):
 
 
 def _iteration(run: Path) -> Path:
-    return run / f"iter_{int((run / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    text = (run / "latest_checkpointed_iteration.txt").read_text().strip()
+    return run / (f"iter_{int(text):07d}" if text.isdigit() else text)
 
 
 def _modules(run: Path) -> dict[str, dict]:
@@ -344,3 +345,95 @@ def test_the_flow_reshards_experts_from_s3(moe, tmp_path, request, monkeypatch):
     assert len([f for f in files if f.endswith("model_optim_rng.pt")]) == 8
     for f in sorted(files - {"reshard_manifest.json"}):
         assert (tmp_path / "flow" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
+
+
+# --- Hugging Face import: Mixtral and Qwen2-MoE folders -> megatron-core at any (TP, EP) ------------
+
+_SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+          "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+#: name -> (transformers config class, its arguments): tiny, random, seeded.
+HF_MOE = {
+    "mixtral": ("MixtralConfig", {**_SMALL, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "rope_theta": 50000.0}),
+    # a dense first layer, a gated shared expert, top-2 not renormalized, QKV biases
+    "qwen2_moe": ("Qwen2MoeConfig", {**_SMALL, "intermediate_size": 96, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "mlp_only_layers": [0], "norm_topk_prob": False}),
+}
+
+
+def make_hf_moe(name: str, folder: Path) -> torch.Tensor:
+    """Save MoE model ``name`` (random, seeded; norms distinct from ones) to ``folder``; its logits."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from mcore_fixtures import TOKENS
+
+    hf_logging.disable_progress_bar()
+    cls, kw = HF_MOE[name]
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw, initializer_range=0.1))
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.rand_like(p))
+    model.eval()
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+IMPORT_LAYOUTS = [(1, 1), (2, 2), (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def hf_imported(tmp_path_factory):
+    """Each HF MoE model imported at every layout of :data:`IMPORT_LAYOUTS`, and megatron-core's
+    forward on each (built from the import's own saved args)."""
+    root = tmp_path_factory.mktemp("hf_moe")
+    want, cases = {}, []
+    for name in HF_MOE:
+        want[name] = make_hf_moe(name, root / name)
+        for tp, ep in IMPORT_LAYOUTS:
+            out = root / f"{name}_tp{tp}_ep{ep}"
+            assert main(["run", "--direct", str(root / name), str(out), "--target-tp", str(tp), "--target-ep",
+                         str(ep)]) == 0
+            cases.append((None, out, tp, ep))
+    got = mcore_forward_moe(cases, root)
+    return root, want, dict(zip([(n, tp, ep) for n in HF_MOE for tp, ep in IMPORT_LAYOUTS], got))
+
+
+@pytest.mark.parametrize("tp,ep", IMPORT_LAYOUTS)
+@pytest.mark.parametrize("name", list(HF_MOE))
+def test_megatron_core_runs_the_moe_import_with_transformers_logits(hf_imported, name, tp, ep):
+    root, want, got = hf_imported
+    logits, routing = got[(name, tp, ep)]
+    assert (logits - want[name]).abs().max() < TOL
+    reference = got[(name, 1, 1)][1]  # the same routing at every layout
+    assert routing.keys() == reference.keys() and all(torch.equal(routing[k], reference[k]) for k in reference)
+    args = load_shard(next(_iteration(root / f"{name}_tp{tp}_ep{ep}").glob("*/model_optim_rng.pt")))["args"]
+    assert (args.num_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (4, ep, tp)
+
+
+def test_a_moe_import_exports_back_to_the_same_tensors(hf_imported, tmp_path):
+    """Hugging Face -> megatron-core TP 2 x EP 2 -> Hugging Face gives back every tensor."""
+    from test_hf_export import _tensors
+
+    root, _, _ = hf_imported
+    for name in HF_MOE:
+        back = _hf_export(root / f"{name}_tp2_ep2", tmp_path / name)
+        assert {k: v for k, v in _tensors(back).items()}.keys() == _tensors(root / name).keys()
+        assert all(torch.equal(v, _tensors(root / name)[k]) for k, v in _tensors(back).items())
+
+
+def test_the_import_comparison_catches_a_wrong_routing_normalization(hf_imported, tmp_path):
+    """Reading Qwen2-MoE's ``norm_topk_prob`` the wrong way round (renormalizing the top-k) moves the
+    logits far above the tolerance: the comparison above would see it."""
+    root, want, _ = hf_imported
+    src = shutil.copytree(root / "qwen2_moe", tmp_path / "flipped")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["norm_topk_prob"] = not cfg["norm_topk_prob"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--target-tp", "1"]) == 0
+    [(logits, _)] = mcore_forward_moe([(None, tmp_path / "out", 1, 1)], tmp_path)
+    assert (logits - want["qwen2_moe"]).abs().max() > 10 * TOL

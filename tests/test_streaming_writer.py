@@ -375,6 +375,24 @@ def test_page_dropper_gives_back_mapped_pages_and_never_touches_memory(tmp_path)
     assert torch.equal(mem, torch.arange(1 << 20, dtype=torch.int64))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc: Linux")
+def test_dropping_an_entry_gives_back_its_folios_neighbours_too(tmp_path):
+    """A touch maps whole page-cache folios (up to 2 MiB): the start of the next entry comes with
+    the end of this one. When that entry is never read (another EP rank's copy of a dense weight)
+    nothing else would give those pages back, so a drop widens to whole folios."""
+    from reshard.core.pages import PageDropper
+
+    f = tmp_path / NAME
+    torch.save({"a": torch.arange(1 << 18, dtype=torch.int32), "b": torch.arange(1 << 20, dtype=torch.int32)}, f)
+    sd = load_shard(f)
+    a, b = sd["a"], sd["b"]
+    assert int(a.sum()) > 0 and int(b[:4096].sum()) > 0  # a whole, and b's first 16 KiB
+    assert _mapped_kib(f.resolve()) >= 1024 + 16
+    PageDropper([f]).drop_tensor(a)
+    assert _mapped_kib(f.resolve()) < 16  # b's pages in a's last folio went too ...
+    assert torch.equal(b[:4096], torch.arange(4096, dtype=torch.int32))  # ... and read again on demand
+
+
 def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_size_is_known_up_front(tmp_path):
     """``save(offset=)`` puts exactly ``torch.save(obj, buffer)``'s bytes at its place and touches
     nothing else of the file (a torch.distributed.checkpoint file is such archives back to back,

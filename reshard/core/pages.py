@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+#: The largest page-cache folio a touch may map (see the module doc).
+FOLIO = 2 << 20
 
 
 class PageDropper:
@@ -53,7 +55,9 @@ class PageDropper:
             self.ranges = []
 
     def drop(self, addr: int, nbytes: int) -> None:
-        """Drop the pages covering ``[addr, addr + nbytes)`` if they lie in one of the mappings."""
+        """Drop the pages covering ``[addr, addr + nbytes)``, widened to whole folios, if they lie in
+        one of the mappings. Dropping a neighbour's pages is harmless: they are read again from the
+        file if touched."""
         if self._madvise is None or nbytes <= 0:
             return
         lo = addr - addr % self.page
@@ -61,6 +65,11 @@ class PageDropper:
         hi += -hi % self.page
         for a, b in self.ranges:
             if a <= lo and hi <= b:
+                # and the rest of the folios its first and last bytes mapped (aligned in the file,
+                # which is mapped from its start): they may hold entries this conversion never
+                # reads (another EP rank's copy of a dense weight) and would stay mapped
+                lo = a + (lo - a) // FOLIO * FOLIO
+                hi = min(b, a + -(-(hi - a) // FOLIO) * FOLIO)
                 self._madvise(lo, hi - lo, MADV_DONTNEED)
                 return
 

@@ -20,9 +20,9 @@ architecture             megatron-core model
                          absolute positions, biases on every linear layer, multi-head attention
                          (legacy Megatron GPT, megatron-core's GPT with those settings)
 ``MixtralForCausalLM``   Llama's, every MLP a MoE layer (softmax top-k renormalized), no shared
-                         expert (export only)
+                         expert
 ``Qwen2MoeForCausalLM``  Llama's or Qwen2's, MoE layers with one sigmoid-gated shared expert,
-                         dense layers allowed (``mlp_only_layers``) (export only)
+                         dense layers allowed (``mlp_only_layers``)
 =======================  =========================================================================
 
 Tensor transforms (one class each, owning its byte mapping; rows are the leading dim):
@@ -361,10 +361,9 @@ QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _table(
     (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",)),
     (_L + "mlp.shared_experts.gate_weight", Same(), (_H + "mlp.shared_expert_gate.weight",)),
 )
-#: Each architecture's name table, both directions (import reads these).
-NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES}
-#: The architectures written by an export: the imported ones and the MoE ones (export only).
-EXPORT_TABLES = {**NAME_TABLES, "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES}
+#: Each architecture's name table, both directions.
+NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES,
+               "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -379,9 +378,9 @@ class Export:
 
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts, architecture: str) -> Export:
-    """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`EXPORT_TABLES`); an unknown
+    """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`NAME_TABLES`); an unknown
     key is an error."""
-    for row in EXPORT_TABLES[architecture]:
+    for row in NAME_TABLES[architecture]:
         m = next((m for m in (p.match(key) for p in row.core_patterns) if m), None)
         if m is None:
             continue

@@ -17,6 +17,8 @@ weights' dtype          ``torch_dtype``                              ``dtype``
 
 Only what megatron-core computes exactly is read; anything else (rotary scaling, sliding-window
 attention, another activation, biases on some linear layers only) is refused in one line.
+Mixtral and Qwen2-MoE become megatron-core MoE layers (SequentialMLP experts, EP 1: reshard's
+``--target-ep`` deals them out).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                          "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                          "use_sliding_window": False, "max_position_embeddings": 32768},
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+                           "max_position_embeddings": 131072, "sliding_window": None, "num_local_experts": 8,
+                           "num_experts_per_tok": 2},
+    "Qwen2MoeForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                            "use_sliding_window": False, "max_position_embeddings": 32768, "decoder_sparse_step": 1,
+                            "mlp_only_layers": [], "norm_topk_prob": False, "qkv_bias": True, "num_experts": 60,
+                            "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                            "shared_expert_intermediate_size": 5632, "intermediate_size": 5632},
     "GPT2LMHeadModel": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "activation_function": "gelu_new",
                         "n_positions": 1024, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
 }
@@ -111,6 +121,8 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
         ffn = need("intermediate_size")
         if arch == "Qwen2ForCausalLM":
             qkv_bias, linear_bias = True, False
+        elif arch in _MOE:
+            qkv_bias, linear_bias = arch == "Qwen2MoeForCausalLM" and bool(c["qkv_bias"]), False
         else:
             if c["attention_bias"] != c["mlp_bias"]:
                 raise refuse("biases on the attention or the MLP layers only (Megatron has them on all or none, "
@@ -120,6 +132,8 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
             normalization="RMSNorm", norm_epsilon=float(c["rms_norm_eps"]), swiglu=True,
             position_embedding_type="rope", rotary_base=base, rotary_percent=1.0, rotary_interleaved=False,
             add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, max_position_embeddings=need("max_position_embeddings"))
+        if arch in _MOE:
+            arch_args.update(_moe_args(arch, c, layers, need, refuse))
     tied = bool(c["tie_word_embeddings"])
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
@@ -133,6 +147,36 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
                        padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
                        source_pp_layers=(layers,), target_pp_layers=(layers,))
     return HFModel(arch, args, facts)
+
+
+#: The mixture-of-experts architectures (:func:`_moe_args`).
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def _moe_args(arch: str, c: Mapping[str, Any], layers: int, need: Any, refuse: Any) -> dict[str, Any]:
+    """Megatron-LM's MoE args for a Mixtral or Qwen2-MoE config: megatron-core's SequentialMLP experts
+    at TP 1, EP 1; the router's top-k of the softmax, renormalized unless ``--moe-router-pre-softmax``
+    (Qwen2-MoE's ``norm_topk_prob`` false; Mixtral always renormalizes); Qwen2-MoE's shared expert
+    gated by a sigmoid; its dense layers (``mlp_only_layers``, ``decoder_sparse_step``) as
+    ``moe_layer_freq``."""
+    if arch == "MixtralForCausalLM":
+        if c.get("sliding_window") is not None:
+            raise refuse("sliding-window attention")
+        experts, moe_ffn, shared, pre_softmax, freq = need("num_local_experts"), need("intermediate_size"), None, \
+            False, [1] * layers
+    else:
+        step, dense = int(c["decoder_sparse_step"]), set(c.get("mlp_only_layers") or ())
+        experts, moe_ffn, shared = need("num_experts"), need("moe_intermediate_size"), \
+            need("shared_expert_intermediate_size")
+        pre_softmax = not c["norm_topk_prob"]
+        freq = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    if experts < 1 or not any(freq):
+        raise refuse("no MoE layer")
+    return dict(num_experts=experts, moe_router_topk=need("num_experts_per_tok"), moe_ffn_hidden_size=moe_ffn,
+                moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=shared is not None,
+                moe_router_pre_softmax=pre_softmax, moe_router_score_function="softmax",
+                moe_router_enable_expert_bias=False, moe_layer_freq=1 if all(freq) else freq,
+                expert_model_parallel_size=1, expert_tensor_parallel_size=1, moe_grouped_gemm=False)
 
 
 def _rope(c: Mapping[str, Any]) -> tuple[float, str, float]:

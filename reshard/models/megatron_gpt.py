@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from reshard.core.errors import LayoutError
-from reshard.core.rules import Kind, Place, QKVLayout, QuantSlot, Rule, is_megatron_core
+from reshard.core.rules import Kind, Place, QKVLayout, QuantSlot, Rule, expert_index, is_megatron_core
 from reshard.models.base import ModelFamily
 
 # --- legacy Megatron / DeepSpeed names (transformer.* / language_model.encoder.*) ---------------
@@ -131,15 +131,17 @@ LEGACY_TO_CORE: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(a), 
 ))
 #: Legacy QKV rows are grouped per head (megatron-core's layout) from this ``checkpoint_version`` on.
 MIN_CORE_COMPATIBLE_VERSION = 2.0
-#: megatron-core's module order: top-level modules, then a layer's submodules, then their entries.
+#: megatron-core's module order: top-level modules, then a layer's submodules (an MoE layer's router,
+#: experts by number, shared experts), then their entries.
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
              "decoder.final_layernorm.", "output_layer.")
 _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-                    "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+                    "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
+                    "mlp.shared_experts.")
+_CORE_INNER = ("gate_weight", "linear_fc1.", "linear_fc2.")
 _CORE_ENTRIES = ("weight", "bias", "_extra_state")
 #: megatron-core's local-spec linear layers carry an ``_extra_state`` entry (None); legacy ones none.
-_CORE_EXTRA_STATE = ("self_attention.linear_proj.", "self_attention.linear_qkv.", "mlp.linear_fc1.",
-                     "mlp.linear_fc2.")
+_CORE_LINEAR_WEIGHT = re.compile(r"^(decoder\.layers\.\d+\.(?:.+\.)?linear_(?:proj|qkv|fc1|fc2))\.weight$")
 _CORE_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -160,13 +162,13 @@ def as_megatron_core(module: Mapping[str, Any]) -> dict[str, Any]:
 
 def core_module(module: Mapping[str, Any]) -> dict[str, Any]:
     """A module under megatron-core's local-spec names (values untouched) as megatron-core's own
-    per-rank module holds it: core order, ``None`` extra states of the linear layers and of the
-    output layer (what ``load_state_dict(strict=True)`` expects)."""
+    per-rank module holds it: core order, ``None`` extra states of the linear layers (experts'
+    included) and of the output layer (what ``load_state_dict(strict=True)`` expects)."""
     out = dict(module)
-    layers = {int(m.group(1)) for m in map(_CORE_LAYER_KEY.match, out) if m}
-    for i in layers:
-        for sub in _CORE_EXTRA_STATE:
-            out.setdefault(f"decoder.layers.{i}.{sub}_extra_state", None)
+    for key in module:
+        m = _CORE_LINEAR_WEIGHT.match(key)
+        if m:
+            out.setdefault(m.group(1) + "._extra_state", None)
     out.setdefault("output_layer._extra_state", None)
     return dict(sorted(out.items(), key=lambda kv: _core_position(kv[0])))
 
@@ -180,11 +182,14 @@ def _core_position(key: str) -> tuple[int, ...]:
 
     m = _CORE_LAYER_KEY.match(key)
     top = index(_CORE_TOP, key, prefix=True)
+    entry = index(_CORE_ENTRIES, key.rsplit(".", 1)[-1], prefix=False)
     if m is None:
-        return (top, 0, 0, index(_CORE_ENTRIES, key.rsplit(".", 1)[-1], prefix=False))
+        return (top, 0, 0, -1, 0, entry)
     rest = m.group(2)
-    return (top, int(m.group(1)), index(_CORE_SUBMODULES, rest, prefix=True),
-            index(_CORE_ENTRIES, rest.rsplit(".", 1)[-1], prefix=False))
+    expert = expert_index(key)
+    inner = next((n for n, name in enumerate(_CORE_INNER) if name in rest), len(_CORE_INNER))
+    return (top, int(m.group(1)), index(_CORE_SUBMODULES, rest, prefix=True), -1 if expert is None else expert,
+            inner, entry)
 
 
 class MegatronGPT(ModelFamily):
