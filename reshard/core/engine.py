@@ -332,7 +332,7 @@ def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor,
     while off < nbytes:
         k = min(CHUNK_BYTES, nbytes - off)
         a = addr + off
-        sink.write(_view(a, k), release=pages.dropper(a, k), keep=keep)
+        sink.write(_view(a, k), release=pages.dropper(a, k, (addr, addr + nbytes)), keep=keep)
         off += k
 
 
@@ -403,7 +403,8 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
                     out2d[:, col:col + nb].copy_(src2d[:, off:off + nb])
                 col += nb
             for s in used:
-                pages.drop(sources[s].data_ptr() + o0 * src_row, rows * src_row)
+                pages.drop(sources[s].data_ptr() + o0 * src_row, rows * src_row,
+                           (sources[s].data_ptr(), sources[s].data_ptr() + outer * src_row))
             sink.write(tensor_bytes(out2d), release=functools.partial(pool.give, buf), keep=buf)
 
     if math.prod(shape) == 0:

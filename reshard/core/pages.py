@@ -54,10 +54,15 @@ class PageDropper:
         except (OSError, AttributeError, ValueError):
             self.ranges = []
 
-    def drop(self, addr: int, nbytes: int) -> None:
-        """Drop the pages covering ``[addr, addr + nbytes)``, widened to whole folios, if they lie in
-        one of the mappings. Dropping a neighbour's pages is harmless: they are read again from the
-        file if touched."""
+    def drop(self, addr: int, nbytes: int, within: tuple[int, int] | None = None) -> None:
+        """Drop the pages covering ``[addr, addr + nbytes)`` if they lie in one of the mappings.
+
+        ``within``: the bytes ``[start, end)`` of the entry the range belongs to. Reaching its first
+        (last) page also drops the rest of the folio before (after) it: a touch maps whole folios,
+        so the neighbouring entry's pages came with it, and when that entry is never read (another
+        EP rank's copy of a dense weight) nothing else would give them back. Only outside the
+        entry: its own pages are dropped as they are read, and a neighbour read later is just
+        mapped again from the page cache."""
         if self._madvise is None or nbytes <= 0:
             return
         lo = addr - addr % self.page
@@ -65,17 +70,28 @@ class PageDropper:
         hi += -hi % self.page
         for a, b in self.ranges:
             if a <= lo and hi <= b:
-                # and the rest of the folios its first and last bytes mapped (aligned in the file,
-                # which is mapped from its start): they may hold entries this conversion never
-                # reads (another EP rank's copy of a dense weight) and would stay mapped
-                lo = a + (lo - a) // FOLIO * FOLIO
-                hi = min(b, a + -(-(hi - a) // FOLIO) * FOLIO)
                 self._madvise(lo, hi - lo, MADV_DONTNEED)
+                if within is not None:
+                    self._edges(a, b, lo, hi, *within)
                 return
 
-    def dropper(self, addr: int, nbytes: int) -> Callable[[], None]:
+    def _edges(self, a: int, b: int, lo: int, hi: int, start: int, end: int) -> None:
+        """The folio parts outside entry ``[start, end)`` next to the dropped ``[lo, hi)`` (folios
+        are aligned in the file, which is mapped from its start at ``a``)."""
+        first = start - start % self.page
+        if lo <= first:
+            edge = a + (first - a) // FOLIO * FOLIO
+            if edge < first:
+                self._madvise(edge, first - edge, MADV_DONTNEED)
+        last = end + -end % self.page
+        if hi >= last:
+            edge = min(b, a + -(-(last - a) // FOLIO) * FOLIO)
+            if edge > last:
+                self._madvise(last, edge - last, MADV_DONTNEED)
+
+    def dropper(self, addr: int, nbytes: int, within: tuple[int, int] | None = None) -> Callable[[], None]:
         """:meth:`drop` of this range, to call later (e.g. once a writer is done with it)."""
-        return functools.partial(self.drop, addr, nbytes)
+        return functools.partial(self.drop, addr, nbytes, within)
 
     def drop_tensor(self, t: Any) -> None:
         """Drop the pages of ``t``'s whole storage (a CPU tensor of a mapped shard)."""
@@ -85,6 +101,6 @@ class PageDropper:
             if t.device.type != "cpu":
                 return
             st = t.untyped_storage()
-            self.drop(st.data_ptr(), st.nbytes())
+            self.drop(st.data_ptr(), st.nbytes(), (st.data_ptr(), st.data_ptr() + st.nbytes()))
         except (AttributeError, RuntimeError):
             return
