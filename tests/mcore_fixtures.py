@@ -174,6 +174,24 @@ def mcore_moe_checkpoints(root: Path) -> dict[tuple[str, int, int, int], Path]:
     return _CACHE[key]
 
 
+#: (MoE model, tp, ep) saved as Megatron-LM's ``--ckpt-format torch_dist`` (same seeds as the per-rank
+#: ones): ``moe`` mixes dense and MoE layers (per-layer keys, a global expert axis leading),
+#: ``moe_gelu`` is MoE in every layer (keys stacked over layers, then experts).
+MOE_DIST_LAYOUTS: tuple[tuple[str, int, int], ...] = (("moe", 2, 2), ("moe_gelu", 1, 4))
+
+
+def mcore_moe_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
+    """Every torch_dist run folder of :data:`MOE_DIST_LAYOUTS` (with ``logits.pt``), written once."""
+    key = "moe_dist"
+    if key not in _CACHE:
+        out = {lay: root / f"{lay[0]}_tp{lay[1]}_ep{lay[2]}_dist" for lay in MOE_DIST_LAYOUTS}
+        jobs = [{"kind": "write_dist", "out": str(out[lay]), "tp": lay[1], "ep": lay[2], "model": moe_options(lay[0]),
+                 "tokens": TOKENS} for lay in MOE_DIST_LAYOUTS]
+        _run_harness(jobs, root)
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
 def mcore_forward_moe(cases: list[tuple[str | None, Path, int, int]], workdir: Path
                       ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """megatron-core logits and routing decisions (router name -> tokens x experts) for each (MoE

@@ -281,7 +281,7 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    args = megatron_args(job["model"], tp, pp)
+    args = megatron_args(job["model"], tp, pp, job.get("ep", 1))
     args.ckpt_format = "torch_dist"
     model_sd = model.sharded_state_dict()
     sd: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
@@ -301,6 +301,7 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
         logits = _logits(model, job["tokens"])
         if dist.get_rank() == 0:
             torch.save(logits, out / "logits.pt")
+            torch.save(ROUTING, out / "routing.pt")
 
 
 def _free_port() -> int:

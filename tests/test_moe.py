@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import mcore_forward_moe, mcore_moe_checkpoints, needs_mcore
+from mcore_fixtures import mcore_forward_moe, mcore_moe_checkpoints, mcore_moe_dist_checkpoints, needs_mcore
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
 
@@ -437,3 +437,35 @@ def test_the_import_comparison_catches_a_wrong_routing_normalization(hf_imported
     assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--target-tp", "1"]) == 0
     [(logits, _)] = mcore_forward_moe([(None, tmp_path / "out", 1, 1)], tmp_path)
     assert (logits - want["qwen2_moe"]).abs().max() > 10 * TOL
+
+
+# --- torch_dist: experts along a global expert axis ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_dist(tmp_path_factory):
+    return mcore_moe_dist_checkpoints(tmp_path_factory.mktemp("moe_dist"))
+
+
+def test_torch_dist_experts_read_into_megatron_cores_own_per_rank_shards(moe, moe_dist, tmp_path):
+    """A torch_dist MoE checkpoint (per-layer keys, experts on a leading global axis) written at
+    TP 2 x EP 2 reads into exactly the per-rank files megatron-core itself saves at that layout."""
+    convert(moe_dist[("moe", 2, 2)], tmp_path / "out", target_tp=2, target_ep=2)
+    ours, theirs = _modules(tmp_path / "out"), _modules(moe[("moe", 2, 2, 1)])
+    assert list(ours) == list(theirs)
+    for folder, sd in theirs.items():
+        mine = ours[folder]["model"]
+        assert list(mine) == list(sd["model"]), folder
+        for key, value in sd["model"].items():
+            assert torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value, key
+
+
+@pytest.mark.parametrize("name,src,dst", [("moe", (2, 2), (1, 4)), ("moe_gelu", (1, 4), (2, 2)),
+                                          ("moe_gelu", (1, 4), (1, 1))])
+def test_megatron_core_runs_torch_dist_experts_at_any_layout(moe_dist, tmp_path, name, src, dst):
+    """Stacked keys (layers, then experts) and per-layer keys alike: the source's logits and routing."""
+    run = moe_dist[(name, *src)]
+    convert(run, tmp_path / "out", target_tp=dst[0], target_ep=dst[1])
+    [(logits, routing)] = mcore_forward_moe([(name, tmp_path / "out", *dst)], tmp_path)
+    assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL
+    want = torch.load(run / "routing.pt")
+    assert want and all(torch.equal(routing[k], v) for k, v in want.items())

@@ -22,6 +22,7 @@ torch_dist                                         per-rank module entry
 =================================================  ================================================
 ``decoder.layers.X`` (leading axis: layer ``i``)   ``decoder.layers.{i}.X``
 ``decoder.layers.X._extra_state/shard_{i}_{L}``    ``decoder.layers.{i}.X._extra_state``
+``...experts.experts.Y`` (next axis: expert e)     ``...experts.local_experts.{e}.Y`` (MoE)
 ``...linear_qkv.layer_norm_weight`` (local spec)   ``...input_layernorm.weight``
 ``...linear_fc1.layer_norm_weight`` (local spec)   ``...pre_mlp_layernorm.weight``
 (absent)                                           ``output_layer._extra_state`` = None
@@ -267,24 +268,28 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
     for k in model_keys(meta):
         m = _SHARD_RE.match(k)
         position.setdefault(m.group("base") if m else k, len(position))
-    entries: list[tuple[tuple[int, int, int], str, Any]] = []  # (sort key, name, value)
+    block = {}  # each experts' key group's first position: experts are ordered by number within it
+    for k, pos in position.items():
+        if EXPERTS in k:
+            block.setdefault(k.split(EXPERTS)[0], pos)
+    entries: list[tuple[tuple[int, ...], str, Any]] = []  # (sort key, name, value)
     files: dict[str, MappedFile] = {}  # mapped on first read, shared by this module's tensors
     for t in (meta.tensors[k] for k in keys if k in meta.tensors):
-        if _is_stacked(t.key):
-            for i in range(t.shape[0]):
-                entries.append(((1, i, position[t.key]), _layer_name(t.key, i), DistTensor(t, folder, i, files)))
-        else:
-            entries.append((_order(t.key, position), t.key, DistTensor(t, folder, None, files)))
+        layers = range(t.shape[0]) if _is_stacked(t.key) else [None]
+        experts = range(t.shape[0 if layers == [None] else 1]) if EXPERTS in t.key else [None]
+        for i in layers:
+            for g in experts:
+                lead = tuple(x for x in (i, g) if x is not None)
+                entries.append((_order(t.key, position, block, i, g), _entry_name(t.key, i, g),
+                                DistTensor(t, folder, lead, files)))
     for item in (meta.byte_items[k] for k in keys if k in meta.byte_items):
         m = _SHARD_RE.match(item.key)
         base, offsets = (m.group("base"), [int(x) for x in m.group("offsets").split(".")]) if m else (item.key, [])
-        layered = _is_stacked(base) and offsets
-        if any(offsets[1 if layered else 0:]):
+        i = offsets[0] if _is_stacked(base) and offsets else None
+        g = offsets[int(i is not None)] if EXPERTS in base and len(offsets) > int(i is not None) else None
+        if any(offsets[(i is not None) + (g is not None):]):
             continue  # a per-TP-rank copy: rank 0's is the one carried
-        if layered:
-            entries.append(((1, offsets[0], position[base]), _layer_name(base, offsets[0]), _ByteItem(item, folder)))
-        else:
-            entries.append((_order(base, position), base, _ByteItem(item, folder)))
+        entries.append((_order(base, position, block, i, g), _entry_name(base, i, g), _ByteItem(item, folder)))
     names = LOCAL_SPEC_NAMES if transformer_impl == "local" else {}
     module: dict[str, Any] = {}
     for _, name, value in sorted(entries, key=lambda e: e[0]):
@@ -304,9 +309,25 @@ def _layer_name(key: str, i: int) -> str:
     return f"{LAYERS}{i}.{key[len(LAYERS):]}"
 
 
-def _order(key: str, position: dict[str, int]) -> tuple[int, int, int]:
-    """Module order: embeddings, layers, then the rest (final norm, output layer), each as indexed."""
-    return (0 if key.startswith("embedding.") else 1 if key.startswith(LAYERS) else 2, 0, position[key])
+#: Routed experts in torch_dist keys: one key per expert weight, a global expert axis leading
+#: (after the layer axis when stacked); per rank, ``local_experts.{e}`` (SequentialMLP).
+EXPERTS = ".mlp.experts.experts."
+
+
+def _entry_name(key: str, layer: int | None, expert: int | None) -> str:
+    """The per-rank module name of layer ``layer`` (stacked keys) and expert ``expert`` of ``key``."""
+    name = key if layer is None else _layer_name(key, layer)
+    return name if expert is None else name.replace(EXPERTS, f".mlp.experts.local_experts.{expert}.")
+
+
+def _order(key: str, position: dict[str, int], block: dict[str, int], layer: int | None = None,
+           expert: int | None = None) -> tuple[int, ...]:
+    """Module order: embeddings, layers (by layer), then the rest (final norm, output layer), each
+    as indexed; a layer's experts by number where its experts' keys are."""
+    group = 0 if key.startswith("embedding.") else 1 if key.startswith(LAYERS) else 2
+    if expert is None:
+        return (group, layer or 0, position[key], -1, 0)
+    return (group, layer or 0, block[key.split(EXPERTS)[0]], expert, position[key])
 
 
 class MappedFile:
@@ -359,9 +380,9 @@ class DistTensor(LazyTensor):
     one chunk and is contiguous there is returned as a view of the mapped file (no copy); any
     other box is gathered from the chunks that overlap it."""
 
-    def __init__(self, t: DcpTensor, folder: Path, layer: int | None, files: dict[str, MappedFile]) -> None:
-        self.t, self.folder, self.layer, self.files = t, folder, layer, files
-        self.shape = t.shape[1:] if layer is not None else t.shape
+    def __init__(self, t: DcpTensor, folder: Path, lead: tuple[int, ...], files: dict[str, MappedFile]) -> None:
+        self.t, self.folder, self.lead, self.files = t, folder, lead, files  # lead: layer and/or expert index
+        self.shape = t.shape[len(lead):]
         self.dtype = t.dtype
 
     def _file(self, name: str) -> MappedFile:
@@ -379,7 +400,7 @@ class DistTensor(LazyTensor):
         return hits
 
     def _global(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return ((self.layer, *offsets), (1, *sizes)) if self.layer is not None else (offsets, sizes)
+        return (*self.lead, *offsets), (*(1 for _ in self.lead), *sizes)
 
     def view_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
         if 0 in sizes:
@@ -393,7 +414,7 @@ class DistTensor(LazyTensor):
         if view is None:
             return None
         sub = view[tuple(slice(a - co, b - co) for a, b, co in zip(hits[0][1], hits[0][2], c.offsets))]
-        sub = sub[0] if self.layer is not None else sub
+        sub = sub[tuple(0 for _ in self.lead)]
         return sub if sub.is_contiguous() else None
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
@@ -407,8 +428,7 @@ class DistTensor(LazyTensor):
             chunk = mapped if mapped is not None else self._chunk(c)
             src = chunk[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, g_off))
-            if self.layer is not None:
-                src, dst = src[0], dst[1:]
+            src, dst = src[tuple(0 for _ in self.lead)], dst[len(self.lead):]
             out[dst] = src
             if mapped is not None:
                 self._file(c.file).release(mapped)
@@ -429,7 +449,7 @@ class DistTensor(LazyTensor):
         return t
 
     def __repr__(self) -> str:
-        return f"DistTensor({self.t.key!r}, layer={self.layer}, shape={self.shape}, dtype={self.dtype})"
+        return f"DistTensor({self.t.key!r}, lead={self.lead}, shape={self.shape}, dtype={self.dtype})"
 
 
 class _ByteItem:
