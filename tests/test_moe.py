@@ -319,6 +319,11 @@ def test_moe_models_no_hugging_face_architecture_computes_are_refused(moe, tmp_p
              tmp_path / "b", "mixture-of-experts model with LayerNorm")
 
 
+def test_quantizing_experts_is_refused(moe, tmp_path, capsys):
+    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "o"), "--target-tp", "1",
+                      "--quantize"], tmp_path / "o", "--quantize", "experts")
+
+
 def test_target_ep_on_a_dense_model_is_refused(sample_factory, tmp_path, capsys):
     src = sample_factory(tp=2)
     _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1", "--target-ep", "2"],

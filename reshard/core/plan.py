@@ -101,11 +101,16 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
 def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options: ReshardOptions,
                out_fmt: CheckpointFormat) -> int:
     """The output's expert-parallel degree: ``--target-ep``, else the source's (1 in a layout of
-    global tensors); refused where the output cannot hold experts or they do not divide."""
+    global tensors); refused where the output cannot hold experts, they do not divide, or
+    ``--quantize`` would leave them out."""
     if experts and not out_fmt.holds_experts:
         raise LayoutError(f"this is a mixture-of-experts model; the {out_fmt.title or out_fmt.name} layout cannot "
                           f"hold its experts here", culprit=source.origin,
                           hint="write Megatron-LM per-rank files (--to megatron)")
+    if experts and options.quantize:
+        raise LayoutError("int8 quantization covers a dense layer's four weights (DeepSpeed's scheme); it has no "
+                          "place for experts", culprit="--quantize",
+                          hint="drop --quantize for a mixture-of-experts model")
     default = source.ep if out_fmt.per_rank else 1
     tep = default if options.target_ep is None else options.target_ep
     if tep != 1 and not experts:
