@@ -362,6 +362,8 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
             elif k == "skipped":
                 if v:
                     print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
+            elif k in ("ep", "experts") and not rec["experts"]:
+                continue  # a dense model: no expert axis to show
             elif k != "files":
                 print(f"{k:12} {v}")
     return 0

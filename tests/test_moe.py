@@ -220,6 +220,19 @@ def test_expert_counts_that_disagree_across_ranks_are_refused(moe, tmp_path, cap
              "mp_rank_00_001", "expert-parallel rank 1 holds other parameters than rank 0")
 
 
+@pytest.mark.parametrize("dropped,needle", [(1, "missing [1]"), (3, "args.num_experts is 4 but")])
+def test_a_missing_expert_is_refused_not_dealt_out_wrongly(moe, tmp_path, capsys, dropped, needle):
+    """At EP 1 nothing else numbers the experts: a gap would shift every later expert's target rank."""
+    src = tmp_path / "src"
+    shutil.copytree(moe[("moe", 1, 1, 1)], src)
+    f = _iteration(src) / "mp_rank_00" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["model"] = {k: v for k, v in sd["model"].items() if f".local_experts.{dropped}." not in k}
+    torch.save(sd, f)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1", "--target-ep", "1"],
+             tmp_path / "o", needle)
+
+
 def test_experts_split_over_another_tp_are_refused(moe, tmp_path, capsys):
     src = tmp_path / "src"
     shutil.copytree(moe[("moe", 2, 2, 1)], src)
@@ -474,3 +487,25 @@ def test_megatron_core_runs_torch_dist_experts_at_any_layout(moe_dist, tmp_path,
     assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL
     want = torch.load(run / "routing.pt")
     assert want and all(torch.equal(routing[k], v) for k, v in want.items())
+
+
+def test_torch_dist_grouped_gemm_experts_are_refused(moe_dist, tmp_path, capsys):
+    """Grouped-GEMM experts share torch_dist's keys with SequentialMLP's, but their per-rank names differ."""
+    src = tmp_path / "src"
+    shutil.copytree(moe_dist[("moe", 2, 2)], src)
+    common = _iteration(src) / "common.pt"
+    sd = torch.load(common, weights_only=False)
+    sd["args"].moe_grouped_gemm = True
+    torch.save(sd, common)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "grouped GEMM", "common.pt")
+
+
+def test_a_bad_moe_config_is_refused_in_one_line(hf_imported, tmp_path, capsys):
+    root, _, _ = hf_imported
+    src = shutil.copytree(root / "qwen2_moe", tmp_path / "bad")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["decoder_sparse_step"] = 0
+    (src / "config.json").write_text(json.dumps(cfg))
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "decoder_sparse_step is 0")

@@ -75,14 +75,29 @@ def expert_rows(stages: list[SourceStage]) -> list[SourceStage]:
     return out
 
 
-def experts_per_layer(params: Sequence[ParamPlan]) -> dict[int | None, int]:
-    """Global experts per MoE layer (layer -> count), from the planned parameters."""
+def experts_per_layer(params: Sequence[ParamPlan], saved: int | None = None, where: str = "checkpoint"
+                      ) -> dict[int | None, int]:
+    """Global experts per MoE layer (layer -> count), from the planned parameters: numbered 0..E-1,
+    as many in every MoE layer, and as many as the saved ``args.num_experts`` (``saved``) says —
+    a target EP rank's share is a run of numbers, so a gap would silently lose an expert."""
     found: dict[int | None, set[int]] = {}
     for p in params:
         g = expert_index(p.key)
         if g is not None:
             found.setdefault(p.layer, set()).add(g)
-    return {layer: len(gs) for layer, gs in found.items()}
+    for layer, gs in found.items():
+        if sorted(gs) != list(range(len(gs))):
+            missing = sorted(set(range(max(gs) + 1)) - gs)
+            raise CheckpointFormatError(f"layer {layer} holds experts numbered {sorted(gs)[:8]}..., missing "
+                                        f"{missing[:8]}", culprit=where,
+                                        hint="supply every expert (every expert-parallel rank folder)")
+    counts = {layer: len(gs) for layer, gs in found.items()}
+    if len(set(counts.values())) > 1 or (counts and saved is not None and saved not in counts.values()):
+        what = ", ".join(f"layer {layer}: {n}" for layer, n in sorted(counts.items(), key=lambda kv: kv[0] or 0))
+        raise CheckpointFormatError(f"MoE layers hold different numbers of experts ({what})" if saved is None else
+                                    f"args.num_experts is {saved} but the MoE layers hold {what}", culprit=where,
+                                    hint="supply every expert of one checkpoint (every expert-parallel rank folder)")
+    return counts
 
 
 def check_expert_ranks(counts: dict[int | None, int], ep: int, where: str) -> None:

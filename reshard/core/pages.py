@@ -35,7 +35,7 @@ class PageDropper:
     """Drops pages of the current file mappings of ``paths`` (see the module doc)."""
 
     def __init__(self, paths: Iterable[Any]) -> None:
-        self.ranges: list[tuple[int, int]] = []
+        self.ranges: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
         self.page = mmap.PAGESIZE
         self._madvise: Any = None
         wanted = {os.path.realpath(p) for p in paths}
@@ -47,7 +47,7 @@ class PageDropper:
                     parts = line.split(None, 5)
                     if len(parts) == 6 and parts[5].rstrip("\n") in wanted:
                         lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                        self.ranges.append((lo, hi))
+                        self.ranges.append((lo, hi, int(parts[2], 16)))
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             self._madvise = libc.madvise
@@ -68,24 +68,24 @@ class PageDropper:
         lo = addr - addr % self.page
         hi = addr + nbytes
         hi += -hi % self.page
-        for a, b in self.ranges:
+        for a, b, offset in self.ranges:
             if a <= lo and hi <= b:
                 self._madvise(lo, hi - lo, MADV_DONTNEED)
                 if within is not None:
-                    self._edges(a, b, lo, hi, *within)
+                    self._edges(a, b, a - offset, lo, hi, *within)
                 return
 
-    def _edges(self, a: int, b: int, lo: int, hi: int, start: int, end: int) -> None:
-        """The folio parts outside entry ``[start, end)`` next to the dropped ``[lo, hi)`` (folios
-        are aligned in the file, which is mapped from its start at ``a``)."""
+    def _edges(self, a: int, b: int, origin: int, lo: int, hi: int, start: int, end: int) -> None:
+        """The folio parts outside entry ``[start, end)`` next to the dropped ``[lo, hi)``, within the
+        mapping ``[a, b)`` (folios are aligned in the file: ``origin`` is where its byte 0 would be)."""
         first = start - start % self.page
         if lo <= first:
-            edge = a + (first - a) // FOLIO * FOLIO
+            edge = max(a, origin + (first - origin) // FOLIO * FOLIO)
             if edge < first:
                 self._madvise(edge, first - edge, MADV_DONTNEED)
         last = end + -end % self.page
         if hi >= last:
-            edge = min(b, a + -(-(last - a) // FOLIO) * FOLIO)
+            edge = min(b, origin + -(-(last - origin) // FOLIO) * FOLIO)
             if edge > last:
                 self._madvise(last, edge - last, MADV_DONTNEED)
 

@@ -76,7 +76,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
                                   warnings, source.origin, source.ep)
     if options.quantize:
         check_quantization(params, options, n, m)
-    experts = experts_per_layer(params)
+    experts = experts_per_layer(params, int_arg(read.args, "num_experts"), source.origin)
     tep = _target_ep(experts, source, options, out_fmt)
     targets = tuple(target_plan(s, t, rank_experts(placed[s], e, tep, experts), source, options, n, m, tpp,
                                 out_fmt.name, rank=(s * tep + e) * m + t, ep_rank=e, ep=tep)
@@ -229,8 +229,11 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
             glob = None if li is None else li + offset
             logical = name if glob is None or not staged else with_layer(name, glob)
             if logical in seen:
-                raise CheckpointFormatError(f"{logical} is held by pipeline stages {seen[logical]} and {st.index}",
-                                            culprit=source.origin, hint="stages must hold disjoint parameters")
+                raise CheckpointFormatError(f"{logical} is held by rows {seen[logical]} and {st.index} of the grid",
+                                            culprit=source.origin,
+                                            hint="pipeline stages must hold disjoint parameters (a Megatron-LM "
+                                                 "mp_rank_TT_NNN folder is an expert-parallel rank only when the "
+                                                 "saved args say expert_model_parallel_size)")
             seen[logical] = st.index
             if rule.kind is Kind.CARRIED:  # opaque per-rank state (TE fp8 meta): never compared
                 shape, dtype = (tuple(v0.shape), v0.dtype) if isinstance(v0, torch.Tensor) else ((), None)

@@ -81,10 +81,6 @@ class SourceCheckpoint:
     def tp(self) -> int:
         return len(self.files) // (self.rows + len(self.layer_ids))
 
-    def row(self, stage: int, expert_rank: int = 0) -> int:
-        """The grid row of pipeline stage ``stage``'s expert-parallel rank ``expert_rank``."""
-        return stage * self.ep + expert_rank
-
     def layer_file_index(self, group: int, rank: int) -> int:
         """Position in ``files`` of DeepSpeed pipeline layer ``layer_ids[group]``, TP rank ``rank``."""
         return (self.rows + group) * self.tp + rank

@@ -51,7 +51,7 @@ import os
 import pickle
 import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,6 +154,10 @@ class TorchDistFormat(CheckpointFormat):
         meta = _metadata(p)
         folder = p.parent
         common = load_shard(folder / COMMON) if (folder / COMMON).is_file() else {}
+        if getattr(common.get("args"), "moe_grouped_gemm", False) and any(EXPERTS in k for k in meta.keys):
+            raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
+                              "names (linear_fc1.weight{i}) are not written from torch_dist yet",
+                              culprit=str(folder / COMMON), hint="convert a per-rank checkpoint of this run instead")
         module = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
         out: dict[str, Any] = {}
         for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
@@ -268,15 +272,16 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
     for k in model_keys(meta):
         m = _SHARD_RE.match(k)
         position.setdefault(m.group("base") if m else k, len(position))
-    block = {}  # each experts' key group's first position: experts are ordered by number within it
+    block: dict[str, int] = {}  # each experts' key group's first position: experts ordered by number in it
     for k, pos in position.items():
         if EXPERTS in k:
             block.setdefault(k.split(EXPERTS)[0], pos)
     entries: list[tuple[tuple[int, ...], str, Any]] = []  # (sort key, name, value)
     files: dict[str, MappedFile] = {}  # mapped on first read, shared by this module's tensors
     for t in (meta.tensors[k] for k in keys if k in meta.tensors):
-        layers = range(t.shape[0]) if _is_stacked(t.key) else [None]
-        experts = range(t.shape[0 if layers == [None] else 1]) if EXPERTS in t.key else [None]
+        stacked = _is_stacked(t.key)
+        layers: Sequence[int | None] = range(t.shape[0]) if stacked else [None]
+        experts: Sequence[int | None] = range(t.shape[int(stacked)]) if EXPERTS in t.key else [None]
         for i in layers:
             for g in experts:
                 lead = tuple(x for x in (i, g) if x is not None)

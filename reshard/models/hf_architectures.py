@@ -53,7 +53,7 @@ from __future__ import annotations
 import abc
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -535,7 +535,7 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
 
 def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], notes: tuple[str, ...],
          biases: tuple[bool, bool, bool], ffn: int | None, moe_ffn: int | None, shared_ffn: int | None,
-         refuse: Any) -> HFArchitecture:
+         refuse: Callable[[str], LayoutError]) -> HFArchitecture:
     """A Llama-like model whose MLPs are megatron-core MoE layers: ``MixtralForCausalLM`` (every layer
     MoE, no shared expert, the top-k softmax scores renormalized: megatron-core's default top-k of
     the logits then softmax) or ``Qwen2MoeForCausalLM`` (one sigmoid-gated shared expert per MoE

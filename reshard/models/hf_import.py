@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +133,7 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
             position_embedding_type="rope", rotary_base=base, rotary_percent=1.0, rotary_interleaved=False,
             add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, max_position_embeddings=need("max_position_embeddings"))
         if arch in _MOE:
-            arch_args.update(_moe_args(arch, c, layers, need, refuse))
+            arch_args.update(_moe_args(arch, c, layers, need, refuse, where))
     tied = bool(c["tie_word_embeddings"])
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
@@ -153,7 +153,8 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
-def _moe_args(arch: str, c: Mapping[str, Any], layers: int, need: Any, refuse: Any) -> dict[str, Any]:
+def _moe_args(arch: str, c: Mapping[str, Any], layers: int, need: Callable[..., int],
+              refuse: Callable[[str], LayoutError], where: str) -> dict[str, Any]:
     """Megatron-LM's MoE args for a Mixtral or Qwen2-MoE config: megatron-core's SequentialMLP experts
     at TP 1, EP 1; the router's top-k of the softmax, renormalized unless ``--moe-router-pre-softmax``
     (Qwen2-MoE's ``norm_topk_prob`` false; Mixtral always renormalizes); Qwen2-MoE's shared expert
@@ -165,7 +166,9 @@ def _moe_args(arch: str, c: Mapping[str, Any], layers: int, need: Any, refuse: A
         experts, moe_ffn, shared, pre_softmax, freq = need("num_local_experts"), need("intermediate_size"), None, \
             False, [1] * layers
     else:
-        step, dense = int(c["decoder_sparse_step"]), set(c.get("mlp_only_layers") or ())
+        step, dense = need("decoder_sparse_step"), set(c.get("mlp_only_layers") or ())
+        if step < 1:
+            raise CheckpointFormatError(f"decoder_sparse_step is {step}", culprit=where, hint="check config.json")
         experts, moe_ffn, shared = need("num_experts"), need("moe_intermediate_size"), \
             need("shared_expert_intermediate_size")
         pre_softmax = not c["norm_topk_prob"]
