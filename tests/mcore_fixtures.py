@@ -192,14 +192,14 @@ def mcore_moe_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
     return _CACHE[key]
 
 
-def mcore_forward_moe(cases: list[tuple[str | None, Path, int, int]], workdir: Path
+def mcore_forward_moe(cases: list[tuple[str | None, Path, int, int]], workdir: Path, *, dist: bool = False
                       ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """megatron-core logits and routing decisions (router name -> tokens x experts) for each (MoE
     model, checkpoint folder, tp, ep): built at that layout, strict ``load_state_dict`` of its own
-    rank file, forward, logits gathered over TP. Model None: the one the checkpoint's own ``args``
-    describe."""
+    rank file (``dist``: of ``dist_checkpointing.load`` of a torch_dist folder), forward, logits
+    gathered over TP. Model None: the one the checkpoint's own ``args`` describe."""
     n = len(list(workdir.glob("logits_moe_*.pt"))) if workdir.exists() else 0
-    jobs = [{"kind": "forward", "ckpt": str(ckpt), "tp": tp, "ep": ep, "tokens": TOKENS,
+    jobs = [{"kind": "forward_dist" if dist else "forward", "ckpt": str(ckpt), "tp": tp, "ep": ep, "tokens": TOKENS,
              **({"from_args": True, "model": {}} if name is None else {"model": moe_options(name)}),
              "out": str(workdir / f"logits_moe_{n + i}.pt")} for i, (name, ckpt, tp, ep) in enumerate(cases)]
     _run_harness(jobs, workdir)

@@ -254,6 +254,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             logits = _logits(model, job["tokens"])
             if rank == 0:
                 torch.save(logits, job["out"])
+                torch.save(ROUTING, job["out"] + ".routing")
         elif job["kind"] == "forward":
             backend = getattr(state["args"], "attention_backend", AttnBackend.auto)  # absent: an import's args
             if backend is not AttnBackend.auto:  # carried args keep real enums

@@ -244,9 +244,24 @@ def test_experts_split_over_another_tp_are_refused(moe, tmp_path, capsys):
              "expert_tensor_parallel_size is 1")
 
 
-def test_outputs_that_cannot_hold_experts_refuse_them(moe, tmp_path, capsys):
-    _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "o"), "--to", "torch_dist"],
-             tmp_path / "o", "mixture-of-experts", "--to megatron")
+def test_a_format_that_cannot_hold_experts_refuses_them(moe, tmp_path, capsys):
+    """A plugin format that does not declare ``holds_experts`` (one safetensors file per TP rank)."""
+    from safetensors.torch import save_file
+
+    from plugin_format import SafetensorsPerRank
+    from reshard.formats import register_format, unregister_format
+
+    sd = torch.load(_iteration(moe[("moe", 1, 1, 1)]) / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({k: v for k, v in sd["model"].items() if isinstance(v, torch.Tensor)}, str(src / "rank-00.safetensors"),
+              metadata={"reshard.top": json.dumps({"checkpoint_version": 3.0})})
+    fmt = register_format(SafetensorsPerRank)
+    try:
+        _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+                 "mixture-of-experts", "cannot hold its experts")
+    finally:
+        unregister_format(fmt.name)
 
 
 # --- Hugging Face: Mixtral and Qwen2-MoE ----------------------------------------------------------
@@ -509,3 +524,21 @@ def test_a_bad_moe_config_is_refused_in_one_line(hf_imported, tmp_path, capsys):
     (src / "config.json").write_text(json.dumps(cfg))
     _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
              "decoder_sparse_step is 0")
+
+
+@pytest.mark.parametrize("source,load_at", [("per-rank moe 1x2", (2, 2)), ("torch_dist moe_gelu 1x4", (2, 2)),
+                                            ("torch_dist moe 2x2", (1, 4))])
+def test_written_torch_dist_experts_load_in_megatron_core_at_any_layout(moe, moe_dist, tmp_path, source, load_at):
+    """``--to torch_dist`` puts experts on the global expert axis as megatron-core does (stacked over
+    layers when every layer is alike, per layer when dense and MoE layers mix): megatron-core's own
+    ``dist_checkpointing.load`` reads it at another (TP, EP) and computes the source's logits."""
+    name = source.split()[1]
+    run = moe[(name, 1, 2, 1)] if source.startswith("per-rank") else moe_dist[(name, *map(int, source[-3:].split("x")))]
+    assert main(["run", "--direct", str(run), str(tmp_path / "dist"), "--to", "torch_dist"]) == 0
+    [(logits, routing)] = mcore_forward_moe([(name, tmp_path / "dist", *load_at)], tmp_path, dist=True)
+    assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL
+    assert all(torch.equal(routing[k], v) for k, v in torch.load(run / "routing.pt").items())
+    again = tmp_path / "again"
+    assert main(["run", "--direct", str(tmp_path / "dist"), str(again), "--to", "torch_dist"]) == 0
+    for f in sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file() and p.suffix != ".json"):
+        assert (again / f).read_bytes() == (tmp_path / "dist" / f).read_bytes(), f  # round trips byte-stable

@@ -34,7 +34,8 @@ state are skipped, reported as dropped, and never read (not even fetched: :meth:
 Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
 asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
 is first renamed by its family's table, :func:`reshard.models.megatron_gpt.as_megatron_core`),
-one chunk per layer of each stacked key, the blobs streamed back to back into one ``.distcp``
+one chunk per layer of each stacked key (per-layer keys when the layers differ: dense and MoE
+layers mixed; one chunk per expert along the expert axis), the blobs streamed back to back into one ``.distcp``
 file at offsets that, like the whole index, follow from the shapes alone (:func:`index_bytes`,
 :func:`write_distcp`).
 """
@@ -68,7 +69,7 @@ from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat
-from reshard.core.rules import is_megatron_core
+from reshard.core.rules import expert_index, is_megatron_core
 from reshard.formats.megatron import iteration_folder
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core
 
@@ -176,6 +177,7 @@ class TorchDistFormat(CheckpointFormat):
 
     # -- writing: global tensors (the TP 1 plan), one storage file, the index as a side file ------
     per_rank = False
+    holds_experts = True  # on a global expert axis
     ckpt_format = TORCH_DIST
 
     def check_plan(self, plan: Plan) -> None:
@@ -507,12 +509,24 @@ class GlobalItem:
 
 def global_items(module: dict[str, Any]) -> list[GlobalItem]:
     """A TP 1 megatron-core module (or a legacy one, renamed by its family's table) as torch_dist
-    entries (the name table above, backwards):
-    layer ``i`` of ``L`` becomes chunk ``i`` of the stacked key, local-spec layer norms take the
-    fused names, ``_extra_state`` becomes the byte item ``<key>/shard_{i}_{L}``."""
+    entries (the name table above, backwards): layer ``i`` of ``L`` becomes chunk ``i`` of the
+    stacked key — or, when the layers differ (dense and MoE layers mixed), keys stay per layer, as
+    megatron-core keeps them then; expert ``e`` of ``E`` is chunk ``e`` along the expert axis that
+    follows; local-spec layer norms take the fused names; ``_extra_state`` becomes the byte item
+    ``<key>/shard_<chunk offsets>_<axis sizes>`` (``shard_0_1`` for an entry of no axis)."""
     if not is_megatron_core(module):
         module = as_megatron_core(module)  # a legacy model: check_plan let only core-compatible QKV through
-    layers = 1 + max((int(m.group(1)) for m in map(_LAYER_KEY_RE.match, module) if m), default=-1)
+    per_layer: dict[int, set[str]] = {}
+    experts: dict[int, set[int]] = {}
+    for name in module:
+        m = _LAYER_KEY_RE.match(name)
+        if m:
+            rest, g = _dist_name(m.group(2))
+            per_layer.setdefault(int(m.group(1)), set()).add(rest)
+            if g is not None:
+                experts.setdefault(int(m.group(1)), set()).add(g)
+    layers = 1 + max(per_layer, default=-1)
+    stacked = len({frozenset(v) for v in per_layer.values()}) <= 1
     items = []
     for name, value in module.items():
         if name in PER_RANK_ONLY:
@@ -520,18 +534,30 @@ def global_items(module: dict[str, Any]) -> list[GlobalItem]:
         for fused, local in LOCAL_SPEC_NAMES.items():
             name = name.replace(local, fused)
         m = _LAYER_KEY_RE.match(name)
-        key = f"{LAYERS}{m.group(2)}" if m else name
+        lead: tuple[int, ...] = ()
+        axes: tuple[int, ...] = ()
+        key = name
+        if m:
+            i = int(m.group(1))
+            rest, g = _dist_name(m.group(2))
+            key = f"{LAYERS}{rest}" if stacked else f"{LAYERS}{i}.{rest}"
+            lead, axes = ((i,), (layers,)) if stacked else ((), ())
+            if g is not None:
+                lead, axes = (*lead, g), (*axes, len(experts[i]))
         if name.endswith("._extra_state"):
-            shard = f"shard_{m.group(1)}_{layers}" if m else "shard_0_1"
+            shard = f"shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, axes))}" if lead else "shard_0_1"
             items.append(GlobalItem(f"{key}/{shard}", (), (), (), None, value))
             continue
         shape = tuple(value.shape)
-        if m:
-            i = int(m.group(1))
-            items.append(GlobalItem(key, (i, *[0] * len(shape)), (1, *shape), (layers, *shape), value.dtype, value))
-        else:
-            items.append(GlobalItem(key, (0,) * len(shape), shape, shape, value.dtype, value))
+        items.append(GlobalItem(key, (*lead, *[0] * len(shape)), (*(1 for _ in lead), *shape), (*axes, *shape),
+                                value.dtype, value))
     return items
+
+
+def _dist_name(rest: str) -> tuple[str, int | None]:
+    """A layer entry's name in torch_dist (an expert's under the experts' shared key) and its expert."""
+    g = expert_index(rest)
+    return (rest, None) if g is None else (rest.replace(f"experts.local_experts.{g}.", EXPERTS[len(".mlp."):]), g)
 
 
 def _blob_tensor(item: GlobalItem) -> Any:
