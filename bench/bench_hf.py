@@ -172,13 +172,14 @@ def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label
                 "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in got.items()}
 
 
-def agree(reshard_cmd: list[str], naive_cmd: list[str], work: Path, compare: str) -> bool:
-    """Do reshard and the naive script write the same tensors? (The comparison runs in a child:
-    it maps both outputs, and children forked from a big parent report its peak RSS as theirs.)"""
+def agree(reshard_cmd: list[str], naive_cmd: list[str], work: Path, compare: str, script: str = __file__) -> bool:
+    """Do reshard and the naive script write the same tensors? (The comparison runs in a child,
+    ``script compare A B``: it maps both outputs, and children forked from a big parent report its
+    peak RSS as theirs.)"""
     a, b = work / "check_reshard", work / "check_naive"
     subprocess.run([c.replace("{out}", str(a)) for c in reshard_cmd], check=True, capture_output=True)
     subprocess.run([c.replace("{out}", str(b)) for c in naive_cmd], check=True)
-    same = subprocess.run([sys.executable, __file__, compare, str(a), str(b)]).returncode == 0
+    same = subprocess.run([sys.executable, script, compare, str(a), str(b)]).returncode == 0
     shutil.rmtree(a)
     shutil.rmtree(b)
     return same

@@ -25,7 +25,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_hf import report, timed  # noqa: E402
+from bench_hf import agree, report, same_rank_tensors, timed  # noqa: E402
 from bench_torch_dist import FLOOR, reshard, size  # noqa: E402
 
 #: The naive peer: every EP rank's file in memory, experts renumbered for the target EP.
@@ -106,32 +106,6 @@ def make_source(folder: Path, layers: int, experts: int, hidden: int, moe_ffn: i
     return folder
 
 
-def same_ranks(a: Path, b: Path) -> bool:
-    """Both outputs hold the same files with equal tensors under the same names."""
-    import torch
-
-    files = sorted(p.relative_to(a) for p in a.rglob("model_optim_rng.pt"))
-    if not files or files != sorted(p.relative_to(b) for p in b.rglob("model_optim_rng.pt")):
-        return False
-    for f in files:
-        ma = torch.load(a / f, weights_only=False, mmap=True)["model"]
-        mb = torch.load(b / f, weights_only=False, mmap=True)["model"]
-        if set(ma) != set(mb) or not all(ma[k].equal(v) for k, v in mb.items()):
-            return False
-    return True
-
-
-def agree(reshard_cmd: list[str], naive_cmd: list[str], work: Path) -> bool:
-    """Do reshard and the naive script write the same tensors? (Compared in a child process.)"""
-    a, b = work / "check_reshard", work / "check_naive"
-    subprocess.run([c.replace("{out}", str(a)) for c in reshard_cmd], check=True, capture_output=True)
-    subprocess.run([c.replace("{out}", str(b)) for c in naive_cmd], check=True)
-    same = subprocess.run([sys.executable, __file__, "--compare", str(a), str(b)]).returncode == 0
-    shutil.rmtree(a)
-    shutil.rmtree(b)
-    return same
-
-
 RESHARD, FLOOR_NAME = "reshard --direct EP 8 -> EP 2", "floor (EP 8 bytes)"
 TO_HF = "reshard --direct EP 8 -> hf (Mixtral)"
 NAIVE_NAME = "naive: load all, renumber, save"
@@ -143,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         make_source(Path(argv[1]), **json.loads(argv[2]))
         return 0
     if argv[:1] == ["--compare"]:
-        return 0 if same_ranks(Path(argv[1]), Path(argv[2])) else 1
+        return 0 if same_rank_tensors(Path(argv[1]), Path(argv[2])) else 1
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -169,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if experts != ns.experts:  # memory scaling: reshard only
             methods = {RESHARD: methods[RESHARD], TO_HF: methods[TO_HF]}
         else:
-            results["same tensors as the naive script"] = agree(methods[RESHARD], methods[NAIVE_NAME], work)
+            same = agree(methods[RESHARD], methods[NAIVE_NAME], work, "--compare", __file__)
+            results["same tensors as the naive script"] = same
         results[f"experts={experts}"] = {"source GB": round(size(src) / 1e9, 2),
                                           **timed(methods, src, work, ns.runs, f"E{experts}")}
     base, deep = results[f"experts={ns.experts}"], results[f"experts={2 * ns.experts}"]

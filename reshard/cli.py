@@ -341,7 +341,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "bytes": total_bytes, "num_heads": plan.facts.heads,
            "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
            "layout": source.format, "pp": plan.source.pp, "ep": plan.source.ep,
-           "experts": max(experts_per_layer(plan.params).values(), default=0), "skipped": sorted(plan.dropped),
+           "experts": max(experts_per_layer([p.key for p in plan.params], ns.src).values(), default=0), "skipped": sorted(plan.dropped),
            "optimizer": _optimizer(source),
            "facts": plan.facts.to_record(), "files": list(source.relative_names) + list(source.relative_aux)}
     if ns.json:

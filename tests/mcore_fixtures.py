@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +77,22 @@ def _run_harness(jobs: list[dict[str, Any]], workdir: Path) -> None:
         raise RuntimeError(f"megatron-core harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
-def mcore_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
-    """Every (model, tp, pp) checkpoint written by megatron-core, generated once under ``root``."""
-    key = "all"
+def _written_once(key: str, root: Path, out: dict[Any, Path], job: Callable[[Any, Path], dict[str, Any]]
+                  ) -> dict[Any, Path]:
+    """``out`` (layout -> folder), each folder written by the harness job ``job(layout, folder)`` —
+    all in one harness run, the first time ``key`` is asked for in this session."""
     if key not in _CACHE:
-        layouts = [(name, tp, 1) for name, (_, tps) in MODELS.items() for tp in tps] + list(PP_LAYOUTS)
-        out = {lay: root / f"{lay[0]}_tp{lay[1]}_pp{lay[2]}" for lay in layouts}
-        jobs = [{"kind": "write", "out": str(out[lay]), "tp": lay[1], "pp": lay[2], "model": model_options(lay[0]),
-                 "tokens": TOKENS} for lay in layouts]
-        _run_harness(jobs, root)
+        _run_harness([job(lay, folder) for lay, folder in out.items()], root)
         _CACHE[key] = out
     return _CACHE[key]
+
+
+def mcore_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
+    """Every (model, tp, pp) checkpoint written by megatron-core, generated once under ``root``."""
+    layouts = [(name, tp, 1) for name, (_, tps) in MODELS.items() for tp in tps] + list(PP_LAYOUTS)
+    return _written_once("all", root, {lay: root / f"{lay[0]}_tp{lay[1]}_pp{lay[2]}" for lay in layouts},
+                         lambda lay, folder: {"kind": "write", "out": str(folder), "tp": lay[1], "pp": lay[2],
+                                              "model": model_options(lay[0]), "tokens": TOKENS})
 
 
 #: (model, tp, pp, with Adam state) saved as Megatron-LM's ``--ckpt-format torch_dist`` (same seeds,
@@ -98,14 +104,10 @@ DIST_LAYOUTS: tuple[tuple[str, int, int, bool], ...] = (
 
 def mcore_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
     """Every torch_dist run folder of :data:`DIST_LAYOUTS`, written once under ``root``."""
-    key = "dist"
-    if key not in _CACHE:
-        out = {lay[:3]: root / f"{lay[0]}_tp{lay[1]}_pp{lay[2]}_dist" for lay in DIST_LAYOUTS}
-        jobs = [{"kind": "write_dist", "out": str(out[lay[:3]]), "tp": lay[1], "pp": lay[2], "adam": lay[3],
-                 "model": model_options(lay[0]), "tokens": TOKENS} for lay in DIST_LAYOUTS]
-        _run_harness(jobs, root)
-        _CACHE[key] = out
-    return _CACHE[key]
+    adam = {lay[:3]: lay[3] for lay in DIST_LAYOUTS}
+    return _written_once("dist", root, {lay: root / f"{lay[0]}_tp{lay[1]}_pp{lay[2]}_dist" for lay in adam},
+                         lambda lay, folder: {"kind": "write_dist", "out": str(folder), "tp": lay[1], "pp": lay[2],
+                                              "adam": adam[lay], "model": model_options(lay[0]), "tokens": TOKENS})
 
 
 def mcore_forward(cases: list[tuple[str | None, Path, int]], workdir: Path) -> list[torch.Tensor]:
@@ -163,15 +165,10 @@ def moe_options(name: str) -> dict[str, Any]:
 def mcore_moe_checkpoints(root: Path) -> dict[tuple[str, int, int, int], Path]:
     """Every (model, tp, ep, pp) MoE checkpoint of :data:`MOE_MODELS`, written once under ``root``
     (with pp == 1 also ``logits.pt``: megatron-core's forward at the layout it was written at)."""
-    key = "moe"
-    if key not in _CACHE:
-        lays = [(name, *lay) for name, (_, lays) in MOE_MODELS.items() for lay in lays]
-        out = {lay: root / f"{lay[0]}_tp{lay[1]}_ep{lay[2]}_pp{lay[3]}" for lay in lays}
-        jobs = [{"kind": "write", "out": str(out[lay]), "tp": lay[1], "ep": lay[2], "pp": lay[3],
-                 "model": moe_options(lay[0]), "tokens": TOKENS} for lay in lays]
-        _run_harness(jobs, root)
-        _CACHE[key] = out
-    return _CACHE[key]
+    lays = [(name, *lay) for name, (_, lays) in MOE_MODELS.items() for lay in lays]
+    return _written_once("moe", root, {lay: root / f"{lay[0]}_tp{lay[1]}_ep{lay[2]}_pp{lay[3]}" for lay in lays},
+                         lambda lay, folder: {"kind": "write", "out": str(folder), "tp": lay[1], "ep": lay[2],
+                                              "pp": lay[3], "model": moe_options(lay[0]), "tokens": TOKENS})
 
 
 #: (MoE model, tp, ep) saved as Megatron-LM's ``--ckpt-format torch_dist`` (same seeds as the per-rank
@@ -182,14 +179,10 @@ MOE_DIST_LAYOUTS: tuple[tuple[str, int, int], ...] = (("moe", 2, 2), ("moe_gelu"
 
 def mcore_moe_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
     """Every torch_dist run folder of :data:`MOE_DIST_LAYOUTS` (with ``logits.pt``), written once."""
-    key = "moe_dist"
-    if key not in _CACHE:
-        out = {lay: root / f"{lay[0]}_tp{lay[1]}_ep{lay[2]}_dist" for lay in MOE_DIST_LAYOUTS}
-        jobs = [{"kind": "write_dist", "out": str(out[lay]), "tp": lay[1], "ep": lay[2], "model": moe_options(lay[0]),
-                 "tokens": TOKENS} for lay in MOE_DIST_LAYOUTS]
-        _run_harness(jobs, root)
-        _CACHE[key] = out
-    return _CACHE[key]
+    return _written_once("moe_dist", root, {lay: root / f"{lay[0]}_tp{lay[1]}_ep{lay[2]}_dist" for lay in
+                                            MOE_DIST_LAYOUTS},
+                         lambda lay, folder: {"kind": "write_dist", "out": str(folder), "tp": lay[1], "ep": lay[2],
+                                              "model": moe_options(lay[0]), "tokens": TOKENS})
 
 
 def mcore_forward_moe(cases: list[tuple[str | None, Path, int, int]], workdir: Path, *, dist: bool = False

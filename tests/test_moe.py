@@ -150,6 +150,14 @@ def test_a_two_number_folder_is_an_expert_rank_when_the_args_say_so(moe, capsys)
     assert (rec["tp"], rec["pp"], rec["ep"], rec["experts"]) == (1, 1, 2, 4)
 
 
+def test_inspect_shows_the_expert_axis_only_for_moe_models(moe, sample_factory, capsys):
+    assert main(["inspect", str(moe[("moe", 1, 2, 1)])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "ep           2" in lines and "experts      4" in lines
+    assert main(["inspect", str(sample_factory(tp=2))]) == 0
+    assert not any(ln.startswith(("ep ", "experts ")) for ln in capsys.readouterr().out.splitlines())
+
+
 def test_grouped_gemm_names_are_dealt_out_like_sequential_ones(moe, tmp_path):
     """megatron-core's grouped-GEMM experts (``experts.linear_fc1.weight{i}``), written here by
     renaming SequentialMLP's keys the way megatron-core names them: EP 2 -> 1 numbers them globally."""

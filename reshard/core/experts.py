@@ -19,32 +19,18 @@ global experts ``e' * E/EP' .. (e'+1) * E/EP' - 1``, renumbered from 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
-from reshard.core.plan_types import ParamPlan, SourceStage, TargetParam
+from reshard.core.plan_types import SourceStage, TargetParam
 from reshard.core.rules import expert_index, layer_index, with_expert
 
 
 def local_experts(keys: Sequence[str], where: str) -> int:
-    """Experts per MoE layer in one file (0: no MoE layer), checked to be numbered 0..L-1 in
-    every MoE layer alike."""
-    per_layer: dict[int | None, set[int]] = {}
-    for key in keys:
-        i = expert_index(key)
-        if i is not None:
-            per_layer.setdefault(layer_index(key), set()).add(i)
-    counts = set()
-    for layer, found in per_layer.items():
-        if sorted(found) != list(range(len(found))):
-            raise CheckpointFormatError(f"layer {layer} numbers its experts {sorted(found)[:8]}, not 0..L-1",
-                                        culprit=where, hint="each rank file must number its experts locally")
-        counts.add(len(found))
-    if len(counts) > 1:
-        raise CheckpointFormatError(f"MoE layers hold different numbers of experts ({sorted(counts)})",
-                                    culprit=where, hint="reshard needs one expert count for all MoE layers")
-    return counts.pop() if counts else 0
+    """Experts per MoE layer in one rank file (0: no MoE layer), numbered locally 0..L-1."""
+    counts = experts_per_layer(keys, where, hint="each rank file must number its experts locally, from 0")
+    return next(iter(counts.values()), 0)
 
 
 def expert_rows(stages: list[SourceStage]) -> list[SourceStage]:
@@ -75,28 +61,27 @@ def expert_rows(stages: list[SourceStage]) -> list[SourceStage]:
     return out
 
 
-def experts_per_layer(params: Sequence[ParamPlan], saved: int | None = None, where: str = "checkpoint"
-                      ) -> dict[int | None, int]:
-    """Global experts per MoE layer (layer -> count), from the planned parameters: numbered 0..E-1,
-    as many in every MoE layer, and as many as the saved ``args.num_experts`` (``saved``) says —
-    a target EP rank's share is a run of numbers, so a gap would silently lose an expert."""
+def experts_per_layer(keys: Iterable[str], where: str, saved: int | None = None,
+                      hint: str = "supply every expert (every expert-parallel rank folder)") -> dict[int | None, int]:
+    """Experts per MoE layer (layer -> count) among parameter names ``keys``: numbered 0..E-1, as
+    many in every MoE layer, and as many as the saved ``args.num_experts`` (``saved``) says — a
+    target EP rank's share is a run of numbers, so a gap would silently lose an expert."""
     found: dict[int | None, set[int]] = {}
-    for p in params:
-        g = expert_index(p.key)
+    for key in keys:
+        g = expert_index(key)
         if g is not None:
-            found.setdefault(p.layer, set()).add(g)
+            found.setdefault(layer_index(key), set()).add(g)
     for layer, gs in found.items():
         if sorted(gs) != list(range(len(gs))):
             missing = sorted(set(range(max(gs) + 1)) - gs)
             raise CheckpointFormatError(f"layer {layer} holds experts numbered {sorted(gs)[:8]}..., missing "
-                                        f"{missing[:8]}", culprit=where,
-                                        hint="supply every expert (every expert-parallel rank folder)")
+                                        f"{missing[:8]}", culprit=where, hint=hint)
     counts = {layer: len(gs) for layer, gs in found.items()}
     if len(set(counts.values())) > 1 or (counts and saved is not None and saved not in counts.values()):
         what = ", ".join(f"layer {layer}: {n}" for layer, n in sorted(counts.items(), key=lambda kv: kv[0] or 0))
         raise CheckpointFormatError(f"MoE layers hold different numbers of experts ({what})" if saved is None else
                                     f"args.num_experts is {saved} but the MoE layers hold {what}", culprit=where,
-                                    hint="supply every expert of one checkpoint (every expert-parallel rank folder)")
+                                    hint=hint)
     return counts
 
 

@@ -76,7 +76,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
                                   warnings, source.origin, source.ep)
     if options.quantize:
         check_quantization(params, options, n, m)
-    experts = experts_per_layer(params, int_arg(read.args, "num_experts"), source.origin)
+    experts = experts_per_layer([p.key for p in params], source.origin, int_arg(read.args, "num_experts"))
     tep = _target_ep(experts, source, options, out_fmt)
     targets = tuple(target_plan(s, t, rank_experts(placed[s], e, tep, experts), source, options, n, m, tpp,
                                 out_fmt.name, rank=(s * tep + e) * m + t, ep_rank=e, ep=tep)

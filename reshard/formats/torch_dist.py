@@ -318,13 +318,13 @@ def _layer_name(key: str, i: int) -> str:
 
 #: Routed experts in torch_dist keys: one key per expert weight, a global expert axis leading
 #: (after the layer axis when stacked); per rank, ``local_experts.{e}`` (SequentialMLP).
-EXPERTS = ".mlp.experts.experts."
+EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}."
 
 
 def _entry_name(key: str, layer: int | None, expert: int | None) -> str:
     """The per-rank module name of layer ``layer`` (stacked keys) and expert ``expert`` of ``key``."""
     name = key if layer is None else _layer_name(key, layer)
-    return name if expert is None else name.replace(EXPERTS, f".mlp.experts.local_experts.{expert}.")
+    return name if expert is None else name.replace(EXPERTS, LOCAL_EXPERT.format(expert))
 
 
 def _order(key: str, position: dict[str, int], block: dict[str, int], layer: int | None = None,
@@ -557,7 +557,7 @@ def global_items(module: dict[str, Any]) -> list[GlobalItem]:
 def _dist_name(rest: str) -> tuple[str, int | None]:
     """A layer entry's name in torch_dist (an expert's under the experts' shared key) and its expert."""
     g = expert_index(rest)
-    return (rest, None) if g is None else (rest.replace(f"experts.local_experts.{g}.", EXPERTS[len(".mlp."):]), g)
+    return (rest, None) if g is None else (f".{rest}".replace(LOCAL_EXPERT.format(g), EXPERTS)[1:], g)
 
 
 def _blob_tensor(item: GlobalItem) -> Any:

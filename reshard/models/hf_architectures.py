@@ -62,7 +62,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
-from reshard.core.rules import expert_index, layer_index
+from reshard.core.experts import experts_per_layer
+from reshard.core.rules import layer_index
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
 ROPE_BASE_DEFAULT = 10000.0
@@ -561,12 +562,7 @@ def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], n
     topk = _arg(args, "moe_router_topk")
     if not isinstance(topk, int):
         raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
-    per_layer: dict[int | None, set[int]] = {}
-    for k in keys:
-        g = expert_index(k)
-        if g is not None:
-            per_layer.setdefault(layer_index(k), set()).add(g)
-    experts = max((len(v) for v in per_layer.values()), default=0)
+    experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
     moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
     dense = sorted(set(range(facts.num_layers)) - moe_layers)
     shared = any(k.endswith(".mlp.shared_experts.linear_fc1.weight") for k in keys)
