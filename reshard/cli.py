@@ -262,7 +262,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "output_format": plan.output_format,
         "targets": [{"rank": t.rank, "name": t.name, "sources": list(t.sources), "bytes_read": t.bytes_read,
                      "bytes_written": t.bytes_written} for t in plan.targets],
-        "bytes_read": sum(f.stat().st_size for f in (*plan.source.files, *plan.source.aux)),
+        "bytes_read": sum(f.stat().st_size for f in {*plan.source.files, *plan.source.aux}),
         "bytes_written": sum(t.bytes_written for t in plan.targets),
         "peak_memory_estimate": plan.peak_memory_estimate,
         "facts": plan.facts.to_record(),
@@ -331,19 +331,20 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     with _local_view(ns) as path:
         source = locate(path)
         plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
-        total_bytes = sum(f.stat().st_size for f in (*source.files, *source.aux))
+        total_bytes = sum(f.stat().st_size for f in {*source.files, *source.aux})
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in plan.params})
-    n_params = sum(_numel(p.shape) * (plan.source_tp if p.spec is not None else 1) for p in plan.params)
+    n_params = sum(_numel(p.shape) * (plan.degrees.of(p.key)[0] if p.spec is not None else 1) for p in plan.params)
     zero = (plan.ds_config or {}).get("zero_optimization")
     rec = {"format": "descriptor" if source.descriptor is not None else "folder",
            "source": ns.src, "tp": source.tp, "version": plan.version, "module_key": plan.module_key,
            "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
            "bytes": total_bytes, "num_heads": plan.facts.heads,
            "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-           "layout": source.format, "pp": plan.source.pp, "ep": plan.source.ep,
+           "layout": source.format, "pp": plan.source.pp, "ep": plan.source.ep, "etp": plan.source.expert_tp,
            "experts": max(experts_per_layer([p.key for p in plan.params], ns.src).values(), default=0), "skipped": sorted(plan.dropped),
            "optimizer": _optimizer(source),
-           "facts": plan.facts.to_record(), "files": list(source.relative_names) + list(source.relative_aux)}
+           "facts": plan.facts.to_record(),
+           "files": list(dict.fromkeys(source.relative_names)) + list(source.relative_aux)}
     if ns.json:
         print(json.dumps(rec, indent=2))
     else:
@@ -362,7 +363,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
             elif k == "skipped":
                 if v:
                     print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
-            elif k in ("ep", "experts") and not rec["experts"]:
+            elif k in ("ep", "etp", "experts") and not rec["experts"]:
                 continue  # a dense model: no expert axis to show
             elif k != "files":
                 print(f"{k:12} {v}")

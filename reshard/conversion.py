@@ -46,14 +46,14 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
     root = local.path if local.path.is_dir() else local.path.parent
     etags = {o.name: o.etag for o in local.objects}
     files = []
-    for f in (*plan.source.files, *plan.source.aux):
+    for f in dict.fromkeys((*plan.source.files, *plan.source.aux)):  # a grid may repeat a file (expert TP)
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
         rec: dict[str, Any] = {"path": rel, "size": f.stat().st_size}
         if rel in etags:
             rec["etag"] = etags[rel]
         files.append(rec)
     return {"url": local.url, "tp": plan.source_tp, "pp": plan.source_pp, "ep": plan.source.ep,
-            "format": plan.source.format, "version": plan.version, "files": files}
+            "etp": plan.source.expert_tp, "format": plan.source.format, "version": plan.version, "files": files}
 
 
 def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,

@@ -185,16 +185,30 @@ def mcore_moe_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
                                               "model": moe_options(lay[0]), "tokens": TOKENS})
 
 
-def mcore_forward_moe(cases: list[tuple[str | None, Path, int, int]], workdir: Path, *, dist: bool = False
+#: (MoE model, tp, expert tp, ep) written with the experts split over fewer ranks than the dense
+#: layers (``--expert-tensor-parallel-size``): not every (TP rank, EP rank) folder exists then.
+MOE_ETP_LAYOUTS: tuple[tuple[str, int, int, int], ...] = (("moe", 2, 1, 2), ("moe_gelu", 4, 2, 2))
+
+
+def mcore_moe_etp_checkpoints(root: Path) -> dict[tuple[str, int, int, int], Path]:
+    """Every per-rank checkpoint of :data:`MOE_ETP_LAYOUTS` (with ``logits.pt``), written once."""
+    return _written_once("moe_etp", root, {lay: root / f"{lay[0]}_tp{lay[1]}_etp{lay[2]}_ep{lay[3]}" for lay in
+                                           MOE_ETP_LAYOUTS},
+                         lambda lay, folder: {"kind": "write", "out": str(folder), "tp": lay[1], "etp": lay[2],
+                                              "ep": lay[3], "model": moe_options(lay[0]), "tokens": TOKENS})
+
+
+def mcore_forward_moe(cases: list[tuple[Any, ...]], workdir: Path, *, dist: bool = False
                       ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """megatron-core logits and routing decisions (router name -> tokens x experts) for each (MoE
-    model, checkpoint folder, tp, ep): built at that layout, strict ``load_state_dict`` of its own
-    rank file (``dist``: of ``dist_checkpointing.load`` of a torch_dist folder), forward, logits
-    gathered over TP. Model None: the one the checkpoint's own ``args`` describe."""
+    model, checkpoint folder, tp, ep[, expert tp]): built at that layout, strict ``load_state_dict``
+    of its own rank file (``dist``: of ``dist_checkpointing.load`` of a torch_dist folder), forward,
+    logits gathered over TP. Model None: the one the checkpoint's own ``args`` describe."""
     n = len(list(workdir.glob("logits_moe_*.pt"))) if workdir.exists() else 0
-    jobs = [{"kind": "forward_dist" if dist else "forward", "ckpt": str(ckpt), "tp": tp, "ep": ep, "tokens": TOKENS,
-             **({"from_args": True, "model": {}} if name is None else {"model": moe_options(name)}),
-             "out": str(workdir / f"logits_moe_{n + i}.pt")} for i, (name, ckpt, tp, ep) in enumerate(cases)]
+    jobs = [{"kind": "forward_dist" if dist else "forward", "ckpt": str(c[1]), "tp": c[2], "ep": c[3],
+             "etp": c[4] if len(c) > 4 else None, "tokens": TOKENS,
+             **({"from_args": True, "model": {}} if c[0] is None else {"model": moe_options(c[0])}),
+             "out": str(workdir / f"logits_moe_{n + i}.pt")} for i, c in enumerate(cases)]
     _run_harness(jobs, workdir)
     return [(torch.load(j["out"]), torch.load(j["out"] + ".routing")) for j in jobs]
 

@@ -66,7 +66,7 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab / unit) * unit
 
 
-def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1) -> GPTModel:
+def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp: int | None = None) -> GPTModel:
     torch.manual_seed(seed)
     norm = m.get("norm", "LayerNorm")
     kw: dict[str, Any] = {}
@@ -74,7 +74,7 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1) -> 
     if m.get("experts"):  # MoE: SequentialMLP experts, the allgather dispatcher (runs without GPUs)
         kw.update(num_moe_experts=m["experts"], moe_router_topk=m.get("topk", 2), moe_ffn_hidden_size=m["moe_ffn"],
                   moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
-                  expert_tensor_parallel_size=tp, moe_layer_freq=m.get("moe_layer_freq", 1),
+                  expert_tensor_parallel_size=etp or tp, moe_layer_freq=m.get("moe_layer_freq", 1),
                   moe_shared_expert_intermediate_size=m.get("shared_ffn"),
                   moe_router_enable_expert_bias=m.get("expert_bias", False),
                   moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
@@ -107,7 +107,7 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1) -> 
                     position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000))
 
 
-def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1) -> Any:
+def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
     """A Megatron-LM-like ``args`` Namespace (the attributes reshard and Megatron's loader read)."""
     import argparse
 
@@ -115,7 +115,7 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1) -> Any:
     if m.get("experts"):
         moe = dict(num_experts=m["experts"], moe_router_topk=m.get("topk", 2), moe_ffn_hidden_size=m["moe_ffn"],
                    moe_shared_expert_intermediate_size=m.get("shared_ffn"), moe_layer_freq=m.get("moe_layer_freq", 1),
-                   expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                   expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
                    moe_router_enable_expert_bias=m.get("expert_bias", False),
                    moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
                    moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
@@ -132,11 +132,16 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1) -> Any:
         add_bias_linear=m.get("bias", True), untie_embeddings_and_output_weights=not m.get("tied", True),
         vocab_size=m.get("saved_vocab_size"), padded_vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp),
         make_vocab_size_divisible_by=m["divisible_by"], max_position_embeddings=m["seq"], seq_length=m["seq"],
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp * ep,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world_size(tp, pp, ep, etp),
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
         num_layers_per_virtual_pipeline_stage=None, attention_backend=AttnBackend.auto,
         params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt",
         transformer_impl="local")
+
+
+def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The smallest world holding both grids: dense (TP x DP per stage) and expert (ETP x EP x EDP)."""
+    return pp * math.lcm(tp, (etp or tp) * ep)
 
 
 def options_from_args(a: Any) -> dict[str, Any]:
@@ -205,10 +210,10 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    tp, pp, ep = job["tp"], job.get("pp", 1), job.get("ep", 1)
+    tp, pp, ep, etp = job["tp"], job.get("pp", 1), job.get("ep", 1), job.get("etp") or job["tp"]
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank()
@@ -220,13 +225,13 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             saved = state if state is not None else torch.load(_iteration(Path(job["ckpt"])) / "common.pt",
                                                                weights_only=False)
             job = {**job, "model": options_from_args(saved["args"])}
-        model = build_model(job["model"], tp, pp, job.get("seed", 1234), ep)
+        model = build_model(job["model"], tp, pp, job.get("seed", 1234), ep, etp)
         if job["kind"] == "write":
             out = Path(job["out"])
-            f = out / f"iter_{ITERATION:07d}" / _rank_dir(tp_rank, pp_rank, pp, ep_rank, ep) / "model_optim_rng.pt"
-            f.parent.mkdir(parents=True, exist_ok=True)
+            name = _rank_dir(tp_rank, pp_rank, pp, ep_rank, ep)
+            f = out / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt"
             sd = {
-                "args": megatron_args(job["model"], tp, pp, ep), "checkpoint_version": 3.0, "iteration": ITERATION,
+                "args": megatron_args(job["model"], tp, pp, ep, etp), "checkpoint_version": 3.0, "iteration": ITERATION,
                 "model": model.state_dict_for_save_checkpoint(),
                 "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]},
                 "opt_param_scheduler": {"num_steps": ITERATION},
@@ -235,7 +240,9 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                                "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
                 "num_floating_point_operations_so_far": 0,
             }
-            torch.save(sd, f)
+            if _writes_file(name):
+                f.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(sd, f)
             if rank == 0:
                 (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
             if pp == 1:
@@ -269,6 +276,17 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def _writes_file(name: str) -> bool:
+    """Whether this rank saves its per-rank file, as Megatron-LM's ``save_checkpoint`` decides
+    (``--ckpt-format torch``): data-parallel rank 0 or expert-data-parallel rank 0 — every
+    (TP, EP) rank file once, also when the expert TP differs from the dense TP — and, of the ranks
+    that would write one name, only the first (their bytes are equal; two writers would race)."""
+    saves = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, name if saves else None)
+    return saves and names.index(name) == dist.get_rank()
+
+
 def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
     """Save as Megatron-LM's ``--ckpt-format torch_dist`` does: ``dist_checkpointing.save`` of the
     model's sharded state dict plus the common entries, into ``<out>/iter_XXXXXXX``. With
@@ -282,7 +300,7 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    args = megatron_args(job["model"], tp, pp, job.get("ep", 1))
+    args = megatron_args(job["model"], tp, pp, job.get("ep", 1), job.get("etp"))
     args.ckpt_format = "torch_dist"
     model_sd = model.sharded_state_dict()
     sd: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
@@ -314,7 +332,7 @@ def _free_port() -> int:
 def main(jobs_file: str) -> None:
     jobs = json.loads(Path(jobs_file).read_text())
     for job in jobs:
-        world = job["tp"] * job.get("pp", 1) * job.get("ep", 1)  # data-parallel over EP (expert TP = TP)
+        world = world_size(job["tp"], job.get("pp", 1), job.get("ep", 1), job.get("etp"))
         mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
 
 

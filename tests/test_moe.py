@@ -12,6 +12,10 @@ gives the same model at every TP of one EP but other experts at another EP. Henc
 
 A misplaced expert is caught: swapping two experts of a converted checkpoint changes the logits
 far above the tolerance.
+
+Expert tensor parallelism (experts split over fewer ranks than the dense layers, TP 2 x ETP 1 x EP 2
+and TP 4 x ETP 2 x EP 2) is written by megatron-core too, with only the (TP rank, EP rank) folders
+Megatron-LM's processes save: reshard reads and writes exactly those files.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import mcore_forward_moe, mcore_moe_checkpoints, mcore_moe_dist_checkpoints, needs_mcore
+from mcore_fixtures import (mcore_forward_moe, mcore_moe_checkpoints, mcore_moe_dist_checkpoints,
+                            mcore_moe_etp_checkpoints, needs_mcore)
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
 
@@ -241,7 +246,9 @@ def test_a_missing_expert_is_refused_not_dealt_out_wrongly(moe, tmp_path, capsys
              tmp_path / "o", needle)
 
 
-def test_experts_split_over_another_tp_are_refused(moe, tmp_path, capsys):
+def test_args_that_misdescribe_the_expert_tp_are_refused(moe, tmp_path, capsys):
+    """Files split over TP 2 whose args claim expert TP 1: Megatron-LM would have saved two of the
+    four folders, so the files are not what the args say (read as they say, experts would be half)."""
     src = tmp_path / "src"
     shutil.copytree(moe[("moe", 2, 2, 1)], src)
     for f in _iteration(src).glob("*/model_optim_rng.pt"):
@@ -249,7 +256,7 @@ def test_experts_split_over_another_tp_are_refused(moe, tmp_path, capsys):
         sd["args"].expert_tensor_parallel_size = 1
         torch.save(sd, f)
     _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
-             "expert_tensor_parallel_size is 1")
+             "no process saves when the experts' TP is 1")
 
 
 def test_a_format_that_cannot_hold_experts_refuses_them(moe, tmp_path, capsys):
@@ -550,3 +557,137 @@ def test_written_torch_dist_experts_load_in_megatron_core_at_any_layout(moe, moe
     assert main(["run", "--direct", str(tmp_path / "dist"), str(again), "--to", "torch_dist"]) == 0
     for f in sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file() and p.suffix != ".json"):
         assert (again / f).read_bytes() == (tmp_path / "dist" / f).read_bytes(), f  # round trips byte-stable
+
+
+# --- expert tensor parallelism: experts split over fewer ranks than the dense layers ---------------
+
+@pytest.fixture(scope="module")
+def moe_etp(tmp_path_factory):
+    return mcore_moe_etp_checkpoints(tmp_path_factory.mktemp("moe_etp"))
+
+
+def _same_files(ours: Path, theirs: Path, etp: int) -> None:
+    """``ours`` holds exactly megatron-core's rank folders, keys in its order, tensors bit-equal,
+    and args naming the expert TP."""
+    mine, want = _modules(ours), _modules(theirs)
+    assert list(mine) == list(want)
+    for folder, sd in want.items():
+        assert list(mine[folder]["model"]) == list(sd["model"]), folder
+        for key, value in sd["model"].items():
+            got = mine[folder]["model"][key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, (folder, key)
+        assert mine[folder]["args"].expert_tensor_parallel_size == etp
+
+
+def test_an_expert_tp_change_equals_megatron_cores_own_shards(moe, moe_etp, tmp_path):
+    """megatron-core builds experts from their full weights, so one seed gives one model at every
+    expert TP: saved at TP 2 x ETP 1 x EP 2 it has only folders mp_rank_00_000 and mp_rank_01_001
+    (no process holds the other pairs), each with whole experts. reshard writes and reads that."""
+    etp_run = moe_etp[("moe", 2, 1, 2)]
+    assert sorted(d.name for d in _iteration(etp_run).iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    convert(moe[("moe", 1, 2, 1)], tmp_path / "to_etp", target_tp=2, target_etp=1)
+    _same_files(tmp_path / "to_etp", etp_run, 1)
+    convert(etp_run, tmp_path / "tp1", target_tp=1)  # the expert TP follows the source's (1)
+    _same_files(tmp_path / "tp1", moe[("moe", 1, 2, 1)], 1)
+    convert(etp_run, tmp_path / "etp2", target_tp=2, target_etp=2)
+    _same_files(tmp_path / "etp2", moe[("moe", 2, 2, 1)], 2)
+
+
+#: (model, source (tp, etp, ep), target (tp, etp, ep)) around expert-TP checkpoints.
+ETP_CONVERSIONS: list[tuple[str, tuple[int, int, int], tuple[int, int, int]]] = [
+    ("moe_gelu", (4, 2, 2), (2, 1, 4)),
+    ("moe_gelu", (4, 2, 2), (1, 1, 1)),
+    ("moe", (2, 1, 2), (2, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ETP_CONVERSIONS)), ids=[f"{n}-{s}-to-{t}" for n, s, t in ETP_CONVERSIONS])
+def test_megatron_core_computes_the_source_logits_at_another_expert_tp(moe_etp, tmp_path, case):
+    name, (st, setp, se), (tt, tetp, te) = ETP_CONVERSIONS[case]
+    run = moe_etp[(name, st, setp, se)]
+    convert(run, tmp_path / "out", target_tp=tt, target_ep=te, target_etp=tetp)
+    [(logits, routing)] = mcore_forward_moe([(name, tmp_path / "out", tt, te, tetp)], tmp_path)
+    assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL
+    want = torch.load(run / "routing.pt")
+    assert want and all(torch.equal(routing[k], v) for k, v in want.items())
+
+
+def test_expert_tp_sources_write_the_same_torch_dist_and_load_at_any_layout(moe, moe_etp, tmp_path):
+    """A layout of global tensors has no expert TP: the expert-TP checkpoint's torch_dist is byte
+    for byte the one of the same model saved at TP 1 x EP 2, and megatron-core loads it at TP 2 x
+    ETP 1 x EP 2 with the source's logits."""
+    run = moe_etp[("moe", 2, 1, 2)]
+    assert main(["run", "--direct", str(run), str(tmp_path / "a"), "--to", "torch_dist"]) == 0
+    assert main(["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "b"), "--to", "torch_dist"]) == 0
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    for f in files:
+        if f.suffix != ".json" and f.name != "common.pt":  # the manifest and args name their source
+            assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    [(logits, routing)] = mcore_forward_moe([("moe", tmp_path / "a", 2, 2, 1)], tmp_path, dist=True)
+    assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL
+    assert all(torch.equal(routing[k], v) for k, v in torch.load(run / "routing.pt").items())
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--target-tp", "2", "--target-etp", "4"], ["expert tensor parallelism 4 does not divide", "--target-etp"]),
+    (["--target-tp", "4", "--target-etp", "2"], []),  # fine: plan only (below)
+    (["--to", "torch_dist", "--target-etp", "2"], ["holds global tensors", "--target-etp"]),
+])
+def test_an_expert_tp_the_output_cannot_hold_is_refused(moe, tmp_path, capsys, flags, needles):
+    src = moe[("moe_gelu", 2, 1, 1)]
+    if not needles:
+        assert main(["plan", str(src), *flags]) == 0
+        return
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), *flags], tmp_path / "o", *needles)
+
+
+def test_expert_tp_on_a_dense_model_is_refused(sample_factory, tmp_path, capsys):
+    src = sample_factory(tp=2)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "2", "--target-etp", "1"],
+             tmp_path / "o", "no experts", "--target-etp")
+
+
+def test_an_incomplete_expert_tp_checkpoint_is_refused(moe_etp, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(moe_etp[("moe_gelu", 4, 2, 2)], src)
+    assert sorted(d.name for d in _iteration(src).iterdir()) == [
+        "mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
+    shutil.rmtree(_iteration(src) / "mp_rank_02_001")
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "expert-parallel rank 1 lacks tensor-parallel rank 2", "experts' TP is 2")
+
+
+def test_an_expert_tp_above_the_tp_is_refused_in_per_rank_files(moe_etp, tmp_path, capsys):
+    """Megatron-LM's processes sharing a file name would hold different expert slices: no such files."""
+    src = tmp_path / "src"
+    shutil.copytree(moe_etp[("moe", 2, 1, 2)], src)
+    for f in _iteration(src).glob("*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].expert_tensor_parallel_size = 4
+        torch.save(sd, f)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
+             "expert tensor parallelism 4 does not divide the tensor parallelism 2", "torch_dist")
+
+
+def test_the_flow_reshards_an_expert_tp_checkpoint_from_s3(moe_etp, tmp_path, request, monkeypatch):
+    """Only some (TP rank, EP rank) folders exist, the grid repeats files: the flow from object
+    storage fetches each once and writes the same bytes as ``--direct``."""
+    request.getfixturevalue("prefect_env")
+    from conftest import upload_to_s3
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+
+    src = moe_etp[("moe_gelu", 4, 2, 2)]
+    source, so = upload_to_s3(src, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
+                              monkeypatch, prefix="moe_etp")
+    run_flow(ReshardParams(source=source, destination=str(tmp_path / "flow"), target_tp=2, target_ep=4, target_etp=1,
+                           storage_options=so, cache_dir=str(tmp_path / "cache")))
+    assert main(["run", "--direct", str(src), str(tmp_path / "direct"), "--target-tp", "2", "--target-ep", "4",
+                 "--target-etp", "1"]) == 0
+    files = {p.relative_to(tmp_path / "direct").as_posix() for p in (tmp_path / "direct").rglob("*") if p.is_file()}
+    assert len([f for f in files if f.endswith("model_optim_rng.pt")]) == 4  # TP 2 x ETP 1 x EP 4: four pairs
+    for f in sorted(files - {"reshard_manifest.json"}):
+        assert (tmp_path / "flow" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
+    manifest = json.loads((tmp_path / "flow" / "reshard_manifest.json").read_text())
+    assert manifest["source"]["etp"] == 2 and len(manifest["source"]["files"]) == 4  # each rank file once

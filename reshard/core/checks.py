@@ -12,6 +12,7 @@ from reshard.core.errors import InconsistentShardsError
 from reshard.core.lazy import materialized
 from reshard.core.pages import PageDropper
 from reshard.core.plan_types import ParamPlan, SourceStage
+from reshard.core.rules import expert_index
 
 
 def check_same_keys(modules: list[dict[str, Any]], names: list[str]) -> None:
@@ -26,16 +27,19 @@ def check_same_keys(modules: list[dict[str, Any]], names: list[str]) -> None:
                                           hint="all rank files must come from one checkpoint")
 
 
-def check_replicated(params: list[ParamPlan], stages: list[SourceStage]) -> None:
+def check_replicated(params: list[ParamPlan], stages: list[SourceStage], expert_tp: int | None = None) -> None:
     """Replicated tensors must be bit-identical on every rank: report, don't pick rank 0.
-    (Pages read are given back at once: peak memory must not grow with the layer count.)"""
+    (Pages read are given back at once: peak memory must not grow with the layer count.)
+    A routed expert's are compared over the first ``expert_tp`` files of its row, which hold its
+    expert (with expert tensor parallelism the row's other positions may stand for other ranks)."""
     pages = PageDropper(name for st in stages for name in st.names)
     for p in params:
         if p.spec is not None:
             continue
         st = stages[p.stage]
         ref = st.modules[0][p.src_key]
-        for mod, name in zip(st.modules[1:], st.names[1:]):
+        upto = expert_tp if expert_tp is not None and expert_index(p.key) is not None else len(st.modules)
+        for mod, name in zip(st.modules[1:upto], st.names[1:upto]):
             if not bit_equal(ref, mod[p.src_key]):
                 raise InconsistentShardsError(
                     f"replicated parameter {p.src_key} differs from rank 0", culprit=name,

@@ -144,11 +144,15 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
     module: "OrderedDict[str, Any]" = OrderedDict()
     scratch = _thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
     quant = _QuantState(plan, tp) if opts.quantize else None
+    degrees = plan.degrees
     for entry in tp.params:
         p = entry.param
+        pn, pm = degrees.of(p.key)  # a routed expert's at the expert TP
+        pt = degrees.rank(p.key, tp.tp_rank)
         if p.spec is None:
-            value = modules[src.index(p.stage, tp.base_rank)][p.src_key]
-            culprit = str(src.files[src.index(p.stage, tp.base_rank)])
+            base = source_ranks_for_target(pn, pm, pt)[0]
+            value = modules[src.index(p.stage, base)][p.src_key]
+            culprit = str(src.files[src.index(p.stage, base)])
             if isinstance(value, LazyTensor):
                 module[entry.out_key] = _pending_lazy(value, entry.out_key, culprit)
             elif isinstance(value, torch.Tensor):
@@ -156,13 +160,13 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             else:
                 module[entry.out_key] = value
             continue
-        srcs = {r: modules[src.index(p.stage, r)][p.src_key] for r in range(n)
+        srcs = {r: modules[src.index(p.stage, r)][p.src_key] for r in range(pn)
                 if src.index(p.stage, r) in modules}
         culprit = str(src.files[src.index(p.stage, min(srcs))])
         if quant is not None and p.quant_slot is not None:
             module[entry.out_key] = quant.pending(p, srcs, tp.tp_rank, device, culprit, pages)
         else:
-            module[entry.out_key] = _pending_assembled(p.spec, srcs, n, m, tp.tp_rank, entry.out_key, culprit,
+            module[entry.out_key] = _pending_assembled(p.spec, srcs, pn, pm, pt, entry.out_key, culprit,
                                                        pages, scratch)
 
     if tp.kind == LAYER_FILE:  # keep the saved module versions (``state_dict()._metadata``) as they were
@@ -551,8 +555,8 @@ def retarget_args(args: Any, plan: Plan) -> Any:
         setattr(new, "pipeline_model_parallel_size", plan.target_pp)
     if getattr(new, "expert_model_parallel_size", None) is not None or plan.target_ep > 1:
         setattr(new, "expert_model_parallel_size", plan.target_ep)
-    if getattr(new, "expert_tensor_parallel_size", None) is not None:  # experts are split like the dense TP
-        setattr(new, "expert_tensor_parallel_size", plan.target_tp)
+    if getattr(new, "expert_tensor_parallel_size", None) is not None or plan.target_etp is not None:
+        setattr(new, "expert_tensor_parallel_size", plan.degrees.target_etp)
     facts = plan.facts
     if facts is not None and hasattr(new, "padded_vocab_size") and facts.padded_vocab_target is not None:
         setattr(new, "padded_vocab_size", facts.padded_vocab_target)

@@ -42,7 +42,7 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
 WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: Fields that must be positive integers when given.
-_POSITIVE = ("target_tp", "target_pp", "target_ep", "num_heads", "num_query_groups", "vocab_size",
+_POSITIVE = ("target_tp", "target_pp", "target_ep", "target_etp", "num_heads", "num_query_groups", "vocab_size",
              "make_vocab_size_divisible_by", "groups")
 
 
@@ -87,6 +87,9 @@ class ReshardOptions(BaseModel):
                                  metavar="P", minimum=1)
     target_ep: int | None = _opt(None, "expert-parallel ranks of the output, for a mixture-of-experts model "
                                        "(default: as the source)", metavar="E", minimum=1)
+    target_etp: int | None = _opt(None, "tensor-parallel degree of the routed experts in the output, dividing the "
+                                        "target TP (default: the target TP, or the source's when it splits its "
+                                        "experts apart)", metavar="T", minimum=1)
     num_query_groups: int | None = _opt(None, "query groups (GQA), when the saved args lack them (needed to split "
                                               "safely)", metavar="G", minimum=1)
     swiglu: bool | None = _opt(None, "the MLP is gated (SwiGLU), when neither args nor shapes tell",

@@ -14,7 +14,7 @@ from reshard.core.errors import LayoutError
 from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_target
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import (OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, SourceStage, TargetParam, TargetPlan,
-                                     elems, nbytes)
+                                     TensorDegrees, elems, nbytes)
 from reshard.core.rules import Place, with_layer
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.registry import get_format
@@ -87,30 +87,33 @@ def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:
 
 
 def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceCheckpoint,
-                options: ReshardOptions, n: int, m: int, tpp: int, output_format: str, *,
+                options: ReshardOptions, degrees: TensorDegrees, tpp: int, output_format: str, *,
                 name: str | None = None, rank: int | None = None, weights: str | None = None, ep_rank: int = 0,
                 ep: int = 1) -> TargetPlan:
-    base = source_ranks_for_target(n, m, t)[0]
+    """Output file (stage, EP rank ``ep_rank``, TP rank ``t``) holding ``params``: the source files
+    it reads (each parameter's pieces at its own degrees, see :class:`TensorDegrees`), its bytes and name."""
+    base = source_ranks_for_target(degrees.tp, degrees.target_tp, t)[0]
     files: set[int] = set()
     for tp in params:
         p = tp.param
-        files.add(source.index(p.stage, base))
-        files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, t))
+        n, m = degrees.of(p.key)
+        files.add(source.index(p.stage, source_ranks_for_target(n, m, degrees.rank(p.key, t))[0]))
+        files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, degrees.rank(p.key, t)))
     if not files:
         files.add(source.index(0, base))
     srcs = tuple(sorted(files))
-    read = sum(source.files[i].stat().st_size for i in srcs) + sum(f.stat().st_size for f in source.aux)
-    written = sum(target_size(tp.param, n, m, options.quantize) for tp in params)
+    read = sum(f.stat().st_size for f in {source.files[i] for i in srcs}) + sum(f.stat().st_size for f in source.aux)
+    written = sum(target_size(tp.param, *degrees.of(tp.param.key), options.quantize) for tp in params)
     if name is None:
         experts = {"ep_rank": ep_rank, "ep": ep} if ep > 1 else {}
         name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
-    return TargetPlan(rank=stage * m + t if rank is None else rank, name=name, sources=srcs, bytes_read=read,
-                      bytes_written=written, tp_rank=t, pp_rank=stage, ep_rank=ep_rank, base_rank=base,
-                      params=tuple(params), weights=weights)
+    return TargetPlan(rank=stage * degrees.target_tp + t if rank is None else rank, name=name, sources=srcs,
+                      bytes_read=read, bytes_written=written, tp_rank=t, pp_rank=stage, ep_rank=ep_rank,
+                      base_rank=base, params=tuple(params), weights=weights)
 
 
-def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOptions, n: int, m: int, tpp: int,
-                output_format: str, held: Mapping[str, Mapping[tuple[int, str], torch.dtype] | None]
+def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOptions, degrees: TensorDegrees,
+                tpp: int, output_format: str, held: Mapping[str, Mapping[tuple[int, str], torch.dtype] | None]
                 ) -> tuple[TargetPlan, ...]:
     """The one target of a layout of global tensors, as the files its format cuts it into
     (:meth:`~reshard.formats.base.CheckpointFormat.split`), for each set of weights it is written
@@ -124,12 +127,12 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
         params = list(target.params) if dtypes is None else [
             replace(tp, param=replace(tp.param, dtype=dtypes[at])) for tp in target.params
             if (at := (tp.param.stage, tp.param.src_key)) in dtypes]
-        sizes = [target_size(tp.param, n, m, options.quantize) for tp in params]
+        sizes = [target_size(tp.param, *degrees.of(tp.param.key), options.quantize) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
         if len(held) == 1 and dtypes is None and files == [(target.name, 0, len(params))]:
             return (target,)
         own = None if weights == options.weights else weights
-        out += [target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, n, m, tpp, output_format,
+        out += [target_plan(target.pp_rank, target.tp_rank, params[a:b], source, options, degrees, tpp, output_format,
                             name=name, rank=len(out) + i, weights=own)
                 for i, (name, a, b) in enumerate(files)]
     return tuple(out)

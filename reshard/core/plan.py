@@ -27,13 +27,13 @@ import torch
 
 from reshard.core.checks import check_replicated
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
-from reshard.core.experts import check_expert_ranks, experts_per_layer, rank_experts
+from reshard.core.experts import check_expert_ranks, check_expert_tp, experts_per_layer, rank_experts, rank_files
 from reshard.core.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
 from reshard.core.placement import place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
-                                     SourceStage, dropped_warning)
+                                     SourceStage, TensorDegrees, dropped_warning)
 from reshard.core.rules import Kind, Resolution, Rule, expert_index, layer_index, with_expert, with_layer
 from reshard.core.source import SourceCheckpoint
 from reshard.core.specs import check_quantization, target_specs
@@ -66,7 +66,8 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     tpp = (source.pp if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
     out_fmt.check_target(tpp)
     version = decide_version(read.shards, read.names, source, options)
-    d = decide_parameters(read, options, version, source, fmt)
+    tetp = _target_etp(source, options, out_fmt)
+    d = decide_parameters(read, options, version, source, fmt, tetp)
     stages, params, carried = read.stages, d.params, d.carried
     tied = d.family.decide_tied(read.args, d.naming, params, stages, d.origin, source)
     warnings: list[str] = [d.vocab.warning] if d.vocab.warning else []
@@ -78,12 +79,18 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
         check_quantization(params, options, n, m)
     experts = experts_per_layer([p.key for p in params], source.origin, int_arg(read.args, "num_experts"))
     tep = _target_ep(experts, source, options, out_fmt)
-    targets = tuple(target_plan(s, t, rank_experts(placed[s], e, tep, experts), source, options, n, m, tpp,
-                                out_fmt.name, rank=(s * tep + e) * m + t, ep_rank=e, ep=tep)
-                    for s in range(tpp) for e in range(tep) for t in range(m))
+    if not experts and options.target_etp is not None:
+        raise LayoutError("the model has no experts to split over an expert tensor-parallel degree",
+                          culprit="--target-etp", hint="drop --target-etp")
+    degrees = TensorDegrees(n, m, source.expert_tp, tetp or m)
+    grid = [(s, e, t) for s in range(tpp) for e, t in
+            ((e, t) for t, e in rank_files(m, degrees.target_etp, tep))]  # every pair unless ETP < TP
+    targets = tuple(target_plan(s, t, rank_experts(placed[s], e, tep, experts), source, options, degrees, tpp,
+                                out_fmt.name, rank=i, ep_rank=e, ep=tep) for i, (s, e, t) in enumerate(grid))
     if not out_fmt.per_rank and len(targets) == 1:
         held = {w: _held(fmt, source, options, w, read.module_key) for w in out_fmt.weight_sets(options)}
-        targets = split_files(targets[0], source, options, n, m, tpp, out_fmt.name, held or {options.weights: None})
+        targets = split_files(targets[0], source, options, degrees, tpp, out_fmt.name,
+                              held or {options.weights: None})
     dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES and k not in out_fmt.keeps}
     ds_config = read.shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
@@ -93,7 +100,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
                 targets=targets, unused_rules=d.resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
-                extra_files=extra)
+                extra_files=extra, target_etp=tetp if experts else None)
     out_fmt.check_plan(plan)
     return plan
 
@@ -121,6 +128,26 @@ def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options
                           f"expert-parallel degree", culprit="--target-ep", hint="drop --target-ep")
     check_expert_ranks(experts, tep, "--target-ep")
     return tep
+
+
+def _target_etp(source: SourceCheckpoint, options: ReshardOptions, out_fmt: CheckpointFormat) -> int | None:
+    """The output's expert TP: ``--target-etp``, else the source's when it splits its experts apart
+    from its TP, else None (the target TP). A layout of global tensors has none; a per-rank one
+    holds an expert TP dividing the TP (:func:`~reshard.core.experts.check_expert_tp`)."""
+    m = options.target_tp
+    if not out_fmt.per_rank:
+        if options.target_etp not in (None, 1):
+            raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout holds global tensors; it has no expert "
+                              f"tensor-parallel degree", culprit="--target-etp", hint="drop --target-etp")
+        return None
+    tetp = options.target_etp
+    if tetp is None and source.expert_tp != source.tp:
+        tetp = source.expert_tp
+        check_expert_tp(tetp, m, "--target-tp", f"pass --target-etp (a divisor of {m}) or a target TP that "
+                                                f"{tetp} divides")
+    if tetp is not None:
+        check_expert_tp(tetp, m, "--target-etp", f"choose --target-etp among the divisors of the target TP {m}")
+    return None if tetp == m else tetp
 
 
 def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptions, weights: str, module_key: str
@@ -173,10 +200,11 @@ class DecidedParams:
 
 
 def decide_parameters(read: SourceRead, options: ReshardOptions, version: float, source: SourceCheckpoint,
-                      fmt: CheckpointFormat) -> DecidedParams:
+                      fmt: CheckpointFormat, target_etp: int | None = None) -> DecidedParams:
     """Resolve the canonical names against the family that claims them, collect the canonical
     parameters, decide the model facts through the family's deciders, give every tensor its
-    partition spec at the target TP and check the replicated tensors agree across ranks."""
+    partition spec at the target TP (a routed expert's at the target expert TP, ``target_etp``; None:
+    the target TP) and check the replicated tensors agree across ranks."""
     n, m, args = source.tp, options.target_tp, read.args
     rows = read.module_rows
     all_keys = list(dict.fromkeys(st.canonical_name(k) for st in rows for k in st.modules[0]))
@@ -193,8 +221,9 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
     hidden, heads, head_dim = family.decide_heads(options, args, raw, origin, source.origin)
     groups = family.decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, heads, groups, head_dim, n, m, origin,
-                                         source.origin, family, fmt.padding_tp(args, source), fmt.vocab_divisor)
-    check_replicated(params, read.stages)
+                                         source.origin, family, fmt.padding_tp(args, source), fmt.vocab_divisor,
+                                         experts=(source.expert_tp, target_etp))
+    check_replicated(params, read.stages, source.expert_tp)
     return DecidedParams(family=family, naming=family.naming(all_keys), resolution=resolution, raw=raw,
                          carried_raw=carried_raw, layers_per_stage=layers_per_stage, origin=origin, hidden=hidden,
                          heads=heads, head_dim=head_dim, groups=groups, swiglu=swiglu, vocab=vocab, params=params)

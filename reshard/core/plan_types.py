@@ -13,7 +13,7 @@ import torch
 
 from reshard.core.layouts import PartitionSpec
 from reshard.core.options import ReshardOptions
-from reshard.core.rules import QuantSlot, Rule
+from reshard.core.rules import QuantSlot, Rule, expert_index
 from reshard.core.source import DEEPSPEED, SourceCheckpoint
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
@@ -66,6 +66,34 @@ class ModelFacts:
         rec["target_pp_layers"] = list(self.target_pp_layers)
         rec["origin"] = dict(self.origin)
         return rec
+
+
+@dataclass(frozen=True)
+class TensorDegrees:
+    """The tensor-parallel degrees parameters are split over, in the source and the output: the
+    dense TP, and for routed experts' weights the expert TP (ETP), which Megatron-LM may set apart
+    (``--expert-tensor-parallel-size``). Shared experts and the router follow the dense TP.
+
+    ========================  ==========================  ================================
+    parameter                 split over (source, output)  output rank holding slice ``t``
+    ========================  ==========================  ================================
+    dense, shared experts     ``(tp, target_tp)``          TP rank ``t``
+    routed experts' weights   ``(etp, target_etp)``        TP ranks ``r`` with ``r % ETP == t``
+    ========================  ==========================  ================================
+    """
+
+    tp: int
+    target_tp: int
+    etp: int
+    target_etp: int
+
+    def of(self, key: str) -> tuple[int, int]:
+        """(source, output) degree of the parameter named ``key`` (canonical)."""
+        return (self.etp, self.target_etp) if expert_index(key) is not None else (self.tp, self.target_tp)
+
+    def rank(self, key: str, tp_rank: int) -> int:
+        """Which slice of ``key`` an output file at TP rank ``tp_rank`` holds (the expert TP divides the TP)."""
+        return tp_rank % self.of(key)[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +187,8 @@ class Plan:
     target_pp: int = 1
     output_format: str = DEEPSPEED
     extra_files: Mapping[str, str] = field(default_factory=dict)
+    #: The output's expert TP (MoE; None: the target TP).
+    target_etp: int | None = None
 
     @property
     def source_tp(self) -> int:
@@ -171,6 +201,12 @@ class Plan:
     @property
     def target_tp(self) -> int:
         return self.options.target_tp
+
+    @property
+    def degrees(self) -> TensorDegrees:
+        """The TP degrees each parameter is split over, in the source and the output."""
+        tm = self.options.target_tp
+        return TensorDegrees(self.source.tp, tm, self.source.expert_tp, self.target_etp or tm)
 
     @property
     def target_ep(self) -> int:

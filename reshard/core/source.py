@@ -71,6 +71,15 @@ class SourceCheckpoint:
     layer_ids: tuple[int, ...] = ()
     aux: tuple[Path, ...] = ()
     ep: int = 1
+    #: Expert tensor parallelism (MoE; None: the TP): a routed expert's weights are split over this
+    #: many ranks, held by grid positions ``0 .. etp-1`` of their EP row (see ``holes``).
+    etp: int | None = None
+    #: Grid positions no file of their own stands at (Megatron-LM writes one file per (TP rank, EP
+    #: rank) *that some process holds*: with ETP != TP not every pair). As located they repeat a file
+    #: of their row; the format's :meth:`~reshard.formats.base.CheckpointFormat.axes` explains them
+    #: from the saved args (and fills them with the files holding what the planner reads there) or
+    #: refuses the checkpoint as incomplete.
+    holes: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -80,6 +89,11 @@ class SourceCheckpoint:
     @property
     def tp(self) -> int:
         return len(self.files) // (self.rows + len(self.layer_ids))
+
+    @property
+    def expert_tp(self) -> int:
+        """The TP degree routed experts are split over (MoE)."""
+        return self.tp if self.etp is None else self.etp
 
     def layer_file_index(self, group: int, rank: int) -> int:
         """Position in ``files`` of DeepSpeed pipeline layer ``layer_ids[group]``, TP rank ``rank``."""

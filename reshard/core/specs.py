@@ -12,7 +12,7 @@ from reshard.core.facts import Vocab
 from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import ParamPlan, CanonicalParam, elems
-from reshard.core.rules import Kind, QKVLayout, Rule
+from reshard.core.rules import Kind, QKVLayout, Rule, expert_index
 
 if TYPE_CHECKING:
     from reshard.models.base import ModelFamily
@@ -23,18 +23,23 @@ MAX_SUGGESTED_TP = 256
 
 def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, version: float, heads: int | None,
                  groups: int | None, head_dim: int | None, n: int, m: int, origin: dict[str, str], where: str,
-                 family: ModelFamily, padded_for: int | None = None, default_divisor: int | None = None
-                 ) -> tuple[bool | None, "Vocab", list[ParamPlan]]:
+                 family: ModelFamily, padded_for: int | None = None, default_divisor: int | None = None,
+                 experts: tuple[int, int | None] | None = None) -> tuple[bool | None, "Vocab", list[ParamPlan]]:
     """The facts and partition specs that depend on the target TP ``m``: gated MLP, vocabulary
     padding, and every parameter's spec. A target TP that some tensor cannot be divided over is
     refused with the target TPs that satisfy *every* tensor at once (heads, query groups, FFN
-    width, vocabulary rows), so following the hint cannot fail on the next constraint."""
+    width, vocabulary rows), so following the hint cannot fail on the next constraint.
+    ``experts``: the routed experts' (source, target) TP (see
+    :class:`~reshard.core.plan_types.TensorDegrees`; target None: the target TP)."""
+    ne, me = experts or (n, None)
 
     def at(tm: int, facts_origin: dict[str, str]) -> tuple[bool | None, Vocab, list[ParamPlan]]:
         swiglu = family.decide_swiglu(options, args, raw, n, tm, facts_origin, where)
         vocab = family.decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
         ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
-        return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab)) for r in raw]
+        expert_ctx = _SpecContext(version, heads, groups, head_dim, swiglu, ne, me or tm)
+        return swiglu, vocab, [r.planned(_spec_for(r, expert_ctx if expert_index(r.key) is not None else ctx, vocab))
+                               for r in raw]
 
     try:
         return at(m, origin)

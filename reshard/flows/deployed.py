@@ -54,6 +54,7 @@ def reshard_deployment(
     storage_options: dict[str, Any] | None = None,
     target_pp: int | None = None,
     target_ep: int | None = None,
+    target_etp: int | None = None,
     quantize: bool = False,
     bits: int = 8,
     groups: int = 64,

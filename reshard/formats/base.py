@@ -125,15 +125,19 @@ class CheckpointFormat(ABC):
 
         ``headers_only``: read the first file of each stage alone and stand it in for every rank
         of its stage (see :func:`reshard.core.plan.build_grid_plan`)."""
+        first = self.open(source, options, 0)
+        source = self.axes(first.get("args"), source)  # the grid as the saved args explain it
         n = source.tp
-        if headers_only:
-            heads = [self.open(source, options, r * n) for r in range(source.rows)]
-            shards = [heads[i // n] for i in range(len(source.files))]
-        else:
-            shards = [self.open(source, options, i) for i in range(len(source.files))]
+        opened = {source.files[0]: first}
+
+        def at(i: int) -> dict[str, Any]:
+            if source.files[i] not in opened:  # a grid may repeat a file (expert TP): read once
+                opened[source.files[i]] = self.open(source, options, i)
+            return opened[source.files[i]]
+
+        shards = [at(i // n * n if headers_only else i) for i in range(len(source.files))]
         names = [str(f) for f in source.files]
         module_key, modules = module_dicts(shards, names, options.module_key, n)
-        source = self.axes(shards[0].get("args"), source)
         self.check_saved_degrees(shards[0].get("args"), source)
         stages = [SourceStage(index=r, names=names[r * n:(r + 1) * n], modules=modules[r * n:(r + 1) * n],
                               pp_stage=r // source.ep, expert_rank=r % source.ep) for r in range(source.rows)]

@@ -243,7 +243,8 @@ def _architecture(plan: Plan) -> HFArchitecture:
     for key, p in written.items():
         kind = "expert" if expert_index(key) is not None else "shared" if ".shared_experts." in key else "dense"
         if re.search(r"linear_fc1\.weight\d*$", key) and p.spec is not None:
-            rows = p.shape[p.spec.dim] * plan.source_tp if p.spec.total is None else p.spec.total * p.spec.parts
+            split = plan.degrees.of(key)[0]  # the source TP (expert TP) it is split over
+            rows = p.shape[p.spec.dim] * split if p.spec.total is None else p.spec.total * p.spec.parts
             widths[kind] = rows // 2 if plan.facts.swiglu else rows  # SwiGLU's fc1 is [gate; up]
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",

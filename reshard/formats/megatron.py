@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
+from reshard.core.experts import check_expert_tp, rank_files
 from reshard.core.facts import int_arg
 from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
                                  iteration_dir, iteration_text, megatron_file_name)
-from reshard.formats.base import CheckpointFormat, check_contiguous
+from reshard.formats.base import CheckpointFormat
 
 
 class MegatronFormat(CheckpointFormat):
@@ -57,11 +58,19 @@ class MegatronFormat(CheckpointFormat):
 
     def axes(self, args: Any, source: SourceCheckpoint) -> SourceCheckpoint:
         """``mp_rank_TT_NNN`` is pipeline stage NNN, or expert-parallel rank NNN when the saved args
-        say EP > 1 and PP 1 (Megatron-LM names the folder the same way for both)."""
+        say EP > 1 and PP 1 (Megatron-LM names the folder the same way for both). Ranks missing from
+        the grid are the pairs no process held when the experts' TP differs from the TP
+        (:func:`~reshard.core.experts.rank_files`); else a rank folder is missing."""
         if source.ep == 1 and source.pp > 1 and int_arg(args, "pipeline_model_parallel_size") == 1 and \
                 int_arg(args, "expert_model_parallel_size") == source.pp:
-            return replace(source, pp=1, ep=source.pp)
-        return source
+            source = replace(source, pp=1, ep=source.pp)
+        etp = int_arg(args, "expert_tensor_parallel_size") if int_arg(args, "num_experts") else None
+        if etp is None or etp == source.tp:
+            _refuse_holes(source)
+            return source
+        check_expert_tp(etp, source.tp, source.origin, "convert it from the torch_dist checkpoint of the same run "
+                                                       "(--ckpt-format torch_dist)")
+        return _expert_grid(replace(source, etp=etp))
 
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
@@ -71,17 +80,61 @@ class MegatronFormat(CheckpointFormat):
             if saved is not None and saved != found:
                 raise CheckpointFormatError(f"args.{name} is {saved} but {found} {what} were found",
                                             culprit=source.origin, hint="supply all rank folders of the checkpoint")
-        etp = int_arg(args, "expert_tensor_parallel_size")
-        if etp is not None and etp != source.tp and int_arg(args, "num_experts"):
-            raise CheckpointFormatError(
-                f"args.expert_tensor_parallel_size is {etp} but the tensor-parallel size is {source.tp}: experts split "
-                f"over another TP than the dense layers are not supported", culprit=source.origin,
-                hint="save the checkpoint with --expert-tensor-parallel-size equal to --tensor-model-parallel-size")
 
     def locate(self, path: Path) -> SourceCheckpoint:
         if (path / MEGATRON_LATEST).is_file():
             return _locate_run(path)
         return _locate_iteration(path, str(path))
+
+
+def _where(source: SourceCheckpoint, row: int) -> str:
+    return f"stage {row // source.ep}" + (f", expert-parallel rank {row % source.ep}" if source.ep > 1 else "")
+
+
+def _refuse_holes(source: SourceCheckpoint) -> None:
+    """A grid position without a file is a missing rank folder."""
+    if source.holes:
+        row = source.holes[0] // source.tp
+        missing = [i % source.tp for i in source.holes if i // source.tp == row]
+        raise CheckpointFormatError(f"{_where(source, row)} lacks tensor-parallel ranks {missing}",
+                                    culprit=source.origin, hint="copy the missing rank folders")
+
+
+def _expert_grid(source: SourceCheckpoint) -> SourceCheckpoint:
+    """The grid of a checkpoint saved with the experts' TP (``etp``) below the TP, its holes filled
+    with the files holding what the planner reads there: position ``t`` of a stage's EP rank 0
+    row gives the dense TP rank ``t`` (and for ``t < etp`` EP rank 0's expert slice ``t``); position
+    ``t < etp`` of EP rank ``e``'s row gives EP rank ``e``'s expert slice ``t``, which every file
+    ``(t', e)`` with ``t' % etp == t`` holds; its other positions repeat those (never read for experts)."""
+    tp, etp, ep = source.tp, source.expert_tp, source.ep
+    expected = set(rank_files(tp, etp, ep))
+    holes = set(source.holes)
+    files = list(source.files)
+    for stage in range(source.pp):
+        at = {(t, e): source.index(stage * ep + e, t) for e in range(ep) for t in range(tp)}
+        stray = sorted(pair for pair in at if pair not in expected and at[pair] not in holes)
+        if stray:  # e.g. args that say ETP 1 of files split over the TP
+            t, e = stray[0]
+            raise CheckpointFormatError(f"{_where(source, stage * ep + e)} has a rank folder for tensor-parallel rank "
+                                        f"{t}, which no process saves when the experts' TP is {etp} (args."
+                                        f"expert_tensor_parallel_size)", culprit=source.origin,
+                                        hint="the saved args do not describe these files: fix "
+                                             "expert_tensor_parallel_size, or remove stray folders")
+        missing = sorted(pair for pair in expected if at[pair] in holes)
+        if missing:
+            t, e = missing[0]
+            raise CheckpointFormatError(f"{_where(source, stage * ep + e)} lacks tensor-parallel rank {t} (the "
+                                        f"experts' TP is {etp}: {len(expected)} rank folders per stage)",
+                                        culprit=source.origin, hint="copy the missing rank folders")
+        for (t, e), i in at.items():
+            if i not in holes:
+                continue
+            if e == 0:  # the dense TP rank t, from the first EP rank holding it
+                files[i] = source.files[next(at[(t, x)] for x in range(ep) if (t, x) in expected)]
+            else:  # EP rank e's expert slice t % etp
+                files[i] = source.files[next(at[(u, e)] for u in range(tp)
+                                             if (u, e) in expected and u % etp == t % etp)]
+    return replace(source, files=tuple(files), holes=())
 
 
 def _locate_run(run: Path) -> SourceCheckpoint:
@@ -131,17 +184,18 @@ def _locate_iteration(folder: Path, origin: str) -> SourceCheckpoint:
         raise CheckpointFormatError("mixes mp_rank_TT, mp_rank_TT_NNN and mp_rank_TT_PPP_EEE folders",
                                     culprit=str(folder), hint="remove stray folders from another parallel layout")
     n_pp, n_ep, n_tp = (1 + max(key[i] for key in grid) for i in range(3))
+    files: list[Path] = []
+    holes: list[int] = []
     for stage in range(n_pp):
         for expert_rank in range(n_ep):
-            where = f"stage {stage}" + (f", expert-parallel rank {expert_rank}" if n_ep > 1 else "")
             ranks = sorted(tp for pp, ep, tp in grid if (pp, ep) == (stage, expert_rank))
             if not ranks:
+                where = f"stage {stage}" + (f", expert-parallel rank {expert_rank}" if n_ep > 1 else "")
                 raise CheckpointFormatError(f"{where} has no rank folders", culprit=str(folder),
                                             hint="copy the missing mp_rank_* folders")
-            check_contiguous(ranks, f"{folder} ({where})")
-            if len(ranks) != n_tp:
-                missing = sorted(set(range(n_tp)) - set(ranks))
-                raise CheckpointFormatError(f"{where} lacks tensor-parallel ranks {missing}", culprit=str(folder),
-                                            hint="copy the missing rank folders")
-    files = tuple(grid[(s, e, t)] for s in range(n_pp) for e in range(n_ep) for t in range(n_tp))
-    return SourceCheckpoint(files, origin=origin, format=MEGATRON, pp=n_pp, ep=n_ep, iteration=folder.name)
+            for t in range(n_tp):  # a missing rank is a hole until the saved args explain it (axes)
+                if (stage, expert_rank, t) not in grid:
+                    holes.append(len(files))
+                files.append(grid.get((stage, expert_rank, t), grid[(stage, expert_rank, ranks[0])]))
+    return SourceCheckpoint(tuple(files), origin=origin, format=MEGATRON, pp=n_pp, ep=n_ep, iteration=folder.name,
+                            holes=tuple(holes))
