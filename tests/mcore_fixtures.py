@@ -47,6 +47,10 @@ MODELS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
     "qwen": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "qkv_bias": True,
               "pos": "rope", "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128,
               "eps": 1e-6, "rope_base": 50000.0}, (2,)),
+    # Qwen3-shaped: query/key RMSNorm per head (norms made distinct from ones), a head dim above hidden/heads
+    "qwen3": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope", "tied": False,
+               "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "eps": 1e-6, "rope_base": 1e6,
+               "qk_norm": True, "norm_noise": True, "kv_channels": 16}, (2,)),
     # 12 heads in 6 query groups: TP 2 <-> 3 is not a divisor ratio
     "gqa12": ({"hidden": 96, "heads": 12, "groups": 6, "ffn": 192, "swiglu": True, "vocab": 96, "divisible_by": 16,
                "saved_vocab_size": 96, "tied": False}, (1, 2, 3)),
@@ -152,6 +156,11 @@ MOE_MODELS: dict[str, tuple[dict[str, Any], tuple[tuple[int, int, int], ...]]] =
                   "pos": "rope", "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128,
                   "experts": 4, "moe_ffn": 48, "shared_ffn": 32, "shared_gate": True, "pre_softmax": True,
                   "moe_layer_freq": [0, 1], "eps": 1e-6}, ((1, 2, 1),)),
+    # Qwen3-MoE: query/key RMSNorm per head, a dense first layer, no shared expert, top-2 renormalized
+    "qwen3_moe": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
+                   "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4,
+                   "moe_ffn": 48, "moe_layer_freq": [0, 1], "eps": 1e-6, "qk_norm": True, "norm_noise": True},
+                  ((2, 2, 1),)),
     # linear biases in experts: megatron-core allows them at expert TP 1 only
     "moe_bias": ({"ffn": 128, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "experts": 4, "moe_ffn": 64,
                   "swiglu": True}, ((1, 2, 1),)),

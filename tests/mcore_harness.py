@@ -39,6 +39,7 @@ import math
 import os
 import random
 import socket
+import zlib
 import sys
 import warnings
 from pathlib import Path
@@ -91,6 +92,7 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
         num_query_groups=m.get("groups"), ffn_hidden_size=m["ffn"], normalization=norm,
         add_bias_linear=m.get("bias", True), add_qkv_bias=m.get("qkv_bias", False),
         layernorm_epsilon=m.get("eps", 1e-5), use_cpu_initialization=True, hidden_dropout=0.0,
+        qk_layernorm=m.get("qk_norm", False), kv_channels=m.get("kv_channels"),
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32 if pp > 1 else None, **kw)
     if spec_kw:  # dense and MoE layers as moe_layer_freq says: the decoder block spec
@@ -99,12 +101,19 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=norm,
                                           pp_rank=ps.get_pipeline_model_parallel_rank())
     else:
-        spec = get_gpt_layer_local_spec(normalization=norm)
-    return GPTModel(cfg, spec,
+        spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.get("qk_norm", False))
+    model = GPTModel(cfg, spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=m.get("tied", True),
                     position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000))
+    if m.get("norm_noise"):  # norms distinct from ones (a swapped norm must show), alike at every layout
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "layernorm" in name:
+                    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    p.add_(torch.rand(p.shape, generator=g))
+    return model
 
 
 def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
@@ -123,10 +132,10 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
     groups = m.get("groups")
     # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
     recorded = {arg: m[key] for key, arg in (("qkv_bias", "add_qkv_bias"), ("eps", "norm_epsilon"),
-                                             ("rope_base", "rotary_base")) if key in m}
+                                             ("rope_base", "rotary_base"), ("qk_norm", "qk_layernorm")) if key in m}
     return argparse.Namespace(**recorded, **moe,
         num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
-        num_attention_heads=m["heads"], kv_channels=m["hidden"] // m["heads"],
+        num_attention_heads=m["heads"], kv_channels=m.get("kv_channels") or m["hidden"] // m["heads"],
         group_query_attention=groups is not None, num_query_groups=groups or 1, swiglu=bool(m.get("swiglu")),
         normalization=m.get("norm", "LayerNorm"), position_embedding_type=m.get("pos", "learned_absolute"),
         add_bias_linear=m.get("bias", True), untie_embeddings_and_output_weights=not m.get("tied", True),
@@ -151,6 +160,7 @@ def options_from_args(a: Any) -> dict[str, Any]:
             "swiglu": a.swiglu, "openai_gelu": getattr(a, "openai_gelu", False), "norm": a.normalization,
             "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False), "eps": a.norm_epsilon,
             "rope_base": getattr(a, "rotary_base", 10000), "pos": a.position_embedding_type,
+            "qk_norm": getattr(a, "qk_layernorm", False), "kv_channels": a.kv_channels,
             "tied": not a.untie_embeddings_and_output_weights, "vocab": a.padded_vocab_size, "divisible_by": 1,
             "seq": a.max_position_embeddings,
             **({"experts": a.num_experts, "topk": a.moe_router_topk, "moe_ffn": a.moe_ffn_hidden_size,

@@ -2,7 +2,8 @@
 
 Covers what megatron-core's local spec computes: grouped QKV (GQA; MHA is groups = heads),
 gated SwiGLU fc1 ``[W_r; V_r]`` per rank, LayerNorm or RMSNorm, learned or rotary positions,
-biases or none, tied or untied output. Each rank works on its own query groups / FFN slice; the
+biases or none, tied or untied output, query/key RMSNorm per head (``qk_norm``) and a head dim of
+its own (``head_dim``). Each rank works on its own query groups / FFN slice; the
 row-parallel outputs are summed and the vocab-parallel logits concatenated, as under TP. It is
 checked against megatron-core's own logits in ``test_megatron_core.py``.
 """
@@ -28,6 +29,8 @@ class Arch:
     rope: bool = False
     eps: float = 1e-5
     rope_base: float = 10000.0
+    qk_norm: bool = False
+    head_dim: int | None = None
 
 
 def _norm(x: torch.Tensor, sd: dict[str, torch.Tensor], prefix: str, arch: Arch) -> torch.Tensor:
@@ -53,7 +56,7 @@ def core_logits(shards: list[dict[str, torch.Tensor]], arch: Arch, tokens: torch
     sds = [{k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)} for sd in shards]
     emb = [sd["embedding.word_embeddings.weight"] for sd in sds]
     h = emb[0].shape[1]
-    hn = h // arch.heads
+    hn = arch.head_dim or h // arch.heads
     q_per = arch.heads // arch.groups
     g_rank = arch.groups // tp
     seq = tokens.shape[0]
@@ -81,6 +84,9 @@ def core_logits(shards: list[dict[str, torch.Tensor]], arch: Arch, tokens: torch
             q = qkv[:, :, :q_per].reshape(seq, g_rank * q_per, hn).transpose(0, 1)
             k = qkv[:, :, q_per].transpose(0, 1)
             v = qkv[:, :, q_per + 1].transpose(0, 1)
+            if arch.qk_norm:  # RMSNorm over each head's dims, before the rotary embedding
+                q = _norm(q, sd, p + "self_attention.q_layernorm", arch)
+                k = _norm(k, sd, p + "self_attention.k_layernorm", arch)
             if arch.rope:
                 q, k = _rope(q, arch.rope_base), _rope(k, arch.rope_base)
             k = k.repeat_interleave(q_per, dim=0)

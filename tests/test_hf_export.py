@@ -64,6 +64,7 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 CASES = [  # (model, tp, pp, the architecture transformers must build, tied)
     ("llama", 2, 1, "LlamaForCausalLM", False), ("llama", 1, 1, "LlamaForCausalLM", False),
     ("llama_tied", 2, 1, "LlamaForCausalLM", True), ("qwen", 2, 1, "Qwen2ForCausalLM", False),
+    ("qwen3", 2, 1, "Qwen3ForCausalLM", False),  # query/key norms, head dim 16 (not hidden / heads)
     # GPT-2-like: LayerNorm, exact GELU, learned positions, biases, multi-head; 100 of 128 rows real
     ("mha", 2, 1, "GPT2LMHeadModel", True), ("padded_tied", 4, 1, "GPT2LMHeadModel", True),
 ]
@@ -199,6 +200,14 @@ WRONG = {
 }
 
 
+WRONG_QWEN3 = {
+    "query and key norms swapped": {"tensors": _swap("model.layers.0.self_attn.q_norm.weight",
+                                                     "model.layers.0.self_attn.k_norm.weight")},
+    "no query norm (a Llama export)": {"tensors": lambda sd: sd["model.layers.1.self_attn.q_norm.weight"].fill_(1.0)},
+    "rotary base 10000 instead of 1e6": {"config": {"rope_theta": 10000.0}},
+}
+
+
 WRONG_GPT2 = {  # the GELU variant: see test_the_gelu_variant_is_caught_where_it_matters
     "c_attn as Megatron's per-head rows, not q|k|v": {"tensors": lambda sd: sd.__setitem__(
         "transformer.h.0.attn.c_attn.weight", sd["transformer.h.0.attn.c_attn.weight"].reshape(64, 3, 8, 8)
@@ -208,7 +217,8 @@ WRONG_GPT2 = {  # the GELU variant: see test_the_gelu_variant_is_caught_where_it
 }
 
 
-@pytest.mark.parametrize("model,wrong", [("qwen", WRONG), ("mha", WRONG_GPT2)], ids=["qwen", "gpt2"])
+@pytest.mark.parametrize("model,wrong", [("qwen", WRONG), ("qwen3", WRONG_QWEN3), ("mha", WRONG_GPT2)],
+                         ids=["qwen", "qwen3", "gpt2"])
 def test_the_logits_comparison_catches_each_plausible_wrong_export(mcore, tmp_path, model, wrong):
     src = mcore[(model, 2, 1)]
     good = _export(src, tmp_path / "good")

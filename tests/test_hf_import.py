@@ -37,6 +37,9 @@ MODELS = {
                                    "tie_word_embeddings": True}, None),
     "qwen2": ("Qwen2Config", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-6,
                               "rope_theta": 1e6, "tie_word_embeddings": False}, None),
+    # Qwen3: query/key RMSNorm per head, a head dim above hidden / heads
+    "qwen3": ("Qwen3Config", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16,
+                              "rope_theta": 1e6, "tie_word_embeddings": False}, None),
     # GPT-2: LayerNorm, gelu_new (Megatron's --openai-gelu), learned positions, Conv1D weights, tied
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 8, "n_positions": 64, "vocab_size": 250,
                             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, None),

@@ -281,7 +281,8 @@ def test_a_format_that_cannot_hold_experts_refuses_them(moe, tmp_path, capsys):
 
 # --- Hugging Face: Mixtral and Qwen2-MoE ----------------------------------------------------------
 
-HF_CASES = [("mixtral", (2, 2, 1), "MixtralForCausalLM"), ("qwen_moe", (1, 2, 1), "Qwen2MoeForCausalLM")]
+HF_CASES = [("mixtral", (2, 2, 1), "MixtralForCausalLM"), ("qwen_moe", (1, 2, 1), "Qwen2MoeForCausalLM"),
+            ("qwen3_moe", (2, 2, 1), "Qwen3MoeForCausalLM")]
 TOL = 2e-5
 
 
@@ -303,6 +304,10 @@ def test_transformers_runs_the_moe_export_with_megatron_cores_logits(moe, tmp_pa
                                                                                                        True)
         assert (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]) == \
             (96, 48, 32)
+    elif arch == "Qwen3MoeForCausalLM":
+        assert (cfg["num_experts"], cfg["norm_topk_prob"], cfg["mlp_only_layers"], cfg["attention_bias"]) == \
+            (4, True, [0], False)
+        assert (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["head_dim"]) == (96, 48, 8)
     else:
         assert (cfg["num_local_experts"], cfg["intermediate_size"], cfg["rope_theta"], cfg["rms_norm_eps"]) == \
             (4, 48, 50000.0, 1e-6)
@@ -340,6 +345,12 @@ WRONG_MOE = {
         "the shared expert's gate and up swapped": {"tensors": _swapped(_QW + "shared_expert.gate_proj.weight",
                                                                         _QW + "shared_expert.up_proj.weight")},
     },
+    "qwen3_moe": {
+        "top-k not renormalized (norm_topk_prob)": {"config": {"norm_topk_prob": False}},
+        "experts renumbered by one": {"tensors": _renumbered(_QW + "experts.{}.gate_proj.weight")},
+        "query and key norms swapped": {"tensors": _swapped("model.layers.1.self_attn.q_norm.weight",
+                                                            "model.layers.1.self_attn.k_norm.weight")},
+    },
 }
 
 
@@ -355,11 +366,34 @@ def test_the_moe_logits_comparison_catches_each_plausible_wrong_export(moe, tmp_
         assert diff > 10 * TOL, f"{label}: logits moved only {diff:.2e}"
 
 
+def test_a_qwen3_moe_export_imports_back_into_megatron_cores_own_shards(moe, tmp_path):
+    """megatron-core -> Qwen3-MoE -> megatron-core at the same layout (and padding) is megatron-core's
+    own files, key for key in its order (query/key norms after the QKV) and tensor for tensor."""
+    src = moe[("qwen3_moe", 2, 2, 1)]
+    out = _hf_export(src, tmp_path / "hf")
+    assert main(["run", "--direct", str(out), str(tmp_path / "back"), "--target-tp", "2", "--target-ep", "2",
+                 "--make-vocab-size-divisible-by", "32"]) == 0
+    ours, theirs = _modules(tmp_path / "back"), _modules(src)
+    assert list(ours) == list(theirs)
+    for folder, sd in theirs.items():
+        assert list(ours[folder]["model"]) == list(sd["model"]), folder
+        for key, value in sd["model"].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(ours[folder]["model"][key], value), (folder, key)
+
+
 def test_moe_models_no_hugging_face_architecture_computes_are_refused(moe, tmp_path, capsys):
     _refused(capsys, ["run", "--direct", str(moe[("moe", 1, 2, 1)]), str(tmp_path / "a"), "--to", "hf"],
              tmp_path / "a", "shared experts without a gate")
     _refused(capsys, ["run", "--direct", str(moe[("moe_gelu", 1, 4, 1)]), str(tmp_path / "b"), "--to", "hf"],
              tmp_path / "b", "mixture-of-experts model with LayerNorm")
+    src = shutil.copytree(moe[("qwen3_moe", 2, 2, 1)], tmp_path / "src")
+    for f in _iteration(src).glob("*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].qk_layernorm = False
+        torch.save(sd, f)
+    _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "c"), "--to", "hf"], tmp_path / "c",
+             "args.qk_layernorm contradicts the query/key layer norms")
 
 
 def test_quantizing_experts_is_refused(moe, tmp_path, capsys):
@@ -407,6 +441,10 @@ HF_MOE = {
     "qwen2_moe": ("Qwen2MoeConfig", {**_SMALL, "intermediate_size": 96, "moe_intermediate_size": 48,
                                      "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                      "mlp_only_layers": [0], "norm_topk_prob": False}),
+    # query/key norms, a head dim above hidden / heads, a dense first layer, no shared expert, renormalized
+    "qwen3_moe": ("Qwen3MoeConfig", {**_SMALL, "intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "mlp_only_layers": [0], "norm_topk_prob": True,
+                                     "head_dim": 16}),
 }
 
 

@@ -23,6 +23,9 @@ architecture             megatron-core model
                          expert
 ``Qwen2MoeForCausalLM``  Llama's or Qwen2's, MoE layers with one sigmoid-gated shared expert,
                          dense layers allowed (``mlp_only_layers``)
+``Qwen3ForCausalLM``     Llama's with query/key RMSNorm per head (``--qk-layernorm``), biases on
+                         the attention layers (all four) or none
+``Qwen3MoeForCausalLM``  Qwen3's, MoE layers without a shared expert, dense layers allowed
 =======================  =========================================================================
 
 Tensor transforms (one class each, owning its byte mapping; rows are the leading dim):
@@ -351,20 +354,33 @@ MIXTRAL_NAMES: NameTable = LLAMA_NAMES + _table(
                           _H + "block_sparse_moe.experts.{expert}.w3.weight")),
     (_FC2, Same(), (_H + "block_sparse_moe.experts.{expert}.w2.weight",)),
 )
-#: megatron-core MoE layers <-> Qwen2-MoE's (router ``mlp.gate``, ``mlp.experts.{e}.*_proj``, one
-#: shared expert and its sigmoid gate), on top of Llama's names (its dense layers).
-QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _table(
+#: A megatron-core MoE layer's router and routed experts <-> Qwen-MoE's (router ``mlp.gate``,
+#: ``mlp.experts.{e}.*_proj``).
+_QWEN_ROUTED: NameTable = _table(
     (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
     (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")),
     (_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",)),
+)
+#: megatron-core MoE layers <-> Qwen2-MoE's: the routed experts, one shared expert and its sigmoid
+#: gate, on top of Llama's names (its dense layers).
+QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _QWEN_ROUTED + _table(
     (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
      (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight")),
     (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",)),
     (_L + "mlp.shared_experts.gate_weight", Same(), (_H + "mlp.shared_expert_gate.weight",)),
 )
+#: Qwen3's query/key layer norms (RMSNorm over each head's dims, before the rotary embedding), on
+#: top of Llama's names.
+QWEN3_NAMES: NameTable = LLAMA_NAMES + _table(
+    (_L + "self_attention.q_layernorm.weight", Same(), (_H + "self_attn.q_norm.weight",)),
+    (_L + "self_attention.k_layernorm.weight", Same(), (_H + "self_attn.k_norm.weight",)),
+)
+#: megatron-core MoE layers <-> Qwen3-MoE's: Qwen2-MoE's router and experts, no shared expert.
+QWEN3_MOE_NAMES: NameTable = QWEN3_NAMES + _QWEN_ROUTED
 #: Each architecture's name table, both directions.
 NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES,
-               "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES}
+               "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES,
+               "Qwen3ForCausalLM": QWEN3_NAMES, "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -434,18 +450,21 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
 
     for flag, what in (("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm",
                                                           "residual taken after the layer norm"),
-                       ("qk_layernorm", "query/key layer norms"), ("rotary_interleaved", "interleaved rotary"),
+                       ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
                        ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention")):
         if _arg(args, flag, default=False):
             raise refuse(f"{what} ({flag})")
-    if has(r"(q_layernorm|k_layernorm)\."):
-        raise refuse("query/key layer norms")
+    qk_norm = has(r"\.(q_layernorm|k_layernorm)\.weight$")
+    if qk_norm != bool(_arg(args, "qk_layernorm", default=qk_norm)):
+        raise refuse("args.qk_layernorm contradicts the query/key layer norms the tensors hold")
     if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
         raise refuse("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
     norm = _arg(args, "normalization", default="LayerNorm")  # Megatron-LM's default
     if norm == "LayerNorm" and has(r"\.mlp\.router\.weight$"):
         raise refuse("a mixture-of-experts model with LayerNorm (Mixtral and Qwen2-MoE use RMSNorm)")
     if norm == "LayerNorm":
+        if qk_norm:
+            raise refuse("query/key layer norms with LayerNorm (Qwen3 uses RMSNorm)")
         return _gpt2(args, facts, has, dtype, ffn, refuse)
     if norm != "RMSNorm":
         raise refuse(f"normalization is {norm}")
@@ -476,9 +495,19 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
                                        if _arg(args, "rotary_base") is None else ""),
              f"rms_norm_eps {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon",
                                                                               "layernorm_epsilon") is None else ""))
+    if qk_norm and (qkv_bias != proj_bias or mlp_bias):
+        where = [n for n, b in (("QKV", qkv_bias), ("attention output", proj_bias), ("MLP", mlp_bias)) if b]
+        raise refuse(f"query/key layer norms with biases on the {' and '.join(where)} layers (Qwen3 has them on "
+                     "the attention layers alone, or none)")
     if has(r"\.mlp\.router\.weight$"):
         return _moe(args, facts, keys, config, notes, (qkv_bias, proj_bias, mlp_bias), ffn, moe_ffn, shared_ffn,
-                    refuse)
+                    refuse, qk_norm)
+    if qk_norm:
+        return HFArchitecture(name="Qwen3ForCausalLM", notes=notes,
+                              config={"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **config,
+                                      "attention_bias": qkv_bias, "use_sliding_window": False},
+                              reason="RMSNorm, SwiGLU, rotary, query/key RMSNorm per head" +
+                                     (", biases on the attention layers" if qkv_bias else ", no linear biases"))
     if qkv_bias and not proj_bias and not mlp_bias:
         if facts.head_dim * facts.heads != facts.hidden:
             raise refuse("head dim x heads differs from the hidden size, which Qwen2 assumes")
@@ -536,15 +565,16 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
 
 def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], notes: tuple[str, ...],
          biases: tuple[bool, bool, bool], ffn: int | None, moe_ffn: int | None, shared_ffn: int | None,
-         refuse: Callable[[str], LayoutError]) -> HFArchitecture:
+         refuse: Callable[[str], LayoutError], qk_norm: bool = False) -> HFArchitecture:
     """A Llama-like model whose MLPs are megatron-core MoE layers: ``MixtralForCausalLM`` (every layer
     MoE, no shared expert, the top-k softmax scores renormalized: megatron-core's default top-k of
     the logits then softmax) or ``Qwen2MoeForCausalLM`` (one sigmoid-gated shared expert per MoE
     layer, dense layers allowed, ``norm_topk_prob`` as ``--moe-router-pre-softmax`` says, QKV bias
-    optional). Routing that neither computes (sigmoid scores, expert bias, groups, capacity, scaling)
-    is refused."""
+    optional) — or with query/key layer norms (``qk_norm``) ``Qwen3MoeForCausalLM`` (no shared expert,
+    dense layers allowed, ``norm_topk_prob`` likewise). Routing that none computes (sigmoid scores,
+    expert bias, groups, capacity, scaling) is refused."""
     qkv_bias, proj_bias, mlp_bias = biases
-    if proj_bias or mlp_bias:
+    if (proj_bias and not qk_norm) or mlp_bias:
         raise refuse("linear biases besides the QKV's in a mixture-of-experts model")
     score = _arg(args, "moe_router_score_function", default="softmax")
     if score != "softmax":
@@ -568,6 +598,17 @@ def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], n
     shared = any(k.endswith(".mlp.shared_experts.linear_fc1.weight") for k in keys)
     pre_softmax = bool(_arg(args, "moe_router_pre_softmax", default=False))
     routing = {"num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
+    if qk_norm:
+        if shared:
+            raise refuse("query/key layer norms with shared experts (Qwen3-MoE has no shared expert)")
+        return HFArchitecture(
+            name="Qwen3MoeForCausalLM", notes=notes,
+            config={"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config,
+                    "intermediate_size": ffn or moe_ffn, "moe_intermediate_size": moe_ffn, "num_experts": experts,
+                    "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": dense,
+                    "attention_bias": qkv_bias, "use_sliding_window": False, **routing},
+            reason=f"RMSNorm, SwiGLU, rotary, query/key RMSNorm per head, {experts} experts per MoE layer, top-{topk} "
+                   f"of softmax{'' if pre_softmax else ' renormalized'}" + (", attention biases" if qkv_bias else ""))
     if not shared:
         if dense:
             raise refuse(f"dense layers {dense} beside MoE layers without shared experts (Mixtral's layers are all "

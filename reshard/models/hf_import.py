@@ -17,8 +17,8 @@ weights' dtype          ``torch_dtype``                              ``dtype``
 
 Only what megatron-core computes exactly is read; anything else (rotary scaling, sliding-window
 attention, another activation, biases on some linear layers only) is refused in one line.
-Mixtral and Qwen2-MoE become megatron-core MoE layers (SequentialMLP experts, EP 1: reshard's
-``--target-ep`` deals them out).
+Mixtral, Qwen2-MoE and Qwen3-MoE become megatron-core MoE layers (SequentialMLP experts, EP 1:
+reshard's ``--target-ep`` deals them out); Qwen3's query/key norms become ``--qk-layernorm``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                             "mlp_only_layers": [], "norm_topk_prob": False, "qkv_bias": True, "num_experts": 60,
                             "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                             "shared_expert_intermediate_size": 5632, "intermediate_size": 5632},
+    "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                         "attention_bias": False, "use_sliding_window": False, "max_position_embeddings": 32768,
+                         "head_dim": 128},
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                            "attention_bias": False, "use_sliding_window": False, "max_position_embeddings": 32768,
+                            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
+                            "num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                            "intermediate_size": 6144},
     "GPT2LMHeadModel": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "activation_function": "gelu_new",
                         "n_positions": 1024, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
 }
@@ -121,6 +129,11 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
         ffn = need("intermediate_size")
         if arch == "Qwen2ForCausalLM":
             qkv_bias, linear_bias = True, False
+        elif arch in _QWEN3:
+            if c["attention_bias"]:
+                raise refuse("biases on the attention layers but not the MLP (Megatron has them on all linear "
+                             "layers or on QKV alone)")
+            qkv_bias = linear_bias = False
         elif arch in _MOE:
             qkv_bias, linear_bias = arch == "Qwen2MoeForCausalLM" and bool(c["qkv_bias"]), False
         else:
@@ -131,7 +144,8 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
         arch_args = dict(
             normalization="RMSNorm", norm_epsilon=float(c["rms_norm_eps"]), swiglu=True,
             position_embedding_type="rope", rotary_base=base, rotary_percent=1.0, rotary_interleaved=False,
-            add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, max_position_embeddings=need("max_position_embeddings"))
+            add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, max_position_embeddings=need("max_position_embeddings"),
+            qk_layernorm=arch in _QWEN3)
         if arch in _MOE:
             arch_args.update(_moe_args(arch, c, layers, need, refuse, where))
     tied = bool(c["tie_word_embeddings"])
@@ -150,16 +164,18 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
 
 
 #: The mixture-of-experts architectures (:func:`_moe_args`).
-_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+#: The architectures with query/key layer norms (megatron-core's ``--qk-layernorm``).
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _moe_args(arch: str, c: Mapping[str, Any], layers: int, need: Callable[..., int],
               refuse: Callable[[str], LayoutError], where: str) -> dict[str, Any]:
-    """Megatron-LM's MoE args for a Mixtral or Qwen2-MoE config: megatron-core's SequentialMLP experts
-    at TP 1, EP 1; the router's top-k of the softmax, renormalized unless ``--moe-router-pre-softmax``
-    (Qwen2-MoE's ``norm_topk_prob`` false; Mixtral always renormalizes); Qwen2-MoE's shared expert
-    gated by a sigmoid; its dense layers (``mlp_only_layers``, ``decoder_sparse_step``) as
-    ``moe_layer_freq``."""
+    """Megatron-LM's MoE args for a Mixtral, Qwen2-MoE or Qwen3-MoE config: megatron-core's
+    SequentialMLP experts at TP 1, EP 1; the router's top-k of the softmax, renormalized unless
+    ``--moe-router-pre-softmax`` (Qwen's ``norm_topk_prob`` false; Mixtral always renormalizes);
+    Qwen2-MoE's shared expert gated by a sigmoid (Qwen3-MoE has none); Qwen's dense layers
+    (``mlp_only_layers``, ``decoder_sparse_step``) as ``moe_layer_freq``."""
     if arch == "MixtralForCausalLM":
         if c.get("sliding_window") is not None:
             raise refuse("sliding-window attention")
@@ -169,8 +185,8 @@ def _moe_args(arch: str, c: Mapping[str, Any], layers: int, need: Callable[..., 
         step, dense = need("decoder_sparse_step"), set(c.get("mlp_only_layers") or ())
         if step < 1:
             raise CheckpointFormatError(f"decoder_sparse_step is {step}", culprit=where, hint="check config.json")
-        experts, moe_ffn, shared = need("num_experts"), need("moe_intermediate_size"), \
-            need("shared_expert_intermediate_size")
+        experts, moe_ffn = need("num_experts", "num_local_experts"), need("moe_intermediate_size")  # 5.x: local
+        shared = need("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else None
         pre_softmax = not c["norm_topk_prob"]
         freq = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     if experts < 1 or not any(freq):

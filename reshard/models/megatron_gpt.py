@@ -136,7 +136,7 @@ MIN_CORE_COMPATIBLE_VERSION = 2.0
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
              "decoder.final_layernorm.", "output_layer.")
 _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-                    "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
+                    "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
                     "mlp.shared_experts.")
 _CORE_INNER = ("gate_weight", "linear_fc1.", "linear_fc2.")
 _CORE_ENTRIES = ("weight", "bias", "_extra_state")
