@@ -729,3 +729,26 @@ def test_the_flow_reshards_an_expert_tp_checkpoint_from_s3(moe_etp, tmp_path, re
         assert (tmp_path / "flow" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
     manifest = json.loads((tmp_path / "flow" / "reshard_manifest.json").read_text())
     assert manifest["source"]["etp"] == 2 and len(manifest["source"]["files"]) == 4  # each rank file once
+
+
+def test_an_expert_tp_that_cannot_split_the_experts_names_target_etp():
+    """Experts 6 rows wide cannot be split over an expert TP of 4, whatever the target TP: the
+    error names ``--target-etp``, not a target TP (a target TP hint could not fix it)."""
+    from reshard.core.errors import LayoutError
+    from reshard.core.facts import Vocab
+    from reshard.core.plan_types import CanonicalParam
+    from reshard.core.specs import _expert_spec, _SpecContext
+    from reshard.models import resolve_family
+
+    key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    _, resolution = resolve_family(["embedding.word_embeddings.weight", key])
+    param = CanonicalParam(key=key, rule=resolution.by_key[key], shape=(6, 8), dtype=torch.float32, layer=0,
+                           stage=0, src_key=key, order=(0, 0, 0))
+    ctx = _SpecContext(3.0, 8, 8, 8, False, 1, 4)
+    vocab = Vocab(true=None, source_rows=None, target_rows=None, divisible_by=None)
+    with pytest.raises(LayoutError, match="routed experts' tensor parallelism 4") as err:
+        _expert_spec(param, ctx, vocab, own_degree=True)
+    assert err.value.culprit == "--target-etp"
+    with pytest.raises(LayoutError) as err:  # the expert TP follows the target TP: the TP hint stands
+        _expert_spec(param, ctx, vocab, own_degree=False)
+    assert err.value.culprit == key

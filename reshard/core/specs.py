@@ -38,8 +38,8 @@ def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, 
         vocab = family.decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
         ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
         expert_ctx = _SpecContext(version, heads, groups, head_dim, swiglu, ne, me or tm)
-        return swiglu, vocab, [r.planned(_spec_for(r, expert_ctx if expert_index(r.key) is not None else ctx, vocab))
-                               for r in raw]
+        return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab) if expert_index(r.key) is None else
+                                         _expert_spec(r, expert_ctx, vocab, me is not None)) for r in raw]
 
     try:
         return at(m, origin)
@@ -58,6 +58,18 @@ def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, 
             err.hint = f"choose a target TP among {shown}" if len(valid) > 1 else f"use target TP {shown}"
             err.args = (err.one_line(),)
         raise
+
+
+def _expert_spec(r: CanonicalParam, c: _SpecContext, vocab: Vocab, own_degree: bool) -> PartitionSpec | None:
+    """A routed expert's spec at the expert TP; when that is a degree of its own (not the target
+    TP), a split it cannot make names ``--target-etp``, since no target TP would fix it."""
+    try:
+        return _spec_for(r, c, vocab)
+    except LayoutError as err:
+        if not own_degree or isinstance(err, MissingModelFactError):
+            raise
+        raise LayoutError(f"{err.message} (the routed experts' tensor parallelism {c.m})", culprit="--target-etp",
+                          hint=f"choose an expert TP that divides the experts' rows ({r.key})") from None
 
 
 @dataclass(frozen=True)
