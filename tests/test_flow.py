@@ -167,3 +167,18 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     assert states["convert-target"].count("Completed") == 1, states
     assert "Completed" not in states.get("upload-target", []), states
     assert not (tmp_path / "dst").exists() or not any((tmp_path / "dst").rglob("*.pt"))
+
+
+def test_runs_on_the_embedded_server_send_no_heartbeats():
+    """The embedded server dies with the process, so a heartbeat tells it nothing; without them a
+    run's end does not wait for Prefect's heartbeat thread (up to 1 s). A configured server keeps them."""
+    from prefect.settings import get_current_settings
+
+    from reshard.flows.runner import _no_heartbeats
+
+    default = get_current_settings().flows.heartbeat_frequency
+    assert default is not None
+    with _no_heartbeats(True):
+        assert get_current_settings().flows.heartbeat_frequency is None
+    with _no_heartbeats(False):
+        assert get_current_settings().flows.heartbeat_frequency == default

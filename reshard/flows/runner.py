@@ -62,7 +62,8 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
     unsubscribe = progress.subscribe(done_only) if on_target_done else (lambda: None)
     settle = False
     try:
-        out = flow(params)
+        with _no_heartbeats(embedded is not None):
+            out = flow(params)
         settle = True
         return out
     except Exception:
@@ -72,6 +73,20 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
         unsubscribe()
         if embedded is not None:
             embedded.detach(settle=settle)  # not after Ctrl-C: the server is stopping too
+
+
+def _no_heartbeats(embedded: bool) -> Any:
+    """Flow-run heartbeats off for a run on the embedded server. Heartbeats let a server mark a
+    run whose process died as crashed; the embedded server dies with this process, so nothing is
+    lost, and each run's end no longer waits for the heartbeat thread's 1 s sleep (Prefect joins
+    it). Runs on a configured server (deployments, workers) keep them."""
+    import contextlib
+
+    if not embedded:
+        return contextlib.nullcontext()
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 class _ConsoleFilter:
