@@ -48,6 +48,8 @@ def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, 
     except LayoutError as err:
         valid = []
         for tm in range(1, MAX_SUGGESTED_TP + 1):
+            if me is not None and tm % me:  # the experts' own TP must divide the target TP
+                continue
             try:
                 at(tm, {})
             except ReshardError:

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,10 +120,9 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     _link_fetched(job, metadata)
     with urls_in_errors(view, disc.url):
         source = locate(str(view))
-    by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
-    names = [by_path.get(os.path.realpath(f)) for f in source.files]
+    names = _object_names(job, source.files)
     read_too = source.aux + get_format(source.format).companions(source, _options(job))  # read by every target
-    aux = [by_path.get(os.path.realpath(f)) for f in read_too]
+    aux = _object_names(job, read_too)
     if None in names or None in aux:  # a local descriptor may list files outside its folder: no per-shard early start
         names = [o.name for o in disc.objects if not is_marker(o.name)]
         headers, aux = names, []
@@ -131,6 +131,14 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     else:
         headers = [names[source.index(r, 0)] for r in range(source.rows)]
     return dict(job, source_files=names, source_aux=aux, headers=headers + aux)
+
+
+def _object_names(job: dict[str, Any], paths: Sequence[Path]) -> list[str | None]:
+    """The source object behind each local path of the view (None: a file outside the listing)."""
+    disc = _discovery(job["discovery"])
+    view_root = Path(job["view_root"])
+    by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
+    return [by_path.get(os.path.realpath(f)) for f in paths]
 
 
 @task(name="plan-layout", **TRANSIENT_RETRIES)
@@ -143,7 +151,10 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     plan = layout_plan(job)
     zero = zero_gate(plan, job["target_config"])
     names = [t.name for t in plan.targets]
-    files = job["source_files"]
+    # the grid as the plan reads it: the saved args may fill positions the located grid only
+    # stood in for (Megatron-LM files at an expert TP below the TP)
+    files = _object_names(job, plan.source.files)
+    files = job["source_files"] if None in files else files
     aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
     return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": [files[i] for i in t.sources] + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
