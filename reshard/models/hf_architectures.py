@@ -451,7 +451,9 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
     for flag, what in (("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm",
                                                           "residual taken after the layer norm"),
                        ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
-                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention")):
+                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention"),
+                       ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"),
+                       ("layernorm_zero_centered_gamma", "norm weights stored as w - 1 (zero-centered gamma)")):
         if _arg(args, flag, default=False):
             raise refuse(f"{what} ({flag})")
     qk_norm = has(r"\.(q_layernorm|k_layernorm)\.weight$")
