@@ -262,7 +262,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "output_format": plan.output_format,
         "targets": [{"rank": t.rank, "name": t.name, "sources": list(t.sources), "bytes_read": t.bytes_read,
                      "bytes_written": t.bytes_written} for t in plan.targets],
-        "bytes_read": sum(f.stat().st_size for f in {*plan.source.files, *plan.source.aux}),
+        "bytes_read": sum(f.stat().st_size for f in plan.source.distinct_files),
         "bytes_written": sum(t.bytes_written for t in plan.targets),
         "peak_memory_estimate": plan.peak_memory_estimate,
         "facts": plan.facts.to_record(),
@@ -331,7 +331,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     with _local_view(ns) as path:
         source = locate(path)
         plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
-        total_bytes = sum(f.stat().st_size for f in {*source.files, *source.aux})
+        total_bytes = sum(f.stat().st_size for f in source.distinct_files)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in plan.params})
     n_params = sum(_numel(p.shape) * (plan.degrees.of(p.key)[0] if p.spec is not None else 1) for p in plan.params)
     zero = (plan.ds_config or {}).get("zero_optimization")
@@ -344,7 +344,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
            "experts": max(experts_per_layer([p.key for p in plan.params], ns.src).values(), default=0), "skipped": sorted(plan.dropped),
            "optimizer": _optimizer(source),
            "facts": plan.facts.to_record(),
-           "files": list(dict.fromkeys(source.relative_names)) + list(source.relative_aux)}
+           "files": list(source.relative_distinct_files)}
     if ns.json:
         print(json.dumps(rec, indent=2))
     else:

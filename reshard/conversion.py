@@ -46,7 +46,7 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
     root = local.path if local.path.is_dir() else local.path.parent
     etags = {o.name: o.etag for o in local.objects}
     files = []
-    for f in dict.fromkeys((*plan.source.files, *plan.source.aux)):  # a grid may repeat a file (expert TP)
+    for f in plan.source.distinct_files:
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.name
         rec: dict[str, Any] = {"path": rel, "size": f.stat().st_size}
         if rel in etags:

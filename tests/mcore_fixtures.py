@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -220,6 +221,22 @@ def mcore_forward_moe(cases: list[tuple[Any, ...]], workdir: Path, *, dist: bool
              "out": str(workdir / f"logits_moe_{n + i}.pt")} for i, c in enumerate(cases)]
     _run_harness(jobs, workdir)
     return [(torch.load(j["out"]), torch.load(j["out"] + ".routing")) for j in jobs]
+
+
+def edit_saved_args(run: Path, **changes: Any) -> Path:
+    """Set ``changes`` on the saved ``args`` of every rank file under ``run`` (a Megatron-LM run or
+    iteration folder this session wrote); returns ``run``."""
+    for f in run.rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        for k, v in changes.items():
+            setattr(sd["args"], k, v)
+        torch.save(sd, f)
+    return run
+
+
+def copy_with_args(run: Path, dst: Path, **changes: Any) -> Path:
+    """A copy of ``run`` at ``dst`` whose rank files' saved args carry ``changes``."""
+    return edit_saved_args(Path(shutil.copytree(run, dst)), **changes)
 
 
 def iteration_folder(run: Path) -> Path:

@@ -240,11 +240,9 @@ def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str) -> None:
 def test_norm_weights_stored_off_by_one_are_refused(mcore, tmp_path, capsys):
     """Megatron's ``--apply-layernorm-1p`` stores every norm weight as ``w - 1``: exported as they are,
     every norm would be off by one (an approximate export)."""
-    src = shutil.copytree(mcore[("llama", 2, 1)], tmp_path / "src")
-    for f in src.rglob("model_optim_rng.pt"):
-        sd = torch.load(f, weights_only=False)
-        sd["args"].apply_layernorm_1p = True
-        torch.save(sd, f)
+    from mcore_fixtures import copy_with_args
+
+    src = copy_with_args(mcore[("llama", 2, 1)], tmp_path / "src", apply_layernorm_1p=True)
     _refused(capsys, src, tmp_path / "out", "norm weights stored as w - 1 (layernorm 1p) (apply_layernorm_1p)")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_fixtures import TOKENS, mcore_forward, mcore_forward_dist, needs_mcore
+from mcore_fixtures import TOKENS, edit_saved_args, mcore_forward, mcore_forward_dist, needs_mcore
 from reshard.cli import main
 from reshard.core.lazy import Converted, RowConcat
 from reshard.core.safe_load import load_shard
@@ -101,14 +101,6 @@ WRONG = {
 }
 
 
-def _edit_args(run: Path, changes: dict) -> None:
-    for f in run.rglob("model_optim_rng.pt"):
-        sd = load_shard(f, mmap=False)
-        for k, v in changes.items():
-            setattr(sd["args"], k, v)
-        torch.save(sd, f)
-
-
 @pytest.fixture(scope="session")
 def imported(tmp_path_factory):
     """Every model imported at TP 1 and 2 (llama also into torch_dist, and wrongly in each way of
@@ -124,7 +116,7 @@ def imported(tmp_path_factory):
     for what, wrong in WRONG.items():
         out, src = root / f"wrong_{len(runs)}", hf[_model_of(what)]
         if isinstance(wrong, dict):
-            _edit_args(_import(src, out, "--target-tp", "2"), wrong)
+            edit_saved_args(_import(src, out, "--target-tp", "2"), **wrong)
         else:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(wrong[0], "gather", wrong[1])

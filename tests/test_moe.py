@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import (mcore_forward_moe, mcore_moe_checkpoints, mcore_moe_dist_checkpoints,
+from mcore_fixtures import (copy_with_args, mcore_forward_moe, mcore_moe_checkpoints, mcore_moe_dist_checkpoints,
                             mcore_moe_etp_checkpoints, needs_mcore)
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
@@ -249,12 +249,7 @@ def test_a_missing_expert_is_refused_not_dealt_out_wrongly(moe, tmp_path, capsys
 def test_args_that_misdescribe_the_expert_tp_are_refused(moe, tmp_path, capsys):
     """Files split over TP 2 whose args claim expert TP 1: Megatron-LM would have saved two of the
     four folders, so the files are not what the args say (read as they say, experts would be half)."""
-    src = tmp_path / "src"
-    shutil.copytree(moe[("moe", 2, 2, 1)], src)
-    for f in _iteration(src).glob("*/model_optim_rng.pt"):
-        sd = torch.load(f, weights_only=False)
-        sd["args"].expert_tensor_parallel_size = 1
-        torch.save(sd, f)
+    src = copy_with_args(moe[("moe", 2, 2, 1)], tmp_path / "src", expert_tensor_parallel_size=1)
     _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
              "no process saves when the experts' TP is 1")
 
@@ -387,11 +382,7 @@ def test_moe_models_no_hugging_face_architecture_computes_are_refused(moe, tmp_p
              tmp_path / "a", "shared experts without a gate")
     _refused(capsys, ["run", "--direct", str(moe[("moe_gelu", 1, 4, 1)]), str(tmp_path / "b"), "--to", "hf"],
              tmp_path / "b", "mixture-of-experts model with LayerNorm")
-    src = shutil.copytree(moe[("qwen3_moe", 2, 2, 1)], tmp_path / "src")
-    for f in _iteration(src).glob("*/model_optim_rng.pt"):
-        sd = torch.load(f, weights_only=False)
-        sd["args"].qk_layernorm = False
-        torch.save(sd, f)
+    src = copy_with_args(moe[("qwen3_moe", 2, 2, 1)], tmp_path / "src", qk_layernorm=False)
     _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "c"), "--to", "hf"], tmp_path / "c",
              "args.qk_layernorm contradicts the query/key layer norms")
 
@@ -698,12 +689,7 @@ def test_an_incomplete_expert_tp_checkpoint_is_refused(moe_etp, tmp_path, capsys
 
 def test_an_expert_tp_above_the_tp_is_refused_in_per_rank_files(moe_etp, tmp_path, capsys):
     """Megatron-LM's processes sharing a file name would hold different expert slices: no such files."""
-    src = tmp_path / "src"
-    shutil.copytree(moe_etp[("moe", 2, 1, 2)], src)
-    for f in _iteration(src).glob("*/model_optim_rng.pt"):
-        sd = torch.load(f, weights_only=False)
-        sd["args"].expert_tensor_parallel_size = 4
-        torch.save(sd, f)
+    src = copy_with_args(moe_etp[("moe", 2, 1, 2)], tmp_path / "src", expert_tensor_parallel_size=4)
     _refused(capsys, ["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"], tmp_path / "o",
              "expert tensor parallelism 4 does not divide the tensor parallelism 2", "torch_dist")
 
@@ -752,3 +738,4 @@ def test_an_expert_tp_that_cannot_split_the_experts_names_target_etp():
     with pytest.raises(LayoutError) as err:  # the expert TP follows the target TP: the TP hint stands
         _expert_spec(param, ctx, vocab, own_degree=False)
     assert err.value.culprit == key
+

@@ -97,8 +97,9 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
     for tp in params:
         p = tp.param
         n, m = degrees.of(p.key)
-        files.add(source.index(p.stage, source_ranks_for_target(n, m, degrees.rank(p.key, t))[0]))
-        files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, degrees.rank(p.key, t)))
+        slice_ = degrees.rank(p.key, t)
+        files.add(source.index(p.stage, source_ranks_for_target(n, m, slice_)[0]))
+        files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, slice_))
     if not files:
         files.add(source.index(0, base))
     srcs = tuple(sorted(files))

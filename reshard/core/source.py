@@ -110,9 +110,15 @@ class SourceCheckpoint:
         return self._relative(self.files)
 
     @property
-    def relative_aux(self) -> tuple[str, ...]:
-        """``aux`` relative to the folder the checkpoint was located from."""
-        return self._relative(self.aux)
+    def distinct_files(self) -> tuple[Path, ...]:
+        """Every file the checkpoint reads, each once: the grid's (a grid may repeat a file, see
+        ``holes``) and ``aux``. What sizes, listings and the manifest count."""
+        return tuple(dict.fromkeys((*self.files, *self.aux)))
+
+    @property
+    def relative_distinct_files(self) -> tuple[str, ...]:
+        """:attr:`distinct_files` relative to the folder the checkpoint was located from."""
+        return self._relative(self.distinct_files)
 
     def _relative(self, paths: tuple[Path, ...]) -> tuple[str, ...]:
         root = Path(self.origin)
