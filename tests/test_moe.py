@@ -739,3 +739,24 @@ def test_an_expert_tp_that_cannot_split_the_experts_names_target_etp():
         _expert_spec(param, ctx, vocab, own_degree=False)
     assert err.value.culprit == key
 
+
+def test_the_flow_waits_for_the_files_each_target_reads(moe_etp, tmp_path):
+    """The flow fetches, checks and waits for each target's source files by name. Resharding an
+    expert-TP checkpoint to its own layout, each output file reads exactly its own source file —
+    though the located grid stands other files in for the pairs Megatron-LM does not save."""
+    from reshard.core.options import ReshardOptions
+    from reshard.tasks.identity import conversion_id
+    from reshard.tasks.shard_tasks import discover_shards
+    from reshard.tasks.target_tasks import cache_dir_of, locate_source, plan_layout
+
+    src = moe_etp[("moe_gelu", 4, 2, 2)]
+    options = ReshardOptions(target_tp=4).to_record()
+    disc = discover_shards.fn(str(src), {}, options)
+    base = {"destination": str(tmp_path / "out"), "storage_options": {}, "overwrite": False, "device": None,
+            "options": options, "target_config": None, "cache_dir": cache_dir_of(str(tmp_path / "cache")),
+            "gpu_concurrency_limit": None}
+    located = locate_source.fn(base, disc, {}, conversion_id(disc["objects"], options))
+    layout = plan_layout.fn(located, {})
+    assert {t["name"]: t["sources"] for t in layout["targets"]} == {
+        f"iter_0000007/{d}/model_optim_rng.pt": [f"iter_0000007/{d}/model_optim_rng.pt"]
+        for d in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001")}

@@ -156,7 +156,7 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     files = _object_names(job, plan.source.files)
     files = job["source_files"] if None in files else files
     aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
-    return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": [files[i] for i in t.sources] + aux,
+    return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": list(dict.fromkeys(files[i] for i in t.sources)) + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
                 warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
                 source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version,
