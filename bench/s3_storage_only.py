@@ -7,10 +7,11 @@
 concurrent ranged reads, size/MD5 verification, hard-linked view) — what ``reshard run`` does
 before converting a remote source.
 
-``upload`` = ``RemoteDestination``: acquire the writer lock, ``open``, ``publish`` every file of
-LOCALDIR (hard-linked into the staging folder; the sha256 is passed in, as the engine computes it
-while writing, so no hashing here), then ``commit`` (server-side copy out of the staging prefix,
-manifest last) — what ``reshard run`` does after converting.
+``upload`` = ``S3Destination``: acquire the writer lock, ``open``, ``publish`` every file of
+LOCALDIR (hard-linked into the work folder; the sha256 is passed in, as the engine computes it
+while writing, so no hashing here: each file goes up as an uncompleted multipart upload to its
+final key), then ``commit`` (complete the uploads, manifest last) — what ``reshard run`` does
+after converting.
 
 Variants (``--variant``) replace reshard's calls by plain s3fs calls with other part sizes or
 concurrency, to see what the storage layer could reach; they never touch reshard/:
@@ -18,7 +19,7 @@ concurrency, to see what the storage layer could reach; they never touch reshard
 * fetch:  ``cache:CHUNK_MIB:THREADS:FILES``  a ShardCache(chunksize, max_concurrency) with FILES
   objects at a time (reshard: ``cache:32:8:4``); ``s3fs-get:CHUNK_MIB:CONC:FILES`` s3fs ``get_file``.
 * upload: ``s3fs-put:CHUNK_MIB:CONC:FILES`` s3fs ``put_file`` straight to the final keys (no
-  staging, no commit; reshard's publish is ``s3fs-put:32:10:1`` + the commit copy).
+  commit).
 
 Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; ``--storage-option`` as for
 ``reshard run``. Prints one JSON line of phase timings on stdout.
@@ -76,7 +77,7 @@ def fetch(ns: argparse.Namespace) -> dict:
 
 
 def upload(ns: argparse.Namespace) -> dict:
-    from reshard.storage.destination import open_destination
+    from reshard.storage.destinations import open_destination
     from reshard.storage.location import open_location
 
     src = Path(ns.local)
@@ -87,9 +88,9 @@ def upload(ns: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     if kind == "reshard":
         if nums:  # reshard:PART_MIB:CONCURRENCY — the same code path with other multipart settings
-            import reshard.storage.destination as destination
+            import reshard.storage.s3_destination as s3_destination
 
-            destination.UPLOAD_PART_BYTES, destination.UPLOAD_CONCURRENCY = int(nums[0]) << 20, int(nums[1])
+            s3_destination.UPLOAD_PART_BYTES, s3_destination.UPLOAD_CONCURRENCY = int(nums[0]) << 20, int(nums[1])
         work = Path(ns.work_dir)
         work.mkdir(parents=True, exist_ok=True)
         dest = open_destination(ns.url, _opts(ns.storage_option), overwrite=False, workdir=work)

@@ -262,10 +262,11 @@ def test_megatron_run_folder_on_s3_tp_and_pp_change(s3_server, s3_bucket, tmp_pa
 # --- S3 transfers: sliding-window multipart upload, concurrent server-side copy --------------------
 
 @pytest.mark.parametrize("kind", [None, "503", "reset"])
-def test_multipart_upload_and_copy_are_byte_exact_and_leave_no_parts(s3_server, s3_bucket, tmp_path, kind,
-                                                                     monkeypatch):
-    """A 3-part upload (through faults: botocore retries each part) and the commit's copy give
-    the exact bytes; no multipart upload is left open, also when one is aborted."""
+def test_multipart_uploads_are_byte_exact_and_invisible_until_completed(s3_server, s3_bucket, tmp_path, kind,
+                                                                        monkeypatch):
+    """A 3-part upload of a file and a streamed one fed in uneven pieces (through faults:
+    botocore retries each part) are nothing at their keys until completed, then the exact bytes;
+    completing again is no error; no multipart upload is left open, also when one is aborted."""
     import os
 
     import s3fs
@@ -281,16 +282,25 @@ def test_multipart_upload_and_copy_are_byte_exact_and_leave_no_parts(s3_server, 
     with FaultProxy(s3_server.endpoint_url) as proxy:
         fs = s3fs.S3FileSystem(**s3_server.storage_options(endpoint_url=proxy.endpoint_url), skip_instance_cache=True)
         assert s3_transfer.is_s3(fs)
+        with proxy.faulting(kind or "503", 3 if kind else 10**9):
+            up = s3_transfer.upload_parts(fs, local, f"{bucket}/final/out.pt", part_size=5 << 20, concurrency=3)
+            stream = s3_transfer.MultipartStream(fs, f"{bucket}/final/streamed.pt", part_size=5 << 20, concurrency=2)
+            for at in range(0, len(data), 3 << 20):  # pieces that straddle the parts
+                stream.update(data[at:at + (3 << 20)])
+            streamed = stream.finish()
         if kind:
-            with proxy.faulting(kind, 3):
-                s3_transfer.put_multipart(fs, local, f"{bucket}/staging/out.pt", part_size=5 << 20, concurrency=3)
             assert proxy.faults_injected > 0
-        else:
-            s3_transfer.put_multipart(fs, local, f"{bucket}/staging/out.pt", part_size=5 << 20, concurrency=3)
-        s3_transfer.copy_objects(fs, [(f"{bucket}/staging/out.pt", f"{bucket}/final/out.pt")],
-                                 {f"{bucket}/staging/out.pt": len(data)})
-    assert plain.cat_file(f"{bucket}/staging/out.pt") == data
-    assert plain.cat_file(f"{bucket}/final/out.pt") == data
+        assert (len(up.etags), len(streamed.etags), up.size, streamed.size) == (3, 3, len(data), len(data))
+        for pending in (up, streamed):
+            assert not plain.exists(pending.path) and s3_transfer.upload_state(fs, pending) == "pending"
+            s3_transfer.complete_upload(fs, pending)
+            s3_transfer.complete_upload(fs, pending)  # a resumed commit: no error, same object
+            assert s3_transfer.upload_state(fs, pending) == "completed"
+            plain.invalidate_cache()
+            assert plain.cat_file(pending.path) == data
+    empty = s3_transfer.MultipartStream(plain, f"{bucket}/final/empty.pt")
+    s3_transfer.complete_upload(plain, empty.finish())
+    assert plain.cat_file(f"{bucket}/final/empty.pt") == b""
 
     missing = tmp_path / "gone.pt"  # nothing to read: refused before any upload starts
     with pytest.raises(FileNotFoundError):
@@ -308,8 +318,40 @@ def test_multipart_upload_and_copy_are_byte_exact_and_leave_no_parts(s3_server, 
     with pytest.raises(OSError, match="disk error"):
         s3_transfer.put_multipart(plain, local, f"{bucket}/x/big.pt", part_size=5 << 20, concurrency=1)
     monkeypatch.undo()
+    failing = s3_transfer.MultipartStream(plain, f"{bucket}/x/streamed.pt", part_size=5 << 20, concurrency=1)
+    failing.update(data[:6 << 20])
+    failing.abort()  # the writer failed: its upload goes, parts and all
     assert plain.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
-    assert not plain.exists(f"{bucket}/x/big.pt")
+    assert not plain.exists(f"{bucket}/x/big.pt") and not plain.exists(f"{bucket}/x/streamed.pt")
+
+
+def test_stream_part_sizes_fit_any_output_in_bounded_memory():
+    """8 MiB parts, 10 in flight; an expected size that 10,000 such parts cannot hold (a 405B
+    model's TP-1 file, 810 GB) gets larger parts and fewer in flight (the same memory); an
+    output larger than expected still fits: the sizes double every 2,000 parts."""
+    from reshard.storage.s3_transfer import MAX_PART, MAX_PARTS, MIN_PART, MultipartStream
+
+    class FakeS3:
+        protocol = ("s3",)
+
+        def split_path(self, path):
+            return path.split("/", 1) + [None]
+
+        def call_s3(self, method, **kw):
+            assert method == "create_multipart_upload"
+            return {"UploadId": "u"}
+
+    plain = MultipartStream(FakeS3(), "b/k")
+    assert (plain.base, plain.limit - 1) == (8 << 20, 10)
+    sizes = [plain._part_size(n) for n in range(1, MAX_PARTS + 1)]
+    assert sizes[1999] == 8 << 20 and sizes[2000] == 16 << 20 and sum(sizes) > 480 << 30
+    big = MultipartStream(FakeS3(), "b/k", size_hint=810 * 10**9)
+    assert big.base * MAX_PARTS >= 810 * 10**9 * 5 // 4 and big.base % (1 << 20) == 0
+    assert big.limit - 1 == 2  # two parts of ~100 MB in flight instead of ten of 8 MiB
+    assert MultipartStream(FakeS3(), "b/k", part_size=1).base == MIN_PART
+    assert max(MultipartStream(FakeS3(), "b/k", part_size=1 << 30)._part_size(n) for n in (1, 9999)) == MAX_PART
+    for s in (plain, big):
+        s.pool.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["file"])
@@ -318,7 +360,8 @@ def test_two_conversions_claiming_one_destination_at_once_exactly_one_wins(backe
     earlier writer see the later one's and step back. (Without the pause both would go on: the
     barrier makes both pass the "no lock here" check before either writes.) Not asserted on S3:
     there two racing lock writes can land further apart than the pause (docs/reliability.md)."""
-    from reshard.storage.destination import Destination, open_destination
+    from reshard.storage.destination import Destination
+    from reshard.storage.destinations import open_destination
 
     real_write = Destination._write_lock
     both_checked = threading.Barrier(2, timeout=30)

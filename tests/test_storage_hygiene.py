@@ -28,7 +28,8 @@ from reshard.core.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import ShardCache
-from reshard.storage.destination import LOCK_NAME, STAGING_DIR, open_destination
+from reshard.storage.destination import LOCK_NAME, STAGING_DIR
+from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
 from reshard.storage.manifest import MANIFEST_NAME, verify
 from reshard.storage.s3_transfer import abort_incomplete_uploads
@@ -169,13 +170,13 @@ def _uploads(server, bucket: str, prefix: str = "") -> list[str]:
 def test_lost_create_multipart_upload_response_leaves_no_upload_behind(s3_server, s3_bucket, tmp_path, end):
     """The proxy forwards the first CreateMultipartUpload and resets the connection instead of
     relaying the answer: the server holds an upload this process never heard of, botocore retries
-    and the output goes up through a second one. After the run ends — committed, resumed after a
-    kill then committed, or aborted — no incomplete upload is left under its staging prefix."""
+    and the output goes up through a second one, which stays uncompleted (invisible) until the
+    commit. After the run ends — committed, resumed after a kill then committed, or aborted — no
+    incomplete upload is left under the destination."""
     from faultproxy import FaultProxy
 
     bucket = s3_bucket.removeprefix("s3://")
     dst = f"{s3_bucket}/out"
-    staging_key = f"out/{STAGING_DIR}/"
     name = "mp_rank_00_model_states.pt"
     data = os.urandom(11 << 20)  # > UPLOAD_PART_BYTES (8 MiB): a two-part multipart upload
     with FaultProxy(s3_server.endpoint_url) as proxy:
@@ -189,7 +190,8 @@ def test_lost_create_multipart_upload_response_leaves_no_upload_behind(s3_server
                             reset_after_upstream=True):
             record = dest.publish(name)
         assert proxy.faults_injected == 1
-        assert _uploads(s3_server, bucket) == [f"{staging_key}{name}"]  # the orphan
+        assert _uploads(s3_server, bucket) == [f"out/{name}"] * 2  # the orphan and the pending one
+        assert not open_location(dst, so).fs.exists(f"{bucket}/out/{name}")  # nothing visible yet
         manifest = {"files": [record], "conversion_id": cid}
         if end == "abort":
             dest.abort()

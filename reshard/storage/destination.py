@@ -4,10 +4,12 @@ Protocol, the same everywhere:
 
 1. refuse a destination that already holds a committed checkpoint (``reshard_manifest.json``)
    unless ``overwrite``; refuse one equal to or inside the source;
-2. every output file is written under the staging prefix ``DST/.reshard-staging/`` and checked
-   (size) there;
-3. only when all are staged are they moved (renamed locally, server-side copied on object
-   stores) to their final names, stale files of an overwritten checkpoint removed;
+2. every output file is staged and checked (size) without touching its final name: under the
+   staging prefix ``DST/.reshard-staging/`` (local folders, plain fsspec filesystems), or on S3
+   as an uncompleted multipart upload to its final key, which is invisible until completed
+   (:mod:`reshard.storage.s3_destination`);
+3. only when all are staged are they moved into place (renamed locally, copied on fsspec
+   filesystems, completed on S3), stale files of an overwritten checkpoint removed;
 4. the manifest is written last — it is the commit marker. Until it exists the destination
    does not hold a committed checkpoint, whatever else lies there; leftovers of a failed run
    are cleaned by the next one.
@@ -28,16 +30,12 @@ from typing import Any
 
 from reshard.core.errors import DestinationError, StorageError
 from reshard.crashpoints import crash_point
-from reshard.storage.location import Location, open_location, storage_errors
+from reshard.storage.location import Location, storage_errors
 from reshard.storage.manifest import MANIFEST_NAME, file_record
-from reshard.storage.s3_transfer import abort_incomplete_uploads, copy_objects, is_s3, put_multipart
 
 log = logging.getLogger(__name__)
 
 STAGING_DIR = ".reshard-staging"
-#: S3 multipart uploads: part size and parts in flight (see :mod:`reshard.storage.s3_transfer`).
-UPLOAD_PART_BYTES = 8 << 20
-UPLOAD_CONCURRENCY = 10
 LOCK_NAME = ".reshard-lock.json"
 UPLOAD_ATTEMPTS = 3
 #: A lock not refreshed for this long belongs to a dead run and may be taken over.
@@ -60,6 +58,8 @@ class Destination(ABC):
     :meth:`publish`; :meth:`commit` makes the checkpoint visible, :meth:`abort` cleans up."""
 
     lock_settle_seconds = LOCK_SETTLE_SECONDS
+    #: Does :meth:`open_stream` take outputs while they are written?
+    takes_streams = False
 
     def __init__(self, loc: Location, *, overwrite: bool, workdir: Path):
         self.loc = loc
@@ -114,6 +114,14 @@ class Destination(ABC):
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
         """Output ``name`` is complete: stage it remotely; returns its manifest record.
         ``sha256``: the digest the writer computed while writing it (saves a read pass)."""
+
+    def open_stream(self, name: str, size_hint: int | None = None) -> Any:
+        """An upload of output ``name`` (about ``size_hint`` bytes) that takes the file's bytes while they are written
+        (``update(data)`` in file order, ``finish(sha256)`` -> its manifest record, ``abort()``),
+        so the output never lies whole on local disk; None where this destination cannot take
+        one (:attr:`takes_streams` is False: the output is then written to :meth:`staged` and
+        :meth:`publish` ed). Default: None."""
+        return None
 
     @abstractmethod
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
@@ -345,8 +353,8 @@ class LocalDestination(Destination):
 
 
 class RemoteDestination(Destination):
-    """An object store or other fsspec filesystem: staged files are uploaded (multipart for
-    large ones) to the staging prefix as soon as each is written, then copied server-side."""
+    """A plain fsspec filesystem: staged files are uploaded to the staging prefix as soon as each
+    is written, then copied to their final names at the commit (S3: :class:`S3Destination`)."""
 
     def __init__(self, loc: Location, *, overwrite: bool, workdir: Path):
         super().__init__(loc, overwrite=overwrite, workdir=workdir / "out")
@@ -382,12 +390,6 @@ class RemoteDestination(Destination):
     def staged_size(self, name: str) -> int | None:
         return self.staged_remote_size(name)
 
-    def _put(self, local: Path, remote: str) -> None:
-        if is_s3(self.loc.fs):
-            put_multipart(self.loc.fs, local, remote, part_size=UPLOAD_PART_BYTES, concurrency=UPLOAD_CONCURRENCY)
-        else:
-            self.loc.fs.put_file(str(local), remote)
-
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
         """Hash the staged file (unless the writer did), upload it to the staging prefix, check the size, free the disk."""
         local = self.staged(name)
@@ -405,7 +407,7 @@ class RemoteDestination(Destination):
         last = ""
         for _ in range(UPLOAD_ATTEMPTS):
             with storage_errors(self.url):
-                self._put(local, remote)
+                self.loc.fs.put_file(str(local), remote)
                 self.loc.fs.invalidate_cache(remote)
                 size = int(self.loc.fs.info(remote)["size"])
             if size == record["size"]:
@@ -419,17 +421,10 @@ class RemoteDestination(Destination):
         fs = self.loc.fs
         self._assert_lock()
         with storage_errors(self.url):
-            pairs = [(f"{self.staging_prefix}/{name}", self.loc.join(name)) for name in names]
-            if is_s3(fs):
-                sizes = {f"{self.staging_prefix}/{r['path']}": int(r["size"]) for r in manifest.get("files", [])}
-                copy_objects(fs, pairs[:1], sizes)
-                crash_point("copying")
-                copy_objects(fs, pairs[1:], sizes)
-            else:
-                for i, (src, dst) in enumerate(pairs):
-                    fs.copy(src, dst)
-                    if i == 0:
-                        crash_point("copying")
+            for i, name in enumerate(names):
+                fs.copy(f"{self.staging_prefix}/{name}", self.loc.join(name))
+                if i == 0:
+                    crash_point("copying")
             for old in self._old_files:
                 if old not in names and fs.exists(self.loc.join(old)):
                     fs.rm_file(self.loc.join(old))
@@ -438,22 +433,13 @@ class RemoteDestination(Destination):
             fs.pipe_file(self.loc.join(MANIFEST_NAME), json.dumps(manifest, indent=2, sort_keys=True).encode())
             # staging goes only after the commit: a crash before the manifest leaves it for the resume
             fs.rm(self.staging_prefix, recursive=True)
-        try:  # orphans of earlier (killed) runs and of lost CreateMultipartUpload responses
-            self._abort_incomplete_uploads()
-        except Exception:  # committed all the same; the orphans only cost storage until a lifecycle rule
-            log.warning("could not abort incomplete multipart uploads under %s", self.staging_prefix, exc_info=True)
         self._release_lock()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _abort_incomplete_uploads(self) -> None:
-        """Abort every incomplete multipart upload under the staging prefix (S3 only). Run when
-        nothing of this run is being uploaded: at a fresh start, after the commit, on abort."""
-        if is_s3(self.loc.fs):
-            abort_incomplete_uploads(self.loc.fs, self.staging_prefix)
-
-    def _drop_unusable_staging(self) -> None:
-        with storage_errors(self.url):
-            self._abort_incomplete_uploads()
+        """Abort the incomplete uploads this destination may have left (none on a plain fsspec
+        filesystem; see :class:`~reshard.storage.s3_destination.S3Destination`). Run when nothing
+        of this run is being uploaded: at a fresh start and on abort."""
 
     def abort(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)  # this run's private local folder
@@ -494,19 +480,3 @@ def _record(path: Path, name: str, sha256: str | None) -> dict[str, Any]:
     if sha256 is None:
         return file_record(path, name)
     return {"path": name, "size": path.stat().st_size, "sha256": sha256}
-
-
-def open_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool,
-                     workdir: Path | None, source: Location | None = None, check: bool = True) -> Destination:
-    """The right :class:`Destination` for ``url``, checked unless ``check=False`` (nothing
-    written yet)."""
-    loc = open_location(url, storage_options)
-    if loc.is_local:
-        dest: Destination = LocalDestination(loc, overwrite=overwrite)
-    else:
-        if workdir is None:
-            raise StorageError("a remote destination needs a local work folder", culprit=url)
-        dest = RemoteDestination(loc, overwrite=overwrite, workdir=workdir)
-    if check:
-        dest.check(source)
-    return dest
