@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run tensor tasks on a local Dask cluster of N workers")
     p.add_argument("--target-config", default=None, metavar="FILE",
                    help="DeepSpeed config of the job that will load the output; validated before any transfer")
+    p.add_argument("--cache-sources", action="store_true",
+                   help="fetch a remote source's shards whole into the shard cache first (default: read them "
+                        "range by range while converting; only their structure is cached)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="show Prefect's task logs on the console")
     _add_storage_options(p)
@@ -200,7 +203,7 @@ def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
 
     report = run_direct(ns.src, ns.dst, _options(ns, ns.target_tp), overwrite=ns.overwrite, device=ns.device,
                         storage_options=_storage(ns), cache=_cache(ns),
-                        target_config=_target_config(ns.target_config))
+                        target_config=_target_config(ns.target_config), cache_sources=ns.cache_sources)
     m = report.manifest
     return {"source": m["source"]["url"], "destination": report.destination,
             "source_tp": m["source"]["tp"], "target_tp": m["target"]["tp"], "target_format": m["target"]["format"],
@@ -241,7 +244,8 @@ def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
     try:
         params = ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
                                storage_options=storage_options, overwrite=ns.overwrite, device=ns.device,
-                               target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir)
+                               target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir,
+                               cache_sources=ns.cache_sources)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first.get("loc") else "options"

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard import __version__
+from reshard import __version__, progress
+from reshard.core.engine import TargetResult, convert_target
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan
@@ -22,6 +23,7 @@ from reshard.core.zero_config import ZeroDecision, decide_conversion
 from reshard.formats.output import weights_read
 from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT
+from reshard.crashpoints import crash_point
 from reshard.storage.source_view import LocalSource
 from reshard.tasks.identity import code_version
 
@@ -112,3 +114,32 @@ def urls_in_errors(local: Path, url: str) -> Iterator[None]:
             err.message = err.message.replace(base, target)
             err.args = (err.one_line(),)
         raise
+
+
+def streams_sources(options: ReshardOptions, cache_sources: bool) -> bool:
+    """Are a remote source's weight files read while converting (only their structure fetched
+    first)? Unless asked to cache them whole, yes — except where the optimizer files are read too
+    (``--weights master``, ``--to universal``): those are fetched whole, and so are the rank files
+    their layout is read with."""
+    return not cache_sources and weights_read(options) == {"module"}
+
+
+def convert_streamed(plan: Plan, rank: int, scratch: Path, device: Any, stream: Any, view: Path,
+                     src: str) -> tuple[TargetResult, dict[str, Any]]:
+    """Convert target ``rank`` while ``stream`` (a destination's ``open_stream``) uploads it;
+    ``scratch`` holds only what the writer reads back and is removed after. The upload is
+    aborted if anything fails; else returns the result and the output's manifest record."""
+    name = plan.targets[rank].name
+    try:
+        with urls_in_errors(view, src):
+            res = convert_target(plan, rank, scratch, device, sha256=True, on_bytes=progress.bytes_reporter(name),
+                                 stream=stream)
+        crash_point("converted")  # every part sent but the last: a kill leaves an upload no record names
+        record = stream.finish(res.sha256)
+    except BaseException:
+        stream.abort()
+        raise
+    finally:
+        scratch.unlink(missing_ok=True)
+    crash_point("uploaded")
+    return res, record

@@ -12,22 +12,24 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from reshard import progress
 from reshard.core.zero_master import forget_optimizer_files
-from reshard.conversion import (manifest_for, side_files, source_folders, source_record, urls_in_errors,
-                                zero_gate)
+from reshard.conversion import (convert_streamed, manifest_for, side_files, source_folders, source_record,
+                                streams_sources, urls_in_errors, zero_gate)
+from reshard.core import remote
 from reshard.core.engine import TargetResult, convert_target, pick_device
 from reshard.core.errors import DestinationError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan
 from reshard.core.planner import build_plan
 from reshard.core.zero_config import ZeroDecision
+from reshard.formats import get_format
 from reshard.storage.cache import ShardCache
-from reshard.storage.destination import open_destination
+from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
 from reshard.storage.source_view import discover, materialize
 from reshard.tasks.identity import conversion_id
@@ -53,8 +55,12 @@ class RunReport:
 def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool = False,
                device: str | None = None, storage_options: Mapping[str, Any] | None = None,
                cache: ShardCache | None = None, target_config: Mapping[str, Any] | None = None,
-               on_target_done: Callable[[TargetResult], None] | None = None) -> RunReport:
-    """Convert ``src`` into ``dst`` (any URLs) in this process; commits atomically or not at all."""
+               on_target_done: Callable[[TargetResult], None] | None = None,
+               cache_sources: bool = False) -> RunReport:
+    """Convert ``src`` into ``dst`` (any URLs) in this process; commits atomically or not at all.
+    A remote source's weight files are read range by range while converting (only their
+    structure is fetched first: :func:`reshard.storage.source_view.fetch`), unless
+    ``cache_sources`` (fetch them whole into the shard cache, for conversions that read them again)."""
     t0 = time.perf_counter()
     src_loc = open_location(src, storage_options)
     dst_loc = open_location(dst, storage_options)
@@ -72,7 +78,8 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             return RunReport(None, dst, manifest=committed, up_to_date=True,
                              seconds=time.perf_counter() - t0)
         dest.check(src_loc)
-        local = materialize(src, storage_options, cache, workdir, disc=disc)
+        local = materialize(src, storage_options, cache, workdir, disc=disc,
+                            stream=streams_sources(options, cache_sources))
         with urls_in_errors(local.path, src):
             plan = build_plan(str(local.path), options)
             report = RunReport(plan, dst, fetched=local.fetched, cached=local.cached)
@@ -85,15 +92,23 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             names, records = [], []
             # target t uploads while target t+1 converts (one upload at a time: disk holds two outputs at most)
             progress.planned((tp.name, tp.rank, tp.bytes_written) for tp in plan.targets)
+            streams = dest.takes_streams and get_format(plan.output_format).writes_streams()
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-publish") as uploader:
-                pending = []
+                pending: list[Future[dict[str, Any]]] = []
                 for tp in plan.targets:
-                    with urls_in_errors(local.path, src):
-                        res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True,
-                                             on_bytes=progress.bytes_reporter(tp.name))
-                    if pending:
-                        pending[-1].result()  # surface an upload error before converting on
-                    pending.append(uploader.submit(dest.publish, tp.name, res.sha256))
+                    stream = dest.open_stream(tp.name, tp.bytes_written) if streams else None  # an upload while it is written
+                    if stream is not None:
+                        res, record = convert_streamed(plan, tp.rank, dest.staged(tp.name), dev, stream,
+                                                       local.path, src)
+                        pending.append(Future())
+                        pending[-1].set_result(record)
+                    else:
+                        with urls_in_errors(local.path, src):
+                            res = convert_target(plan, tp.rank, dest.staged(tp.name), dev, sha256=True,
+                                                 on_bytes=progress.bytes_reporter(tp.name))
+                        if pending:
+                            pending[-1].result()  # surface an upload error before converting on
+                        pending.append(uploader.submit(dest.publish, tp.name, res.sha256))
                     dest.heartbeat()
                     report.results.append(res)
                     names.append(tp.name)
@@ -120,6 +135,8 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
     finally:
         forget_optimizer_files()  # their mappings would keep evicted cache files' disk space
         if workdir is not None:
+            remote.detach(workdir)
             shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
     return report
+

@@ -604,14 +604,17 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
                    device: torch.device | None = None, *, sha256: bool = False,
-                   on_bytes: Callable[[int], None] | None = None) -> TargetResult:
+                   on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> TargetResult:
     """Write target ``tgt`` (an index into ``plan.targets``) to ``out_path``: the bytes
     ``torch.save`` would write for :func:`build_target`'s dict (foreign stand-ins in carried
     entries under their real names), streamed — the pickle first, then each tensor as it is
     read, holding a few chunks at a time instead of the whole target (see
     :mod:`reshard.core.torch_writer`). ``sha256``: hash the file while writing it
     (``TargetResult.sha256``), so a manifest needs no second read pass. ``on_bytes``: progress
-    (bytes of the file produced so far), see :func:`reshard.core.torch_writer.save`."""
+    (bytes of the file produced so far), see :func:`reshard.core.torch_writer.save`. ``stream``:
+    an upload fed the file's bytes in order while it is written (the output format must
+    :meth:`~reshard.formats.base.CheckpointFormat.writes_streams`); ``out_path`` then keeps little
+    more than the file's structure."""
     t0 = time.perf_counter()
     device = device or torch.device("cpu")
     out_path = Path(out_path)
@@ -622,10 +625,13 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     # quantizing is compute: it keeps torch's threads
     threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
     fmt = get_format(plan.output_format)
+    streaming = {} if stream is None else {"stream": stream}
+    if stream is not None and not fmt.writes_streams():
+        raise WriterError(f"the {fmt.name} format's writer takes no stream")
     try:
         with threads:
             stats = fmt.write(fmt.prepare(plan, tgt, sd), out_path, pickle_module=pickle_module, sha256=sha256,
-                              on_bytes=on_bytes)
+                              on_bytes=on_bytes, **streaming)
     except BaseException:
         _local.scratch = None  # buffers a failed writer never gave back: the next target starts afresh
         raise

@@ -31,6 +31,22 @@ MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 FOLIO = 2 << 20
 
 
+def file_mappings(paths: Iterable[Any]) -> list[tuple[int, int, int]]:
+    """This process's current mappings of the files ``paths``, as ``(start, end, file offset of
+    start)`` from ``/proc/self/maps`` (Linux; elsewhere none)."""
+    wanted = {os.path.realpath(p) for p in paths}
+    out: list[tuple[int, int, int]] = []
+    if not wanted or not sys.platform.startswith("linux"):
+        return out
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].rstrip("\n") in wanted:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, int(parts[2], 16)))
+    return out
+
+
 class PageDropper:
     """Drops pages of the current file mappings of ``paths`` (see the module doc)."""
 
@@ -38,16 +54,12 @@ class PageDropper:
         self.ranges: list[tuple[int, int, int]] = []  # (start, end, file offset of start)
         self.page = mmap.PAGESIZE
         self._madvise: Any = None
-        wanted = {os.path.realpath(p) for p in paths}
-        if not wanted or not sys.platform.startswith("linux"):
+        if not sys.platform.startswith("linux"):
             return
         try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) == 6 and parts[5].rstrip("\n") in wanted:
-                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                        self.ranges.append((lo, hi, int(parts[2], 16)))
+            self.ranges = file_mappings(paths)
+            if not self.ranges:
+                return
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             self._madvise = libc.madvise

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError
-from reshard.core.foreign import SAFE_STAND_INS
+from reshard.core import remote
+from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.foreign import SAFE_STAND_INS, Foreign
+from reshard.core.pages import file_mappings
 
 # torch's allowlist is process-wide state; concurrent loads in threads would race on it, so
 # loads are serialized. With mmap=True a load only reads the pickle, not tensors.
@@ -100,7 +102,81 @@ def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, 
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"top level is a {type(obj).__name__}, expected a dict",
                                      culprit=str(p), hint="pass a DeepSpeed/Megatron model-states file")
-    return obj
+    source = remote.source_for(p)
+    return obj if source is None else streamed(obj, p, source)
+
+
+def streamed(obj: dict[str, Any], path: Path, source: remote.ByteSource) -> dict[str, Any]:
+    """``obj``, loaded memory-mapped from the skeleton ``path`` of a streamed file, with every
+    tensor a :class:`~reshard.core.remote.RemoteTensor` reading ``source`` (see
+    :mod:`reshard.core.remote`): the skeleton's tensor bytes are holes, so no mapped tensor may
+    survive. A tensor the engine would not stream from a mapping either (a subclass such as
+    ``Parameter``, non-contiguous, quantized, carrying Python state) is refused: its bytes in the
+    output depend on more than its values."""
+    maps = file_mappings([path])
+    storages: dict[int, remote.RemoteStorage] = {}
+
+    def lazy(t: torch.Tensor) -> remote.RemoteTensor:
+        if not (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized and t.is_contiguous()
+                and not torch._utils._get_obj_state(t)):
+            raise CheckpointFormatError(
+                f"holds a {type(t).__name__} that cannot be read while converting (not a plain contiguous tensor)",
+                culprit=source.url, hint="fetch the shards whole first: --cache-sources")
+        st = t.untyped_storage()
+        addr = st.data_ptr()
+        if addr not in storages:
+            if st.nbytes() == 0:
+                offset = 0
+            else:
+                hits = [lo_off + addr - lo for lo, hi, lo_off in maps if lo <= addr < hi]
+                if len(hits) != 1:
+                    raise CorruptCheckpointError("a tensor's bytes lie outside its file", culprit=source.url,
+                                                 hint="re-copy the checkpoint")
+                offset = hits[0]
+            if offset + st.nbytes() > source.size:
+                raise CorruptCheckpointError("a tensor's bytes run past the end of its file", culprit=source.url,
+                                             hint="the file is truncated; re-copy it")
+            storages[addr] = remote.RemoteStorage(source, offset, st.nbytes())
+        return remote.RemoteTensor(storages[addr], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                                   t.requires_grad)
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return lazy(v)
+        if isinstance(v, Foreign):  # a stand-in rebuilt from inert arguments: it must hold no tensor
+            if _holds_tensor((v.foreign_args, v.foreign_state)):
+                raise CheckpointFormatError("holds a tensor inside a foreign object, which cannot be read while "
+                                            "converting", culprit=source.url,
+                                            hint="fetch the shards whole first: --cache-sources")
+            return v
+        out = remote.rebuilt(v, walk)
+        if out is v and _holds_tensor(v):  # a container the walk does not rebuild
+            raise CheckpointFormatError(f"holds a tensor inside a {type(v).__name__}, which cannot be read while "
+                                        "converting", culprit=source.url,
+                                        hint="fetch the shards whole first: --cache-sources")
+        return out
+
+    result = walk(obj)
+    del obj
+    return result
+
+
+def _holds_tensor(v: Any, _depth: int = 0) -> bool:
+    """Is there a tensor anywhere in ``v`` (containers, object attributes)?"""
+    if isinstance(v, torch.Tensor):
+        return True
+    if _depth > 50 or isinstance(v, (str, bytes, int, float, bool, type(None), torch.dtype, io.BytesIO, type)):
+        return False
+    if isinstance(v, dict):
+        return any(_holds_tensor(x, _depth + 1) for x in (*v.keys(), *v.values()))
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(x, _depth + 1) for x in v)
+    state = getattr(v, "__dict__", None)
+    if isinstance(state, dict) and _holds_tensor(state, _depth + 1):
+        return True
+    if isinstance(v, Foreign):
+        return _holds_tensor((v.foreign_args, v.foreign_state), _depth + 1)
+    return False
 
 
 def safe_torch_load(f: Any, *, allowlist: bool = False) -> Any:

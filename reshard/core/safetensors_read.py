@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
+from reshard.core import remote
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.lazy import LazyTensor
+from reshard.core.torch_writer import contiguous_strides
 from reshard.core.pages import PageDropper
 
 #: safetensors' dtype names (one table for reading and writing).
@@ -53,8 +55,18 @@ class MappedSafetensors:
         self._mm: mmap.mmap | None = None
         self._pages: PageDropper | None = None
 
-    def tensor(self, name: str) -> SafeTensor:
-        return SafeTensor(self, self.entries[name])
+    def tensor(self, name: str) -> LazyTensor:
+        """The tensor ``name``: a view of the mapped file, or where the file is a streamed
+        skeleton (:mod:`reshard.core.remote`), read from its source while converting."""
+        e = self.entries[name]
+        source = remote.source_for(self.path)
+        if source is not None:
+            if e.end > source.size:
+                raise CorruptCheckpointError(f"{name} runs past the end of the file", culprit=source.url,
+                                             hint="the file is truncated; re-copy it")
+            return remote.RemoteTensor(remote.RemoteStorage(source, e.begin, e.end - e.begin), 0, e.shape,
+                                       contiguous_strides(e.shape), e.dtype)
+        return SafeTensor(self, e)
 
     def _bytes(self, e: Entry) -> torch.Tensor | None:
         """The entry's bytes as a ``uint8`` view of the mapping (None for an empty tensor)."""

@@ -323,27 +323,40 @@ class ZipEntry:
     descriptor: int  # offset of the data descriptor (crc at +4), or -1: none (empty records)
 
 
-def read_entries(fd: int, base: int = 0, end: int | None = None) -> list[ZipEntry]:
-    """The records of the zip archive in ``[base, end)`` of the file (``end``: the file's end),
-    in file order, parsed from its central directory (the archive's own offsets are from
-    ``base``); ``ZipEntry.data_offset`` is absolute. Raises :class:`WriterError` if it is not one."""
-    end = os.fstat(fd).st_size if end is None else end
-    tail = os.pread(fd, 22, end - 22)
+@dataclass(frozen=True)
+class CentralEntry:
+    """One record as the central directory lists it (offsets relative to the archive's start)."""
+
+    name: str  # with the archive prefix
+    flags: int
+    size: int
+    header_offset: int
+    cd_offset: int  # of this entry, relative to the archive's start
+
+
+def central_directory(pread: Callable[[int, int], bytes], base: int, end: int) -> list[CentralEntry]:
+    """The central directory of the zip archive in ``[base, end)`` of a file read by ``pread(n,
+    offset)``; raises :class:`WriterError` if it is not one. Reads the tail and the directory
+    only (no local header): a remote file's structure costs two or three ranged reads."""
+    tail = pread(22, end - 22)
+    if len(tail) != 22:
+        raise WriterError("the archive is shorter than its end record")
     sig, _d, _cd, _n1, n, cd_size, cd_off, _clen = struct.unpack("<IHHHHIIH", tail)
     if sig != _EOCD_SIG:
-        raise WriterError("torch writer produced no end-of-central-directory record")
+        raise WriterError("no end-of-central-directory record")
     if n == 0xFFFF or cd_size == 0xFFFFFFFF or cd_off == 0xFFFFFFFF:
-        loc = os.pread(fd, 20, end - 22 - 20)
+        loc = pread(20, end - 22 - 20)
         lsig, _disk, eocd64, _tot = struct.unpack("<IIQI", loc)
         if lsig != _EOCD64_LOC_SIG:
             raise WriterError("zip64 locator missing")
-        rec = os.pread(fd, 56, base + eocd64)
+        rec = pread(56, base + eocd64)
         (sig64, _sz, _vm, _vn, _d1, _d2, _n1b, n, cd_size, cd_off) = struct.unpack("<IQHHIIQQQQ", rec)
         if sig64 != _EOCD64_SIG:
             raise WriterError("zip64 end record missing")
-    cd_off += base
-    cd = os.pread(fd, cd_size, cd_off)
-    entries: list[ZipEntry] = []
+    if cd_off + cd_size > end - base:
+        raise WriterError("the central directory lies past the archive's end")
+    cd = pread(cd_size, base + cd_off)
+    entries: list[CentralEntry] = []
     pos = 0
     for _ in range(n):
         (sig, _vm, _vn, flags, _meth, _t, _dt, _crc, csize, usize, nlen, xlen, clen, _dn, _ia, _ea,
@@ -365,16 +378,70 @@ def read_entries(fd: int, base: int = 0, end: int | None = None) -> list[ZipEntr
                 if lho == 0xFFFFFFFF:
                     off = vals.pop(0)
             x += 4 + hlen
-        off += base
+        entries.append(CentralEntry(full, flags, size, off, cd_off + pos))
+        pos += 46 + nlen + xlen + clen
+    return entries
+
+
+def read_entries(fd: int, base: int = 0, end: int | None = None) -> list[ZipEntry]:
+    """The records of the zip archive in ``[base, end)`` of the file (``end``: the file's end),
+    in file order, parsed from its central directory (the archive's own offsets are from
+    ``base``); ``ZipEntry.data_offset`` is absolute. Raises :class:`WriterError` if it is not one."""
+    end = os.fstat(fd).st_size if end is None else end
+    entries: list[ZipEntry] = []
+    for ce in central_directory(lambda n, off: os.pread(fd, n, off), base, end):
+        off = ce.header_offset + base
         lh = os.pread(fd, 30, off)
         lsig, lnlen, lxlen = struct.unpack_from("<I", lh)[0], *struct.unpack_from("<HH", lh, 26)
         if lsig != _LOCAL_SIG:
-            raise WriterError(f"bad local header for {full}")
+            raise WriterError(f"bad local header for {ce.name}")
         data_off = off + 30 + lnlen + lxlen
-        name = full.split("/", 1)[1] if "/" in full else full
-        entries.append(ZipEntry(name, cd_off + pos, data_off, size, data_off + size if flags & 0x8 else -1))
-        pos += 46 + nlen + xlen + clen
+        name = ce.name.split("/", 1)[1] if "/" in ce.name else ce.name
+        entries.append(ZipEntry(name, base + ce.cd_offset, data_off, ce.size,
+                                data_off + ce.size if ce.flags & 0x8 else -1))
     return entries
+
+
+#: A record of the archive larger than this is a hole of a skeleton (see :func:`skeleton_ranges`).
+SKELETON_RECORD = 64 << 10
+#: Bytes kept at the start of a skipped record beside its name: its local header's fixed 30 bytes
+#: and extra field (torch's alignment padding, under 64 bytes + 4, and a zip64 field of 20) — what
+#: a reader locates the data by. The first bytes of the data come with it.
+_HEADER_ROOM = 30 + 128
+
+
+def skeleton_ranges(pread: Callable[[int, int], bytes], base: int, end: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` ranges of the ``torch.save`` archive in ``[base, end)`` that hold
+    its structure — the central directory, every small record (``data.pkl``, versions), and each
+    tensor record's local header — but not the bytes of tensor records over
+    :data:`SKELETON_RECORD`: what ``torch.load(mmap=True)`` reads of a file (it maps the tensors,
+    reading none). Raises :class:`WriterError` if it is not such an archive."""
+    entries = sorted(central_directory(pread, base, end), key=lambda e: e.header_offset)
+    cd_start = min((e.cd_offset for e in entries), default=end - base - 22)
+    out = []
+    for i, e in enumerate(entries):
+        lo = e.header_offset
+        hi = entries[i + 1].header_offset if i + 1 < len(entries) else cd_start
+        if not 0 <= lo <= hi <= end - base:
+            raise WriterError(f"record {e.name} lies outside the archive")
+        tensor = e.name.rsplit("/", 2)[-2:-1] == ["data"] and e.name.rsplit("/", 1)[-1].isdigit()
+        if tensor and e.size > SKELETON_RECORD:
+            out.append((base + lo, min(_HEADER_ROOM + len(e.name.encode()), hi - lo)))
+        else:
+            out.append((base + lo, hi - lo))
+    out.append((base + cd_start, end - base - cd_start))
+    return merge_ranges(out)
+
+
+def merge_ranges(ranges: list[tuple[int, int]], gap: int = 4096) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges sorted, with those less than ``gap`` bytes apart joined."""
+    merged: list[list[int]] = []
+    for off, n in sorted(r for r in ranges if r[1] > 0):
+        if merged and off <= merged[-1][0] + merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], off + n - merged[-1][0])
+        else:
+            merged.append([off, n])
+    return [(o, n) for o, n in merged]
 
 
 # --- streaming ----------------------------------------------------------------------------------
@@ -471,12 +538,14 @@ def writer_pipeline(fd: int, depth: int, digest: Any = None,
 
 
 class _FileSink(RecordSink):
-    """Streams one record into its hole: CRC here, ``pwrite`` on the writer thread."""
+    """Streams one record into its hole: CRC here, ``pwrite`` on the writer thread (unless
+    ``to_disk`` is off: then the bytes only go on to the hashing stage, see ``save``'s ``stream``)."""
 
-    def __init__(self, writer: _Stage, entry: ZipEntry, name: str) -> None:
+    def __init__(self, writer: _Stage, entry: ZipEntry, name: str, to_disk: bool = True) -> None:
         self.writer = writer
         self.entry = entry
         self.name = name
+        self.to_disk = to_disk
         self.pos = 0
         self.crc = 0
         self.head = b""
@@ -495,7 +564,7 @@ class _FileSink(RecordSink):
         if len(self.head) < 8:
             self.head += bytes(mv[:8 - len(self.head)])
         self.crc = zlib_ng.crc32(mv, self.crc)
-        self.writer.put((mv, self.entry.data_offset + self.pos, release, (keep, hold, data)))
+        self.writer.put((mv, self.entry.data_offset + self.pos if self.to_disk else None, release, (keep, hold, data)))
         self.pos += n
 
     def finish(self) -> None:
@@ -580,10 +649,61 @@ def saved_size(obj: Any, *, pickle_module: Any = None) -> int:
     return sizer.end
 
 
+class FileDigest:
+    """The SHA-256 of a file fed its final bytes in file order, and, when given, a ``stream`` fed
+    the same bytes (an upload taking the file while it is written, e.g.
+    :class:`reshard.storage.s3_destination.S3OutputStream`): the writers' one in-order pass over
+    their output serves both."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.sha = hashlib.sha256()
+        self.stream = stream
+
+    def update(self, data: Any) -> None:
+        self.sha.update(data)
+        if self.stream is not None:
+            self.stream.update(data)
+
+    def hexdigest(self) -> str:
+        return self.sha.hexdigest()
+
+
+#: A streamed output's disk blocks are given back in steps of at least this many bytes.
+PUNCH_BYTES = 1 << 20
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_fallocate: Any = None
+
+
+def punch_hole(fd: int, lo: int, hi: int) -> int:
+    """Give back the disk blocks of bytes ``[lo, hi)`` of the file (they read as zeros after; the
+    file keeps its size), rounded inward to 4 KiB; returns where that ends (the next ``lo``).
+    Where the filesystem or platform cannot, nothing happens: only disk use differs."""
+    global _fallocate
+    hi -= hi % 4096
+    if hi <= lo:
+        return lo
+    if _fallocate is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            _fallocate = fn
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate:
+        _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, lo, hi - lo)
+    return hi
+
+
+def file_digest(sha256: bool, stream: Any = None) -> FileDigest | None:
+    """What a writer feeds its output to: a :class:`FileDigest` when hashing or streaming, else None."""
+    return FileDigest(stream) if sha256 or stream is not None else None
+
+
 def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
          depth: int = QUEUE_DEPTH, sha256: bool = False,
          on_bytes: Callable[[int], None] | None = None, offset: int | None = None,
-         digest: Any = None) -> SaveStats:
+         digest: Any = None, stream: Any = None, keep_data: bool = True) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
     pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
 
@@ -594,24 +714,29 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place, nothing else of the
     file touched (a ``torch.distributed.checkpoint`` file is such archives back to back; archives
     at disjoint places may be written concurrently). ``SaveStats.size`` is then the archive's length. ``digest``: a hash object to feed the archive's bytes to, in
-    file order (instead of ``sha256``), so consecutive archives hash as one file."""
+    file order (instead of ``sha256``), so consecutive archives hash as one file.
+    ``stream``: also feed the file's bytes, in order, to ``stream.update`` (with the SHA-256, see
+    :class:`FileDigest`): an upload of the file while it is written. The tensors' bytes then go
+    only there, not to ``path``, which keeps the archive's structure alone (its records are
+    holes: a sparse file of a few KiB). ``keep_data=False`` does the same for a caller that feeds
+    ``digest`` to its own stream."""
     path = os.fspath(path)
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
     if offset is None:
-        writer, stream = _skeleton_writer(path)
+        writer, skeleton_file = _skeleton_writer(path)
     else:
-        stream = open(path, "r+b")  # noqa: SIM115
-        stream.seek(offset)
-        writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+        skeleton_file = open(path, "r+b")  # noqa: SIM115
+        skeleton_file.seek(offset)
+        writer = torch._C.PyTorchFileWriter(skeleton_file, False, torch.serialization._get_storage_alignment())
     end: int | None = None  # the archive's end: the file's, unless written into a file at an offset
     try:
         small = _skeleton(writer, data_pkl, records)
         if offset is not None:
-            end = stream.tell()
+            end = skeleton_file.tell()
     finally:
-        if stream is not None:
-            stream.close()
+        if skeleton_file is not None:
+            skeleton_file.close()
     del writer
 
     fd = os.open(path, os.O_RDWR)
@@ -629,7 +754,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         stats = SaveStats(records=len(entries))
         own_digest = digest is None
         if own_digest:
-            digest = hashlib.sha256() if sha256 else None
+            digest = file_digest(sha256, stream)
+        to_disk = keep_data and stream is None
         hashed_to = base  # the file's final bytes before this offset are queued for hashing
         # CRCs of streamed records: patched into the file once all data is written (a pwrite here
         # would contend with the writer thread for the file's lock), and into the bytes hashed
@@ -641,7 +767,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                 entry = by_name[name]
                 if digest is not None and entry.data_offset > hashed_to:  # descriptor + header
                     wt.put((_final_bytes(fd, hashed_to, entry.data_offset, crc_at), None, None, None))
-                sink = _FileSink(wt, entry, name)
+                sink = _FileSink(wt, entry, name, to_disk)
                 if rec.pending is not None:
                     rec.pending.produce(sink)
                     rec.pending = None  # drop the producer (and what it holds) at once

@@ -40,6 +40,8 @@ class ReshardParams(ReshardOptions):
     device: str | None = Field(default=None, description="torch device; default cuda when present, else cpu")
     target_config: dict[str, Any] | None = Field(default=None, description="DeepSpeed config of the loading job")
     cache_dir: str | None = Field(default=None, description="shard cache folder (default ~/.cache/reshard)")
+    cache_sources: bool = Field(default=False, description="fetch a remote source's shards whole into the cache "
+                                "(default: read them range by range while converting, only their structure cached)")
     gpu_resource: bool = Field(default=False,
                                description="annotate tensor tasks with the Dask resource GPU=1 (Dask runner)")
     gpu_concurrency_limit: str | None = Field(

@@ -14,7 +14,12 @@
 
 A target converts into the conversion's private work folder, so it can start before every
 shard is fetched and before the cross-rank checks ran; it is only published (uploaded, or moved
-into the destination's staging folder) after they passed.
+into the destination's staging folder) after they passed. Where the destination takes an
+output while it is written (S3: a multipart upload to its final key, invisible until the
+commit), convert(t) waits for plan-conversion instead and uploads as it converts: the output
+never lies whole on local disk, and upload(t) only records it. A remote source's weight files
+are fetched as skeletons (their structure: directories, pickles, headers) and read range by range
+while converting, unless ``cache_sources`` asks for whole copies in the shard cache.
 
 Caching: fetch/check are keyed by the shard's identity, convert/upload by the conversion's
 identity (sources + options + code version) and stay valid while their output exists, so a
@@ -32,6 +37,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import wait
 
 from reshard import progress
+from reshard.conversion import streams_sources
 from reshard.flows.params import ReshardParams
 from reshard.formats import is_marker, shard_role
 from reshard.storage.cache import RemoteObject, ShardCache
@@ -58,10 +64,13 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     log.info("discovered %d objects under %s", len(objects), params.source)
     cache = ShardCache(cache_dir)
 
+    stream = streams_sources(params.options(), params.cache_sources)  # weight files read while converting
+
     def fetch(o: dict[str, Any], markers: dict[str, Any] | None = None) -> Any:
-        return fetch_shard.with_options(
-            refresh_cache=not (disc["is_local"] or cache.entry(RemoteObject(**o)).is_file())
-        ).submit(params.source, o, params.storage_options, cache_dir, disc["is_local"], markers)
+        obj = RemoteObject(**o)
+        held = cache.entry(obj).is_file() or (stream and cache.skeleton_entry(obj).is_file())
+        return fetch_shard.with_options(refresh_cache=not (disc["is_local"] or held)).submit(
+            params.source, o, params.storage_options, cache_dir, disc["is_local"], markers, stream and markers is not None)
 
     # markers first: they say which byte ranges the other objects are needed for
     fetches = {o["name"]: fetch(o) for o in objects if is_marker(o["name"])}
@@ -86,14 +95,17 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     # concurrency slot per tag from the server first (measured: ~2 s before a conversion starts)
     gpu_tags = [GPU_TAG] if (params.gpu_concurrency_limit or params.gpu_resource
                              or (params.device or "cpu") != "cpu") else []
+    # an output the destination takes while it is written (S3: an upload to its final key) goes
+    # there only once the destination is claimed; any other is converted into the work folder
+    # as soon as *its* source shards are fetched and checked, and published after the checks
+    streams = layout["streams"]
     for t in layout["targets"]:
         name = t["name"]
         staged = output_present(layout, name, accept_local_file=False)  # uploaded or committed
-        converted = staged or output_present(layout, name, accept_local_file=True)
+        converted = staged or (not streams and output_present(layout, name, accept_local_file=True))
         with _gpu_annotation(params.gpu_resource):
-            # starts as soon as *its* source shards are fetched and checked, not all of them
             converts[name] = convert_target_rank.with_options(refresh_cache=not converted, tags=gpu_tags).submit(
-                layout, name, t["rank"], {s: fetches[s] for s in t["sources"]},
+                job_f if streams else layout, name, t["rank"], {s: fetches[s] for s in t["sources"]},
                 wait_for=[checks[s] for s in t["sources"]])
         uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job_f, name, converts[name])
     # on a failure, let what is running finish (its results are cached for the re-run) and

@@ -22,7 +22,7 @@ from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
 
 __all__ = ["CheckpointFormat", "available", "check_file", "descriptor_entries", "get_format", "is_marker",
-           "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects",
+           "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",
            "unregister_format"]
 
 
@@ -98,6 +98,19 @@ def needed_ranges(name: str, markers: Mapping[str, Path]) -> list[tuple[int, int
         ranges = fmt.needed_ranges(name, markers)
         if ranges is not None:
             return ranges
+    return None
+
+
+def skeleton_ranges(name: str, size: int, pread: Callable[[int, int], bytes],
+                    markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+    """The ranges of the weight file ``name`` to fetch when the rest is read while converting,
+    as the format whose ``patterns`` name it decides (:meth:`CheckpointFormat.skeleton`); None:
+    fetch it whole (a marker, an unclaimed file, a format that cannot stream it)."""
+    if is_marker(name):
+        return None
+    for fmt in available():
+        if any(p.search(name) for p in fmt.patterns):
+            return fmt.skeleton(name, size, pread, markers)
     return None
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from reshard.core import torch_writer
 from reshard.core.checks import check_same_keys
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.experts import expert_rows
@@ -89,6 +91,19 @@ class CheckpointFormat(ABC):
         root) a conversion reads, known from the fetched ``markers`` (name -> local path); None:
         the whole object (or not this format's file)."""
         return None
+
+    def skeleton(self, name: str, size: int, pread: Callable[[int, int], bytes],
+                 markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+        """The ``(offset, length)`` ranges of this format's weight file ``name`` (``size`` bytes,
+        read by ``pread(n, offset)``) that hold its structure, when the rest can be read while
+        converting (see :mod:`reshard.core.remote`: :meth:`load` and :meth:`open` then hand out
+        :class:`~reshard.core.remote.RemoteTensor` s for a file a source is attached to); None: the
+        file is fetched whole. Default: a ``torch.save`` archive's structure (its tensor records
+        are read while converting), None for anything else (its own checks then say what it is)."""
+        try:
+            return torch_writer.skeleton_ranges(pread, 0, size)
+        except (torch_writer.WriterError, struct.error, UnicodeDecodeError, ValueError):
+            return None
 
     def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""
@@ -252,12 +267,21 @@ class CheckpointFormat(ABC):
         return {}
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
-              on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+              on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> SaveStats:
         """Write one output file from ``obj`` (a state dict whose tensors may be pending, see
-        :mod:`reshard.core.torch_writer`). Default: exactly the bytes ``torch.save`` writes, streamed."""
+        :mod:`reshard.core.torch_writer`). Default: exactly the bytes ``torch.save`` writes, streamed.
+        ``stream`` (only given where :meth:`writes_streams`): also feed the file's final bytes,
+        in order, to ``stream.update`` — an upload taking the output while it is written; ``path``
+        then need not hold more than what the writer reads back."""
         from reshard.core import torch_writer
 
-        return torch_writer.save(obj, path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes)
+        return torch_writer.save(obj, path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes,
+                                 stream=stream)
+
+    def writes_streams(self) -> bool:
+        """Does :meth:`write` take a ``stream``? Default: when it is the default writer (a format
+        that brings its own ``write`` says so itself)."""
+        return type(self).write is CheckpointFormat.write
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

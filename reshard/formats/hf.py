@@ -18,13 +18,12 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,8 +34,8 @@ from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, L
 from reshard.core.rules import expert_index
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
-from reshard.core.torch_writer import (QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError, as_bytes,
-                                      tensor_bytes, writer_pipeline)
+from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
+                                      _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat
 from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of
 from reshard.models.hf_import import megatron_state, read_config
@@ -193,10 +192,21 @@ class HFFormat(CheckpointFormat):
         return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)))
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
-              on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+              on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> SaveStats:
         if not isinstance(obj, SafetensorsFile):
             raise WriterError("the hf format writes what its prepare() returns")
-        return obj.write(os.fspath(path), sha256=sha256, on_bytes=on_bytes)
+        return obj.write(os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
+
+    def writes_streams(self) -> bool:
+        return True
+
+    def skeleton(self, name: str, size: int, pread: Callable[[int, int], bytes],
+                 markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+        """A safetensors file's header (its length, then the JSON): the tensors are read while converting."""
+        if not name.endswith(".safetensors") or size < 8:
+            return None
+        (n,) = struct.unpack("<Q", pread(8, 0))
+        return [(0, 8 + n)] if 8 + n <= size else None
 
 
 # --- what one file holds ------------------------------------------------------------------------
@@ -319,16 +329,23 @@ class SafetensorsFile:
         self.header = header_bytes(self.entries)
 
     def write(self, path: str, *, sha256: bool = False,
-              on_bytes: Callable[[int], None] | None = None) -> SaveStats:
+              on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> SaveStats:
         """Header first, then each megatron-core tensor streamed into its Hugging Face tensors:
         ``pwrite`` on the writer thread (as :func:`reshard.core.torch_writer.save` does) and
-        hashed, in file order, on a hashing thread (:class:`_InOrderHasher`)."""
-        digest = hashlib.sha256() if sha256 else None
+        hashed, in file order, on a hashing thread (:class:`_InOrderHasher`). With a ``stream``
+        (an upload fed in file order with the hash) one thread takes each piece: one that continues
+        the hashed prefix goes to the hash and the stream from memory, never to the disk; only one
+        written ahead of it (a fused QKV's K and V rows arrive while Q is being filled) waits on
+        disk, and is given back once read."""
+        digest = file_digest(sha256, stream)
         base = len(self.header)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, base + self.data_size)
-            writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=None if digest is None else _InOrderHasher(fd, digest))
+            if stream is not None:
+                writer = _Stage("reshard-writer", _InOrderHasher(fd, digest, write_ahead=True), QUEUE_DEPTH)
+            else:
+                writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=None if digest is None else _InOrderHasher(fd, digest))
             try:
                 writer.put((memoryview(self.header), 0, None, None))
                 for i, (exp, value, _dtype) in enumerate(self.exports):
@@ -377,8 +394,11 @@ class _InOrderHasher:
     page cache when an empty piece at offset X says the file is complete up to X. Only such
     out-of-order bytes are read twice."""
 
-    def __init__(self, fd: int, digest: Any) -> None:
+    def __init__(self, fd: int, digest: Any, *, write_ahead: bool = False) -> None:
         self.fd, self.digest, self.done = fd, digest, 0
+        # the only writer: a piece ahead of the prefix goes to disk, the prefix's disk blocks go back
+        self.write_ahead = write_ahead
+        self.punched = 0
 
     def __call__(self, mv: memoryview, offset: int | None) -> None:
         if offset is None:
@@ -390,6 +410,12 @@ class _InOrderHasher:
         elif offset == self.done:
             self.digest.update(mv)
             self.done += len(mv)
+        elif self.write_ahead:
+            done = 0
+            while done < len(mv):
+                done += os.pwrite(self.fd, mv[done:], offset + done)
+        if self.write_ahead and self.done - self.punched >= PUNCH_BYTES:
+            self.punched = punch_hole(self.fd, self.punched, self.done)
 
 
 def header_bytes(entries: Sequence[FileEntry]) -> bytes:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import io
 import json
 import mmap
@@ -59,11 +58,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.core import foreign, torch_writer
+from reshard.core import foreign, remote, torch_writer
 from reshard.core.dcp_metadata import (ChunkRef, DcpBytes, DcpMetadata, DcpTensor, check_storage, metadata_bytes,
                                        read_metadata)
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.lazy import LazyTensor
+from reshard.core.remote import RemoteStorage, RemoteTensor
 from reshard.core.pages import PageDropper
 from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
@@ -130,6 +130,28 @@ class TorchDistFormat(CheckpointFormat):
             else:
                 merged.append([off, length])
         return [(o, n) for o, n in merged]
+
+    def skeleton(self, name: str, size: int, pread: Callable[[int, int], bytes],
+                 markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
+        """Of a ``.distcp`` file, the model's blobs' structure: each tensor blob's first and last
+        :data:`BLOB_EDGE` bytes (a one-tensor ``torch.save`` archive keeps its pickle at the start,
+        its directory at the end; a larger one than guessed is loaded whole from the source
+        instead of mapped), byte items whole; from the index alone, no read of the file."""
+        folder, _, base = name.rpartition("/")
+        index = markers.get(f"{folder}/{INDEX}" if folder else INDEX)
+        if not base.endswith(".distcp") or index is None:
+            return None
+        meta = _metadata(Path(index))
+        keys = set(model_keys(meta))
+        out = [(b.offset, b.length) for b in meta.byte_items.values() if b.key in keys and b.file == base]
+        for t in meta.tensors.values():
+            for c in t.chunks:
+                if t.key in keys and c.file == base:
+                    if c.length <= 2 * BLOB_EDGE:
+                        out.append((c.offset, c.length))
+                    else:
+                        out += [(c.offset, BLOB_EDGE), (c.offset + c.length - BLOB_EDGE, BLOB_EDGE)]
+        return torch_writer.merge_ranges(out)
 
     def shard_role(self, name: str, listing: Any) -> str | None:
         return None  # the index is read whole by locate; its blobs are checked against it there
@@ -214,9 +236,12 @@ class TorchDistFormat(CheckpointFormat):
                 f"{folder}/{COMMON}": buf.getvalue()}
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
-              on_bytes: Callable[[int], None] | None = None) -> torch_writer.SaveStats:
+              on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> torch_writer.SaveStats:
         module = next(obj[k] for k in MODULE_KEYS if isinstance(obj.get(k), dict))
-        return write_distcp(global_items(module), os.fspath(path), sha256=sha256, on_bytes=on_bytes)
+        return write_distcp(global_items(module), os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
+
+    def writes_streams(self) -> bool:
+        return True
 
 
 def _core_args(args: Any) -> Any:
@@ -337,6 +362,10 @@ def _order(key: str, position: dict[str, int], block: dict[str, int], layer: int
     return (group, layer or 0, block[key.split(EXPERTS)[0]], expert, position[key])
 
 
+#: Bytes of each end of a streamed ``.distcp`` blob fetched as its structure (see ``skeleton``).
+BLOB_EDGE = 16 << 10
+
+
 class MappedFile:
     """One ``.distcp`` file mapped private copy-on-write: each chunk is a view of its ``torch.save``
     blob's data record (located from the blob's zip directory and its ``data.pkl``, read by an
@@ -347,19 +376,21 @@ class MappedFile:
         self.path = path
         self.file = open(path, "rb")  # noqa: SIM115  (lives as long as the mapping's views)
         size = os.fstat(self.file.fileno()).st_size
-        self.mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.source = remote.source_for(path)  # a streamed skeleton: the data records are read from there
+        self.mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY) if size and self.source is None else None
         self.pages = PageDropper([path])
-        self.views: dict[int, torch.Tensor | None] = {}
+        self.views: dict[int, torch.Tensor | RemoteTensor | None] = {}
 
-    def view(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | None:
-        """The chunk's tensor as a view of the mapping, or None when its blob is not a plain
-        stored tensor archive of the chunk's shape and dtype (then it is loaded and checked)."""
+    def view(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | RemoteTensor | None:
+        """The chunk's tensor as a view of the mapping (of its source, for a streamed file), or
+        None when its blob is not a plain stored tensor archive of the chunk's shape and dtype
+        (then it is loaded and checked)."""
         if c.offset not in self.views:
             self.views[c.offset] = self._map(c, dtype)
         return self.views[c.offset]
 
-    def _map(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | None:
-        if self.mm is None:
+    def _map(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | RemoteTensor | None:
+        if self.mm is None and self.source is None:
             return None
         fd = self.file.fileno()
         try:
@@ -372,6 +403,11 @@ class MappedFile:
             count = data.size // dtype.itemsize
             if count == 0:
                 return None
+            if self.source is not None:
+                if data.data_offset + data.size > self.source.size:
+                    return None
+                return RemoteTensor(RemoteStorage(self.source, data.data_offset, data.size), rec.storage_offset,
+                                    rec.size, rec.stride, dtype)
             base = torch.frombuffer(self.mm, dtype=dtype, offset=data.data_offset, count=count)
             return base.as_strided(rec.size, rec.stride, rec.storage_offset)
         except (torch_writer.WriterError, pickle.UnpicklingError, KeyError, ValueError, RuntimeError, OSError,
@@ -418,7 +454,7 @@ class DistTensor(LazyTensor):
             return None
         c = hits[0][0]
         view = self._file(c.file).view(c, self.dtype)
-        if view is None:
+        if not isinstance(view, torch.Tensor):  # not mapped: read (below), not viewed
             return None
         sub = view[tuple(slice(a - co, b - co) for a, b, co in zip(hits[0][1], hits[0][2], c.offsets))]
         sub = sub[tuple(0 for _ in self.lead)]
@@ -432,12 +468,15 @@ class DistTensor(LazyTensor):
         g_off, g_size = self._global(offsets, sizes)
         for c, lo, hi in self._hits(g_off, g_size):
             mapped = self._file(c.file).view(c, self.dtype)
-            chunk = mapped if mapped is not None else self._chunk(c)
-            src = chunk[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
+            if isinstance(mapped, RemoteTensor):  # a streamed file: just the box, from its source
+                src = mapped.read_box(tuple(a - co for a, co in zip(lo, c.offsets)), tuple(b - a for a, b in zip(lo, hi)))
+            else:
+                chunk = mapped if mapped is not None else self._chunk(c)
+                src = chunk[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, g_off))
             src, dst = src[tuple(0 for _ in self.lead)], dst[len(self.lead):]
             out[dst] = src
-            if mapped is not None:
+            if isinstance(mapped, torch.Tensor):
                 self._file(c.file).release(mapped)
         return out
 
@@ -471,10 +510,17 @@ class _ByteItem:
 
 
 def _load_blob(path: Path, offset: int, length: int, where: str, *, allowlist: bool = False) -> Any:
-    """The object of the ``torch.save`` blob at ``[offset, offset + length)`` of ``path``, weights-only."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        blob = f.read(length)
+    """The object of the ``torch.save`` blob at ``[offset, offset + length)`` of ``path``, weights-only
+    (read from the file's source when ``path`` is a streamed skeleton)."""
+    source = remote.source_for(path)
+    if source is not None and offset + length <= source.size:
+        buf = bytearray(length)
+        source.read_into(offset, memoryview(buf))
+        blob = bytes(buf)
+    else:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            blob = f.read(length)
     if len(blob) != length:
         raise CorruptCheckpointError(f"{path.name} is truncated", culprit=where, hint="re-copy the file")
     try:
@@ -605,12 +651,13 @@ def index_bytes(items: list[GlobalItem]) -> bytes:
 
 
 def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
-                 on_bytes: Callable[[int], None] | None = None) -> torch_writer.SaveStats:
+                 on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> torch_writer.SaveStats:
     """Write the blobs of ``items`` back to back, each streamed as it is produced, exactly where
-    :func:`index_bytes` says they are."""
+    :func:`index_bytes` says they are (with a ``stream``: the tensors' bytes go there, in order,
+    and ``path`` keeps only the blobs' structure, see :func:`reshard.core.torch_writer.save`)."""
     Path(path).write_bytes(b"")  # the blobs are written into it at their offsets
     stats = torch_writer.SaveStats()
-    digest = hashlib.sha256() if sha256 else None  # fed blob by blob, in file order
+    digest = torch_writer.file_digest(sha256, stream)  # fed blob by blob, in file order
     for it, offset, length, blob in _placed(items):
         if blob is not None:
             with open(path, "r+b") as f:
@@ -620,7 +667,7 @@ def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
                 digest.update(blob)
             size = len(blob)
         else:
-            size = torch_writer.save(_blob_tensor(it), path, offset=offset, digest=digest,
+            size = torch_writer.save(_blob_tensor(it), path, offset=offset, digest=digest, keep_data=stream is None,
                                      on_bytes=None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))).size
         if size != length:
             raise torch_writer.WriterError(f"{it.key}: wrote {size} bytes where the index says {length}")

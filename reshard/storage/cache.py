@@ -36,6 +36,14 @@ FETCH_ATTEMPTS = 4
 _PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
 
 
+SKELETON = "skeleton"
+
+
+def is_skeleton(path: str | os.PathLike[str]) -> bool:
+    """Is ``path`` a cache entry holding only a file's structure (see :meth:`ShardCache.fetch`)?"""
+    return Path(path).name.endswith(f".{SKELETON}")
+
+
 def default_cache_dir() -> Path:
     env = os.environ.get("RESHARD_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "reshard"
@@ -75,13 +83,24 @@ class ShardCache:
     def entry(self, obj: RemoteObject) -> Path:
         return self.shards / obj.identity
 
-    def fetch(self, loc: Location, obj: RemoteObject, ranges: Sequence[tuple[int, int]] | None = None) -> Path:
+    def skeleton_entry(self, obj: RemoteObject) -> Path:
+        return self.shards / f"{obj.identity}.{SKELETON}"
+
+    def holds(self, obj: RemoteObject) -> bool:
+        """Is the whole of ``obj`` in the cache (from an earlier whole fetch)?"""
+        entry = self.entry(obj)
+        return entry.is_file() and entry.stat().st_size == obj.size
+
+    def fetch(self, loc: Location, obj: RemoteObject, ranges: Sequence[tuple[int, int]] | None = None,
+              *, skeleton: bool = False) -> Path:
         """Local path of ``obj``'s bytes: from the cache, or downloaded and verified.
 
         ``ranges`` (``(offset, length)`` pairs): only these bytes are needed — say the model's
         chunks of a file that also holds optimizer state. The entry is then a sparse file of the
         object's size holding just those ranges (its own cache entry, named by the ranges), each
-        range's length checked; the MD5 of a whole object cannot be checked on a part of it."""
+        range's length checked; the MD5 of a whole object cannot be checked on a part of it.
+        ``skeleton``: the ranges are the file's structure alone, the rest to be read while
+        converting (:func:`is_skeleton` tells such an entry by its name)."""
         if ranges is None:
             def whole(tmp: Path) -> str | None:
                 with storage_errors(obj.url):
@@ -101,6 +120,8 @@ class ShardCache:
                 self._read_ranges(loc, obj, tmp, pieces)
             return None  # each range's length is checked as it is read
 
+        if skeleton:  # a file's structure is a fact of its bytes: one per identity (the flow looks for it)
+            return self._cached(obj, self.skeleton_entry(obj), part)
         tag = hashlib.sha256(repr(spans).encode()).hexdigest()[:16]
         return self._cached(obj, self.shards / f"{obj.identity}.ranges-{tag}", part)
 

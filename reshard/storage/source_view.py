@@ -26,8 +26,8 @@ from reshard.core.errors import StorageError
 from reshard.core.options import ReshardOptions
 from reshard.crashpoints import crash_point
 from reshard.formats import (descriptor_entries, is_marker, listing_patterns, locate, needed_ranges,
-                             select_objects)
-from reshard.storage.cache import RemoteObject, ShardCache
+                             select_objects, skeleton_ranges)
+from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import Location, open_location, storage_errors
 
 
@@ -149,17 +149,37 @@ def _discover_descriptor(loc: Location) -> Discovery:
 
 
 def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None,
-          markers: Mapping[str, Path] | None = None) -> Path:
+          markers: Mapping[str, Path] | None = None, *, stream: bool = False) -> Path:
     """Local path of one object's bytes (in place for local files, else via the cache). With the
     checkpoint's fetched ``markers`` (name -> local path), only the byte ranges its format says
-    the conversion reads are fetched (``reshard.formats.needed_ranges``)."""
+    the conversion reads are fetched (``reshard.formats.needed_ranges``). ``stream``: of a weight
+    file its format can read while converting, only its structure (a skeleton, see
+    :func:`attach_streamed`), unless the cache holds the whole file already."""
     if loc.is_local:
         return Path(obj.path)
     crash_point("fetching")
     if cache is None:
         raise StorageError("a remote source needs a shard cache", culprit=obj.url)
+    if stream and markers is not None and not cache.holds(obj):
+        def pread(n: int, offset: int) -> bytes:
+            with storage_errors(obj.url):
+                return loc.fs.cat_file(obj.path, start=offset, end=offset + n)
+
+        skeleton = skeleton_ranges(obj.name, obj.size, pread, markers)
+        if skeleton is not None:
+            return cache.fetch(loc, obj, skeleton, skeleton=True)
     ranges = needed_ranges(obj.name, markers) if markers else None
     return cache.fetch(loc, obj, ranges)
+
+
+def attach_streamed(view_file: Path, fetched: Path, loc: Location, obj: RemoteObject) -> None:
+    """Make the view's file ``view_file`` (linked to ``fetched``) read the bytes its skeleton
+    lacks from ``obj`` while converting; nothing when ``fetched`` is the whole file."""
+    if is_skeleton(fetched):
+        from reshard.core import remote
+        from reshard.storage.remote_read import RangeReader
+
+        remote.attach(view_file, RangeReader(loc, obj))
 
 
 def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path:
@@ -177,9 +197,10 @@ def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path
 
 def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
                 cache: ShardCache | None = None, workdir: Path | None = None,
-                disc: Discovery | None = None) -> LocalSource:
+                disc: Discovery | None = None, *, stream: bool = False) -> LocalSource:
     """Discover (unless ``disc`` is that listing already), fetch (4 at a time) and build the
-    local view in one go."""
+    local view in one go. ``stream``: weight files as skeletons read while converting (see
+    :func:`fetch`); :func:`reshard.core.remote.detach` the view when done."""
     disc = disc or discover(url, storage_options)
     if disc.is_local:
         return LocalSource(url, build_view(disc, {}, Path()), disc.objects)
@@ -190,9 +211,13 @@ def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
     with ThreadPoolExecutor(max_workers=4) as pool:  # markers first: they say which bytes the rest need
         futs = {o.name: pool.submit(fetch, loc, o, cache) for o in disc.objects if is_marker(o.name)}
         markers = {name: fut.result() for name, fut in futs.items()}
-        futs = {o.name: pool.submit(fetch, loc, o, cache, markers) for o in disc.objects if o.name not in markers}
+        futs = {o.name: pool.submit(fetch, loc, o, cache, markers, stream=stream) for o in disc.objects
+                if o.name not in markers}
         fetched = {**markers, **{name: fut.result() for name, fut in futs.items()}}
     out = LocalSource(url, build_view(disc, fetched, workdir / "source"), disc.objects)
+    by_name = {o.name: o for o in disc.objects}
+    for name, path in fetched.items():
+        attach_streamed(workdir / "source" / name, path, loc, by_name[name])
     out.cached = cache.hits - hits0
     out.fetched = len(disc.objects) - out.cached
     return out

@@ -18,7 +18,7 @@ from reshard.tasks.identity import code_version, digest
 
 
 def fetch_key(_ctx: Any, p: dict[str, Any]) -> str:
-    return "fetch:" + digest(RemoteObject(**p["obj"]).identity, code_version())
+    return "fetch:" + digest(RemoteObject(**p["obj"]).identity, bool(p.get("stream")), code_version())
 
 
 def check_key(_ctx: Any, p: dict[str, Any]) -> str:

@@ -39,13 +39,14 @@ def discover_shards(source: str, storage_options: dict[str, Any], options: dict[
 
 @task(name="fetch-shard", cache_key_fn=fetch_key, persist_result=True, **TRANSIENT_RETRIES)
 def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any], cache_dir: str,
-                is_local: bool, markers: dict[str, str] | None = None) -> str:
+                is_local: bool, markers: dict[str, str] | None = None, stream: bool = False) -> str:
     """Local path of one shard (cache entry, verified size/MD5; in place for local files). With
-    the checkpoint's fetched ``markers`` (name -> path), only the byte ranges the conversion reads."""
+    the checkpoint's fetched ``markers`` (name -> path), only the byte ranges the conversion reads;
+    ``stream``: of a weight file, only its structure (the rest is read while converting)."""
     loc = open_location(source, storage_options)
     cache = None if is_local else ShardCache(cache_dir)
     found = {name: Path(p) for name, p in (markers or {}).items()}
-    path = str(fetch(loc, RemoteObject(**obj), cache, found))
+    path = str(fetch(loc, RemoteObject(**obj), cache, found, stream=stream))
     crash_point("fetched")
     return path
 

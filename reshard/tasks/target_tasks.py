@@ -7,6 +7,7 @@ name) and rebuilds what it needs from local paths, so tasks stay stateless and c
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import functools
 import json
@@ -28,13 +29,14 @@ from reshard.core.planner import build_plan
 from reshard.crashpoints import crash_point
 from reshard.formats import get_format, is_marker, locate
 from reshard.core.zero_master import forget_optimizer_files
-from reshard.conversion import (manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
+from reshard.conversion import (convert_streamed, manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
                                 source_record, urls_in_errors, zero_gate)
 from reshard import progress
-from reshard.storage.cache import RemoteObject, ShardCache
-from reshard.storage.destination import Destination, LocalDestination, open_destination
+from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
+from reshard.storage.destination import Destination, LocalDestination
+from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
-from reshard.storage.source_view import Discovery, LocalSource, link_into_view, skeleton_view
+from reshard.storage.source_view import Discovery, LocalSource, attach_streamed, link_into_view, skeleton_view
 from reshard.tasks.cache_keys import target_key
 from reshard.tasks.shard_tasks import TRANSIENT_RETRIES
 
@@ -86,12 +88,18 @@ def _discovery(record: dict[str, Any]) -> Discovery:
 
 
 def _link_fetched(job: dict[str, Any], fetched: dict[str, str]) -> None:
-    """Put fetched shards into the conversion's view (replacing placeholders)."""
+    """Put fetched shards into the conversion's view (replacing placeholders); a skeleton (a
+    streamed shard's structure) reads the rest from the source, in this process."""
     if job["is_local"]:
         return
     root = Path(job["view_root"])
+    by_name = {o["name"]: o for o in job["discovery"]["objects"]}
+    loc = None
     for name, path in fetched.items():
         link_into_view(Path(path), root / name)
+        if is_skeleton(path):
+            loc = loc or open_location(job["source"], job["storage_options"])
+            attach_streamed(root / name, Path(path), loc, RemoteObject(**by_name[name]))
 
 
 def layout_plan(job: dict[str, Any]) -> Any:
@@ -158,6 +166,7 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
     return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": list(dict.fromkeys(files[i] for i in t.sources)) + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
+                streams=destination_for(job).takes_streams and get_format(plan.output_format).writes_streams(),
                 warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
                 source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version,
                 output_format=plan.output_format, notes=get_format(plan.output_format).describe(plan))
@@ -198,9 +207,13 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
 @task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True)
 def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict[str, str]) -> dict[str, Any]:
     """Merge/split/quantize one target rank from exactly the source shards it needs, into the
-    work folder (published by ``upload-target`` once the cross-rank checks passed)."""
+    work folder (published by ``upload-target`` once the cross-rank checks passed) — or, where
+    the destination takes streams (``job["streams"]``: then ``job`` is plan-conversion's, the
+    destination claimed), straight into its upload, recorded under ``record``."""
     _link_fetched(job, sources)
     plan = layout_plan(job)
+    if job.get("streams"):
+        return _convert_streamed(job, plan, name, rank)
     out = converted_path(job, name)
     # a private folder per attempt (two runs of one conversion may convert the same target at
     # once), and the final basename: torch.save records it inside the zip, so keeping it makes
@@ -208,18 +221,10 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
     partial = out.parent / ".partial" / uuid.uuid4().hex / out.name
     partial.parent.mkdir(parents=True, exist_ok=True)
     device = pick_device(job.get("device"))
-    limit = job.get("gpu_concurrency_limit")
     t0 = time.perf_counter()
     try:
-        with urls_in_errors(Path(job["view_path"]), job["source"]):
-            if limit:
-                from prefect.concurrency.sync import concurrency
-
-                with concurrency(limit, occupy=1, strict=True):
-                    res = convert_target(plan, rank, partial, device, sha256=True,
-                                         on_bytes=progress.bytes_reporter(name))
-            else:
-                res = convert_target(plan, rank, partial, device, sha256=True, on_bytes=progress.bytes_reporter(name))
+        with urls_in_errors(Path(job["view_path"]), job["source"]), _gpu_slot(job):
+            res = convert_target(plan, rank, partial, device, sha256=True, on_bytes=progress.bytes_reporter(name))
         os.replace(partial, out)
     finally:
         shutil.rmtree(partial.parent, ignore_errors=True)
@@ -228,14 +233,54 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
+def _convert_streamed(job: dict[str, Any], plan: Any, name: str, rank: int) -> dict[str, Any]:
+    """Convert one target into its upload (the destination is claimed: ``job`` is plan-conversion's)."""
+    if job["up_to_date"]:  # committed by an earlier run: nothing to convert
+        rec = _committed_record(job, name)
+        return {"rank": rank, "name": name, "size": rec["size"], "sources": list(plan.targets[rank].sources),
+                "sha256": rec["sha256"], "seconds": 0.0, "record": rec}
+    dest = destination_for(job)
+    scratch = converted_path(job, name).parent / ".partial" / uuid.uuid4().hex / Path(name).name
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        with _gpu_slot(job):
+            res, record = convert_streamed(plan, rank, scratch, pick_device(job.get("device")), dest.open_stream(name, plan.targets[rank].bytes_written),
+                                           Path(job["view_path"]), job["source"])
+    finally:
+        shutil.rmtree(scratch.parent, ignore_errors=True)
+    return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
+            "seconds": round(time.perf_counter() - t0, 3), "record": record}
+
+
+def _gpu_slot(job: dict[str, Any]) -> Any:
+    """A slot of the Prefect concurrency limit ``gpu_concurrency_limit`` names (none: no limit)."""
+    limit = job.get("gpu_concurrency_limit")
+    if not limit:
+        return contextlib.nullcontext()
+    from prefect.concurrency.sync import concurrency
+
+    return concurrency(limit, occupy=1, strict=True)
+
+
+def _committed_record(job: dict[str, Any], name: str) -> dict[str, Any]:
+    manifest = destination_for(job).committed_manifest() or {}
+    return next(r for r in manifest.get("files", []) if r.get("path") == name)
+
+
 @task(name="upload-target", cache_key_fn=target_key("upload"), persist_result=True, **TRANSIENT_RETRIES)
 def upload_target(job: dict[str, Any], name: str, converted: dict[str, Any]) -> dict[str, Any]:
     """Stage one output at the destination (a move for local folders, a multipart upload for
-    object stores) and record its size and sha256 (computed while it was written)."""
-    dest = destination_for(job)
+    object stores) and record its size and sha256 (computed while it was written); an output
+    streamed while it was converted is staged already (its ``record``)."""
     if job["up_to_date"]:  # already committed by an earlier run: its manifest has the record
-        manifest = dest.committed_manifest() or {}
-        return next(r for r in manifest.get("files", []) if r.get("path") == name)
+        return _committed_record(job, name)
+    dest = destination_for(job)
+    if converted.get("record"):
+        record = converted["record"]
+        dest.heartbeat()
+        progress.target_done(dict(converted, sha256=record["sha256"]))
+        return record
     if isinstance(dest, LocalDestination):
         _move_into(converted_path(job, name), dest.staged(name))
     record = dest.publish(name, converted.get("sha256"))

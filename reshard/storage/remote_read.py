@@ -1,0 +1,179 @@
+"""Ranged reads of a source object while it is converted (:class:`RangeReader`), so a remote
+checkpoint never has to lie whole on local disk (see :mod:`reshard.core.remote`).
+
+A conversion reads each source file mostly front to back (tensors are written in the order the
+files hold them), a few MiB at a time, and a request's latency would leave the link idle between
+reads. So the object is read in aligned blocks of :data:`BLOCK` bytes through one process-wide
+cache: a read waits for the blocks it covers and asks for the next :data:`READ_AHEAD` ones of
+the same object in the background; blocks are dropped least recently used once the cache holds
+:data:`CACHE_BYTES` (memory, not disk: nothing here touches the disk).
+
+Every block is requested with the object's ETag as ``If-Match`` (S3): an object replaced while
+the conversion runs fails the read instead of mixing two versions. A short body is read again
+(botocore retries requests, not truncated bodies); after :data:`ATTEMPTS` the error is a
+transient :class:`~reshard.core.errors.StorageError`, which the flow retries as a whole task.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from reshard.core.errors import StorageError
+from reshard.storage.cache import RemoteObject
+from reshard.storage.location import Location, is_transient_error, storage_errors
+from reshard.storage.s3_transfer import is_s3
+
+#: Bytes per cached block (one ranged GET).
+BLOCK = 4 << 20
+#: Blocks of an object read ahead of the last one asked for.
+READ_AHEAD = 6
+#: Blocks kept (and being read) at most, over all objects of the process.
+CACHE_BYTES = 256 << 20
+#: Requests in flight at most, over all objects of the process.
+CONCURRENCY = 8
+#: Tries of one block before its read fails.
+ATTEMPTS = 4
+
+
+class _Blocks:
+    """The process-wide block cache: ``(reader, index) -> Future[bytes]``, least recently used first."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.blocks: OrderedDict[tuple[int, int], Future[bytes]] = OrderedDict()
+        self.pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="reshard-read")
+
+    def get(self, reader: "RangeReader", index: int, *, wait: bool) -> Future[bytes] | None:
+        """The block's future (started if new); None when it is new and ``wait`` is False but
+        the cache has no room for it (a read-ahead that would push out blocks still to be read)."""
+        key = (reader.key, index)
+        with self.lock:
+            fut = self.blocks.get(key)
+            if fut is not None:
+                self.blocks.move_to_end(key)
+                return fut
+            if not wait and len(self.blocks) * BLOCK >= CACHE_BYTES:
+                return None
+            fut = self.pool.submit(reader._fetch, index)
+            self.blocks[key] = fut
+            self._evict()
+            return fut
+
+    def _evict(self) -> None:
+        over = len(self.blocks) - CACHE_BYTES // BLOCK
+        for key in list(self.blocks):
+            if over <= 0:
+                break
+            if self.blocks[key].done():
+                del self.blocks[key]
+                over -= 1
+
+    def forget(self, reader: "RangeReader") -> None:
+        with self.lock:
+            for key in [k for k in self.blocks if k[0] == reader.key]:
+                self.blocks.pop(key).cancel()
+
+
+_BLOCKS: _Blocks | None = None
+_KEYS = itertools.count()
+_BLOCKS_LOCK = threading.Lock()
+
+
+def _blocks() -> _Blocks:
+    global _BLOCKS
+    with _BLOCKS_LOCK:
+        if _BLOCKS is None:
+            _BLOCKS = _Blocks()
+        return _BLOCKS
+
+
+class RangeReader:
+    """The bytes of one listed object, read by range (a :class:`reshard.core.remote.ByteSource`)."""
+
+    def __init__(self, loc: Location, obj: RemoteObject) -> None:
+        self.fs, self.path, self.url, self.size = loc.fs, obj.path, obj.url, obj.size
+        self.key = next(_KEYS)  # the cache's name for this object (never reused, unlike id())
+        etag = (obj.etag or "").strip('"')
+        self.if_match = f'"{etag}"' if is_s3(loc.fs) and etag and not etag.startswith("mtime:") else None
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        n = len(out)
+        if n == 0:
+            return
+        if offset < 0 or offset + n > self.size:
+            raise StorageError(f"asked for bytes {offset}-{offset + n} of a {self.size}-byte object", culprit=self.url,
+                               hint="the checkpoint's index does not match its files; re-copy the checkpoint")
+        blocks = _blocks()
+        first, last = offset // BLOCK, (offset + n - 1) // BLOCK
+        futures = [blocks.get(self, b, wait=True) for b in range(first, last + 1)]
+        for b in range(last + 1, min(last + 1 + READ_AHEAD, -(-self.size // BLOCK))):
+            if blocks.get(self, b, wait=False) is None:
+                break
+        at = 0
+        for b, fut in zip(range(first, last + 1), futures):
+            data = fut.result()  # type: ignore[union-attr]
+            lo = max(offset, b * BLOCK) - b * BLOCK
+            take = min(len(data) - lo, n - at)
+            out[at:at + take] = data[lo:lo + take]
+            at += take
+
+    def _fetch(self, index: int) -> bytes:
+        start = index * BLOCK
+        end = min(self.size, start + BLOCK)
+        last = ""
+        for _ in range(ATTEMPTS):
+            try:
+                with storage_errors(self.url):
+                    data = self._get(start, end)
+            except StorageError:
+                raise
+            except Exception as exc:  # a body cut after botocore gave up: read the block again
+                if _changed(exc):
+                    raise StorageError("the object changed while it was being read", culprit=self.url,
+                                       hint="do not convert a checkpoint that is still being written") from None
+                if not is_transient_error(exc):
+                    raise
+                last = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            if len(data) == end - start:
+                return data
+            last = f"got {len(data)} of {end - start} bytes"
+        raise StorageError(f"bytes {start}-{end} could not be read ({last})", culprit=self.url,
+                           hint="the network or the storage endpoint is failing; retry later", transient=True)
+
+    def _get(self, start: int, end: int) -> bytes:
+        if self.if_match is None:
+            return self.fs.cat_file(self.path, start=start, end=end)
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(self.path)
+        return sync(self.fs.loop, _get_object, self.fs, bucket, key, start, end, self.if_match)
+
+    def forget(self) -> None:
+        """Drop this object's cached blocks (the conversion is over)."""
+        _blocks().forget(self)
+
+
+async def _get_object(fs: Any, bucket: str, key: str, start: int, end: int, if_match: str) -> bytes:
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=if_match)
+    body = resp["Body"]
+    try:
+        return await body.read()
+    finally:
+        body.close()
+
+
+def _changed(exc: BaseException | None) -> bool:
+    """Did ``If-Match`` fail (S3's 412 PreconditionFailed; s3fs raises it as an ``OSError`` whose
+    cause is botocore's error)?"""
+    seen = 0
+    while exc is not None and seen < 5:
+        text = f"{type(exc).__name__} {exc}"
+        if "PreconditionFailed" in text or "pre-conditions you specified" in text:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False

@@ -1,0 +1,263 @@
+"""A remote source read range by range while converting (``reshard.core.remote``): only its
+structure (a *skeleton*) is fetched first; every tensor is read through its source. Checked
+against the whole local files: what ``torch.load`` reads of a skeleton, every box a target can
+ask for against plain slicing, and whole conversions from S3 byte for byte against local ones,
+with the shard cache holding a few percent of the source."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import upload_to_s3
+from reshard.core import remote, torch_writer
+from reshard.core.errors import CheckpointFormatError, StorageError
+from reshard.core.options import ReshardOptions
+from reshard.core.safe_load import load_shard
+from reshard.direct import run_direct
+from reshard.sample import GPTConfig, write_sample_checkpoint
+from reshard.storage.cache import ShardCache
+from reshard.storage.manifest import MANIFEST_NAME
+
+#: Large enough that the weights' records are holes of the skeletons (> 64 KiB each) at TP 4.
+WIDE = GPTConfig(layers=4, hidden=384, heads=8, vocab=2048, seq=16)
+
+
+class LocalSource:
+    """A :class:`reshard.core.remote.ByteSource` over a local file, counting what it is asked for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.url, self.size = path, str(path), path.stat().st_size
+        self.read = 0
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            out[:] = f.read(len(out))
+        self.read += len(out)
+
+
+def _skeleton_of(path: Path, dst: Path) -> list[tuple[int, int]]:
+    """Write ``dst``: a sparse file of ``path``'s size holding only its skeleton ranges."""
+    data = path.read_bytes()
+    ranges = torch_writer.skeleton_ranges(lambda n, off: data[off:off + n], 0, len(data))
+    with open(dst, "wb") as f:
+        f.truncate(len(data))
+        for off, n in ranges:
+            f.seek(off)
+            f.write(data[off:off + n])
+    return ranges
+
+
+def _streamed(path: Path, tmp_path: Path) -> tuple[dict, LocalSource]:
+    skeleton = tmp_path / f"skeleton-{path.name}"
+    _skeleton_of(path, skeleton)
+    source = LocalSource(path)
+    remote.attach(skeleton, source)
+    try:
+        return load_shard(skeleton), source
+    finally:
+        remote.detach(skeleton)
+
+
+def test_a_skeleton_holds_what_torch_load_reads_and_none_of_the_large_tensors(tmp_path):
+    big = torch.randn(300, 200)  # 240 KB: a hole
+    sd = {"module": {"w": big, "b": torch.randn(7), "half": torch.randn(64, 512).half()}, "args": {"lr": 0.1},
+          "iteration": 3}
+    path = tmp_path / "shard.pt"
+    torch.save(sd, path)
+    ranges = _skeleton_of(path, tmp_path / "skel.pt")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data_of = {e.name: (e.data_offset, e.size) for e in torch_writer.read_entries(fd)}
+    finally:
+        os.close(fd)
+    small = sum(size for _, size in data_of.values() if size <= torch_writer.SKELETON_RECORD)
+    assert sum(n for _, n in ranges) < small + 4096 * len(data_of)
+    for name, (off, size) in data_of.items():
+        inside = sum(max(0, min(off + size, o + n) - max(off, o)) for o, n in ranges)
+        if size > torch_writer.SKELETON_RECORD:  # beyond what comes with its local header, nothing
+            assert inside <= 128, f"{name}'s bytes were fetched with the structure"
+        else:
+            assert inside == size, f"{name} is small and must be whole"
+    loaded = torch.load(tmp_path / "skel.pt", weights_only=True, mmap=True)  # torch reads nothing else
+    assert {k: (v.shape, v.dtype) for k, v in loaded["module"].items()} == \
+        {k: (v.shape, v.dtype) for k, v in sd["module"].items()}
+    assert loaded["args"] == {"lr": 0.1} and loaded["iteration"] == 3
+
+
+def test_every_box_of_a_streamed_tensor_equals_slicing_the_tensor(tmp_path):
+    """Row runs, column slices, inner boxes, 3-D, 1-D, 0-dim and empty boxes, a view at a storage
+    offset: each read through the source equals the same slice of the saved tensor."""
+    base = torch.randn(4000)
+    sd = {"module": {"m": torch.randn(96, 80), "c": torch.randn(6, 40, 30), "v": base[1000:3000],
+                     "s": torch.tensor(3.5), "e": torch.empty(0, 5), "i": torch.arange(50000, dtype=torch.int64)}}
+    path = tmp_path / "boxes.pt"
+    torch.save(sd, path)
+    got, source = _streamed(path, tmp_path)
+    module = got["module"]
+    assert all(isinstance(t, remote.RemoteTensor) for t in module.values())
+    assert module["v"].storage_offset == 1000
+    cases = {
+        "m": [((0, 0), (96, 80)), ((10, 0), (20, 80)), ((0, 40), (96, 40)), ((5, 7), (11, 13)), ((95, 79), (1, 1))],
+        "c": [((0, 0, 0), (6, 40, 30)), ((2, 0, 0), (3, 40, 30)), ((1, 10, 5), (4, 20, 25)), ((0, 0, 15), (6, 40, 15))],
+        "v": [((0,), (2000,)), ((123,), (456,))],
+        "s": [((), ())],
+        "e": [((0, 0), (0, 5))],
+        "i": [((49990,), (10,)), ((0,), (50000,))],
+    }
+    for key, boxes in cases.items():
+        for offsets, sizes in boxes:
+            want = sd["module"][key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            assert torch.equal(module[key].read_box(offsets, sizes), want), (key, offsets, sizes)
+            out = torch.full(sizes, -1, dtype=want.dtype)
+            module[key].read_box(offsets, sizes, out=out)
+            assert torch.equal(out, want), (key, offsets, sizes)
+    wide = torch.empty(96, 2000).t()  # an output with other strides than the box
+    module["m"].read_box((0, 0), (96, 80), out=wide[:80, :96].t())
+    assert torch.equal(wide[:80, :96].t(), sd["module"]["m"])
+
+
+def test_a_column_slice_is_read_in_spans_of_bounded_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "SPAN_BYTES", 64 << 10)
+    t = torch.randn(512, 1024)  # 2 MiB; a column half of it spans whole rows
+    path = tmp_path / "wide.pt"
+    torch.save({"module": {"w": t}}, path)
+    got, source = _streamed(path, tmp_path)
+    reads = []
+    real = source.read_into
+    source.read_into = lambda off, out: (reads.append(len(out)), real(off, out))[1]
+    assert torch.equal(got["module"]["w"].read_box((0, 512), (512, 512)), t[:, 512:])
+    assert max(reads) <= 64 << 10 and sum(reads) <= t.numel() * 4
+
+
+def test_carried_entries_are_read_whole_with_their_storages_shared(tmp_path):
+    shared = torch.arange(10.0)
+    sd = {"module": {"w": torch.randn(3)}, "extra": {"a": shared[:5], "b": shared[5:], "n": torch.tensor(7)}}
+    path = tmp_path / "carried.pt"
+    torch.save(sd, path)
+    got, _ = _streamed(path, tmp_path)
+    extra = remote.materialize_lazy(got["extra"])
+    assert torch.equal(extra["a"], shared[:5]) and torch.equal(extra["b"], shared[5:])
+    assert extra["a"].untyped_storage().data_ptr() == extra["b"].untyped_storage().data_ptr()
+    assert extra["n"].item() == 7
+    assert remote.materialize_lazy({"x": [1, "y"]}) == {"x": [1, "y"]}
+
+
+@pytest.mark.parametrize("tensor", [torch.nn.Parameter(torch.randn(4, 4)), torch.randn(4, 6).t()],
+                         ids=["parameter", "non-contiguous"])
+def test_a_tensor_whose_bytes_depend_on_more_than_its_values_is_refused(tensor, tmp_path):
+    path = tmp_path / "odd.pt"
+    torch.save({"module": {"w": tensor}}, path)
+    with pytest.raises(CheckpointFormatError, match="cannot be read while converting") as err:
+        _streamed(path, tmp_path)
+    assert "--cache-sources" in err.value.one_line()
+
+
+@pytest.mark.parametrize("fmt", ["deepspeed", "torch_dist", "hf"])
+def test_a_remote_source_converts_from_its_skeletons_byte_for_byte(fmt, tmp_path, s3_server, s3_bucket, monkeypatch):
+    """DeepSpeed rank files, torch_dist blobs and Hugging Face safetensors on S3, streamed: the
+    outputs equal the conversion of the same files on local disk, and the cache holds skeletons
+    only (a few percent of the source); with ``cache_sources`` the whole files, same bytes."""
+    base = tmp_path / "base"
+    write_sample_checkpoint(base, tp=4, cfg=WIDE)
+    src = base
+    opts = ReshardOptions(target_tp=2)
+    if fmt != "deepspeed":
+        src = tmp_path / fmt
+        run_direct(str(base), str(src), ReshardOptions(to=fmt))
+    url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
+    run_direct(str(src), str(tmp_path / "local"), opts)
+    want = _outputs(tmp_path / "local")
+    source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    for cache_sources in (False, True):
+        cache = ShardCache(tmp_path / f"cache-{cache_sources}")
+        out = tmp_path / f"remote-{cache_sources}"
+        run_direct(url, str(out), opts, storage_options=so, cache=cache, cache_sources=cache_sources)
+        assert _outputs(out) == want
+        held = sum(p.stat().st_blocks * 512 for p in cache.shards.iterdir())
+        if cache_sources:
+            assert held >= 0.9 * source_bytes
+        else:
+            assert held < 0.05 * source_bytes, (held, source_bytes)
+
+
+def test_an_object_replaced_while_it_is_read_fails_the_read(tmp_path, s3_server, s3_bucket, monkeypatch):
+    from reshard.storage.location import open_location
+    from reshard.storage.remote_read import RangeReader
+    from reshard.storage.source_view import list_objects
+
+    path = tmp_path / "src" / "mp_rank_00_model_states.pt"
+    path.parent.mkdir()
+    path.write_bytes(os.urandom(1 << 20))
+    url, so = upload_to_s3(path.parent, s3_server, s3_bucket, monkeypatch)
+    loc = open_location(url, so)
+    (obj,) = list_objects(loc)
+    reader = RangeReader(loc, obj)
+    first = bytearray(100)
+    reader.read_into(0, memoryview(first))
+    assert bytes(first) == path.read_bytes()[:100]
+    loc.fs.pipe_file(obj.path, os.urandom(1 << 20))  # a new version, same size
+    fresh = RangeReader(loc, obj)  # nothing cached: every block is asked for again
+    with pytest.raises(StorageError, match="changed while it was being read"):
+        fresh.read_into(0, memoryview(bytearray(100)))
+    with pytest.raises(StorageError, match="asked for bytes"):
+        reader.read_into(obj.size - 10, memoryview(bytearray(100)))
+
+
+def _outputs(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST_NAME}
+
+
+# --- outputs: uploaded while they are written ---------------------------------------------------------
+
+@pytest.mark.parametrize("to", [None, "hf", "torch_dist"])
+def test_an_output_streamed_to_s3_never_lies_whole_on_local_disk(to, tmp_path, s3_server, s3_bucket, monkeypatch):
+    """TP 4 -> one file on S3: the bytes go up part by part while they are written. The local work
+    folder never holds more than a small part of the output (sampled while it runs); the object is
+    invisible until the commit, then equal to the same conversion written locally, its manifest
+    hash right, and no upload is left open."""
+    import hashlib
+    import threading
+
+    from reshard.storage.location import open_location
+
+    src = tmp_path / "src"
+    write_sample_checkpoint(src, tp=4, cfg=WIDE)
+    opts = ReshardOptions(target_tp=1) if to is None else ReshardOptions(to=to)
+    run_direct(str(src), str(tmp_path / "local"), opts)
+    want = _outputs(tmp_path / "local")
+    _, so = upload_to_s3(tmp_path / "local", s3_server, s3_bucket, monkeypatch, prefix="unused")
+    cache = ShardCache(tmp_path / "cache")
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            held = 0
+            for p in cache.work.rglob("*"):
+                try:
+                    held += p.stat().st_blocks * 512 if p.is_file() else 0
+                except FileNotFoundError:
+                    pass
+            peak[0] = max(peak[0], held)
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        report = run_direct(str(src), f"{s3_bucket}/out", opts, storage_options=so, cache=cache)
+    finally:
+        done.set()
+        sampler.join()
+    largest = max(len(v) for v in want.values())
+    assert largest > 3 * (8 << 20)  # several parts of 8 MiB
+    assert peak[0] < largest // 8, (peak[0], largest)
+    fs = open_location(f"{s3_bucket}/out", so).fs
+    got = {r["path"]: fs.cat_file(f"{s3_bucket[5:]}/out/{r['path']}") for r in report.manifest["files"]}
+    assert got == want
+    assert all(hashlib.sha256(got[r["path"]]).hexdigest() == r["sha256"] for r in report.manifest["files"])
+    assert s3_server.client().list_multipart_uploads(Bucket=s3_bucket[5:]).get("Uploads", []) == []
