@@ -6,6 +6,9 @@ Unset (the normal case) this is one dictionary lookup. Points, in pipeline order
 ``uploading`` (a staged output is about to be uploaded), ``uploaded``, ``staged-all`` (every
 output staged, nothing moved), ``copying`` (the first output moved into place),
 ``committed-files`` (all moved, manifest not yet written).
+
+``RESHARD_CRASH_ONCE=FILE`` beside it: only the first process to reach the point dies (it
+creates FILE; the others find it there and go on) — one of several workers killed, not all.
 """
 
 from __future__ import annotations
@@ -30,4 +33,10 @@ def crash_point(name: str) -> None:
         _counts[name] = _counts.get(name, 0) + 1
         hit = _counts[name] >= int(n or 1)
     if hit:
+        once = os.environ.get("RESHARD_CRASH_ONCE")
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # another process died here already
         os.kill(os.getpid(), signal.SIGKILL)

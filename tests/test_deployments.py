@@ -451,6 +451,55 @@ def test_sweep_converts_pending_checkpoints_once(stack, sample_factory):
 
 
 @pytest.mark.slow
+def test_two_workers_on_the_gpu_pool_run_8to2_conversions_in_parallel(stack, sample_factory, tmp_path):
+    """Two process workers on the ``gpu`` pool, one run at a time each and nothing shared but S3
+    and the server (their own HOME, shard cache and result folder): two ``reshard/8to2`` runs
+    submitted together are taken one by each and run at the same time, each committing what
+    ``--direct`` writes."""
+    from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
+
+    stop(stack.worker, grace=20)  # from here on only these two workers take runs
+    workers, logs = {}, {}
+    for name in ("gpu-a", "gpu-b"):
+        home = stack.root / name
+        (home / "home").mkdir(parents=True)
+        logs[name] = home / "worker.log"
+        env = dict(stack.env, HOME=str(home / "home"), RESHARD_CACHE_DIR=str(home / "cache"),
+                   PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"))
+        workers[name] = spawn([PREFECT, "worker", "start", "--pool", "gpu", "--name", name, "--limit", "1"], env,
+                              logs[name], cwd=stack.root)
+    try:
+        def online():
+            with stack.client() as c:
+                up = c.read_workers_for_work_pool("gpu", worker_filter=WorkerFilter(
+                    status=WorkerFilterStatus(any_=["ONLINE"])))
+            return {w.name for w in up} >= set(workers)
+
+        wait_for(online, 90, "both gpu workers to come online", on_timeout=stack.logs)
+        sample = sample_factory(8)
+        sources = [f"s3://{stack.bucket}/parallel/run{i}/global_step1000" for i in (1, 2)]
+        for src in sources:
+            stack.upload_sample(sample, src)
+        dep = stack.deployment("reshard/8to2")
+        with stack.client() as c:  # both submitted at once, as `prefect deployment run` would
+            runs = [c.create_flow_run_from_deployment(dep.id, parameters={"source": src,
+                                                                          "storage_options": stack.storage_options})
+                    for src in sources]
+        finals = [stack.wait_final(r.id) for r in runs]
+        taken = {name: [str(r.id) for r in runs if str(r.id) in tail(log, 1_000_000)] for name, log in logs.items()}
+        assert sorted(len(v) for v in taken.values()) == [1, 1], (taken, stack.logs())
+        (a, b) = finals
+        assert a.start_time < b.end_time and b.start_time < a.end_time, "the two runs did not overlap"
+        expected = _expected_shards(sample, tmp_path, 2)
+        for src in sources:
+            manifest = stack.manifest(src + "-tp2")
+            assert manifest is not None and _shards(manifest) == expected
+    finally:
+        for proc in workers.values():
+            stop(proc, grace=20)
+
+
+@pytest.mark.slow
 def test_reshard_serve_registers_the_same_and_runs_it(stack, sample_factory):
     """Last: `reshard serve` takes over 8to1 and the sweep (same names, parameters, schedule and
     trigger; no work pool) and executes a run itself."""

@@ -747,13 +747,13 @@ def test_the_flow_waits_for_the_files_each_target_reads(moe_etp, tmp_path):
     from reshard.core.options import ReshardOptions
     from reshard.tasks.identity import conversion_id
     from reshard.tasks.shard_tasks import discover_shards
-    from reshard.tasks.target_tasks import cache_dir_of, locate_source, plan_layout
+    from reshard.tasks.target_tasks import locate_source, plan_layout
 
     src = moe_etp[("moe_gelu", 4, 2, 2)]
     options = ReshardOptions(target_tp=4).to_record()
     disc = discover_shards.fn(str(src), {}, options)
     base = {"destination": str(tmp_path / "out"), "storage_options": {}, "overwrite": False, "device": None,
-            "options": options, "target_config": None, "cache_dir": cache_dir_of(str(tmp_path / "cache")),
+            "options": options, "target_config": None, "cache_dir": str(tmp_path / "cache"),
             "gpu_concurrency_limit": None}
     located = locate_source.fn(base, disc, {}, conversion_id(disc["objects"], options))
     layout = plan_layout.fn(located, {})

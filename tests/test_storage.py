@@ -209,6 +209,20 @@ def test_cache_is_keyed_by_identity_and_bounded(s3_src, tmp_path):
     assert cache.misses == len(objs) + 1
 
 
+def test_the_cache_bound_is_a_setting_of_the_worker(tmp_path, monkeypatch):
+    from reshard.core.errors import LayoutError
+    from reshard.storage.cache import DEFAULT_MAX_BYTES
+
+    monkeypatch.delenv("RESHARD_CACHE_MAX_BYTES", raising=False)
+    assert ShardCache(tmp_path / "c").max_bytes == DEFAULT_MAX_BYTES == 4 << 30
+    monkeypatch.setenv("RESHARD_CACHE_MAX_BYTES", "500MB")
+    assert ShardCache(tmp_path / "c").max_bytes == 500 * 10**6
+    assert ShardCache(tmp_path / "c", max_bytes=7).max_bytes == 7
+    monkeypatch.setenv("RESHARD_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(LayoutError, match="RESHARD_CACHE_MAX_BYTES"):
+        ShardCache(tmp_path / "c")
+
+
 # --- faults --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,every", [("503", 3), ("500", 3), ("reset", 4), ("truncate", 4)])

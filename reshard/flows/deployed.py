@@ -73,6 +73,7 @@ def reshard_deployment(
     device: str | None = None,
     target_config: dict[str, Any] | None = None,
     cache_dir: str | None = None,
+    cache_sources: bool = False,
     gpu_resource: bool = False,
     gpu_concurrency_limit: str | None = None,
 ) -> dict[str, Any]:

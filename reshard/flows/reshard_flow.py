@@ -43,7 +43,7 @@ from reshard.formats import is_marker, shard_role
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
-from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, cache_dir_of, commit_checkpoint, convert_target_rank,
+from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, commit_checkpoint, convert_target_rank,
                                         locate_source, output_present, plan_conversion, plan_layout, report,
                                         upload_target)
 
@@ -52,7 +52,8 @@ from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, cache_dir_of, co
 def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     """Reshard ``params.source`` into ``params.destination`` at ``params.target_tp``."""
     log = get_run_logger()
-    cache_dir = cache_dir_of(params.cache_dir)
+    # None: each process (a Dask worker on another machine, say) uses its own default cache
+    cache_dir = params.cache_dir
     options = params.options().to_record()
     base = {"destination": params.destination, "storage_options": params.storage_options,
             "overwrite": params.overwrite, "device": params.device, "options": options,
@@ -78,7 +79,11 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     fetches.update({o["name"]: fetch(o, markers) for o in objects if o["name"] not in markers})
     names = [o["name"] for o in objects]
     checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key, o["url"],
-                                            *shard_role(o["name"], names)) for o in objects}
+                                            *shard_role(o["name"], names),
+                                            None if disc["is_local"] else {"source": params.source, "obj": o,
+                                                                           "storage_options": params.storage_options,
+                                                                           "cache_dir": cache_dir})
+              for o in objects}
 
     cid = conversion_id(objects, options)
     metadata = {name: fut.result() for name, fut in fetches.items() if is_marker(name)}
@@ -95,17 +100,19 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     # concurrency slot per tag from the server first (measured: ~2 s before a conversion starts)
     gpu_tags = [GPU_TAG] if (params.gpu_concurrency_limit or params.gpu_resource
                              or (params.device or "cpu") != "cpu") else []
-    # an output the destination takes while it is written (S3: an upload to its final key) goes
-    # there only once the destination is claimed; any other is converted into the work folder
-    # as soon as *its* source shards are fetched and checked, and published after the checks
-    streams = layout["streams"]
+    # an output for a remote destination is published by the task that converts it (S3: uploaded
+    # while it is written), so only once the destination is claimed; one for a local folder is
+    # converted into the work folder as soon as *its* source shards are fetched and checked, and
+    # moved into staging after the checks
+    streams = layout["publishes"]
     for t in layout["targets"]:
         name = t["name"]
         staged = output_present(layout, name, accept_local_file=False)  # uploaded or committed
         converted = staged or (not streams and output_present(layout, name, accept_local_file=True))
         with _gpu_annotation(params.gpu_resource):
             converts[name] = convert_target_rank.with_options(refresh_cache=not converted, tags=gpu_tags).submit(
-                job_f if streams else layout, name, t["rank"], {s: fetches[s] for s in t["sources"]},
+                job_f if streams else layout, name, t["rank"],
+                {s: fetches[s] for s in (*t["sources"], *headers)},  # the headers: its layout plan reads them
                 wait_for=[checks[s] for s in t["sources"]])
         uploads[name] = upload_target.with_options(refresh_cache=not staged).submit(job_f, name, converts[name])
     # on a failure, let what is running finish (its results are cached for the re-run) and

@@ -7,9 +7,12 @@ concurrent ranged ``get_file`` does not retry a truncated body, so every downloa
 and a short or corrupt one is fetched again (whole-shard retry; request retries stay in
 botocore).
 
-The cache is bounded (``max_bytes``): least recently used entries are evicted. Runs read
-shards through hard links in their own work folder, so evicting an entry never pulls a file
-from under a running conversion.
+The cache is bounded (``max_bytes``, ``$RESHARD_CACHE_MAX_BYTES``, default 4 GiB: what a
+worker's local disk gives the cache): least recently used entries are evicted. Runs read shards
+through hard links in their own work folder, so evicting an entry never pulls a file from under
+a running conversion. A streamed source (the default for remote ones) keeps only skeletons here,
+a few hundred KiB per GB of checkpoint; whole shards (``--cache-sources``) need room for the
+shards a target reads.
 
 Location: ``$RESHARD_CACHE_DIR`` or ``~/.cache/reshard``; clear it with ``rm -rf`` at any time
 when no conversion is running.
@@ -29,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.core.errors import StorageError
+from reshard.core.options import parse_size
 from reshard.storage.location import Location, is_transient_error, storage_errors
 
-DEFAULT_MAX_BYTES = 200 << 30
+DEFAULT_MAX_BYTES = 4 << 30
 FETCH_ATTEMPTS = 4
 _PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -42,6 +46,12 @@ SKELETON = "skeleton"
 def is_skeleton(path: str | os.PathLike[str]) -> bool:
     """Is ``path`` a cache entry holding only a file's structure (see :meth:`ShardCache.fetch`)?"""
     return Path(path).name.endswith(f".{SKELETON}")
+
+
+def default_max_bytes() -> int:
+    """``$RESHARD_CACHE_MAX_BYTES`` (``4GiB``, ``500MB``, bytes), else :data:`DEFAULT_MAX_BYTES`."""
+    env = os.environ.get("RESHARD_CACHE_MAX_BYTES")
+    return parse_size(env, "RESHARD_CACHE_MAX_BYTES") if env else DEFAULT_MAX_BYTES
 
 
 def default_cache_dir() -> Path:
@@ -67,12 +77,12 @@ class RemoteObject:
 class ShardCache:
     """Content-identity keyed cache of downloaded shards (see module docstring)."""
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+    def __init__(self, root: str | os.PathLike[str] | None = None, max_bytes: int | None = None,
                  chunksize: int = 32 << 20, max_concurrency: int = 8):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.shards = self.root / "shards"
         self.work = self.root / "work"
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         self.chunksize = chunksize
         self.max_concurrency = max_concurrency
         self.shards.mkdir(parents=True, exist_ok=True)

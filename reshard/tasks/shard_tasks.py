@@ -16,7 +16,7 @@ from prefect.tasks import exponential_backoff
 from reshard.core.options import ReshardOptions
 from reshard.formats import check_file
 from reshard.crashpoints import crash_point
-from reshard.storage.cache import RemoteObject, ShardCache
+from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import open_location
 from reshard.storage.source_view import discover, fetch
 from reshard.tasks.cache_keys import check_key, fetch_key
@@ -52,7 +52,14 @@ def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any
 
 
 @task(name="check-shard", cache_key_fn=check_key, persist_result=True)
-def check_shard(path: str, identity: str, module_key: str, url: str, fmt: str | None, role: str) -> dict[str, Any]:
+def check_shard(path: str, identity: str, module_key: str, url: str, fmt: str | None, role: str,
+                refetch: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per-shard check by the file's format and role (see ``reshard.formats.shard_role``), on every
-    fetched shard, local or remote. Cross-shard consistency is checked in the plan step."""
+    fetched shard, local or remote. Cross-shard consistency is checked in the plan step.
+    ``refetch`` (``fetch-shard``'s source, obj, storage_options and cache_dir): where ``path`` is
+    not on this machine (fetched by a worker on another), the shard is fetched here the same way."""
+    if refetch is not None and not Path(path).is_file():
+        cache = ShardCache(refetch["cache_dir"])
+        path = str(fetch(open_location(refetch["source"], refetch["storage_options"]), RemoteObject(**refetch["obj"]),
+                         cache, {}, stream=is_skeleton(path)))
     return dict(check_file(path, fmt, role, module_key, url), path=path, role=role)

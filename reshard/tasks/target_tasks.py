@@ -1,7 +1,11 @@
 """Per-target-rank tasks: plan (cross-shard checks + ZeRO gate), convert, upload, commit, report.
 
 A *job* is the small dict the plan step returns; every later task receives it (plus a target
-name) and rebuilds what it needs from local paths, so tasks stay stateless and cheap to pickle.
+name) and rebuilds what it needs, so tasks stay stateless and cheap to pickle. A task may run on
+another machine than the one that fetched its shards (Dask workers that share nothing but the
+object store): its local files — the work folder, the source's view, the fetched shards — are
+found (or fetched again) in *its own* shard cache, by names that are the same everywhere
+(:func:`_ensure_view`), never by another machine's paths.
 """
 
 from __future__ import annotations
@@ -36,16 +40,31 @@ from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.destination import Destination, LocalDestination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
-from reshard.storage.source_view import Discovery, LocalSource, attach_streamed, link_into_view, skeleton_view
+from reshard.storage.source_view import (Discovery, LocalSource, attach_streamed, fetch, link_into_view,
+                                         skeleton_view)
 from reshard.tasks.cache_keys import target_key
 from reshard.tasks.shard_tasks import TRANSIENT_RETRIES
 
 GPU_TAG = "reshard-gpu"
 
 
+def _workdir(job: dict[str, Any]) -> Path:
+    """This conversion's private work folder in this process's shard cache."""
+    return ShardCache(job["cache_dir"]).work / job["conversion_id"][:24]
+
+
+def _view_root(job: dict[str, Any]) -> Path:
+    return _workdir(job) / "source"
+
+
+def _view_path(job: dict[str, Any]) -> Path:
+    """What ``locate`` is given: the source itself when local, else its view in this process's cache."""
+    return Path(job["view_path"]) if job["is_local"] else _view_root(job) / job["view_rel"]
+
+
 def destination_for(job: dict[str, Any]) -> Destination:
     dest = open_destination(job["destination"], job["storage_options"], overwrite=job["overwrite"],
-                            workdir=Path(job["workdir"]), check=False)
+                            workdir=_workdir(job), check=False)
     if job.get("lock_token"):
         dest.adopt_lock(job["lock_token"], job["conversion_id"])
     return dest
@@ -62,7 +81,7 @@ def converted_path(job: dict[str, Any], name: str) -> Path:
     """Where convert writes target ``name``: this conversion's private work folder (for a remote
     destination that is also its local staging path), never the destination itself — a target
     may be converted before the destination is claimed."""
-    return Path(job["workdir"]) / "out" / name
+    return _workdir(job) / "out" / name
 
 
 def output_present(job: dict[str, Any], name: str, *, accept_local_file: bool) -> bool:
@@ -87,25 +106,34 @@ def _discovery(record: dict[str, Any]) -> Discovery:
                      base64.b64decode(record["descriptor_b64"]) if record["descriptor_b64"] else None)
 
 
-def _link_fetched(job: dict[str, Any], fetched: dict[str, str]) -> None:
-    """Put fetched shards into the conversion's view (replacing placeholders); a skeleton (a
-    streamed shard's structure) reads the rest from the source, in this process."""
+def _ensure_view(job: dict[str, Any], fetched: dict[str, str]) -> None:
+    """Make this process's view of the source hold the ``fetched`` shards (name -> the path a
+    fetch task returned) and the checkpoint's markers, replacing placeholders. A path that is not
+    on this machine (fetched by another worker) is fetched again into this process's cache, the
+    same way (a skeleton, a range set or the whole object); a skeleton reads the rest from the
+    source while converting (attached here, in this process)."""
     if job["is_local"]:
         return
-    root = Path(job["view_root"])
-    by_name = {o["name"]: o for o in job["discovery"]["objects"]}
-    loc = None
-    for name, path in fetched.items():
-        link_into_view(Path(path), root / name)
-        if is_skeleton(path):
-            loc = loc or open_location(job["source"], job["storage_options"])
-            attach_streamed(root / name, Path(path), loc, RemoteObject(**by_name[name]))
+    root = _view_root(job)
+    skeleton_view(_discovery(job["discovery"]), root)  # placeholders where nothing is linked yet
+    by_name = {o["name"]: RemoteObject(**o) for o in job["discovery"]["objects"]}
+    cache, loc = ShardCache(job["cache_dir"]), open_location(job["source"], job["storage_options"])
+    markers: dict[str, Path] = {}
+    wanted = {**job.get("markers", {}), **fetched}
+    for name in sorted(wanted, key=lambda n: not is_marker(n)):  # markers first: the others' ranges need them
+        path = Path(wanted[name])
+        if not path.is_file():
+            path = fetch(loc, by_name[name], cache, None if is_marker(name) else markers, stream=is_skeleton(path))
+        if is_marker(name):
+            markers[name] = path
+        link_into_view(path, root / name)
+        attach_streamed(root / name, path, loc, by_name[name])
 
 
 def layout_plan(job: dict[str, Any]) -> Any:
     """The headers-only plan of this conversion, built once per worker process (every convert
     task of a run needs it; rebuilding it per task cost seconds on large models)."""
-    return _layout_plan(job["view_path"], job["conversion_id"], job["source"], json.dumps(job["options"]))
+    return _layout_plan(str(_view_path(job)), job["conversion_id"], job["source"], json.dumps(job["options"]))
 
 
 @functools.lru_cache(maxsize=4)
@@ -120,12 +148,14 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     """Lay out the source as a local view (placeholders for shards not fetched yet) and name
     the *header* files — the first rank file of each pipeline stage — that the layout plan reads."""
     disc = _discovery(discovery)
-    workdir = Path(base["cache_dir"]) / "work" / conversion_id[:24]
-    view_root = workdir / "source"
-    view = skeleton_view(disc, view_root)
-    job = dict(base, conversion_id=conversion_id, workdir=str(workdir), view_path=str(view),
-               view_root=str(view_root), is_local=disc.is_local, source=disc.url, discovery=discovery)
-    _link_fetched(job, metadata)
+    job = dict(base, conversion_id=conversion_id, is_local=disc.is_local, source=disc.url, discovery=discovery,
+               markers=dict(metadata))
+    view = skeleton_view(disc, _view_root(job))
+    if disc.is_local:
+        job["view_path"] = str(view)
+    else:
+        job["view_rel"] = view.relative_to(_view_root(job)).as_posix()
+    _ensure_view(job, {})
     with urls_in_errors(view, disc.url):
         source = locate(str(view))
     names = _object_names(job, source.files)
@@ -144,7 +174,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
 def _object_names(job: dict[str, Any], paths: Sequence[Path]) -> list[str | None]:
     """The source object behind each local path of the view (None: a file outside the listing)."""
     disc = _discovery(job["discovery"])
-    view_root = Path(job["view_root"])
+    view_root = _view_root(job)
     by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
     return [by_path.get(os.path.realpath(f)) for f in paths]
 
@@ -155,7 +185,7 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     plus the ZeRO gate: which source shards each target rank reads, so its conversion can start
     as soon as those are fetched. Cross-rank checks follow in ``plan-conversion``."""
     job = dict(located)
-    _link_fetched(job, headers)
+    _ensure_view(job, headers)
     plan = layout_plan(job)
     zero = zero_gate(plan, job["target_config"])
     names = [t.name for t in plan.targets]
@@ -166,7 +196,7 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
     return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": list(dict.fromkeys(files[i] for i in t.sources)) + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
-                streams=destination_for(job).takes_streams and get_format(plan.output_format).writes_streams(),
+                publishes=not isinstance(destination_for(job), LocalDestination),
                 warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
                 source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version,
                 output_format=plan.output_format, notes=get_format(plan.output_format).describe(plan))
@@ -178,9 +208,9 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
     destination checks — everything that can still refuse the conversion — then claim the
     destination. No output is published before this succeeds."""
     job = dict(layout)
-    _link_fetched(job, fetched)
+    _ensure_view(job, fetched)
     disc = _discovery(job["discovery"])
-    view = Path(job["view_path"])
+    view = _view_path(job)
     local = LocalSource(disc.url, view, disc.objects)
     with urls_in_errors(view, disc.url):
         plan = build_plan(str(view), _options(job))
@@ -207,13 +237,14 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
 @task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True)
 def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict[str, str]) -> dict[str, Any]:
     """Merge/split/quantize one target rank from exactly the source shards it needs, into the
-    work folder (published by ``upload-target`` once the cross-rank checks passed) — or, where
-    the destination takes streams (``job["streams"]``: then ``job`` is plan-conversion's, the
-    destination claimed), straight into its upload, recorded under ``record``."""
-    _link_fetched(job, sources)
+    work folder (published by ``upload-target`` once the cross-rank checks passed) — or, for a
+    remote destination (``job["publishes"]``: then ``job`` is plan-conversion's, the destination
+    claimed), published by this task itself (S3: uploaded while it is written), so no other
+    machine needs this one's files; recorded under ``record``."""
+    _ensure_view(job, sources)
     plan = layout_plan(job)
-    if job.get("streams"):
-        return _convert_streamed(job, plan, name, rank)
+    if job.get("publishes"):
+        return _convert_and_publish(job, plan, name, rank)
     out = converted_path(job, name)
     # a private folder per attempt (two runs of one conversion may convert the same target at
     # once), and the final basename: torch.save records it inside the zip, so keeping it makes
@@ -223,7 +254,7 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
     device = pick_device(job.get("device"))
     t0 = time.perf_counter()
     try:
-        with urls_in_errors(Path(job["view_path"]), job["source"]), _gpu_slot(job):
+        with urls_in_errors(_view_path(job), job["source"]), _gpu_slot(job):
             res = convert_target(plan, rank, partial, device, sha256=True, on_bytes=progress.bytes_reporter(name))
         os.replace(partial, out)
     finally:
@@ -233,22 +264,33 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _convert_streamed(job: dict[str, Any], plan: Any, name: str, rank: int) -> dict[str, Any]:
-    """Convert one target into its upload (the destination is claimed: ``job`` is plan-conversion's)."""
+def _convert_and_publish(job: dict[str, Any], plan: Any, name: str, rank: int) -> dict[str, Any]:
+    """Convert one target and publish it (the destination is claimed: ``job`` is plan-conversion's):
+    uploaded while it is written where the destination takes streams, else written here and
+    published right after."""
     if job["up_to_date"]:  # committed by an earlier run: nothing to convert
         rec = _committed_record(job, name)
         return {"rank": rank, "name": name, "size": rec["size"], "sources": list(plan.targets[rank].sources),
                 "sha256": rec["sha256"], "seconds": 0.0, "record": rec}
     dest = destination_for(job)
-    scratch = converted_path(job, name).parent / ".partial" / uuid.uuid4().hex / Path(name).name
-    scratch.parent.mkdir(parents=True, exist_ok=True)
+    device = pick_device(job.get("device"))
     t0 = time.perf_counter()
-    try:
-        with _gpu_slot(job):
-            res, record = convert_streamed(plan, rank, scratch, pick_device(job.get("device")), dest.open_stream(name, plan.targets[rank].bytes_written),
-                                           Path(job["view_path"]), job["source"])
-    finally:
-        shutil.rmtree(scratch.parent, ignore_errors=True)
+    if not (dest.takes_streams and get_format(plan.output_format).writes_streams()):
+        with urls_in_errors(_view_path(job), job["source"]), _gpu_slot(job):
+            res = convert_target(plan, rank, dest.staged(name), device, sha256=True,
+                                 on_bytes=progress.bytes_reporter(name))
+        crash_point("converted")
+        record = dest.publish(name, res.sha256)
+    else:
+        scratch = converted_path(job, name).parent / ".partial" / uuid.uuid4().hex / Path(name).name
+        scratch.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with _gpu_slot(job):
+                res, record = convert_streamed(plan, rank, scratch, device,
+                                               dest.open_stream(name, plan.targets[rank].bytes_written),
+                                               _view_path(job), job["source"])
+        finally:
+            shutil.rmtree(scratch.parent, ignore_errors=True)
     return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
             "seconds": round(time.perf_counter() - t0, 3), "record": record}
 
@@ -351,7 +393,3 @@ def report(job: dict[str, Any], converted: list[dict[str, Any]], records: list[d
     md = "\n".join(lines)
     create_markdown_artifact(md, key="reshard-report", description="reshard conversion report")
     return md
-
-
-def cache_dir_of(cache_dir: str | None) -> str:
-    return str(ShardCache(cache_dir).root)
