@@ -229,6 +229,22 @@ def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
+    import os
+
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):  # the embedded server boots while the flow imports
+        from reshard.flows.server import start_embedded
+        from reshard.storage.cache import ShardCache
+
+        server = start_embedded(ShardCache(ns.cache_dir).root)
+    try:
+        return _run_flow(ns, server)
+    finally:
+        if server is not None:
+            server.stop()  # run_flow stops it once settled; here only when it never got there
+
+
+def _run_flow(ns: argparse.Namespace, server: Any) -> dict[str, Any]:
     from pydantic import ValidationError
 
     from reshard.core.errors import LayoutError
@@ -253,7 +269,7 @@ def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
         raise LayoutError(f"{first['msg']}{shown}", culprit="--" + field.replace("_", "-"),
                           hint=f"fix --{field.replace('_', '-')}") from None
     return run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
-                    console_level="INFO" if ns.verbose else "WARNING")
+                    console_level="INFO" if ns.verbose else "WARNING", server=server)
 
 
 def plan_record(plan: Any) -> dict[str, Any]:
@@ -421,7 +437,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from reshard.flows.runner import prefect_environment
+    from reshard.flows.server import prefect_environment
     from reshard.storage.cache import ShardCache
 
     prefect_environment(ShardCache().root)
@@ -469,5 +485,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EX_TEMPFAIL
 
 
+def console() -> None:
+    """The ``reshard`` console script: :func:`main`, then the process ends at once. Its work is
+    done and flushed by then (outputs committed, Prefect's server stopped, its event and log
+    queues drained), and the interpreter's teardown of torch's and Prefect's modules alone took
+    half a second of every run."""
+    import logging
+    import os
+
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

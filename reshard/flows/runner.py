@@ -3,21 +3,14 @@ server when ``PREFECT_API_URL`` is set; threads by default, Dask on request."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from reshard.events import flush_worker
 from reshard.flows.params import ReshardParams
-
-
-def prefect_environment(cache_root: Path) -> None:
-    """Defaults for running offline on a small machine; an explicit setting always wins."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(cache_root / "prefect-results"))
+from reshard.flows.server import prefect_environment
 
 
 def task_runner(dask_address: str | None = None, dask_workers: int | None = None, gpus_per_worker: int = 0) -> Any:
@@ -38,8 +31,11 @@ def task_runner(dask_address: str | None = None, dask_workers: int | None = None
 
 def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_workers: int | None = None,
              on_target_done: Callable[[dict[str, Any]], None] | None = None,
-             console_level: str | None = None) -> dict[str, Any]:
-    """Run the flow in this process and return its summary (raises the first task error)."""
+             console_level: str | None = None, server: Any = None) -> dict[str, Any]:
+    """Run the flow in this process and return its summary (raises the first task error).
+    ``server``: the embedded server (:class:`reshard.flows.server.EmbeddedServer`) when the
+    caller started it already (the CLI does, first thing, so it boots while the flow imports);
+    without it and without ``PREFECT_API_URL`` one is started here."""
     from reshard.storage.cache import ShardCache
 
     prefect_environment(ShardCache(params.cache_dir).root)
@@ -56,23 +52,27 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
         if on_target_done is not None and event.get("event") == progress.TARGET_DONE:
             on_target_done(event)
 
-    # Prefect's embedded server (no PREFECT_API_URL) is stopped at interpreter exit: settle
-    # with it first, so that it stops idle, and make it die with this process
-    embedded = _EmbeddedServer.attach()
+    # the embedded server (no PREFECT_API_URL): started here unless the CLI started it already,
+    # settled with (every task run recorded) and stopped when the run is over, and made to die
+    # with this process
+    embedded = _EmbeddedServer.attach(server)
     unsubscribe = progress.subscribe(done_only) if on_target_done else (lambda: None)
     settle = False
-    try:
-        with _no_heartbeats(embedded is not None):
-            out = flow(params)
-        settle = True
-        return out
-    except Exception:
-        settle = True
-        raise
-    finally:
-        unsubscribe()
-        if embedded is not None:
-            embedded.detach(settle=settle)  # not after Ctrl-C: the server is stopping too
+    with embedded.settings() if embedded is not None else contextlib.nullcontext():
+        try:
+            if embedded is not None:
+                embedded.note_events()
+            with _no_heartbeats(embedded is not None):
+                out = flow(params)
+            settle = True
+            return out
+        except Exception:
+            settle = True
+            raise
+        finally:
+            unsubscribe()
+            if embedded is not None:
+                embedded.detach(settle=settle)  # not after Ctrl-C: the server is stopping too
 
 
 def _no_heartbeats(embedded: bool) -> Any:
@@ -142,105 +142,22 @@ def quiet_console(level: str = "WARNING", *, run_logs: bool | None = None) -> No
                     handler.addFilter(_ConsoleFilter(run_logs))
 
 
-# --- Prefect's embedded server --------------------------------------------------------------
+# --- the embedded server -----------------------------------------------------------------------
 #
-# Without PREFECT_API_URL, Prefect runs a temporary server in a subprocess (``uvicorn ...
-# prefect.server.api.server:create_app``, SubprocessASGIServer) and stops it from an ``atexit``
-# hook. Task runs reach that server only as events: the client's EventsWorker streams them over a
-# websocket, and the server's task_run_recorder service writes them one by one. Stopped while
-# events are still on their way or being written, the server loses them (task runs left Pending or
-# Running in its database) and logs "Error flushing 1 events" with a CancelledError traceback. So
+# Without PREFECT_API_URL a run needs a server of its own: reshard starts Prefect's server in a
+# subprocess (:mod:`reshard.flows.server`: the command Prefect's own temporary server runs, started
+# earlier and without importing Prefect's server package) and stops it when the run is over. Task
+# runs reach that server only as events: the client's EventsWorker streams them over a websocket,
+# and the server's task_run_recorder service writes them one by one. Stopped while events are
+# still on their way or being written, the server loses them (task runs left Pending or Running in
+# its database) and logs "Error flushing 1 events" with a CancelledError traceback. So
 # ``run_flow`` settles first: it sends everything (events and logs) and waits until the server
-# holds the last state of every task run it sent; the atexit stop then finds an idle server.
-# And a watchdog process stops the server if this process dies without its atexit hooks
-# (SIGKILL), which would otherwise leave it running, orphaned.
+# holds the last state of every task run it sent; the stop then finds an idle server. A watchdog
+# process stops the server if this process dies without stopping it (SIGKILL), which would
+# otherwise leave it running, orphaned.
 
 #: Most seconds ``run_flow`` waits for the embedded server to record the flow's task runs.
 SETTLE_TIMEOUT = 20.0
-
-_WATCHDOG = r"""# reshard: stops Prefect's embedded server once the process that started it is gone
-import os, signal, sys, time
-for name in ("SIGINT", "SIGHUP"):  # the terminal's signals are for the parent
-    if hasattr(signal, name):
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-pid = None
-for line in sys.stdin:  # ends (EOF) when the parent is gone, however it went
-    word, _, arg = line.strip().partition(" ")
-    if word == "watch":
-        pid = int(arg)
-    elif word == "release":  # the parent stopped the server itself
-        pid = None
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-if pid and alive(pid):
-    # nothing new can reach the server now; give it a moment to write what it has received,
-    # so that its graceful shutdown finds nothing half-written (and logs nothing)
-    time.sleep(1.5)
-    try:
-        os.kill(pid, signal.SIGTERM)  # uvicorn shuts down gracefully
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-"""
-
-
-class _Watchdog:
-    """A small process that stops the server ``pid`` once this process is gone.
-
-    It reads a pipe from this process; the kernel closes the pipe however this process ends
-    (``kill -9`` included), and the watchdog then terminates the server. Unlike
-    ``PR_SET_PDEATHSIG`` (Linux only, and tied to the *thread* that spawned the child: Prefect
-    may start the server from any thread) this needs no hook into how Prefect spawns the server.
-    """
-
-    def __init__(self) -> None:
-        import subprocess
-        import sys
-
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-        self.pid: int | None = None
-
-    def _say(self, line: str) -> None:
-        stdin = self.proc.stdin
-        if stdin is None:  # never: Popen was given stdin=PIPE
-            return
-        try:
-            stdin.write(line + "\n")
-            stdin.flush()
-        except (OSError, ValueError):  # the watchdog is gone (or its pipe closed): nothing to tell
-            pass
-
-    def watch(self, pid: int) -> None:
-        if pid != self.pid:
-            self.pid = pid
-            self._say(f"watch {pid}")
-
-    def release(self) -> None:
-        """The server was stopped normally: let the watchdog end without doing anything."""
-        self._say("release")
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - exiting anyway: an unreaped watchdog exits by itself on EOF
-            pass
 
 
 class _TaskRunLedger:
@@ -285,91 +202,58 @@ class _TaskRunLedger:
 
 
 class _EmbeddedServer:
-    """run_flow's handling of Prefect's embedded server (see the comment above)."""
-
-    _watched: dict[int, _Watchdog] = {}  # server pid -> its watchdog, one per server process
+    """run_flow's handling of the embedded server (see the comment above): reshard's own
+    :class:`~reshard.flows.server.EmbeddedServer`, the run pointed at it, task-run events noted
+    as they are sent, and, once the run is over, settled with and stopped."""
 
     def __init__(self, server: Any, ledger: _TaskRunLedger | None) -> None:
         self.server = server
         self.ledger = ledger
 
     @classmethod
-    def attach(cls) -> "_EmbeddedServer | None":
-        """Start (or find) the embedded server, guard it with a watchdog and note the task-run
-        events this process sends it; None when a configured server is used."""
+    def attach(cls, server: Any = None) -> "_EmbeddedServer | None":
+        """Use ``server`` (started early by the CLI), or start one; note the task-run events this
+        process sends it. None when a configured server (``PREFECT_API_URL``) is used."""
         from prefect.settings import PREFECT_API_URL
 
-        if PREFECT_API_URL.value():
-            return None
-        from prefect.server.api.server import SubprocessASGIServer
+        from reshard.flows.server import EmbeddedServer
 
-        server = SubprocessASGIServer()  # Prefect's shared instance: the one its clients use
-        cls._start_guarded(server)
+        if PREFECT_API_URL.value():  # configured (environment or profile): no server of our own
+            if server is not None:
+                server.stop()
+            return None
+        if server is None:
+            server = EmbeddedServer()
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
+        return cls(server, None)
+
+    def note_events(self) -> None:
+        """Note each task-run event this process sends (inside :meth:`settings`: the events
+        worker made now sends to this server)."""
         from prefect.events.worker import EventsWorker
 
-        ledger = None
-        if EventsWorker._client_override is None:  # else events go elsewhere (tests): leave that alone
-            # The worker this process's events go through (Prefect's emit_event uses the same
-            # instance); note each event once it is sent. Prefect only sends events through its
-            # own client classes, so the note is taken around the worker's handling of an item.
-            worker = EventsWorker.instance()
-            handle = worker._handle
-            ledger = _TaskRunLedger()
-
-            async def handle_and_note(event: Any) -> None:
-                await handle(event)
-                ledger.sent(event)
-
-            worker._handle = handle_and_note
-        return cls(server, ledger)
-
-    @classmethod
-    def _start_guarded(cls, server: Any) -> None:
-        import atexit
-
-        watchdog = None
-        if not server.running:
-            try:
-                watchdog = _Watchdog()
-            except Exception:  # noqa: BLE001 - no watchdog: Prefect's own atexit stop remains
-                watchdog = None
-        if watchdog is not None:
-            # registered before Prefect's atexit stop (registered in start), so it runs after it
-            atexit.register(cls._released, server, watchdog)
-            spawn = getattr(server, "_run_uvicorn_command", None)
-            if callable(spawn):
-                # watch each server process the moment it is spawned (start() may respawn on a
-                # taken port), so that even a kill during the server's startup stops it
-                def spawn_watched() -> Any:
-                    proc = spawn()
-                    watchdog.watch(proc.pid)
-                    return proc
-
-                server._run_uvicorn_command = spawn_watched
-            try:
-                server.start()
-            finally:
-                server.__dict__.pop("_run_uvicorn_command", None)
-        else:
-            server.start()
-        proc = server.server_process
-        if proc is None:
+        if EventsWorker._client_override is not None:  # events go elsewhere (tests): leave that alone
             return
-        if watchdog is None and proc.pid not in cls._watched:
-            try:  # a server someone else started: guard it from now on
-                watchdog = _Watchdog()
-                atexit.register(cls._released, server, watchdog)
-            except Exception:  # noqa: BLE001
-                return
-        if watchdog is not None:
-            watchdog.watch(proc.pid)
-            cls._watched[proc.pid] = watchdog
+        # The worker this process's events go through (Prefect's emit_event uses the same
+        # instance); note each event once it is sent. Prefect only sends events through its
+        # own client classes, so the note is taken around the worker's handling of an item.
+        worker = EventsWorker.instance()
+        handle = worker._handle
+        ledger = self.ledger = _TaskRunLedger()
 
-    @staticmethod
-    def _released(server: Any, watchdog: _Watchdog) -> None:
-        # at exit, after Prefect's own stop: with the server gone, the watchdog has nothing to do
-        if server.server_process is None or server.server_process.pid != watchdog.pid:
-            watchdog.release()
+        async def handle_and_note(event: Any) -> None:
+            await handle(event)
+            ledger.sent(event)
+
+        worker._handle = handle_and_note
+
+    def settings(self) -> Any:
+        """The run's Prefect settings: the API at this server."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        return temporary_settings(updates={PREFECT_API_URL: self.server.api_url})
 
     def detach(self, *, settle: bool) -> None:
         """Send what is queued (events, logs), wait until the server recorded this process's
@@ -387,6 +271,8 @@ class _EmbeddedServer:
                 self._wait_recorded(deadline)
         except Exception:  # noqa: BLE001 - best effort: the run's own outcome stands
             pass
+        finally:
+            self.server.stop()
 
     @staticmethod
     def _flush(service: Any, deadline: float, *, wait_empty: bool) -> None:
@@ -413,8 +299,7 @@ class _EmbeddedServer:
         try:
             with get_client(sync_client=True) as client:
                 while pending and time.monotonic() < deadline:
-                    proc = self.server.server_process
-                    if proc is None or proc.poll() is not None:
+                    if not self.server.running():
                         return
                     runs = []
                     for i in range(0, len(pending), 100):
