@@ -10,8 +10,9 @@ before converting a remote source.
 ``upload`` = ``S3Destination``: acquire the writer lock, ``open``, ``publish`` every file of
 LOCALDIR (hard-linked into the work folder; the sha256 is passed in, as the engine computes it
 while writing, so no hashing here: each file goes up as an uncompleted multipart upload to its
-final key), then ``commit`` (complete the uploads, manifest last) — what ``reshard run`` does
-after converting.
+final key), then ``commit`` (complete the uploads, manifest last). Variant ``stream``: each file
+fed to ``open_stream`` in 8 MiB pieces instead, as a conversion's writer feeds it — what
+``reshard run`` does to S3.
 
 Variants (``--variant``) replace reshard's calls by plain s3fs calls with other part sizes or
 concurrency, to see what the storage layer could reach; they never touch reshard/:
@@ -86,7 +87,8 @@ def upload(ns: argparse.Namespace) -> dict:
     kind, *nums = ns.variant.split(":")
     out: dict = {"files": len(files), "bytes": nbytes}
     t0 = time.perf_counter()
-    if kind == "reshard":
+    streamed = kind == "stream"
+    if kind in ("reshard", "stream"):
         if nums:  # reshard:PART_MIB:CONCURRENCY — the same code path with other multipart settings
             import reshard.storage.s3_destination as s3_destination
 
@@ -100,6 +102,12 @@ def upload(ns: argparse.Namespace) -> dict:
         names = [p.name for p in files]
 
         def publish(p: Path) -> dict:
+            if streamed:  # what a conversion does: the file's bytes fed to the upload as they are written
+                stream = dest.open_stream(p.name, p.stat().st_size)
+                with open(p, "rb") as f:
+                    while chunk := f.read(8 << 20):
+                        stream.update(chunk)
+                return stream.finish("0" * 64)
             os.link(p, dest.staged(p.name))  # publish unlinks its staged copy; the source stays
             return dest.publish(p.name, "0" * 64)
 

@@ -294,8 +294,12 @@ def plan_record(plan: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _local_view(ns: argparse.Namespace) -> Iterator[Any]:
-    """The source as a local path (remote sources fetched through the shard cache)."""
+def _local_view(ns: argparse.Namespace, options: "ReshardOptions") -> Iterator[Any]:
+    """The source as a local path: a remote one as skeletons read range by range (what a
+    conversion under ``options`` would fetch; planning reads the structure and a few small
+    tensors, not the checkpoint), through the shard cache."""
+    from reshard.conversion import streams_sources
+    from reshard.core import remote
     from reshard.storage.location import open_location
     from reshard.storage.source_view import materialize
 
@@ -308,16 +312,18 @@ def _local_view(ns: argparse.Namespace) -> Iterator[Any]:
     cache = _cache(ns) or ShardCache()
     work = cache.new_workdir("inspect")
     try:
-        yield str(materialize(ns.src, _storage(ns), cache, work).path)
+        yield str(materialize(ns.src, _storage(ns), cache, work, stream=streams_sources(options, False)).path)
     finally:
+        remote.detach(work)
         shutil.rmtree(work, ignore_errors=True)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from reshard.core.planner import build_plan
 
-    with _local_view(ns) as path:
-        plan = build_plan(path, _options(ns, ns.target_tp))
+    options = _options(ns, ns.target_tp)
+    with _local_view(ns, options) as path:
+        plan = build_plan(path, options)
     rec = plan_record(plan)
     if ns.json:
         print(json.dumps(rec, indent=2))
@@ -348,7 +354,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     from reshard.core.planner import build_plan
     from reshard.formats import locate
 
-    with _local_view(ns) as path:
+    with _local_view(ns, ReshardOptions()) as path:
         source = locate(path)
         plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
         total_bytes = sum(f.stat().st_size for f in source.distinct_files)

@@ -1,8 +1,8 @@
-"""A remote source read range by range while converting (``reshard.core.remote``): only its
-structure (a *skeleton*) is fetched first; every tensor is read through its source. Checked
-against the whole local files: what ``torch.load`` reads of a skeleton, every box a target can
-ask for against plain slicing, and whole conversions from S3 byte for byte against local ones,
-with the shard cache holding a few percent of the source."""
+"""A remote source read range by range while converting (``reshard.core.remote``): its files'
+structure is read into memory, every tensor through its source, nothing of them kept on local
+disk. Checked against the whole local files: what ``torch.load`` reads of a file's structure,
+every box a target can ask for against plain slicing, and whole conversions from S3 byte for
+byte against local ones, with the shard cache holding next to nothing."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class LocalSource:
     def __init__(self, path: Path) -> None:
         self.path, self.url, self.size = path, str(path), path.stat().st_size
         self.read = 0
+        self.fetches: list[list[tuple[int, int]]] = []
 
     def read_into(self, offset: int, out: memoryview) -> None:
         with open(self.path, "rb") as f:
@@ -39,37 +40,44 @@ class LocalSource:
             out[:] = f.read(len(out))
         self.read += len(out)
 
+    def fetch(self, ranges):
+        self.fetches.append(list(ranges))
+        with open(self.path, "rb") as f:
+            out = []
+            for off, n in ranges:
+                f.seek(off)
+                out.append(f.read(n))
+        return out
 
-def _skeleton_of(path: Path, dst: Path) -> list[tuple[int, int]]:
-    """Write ``dst``: a sparse file of ``path``'s size holding only its skeleton ranges."""
-    data = path.read_bytes()
-    ranges = torch_writer.skeleton_ranges(lambda n, off: data[off:off + n], 0, len(data))
+
+def _stand_in(path: Path, dst: Path) -> None:
+    """``dst``: what a streamed file's stand-in is, a sparse file of ``path``'s size holding nothing."""
     with open(dst, "wb") as f:
-        f.truncate(len(data))
-        for off, n in ranges:
-            f.seek(off)
-            f.write(data[off:off + n])
-    return ranges
+        f.truncate(path.stat().st_size)
 
 
 def _streamed(path: Path, tmp_path: Path) -> tuple[dict, LocalSource]:
-    skeleton = tmp_path / f"skeleton-{path.name}"
-    _skeleton_of(path, skeleton)
+    stand_in = tmp_path / f"stand-in-{path.name}"
+    _stand_in(path, stand_in)
     source = LocalSource(path)
-    remote.attach(skeleton, source)
+    remote.attach(stand_in, source)
     try:
-        return load_shard(skeleton), source
+        return load_shard(stand_in), source
     finally:
-        remote.detach(skeleton)
+        remote.detach(stand_in)
 
 
-def test_a_skeleton_holds_what_torch_load_reads_and_none_of_the_large_tensors(tmp_path):
-    big = torch.randn(300, 200)  # 240 KB: a hole
+def test_a_files_structure_is_what_torch_load_reads_and_none_of_the_large_tensors(tmp_path):
+    """The structure ranges (directory, pickle, small records, local headers) are read at once;
+    ``torch.load`` onto the meta device then asks for nothing else; no large tensor's bytes are
+    among them; and every tensor comes back lazy, at its place in the file."""
+    big = torch.randn(300, 200)  # 240 KB: not structure
     sd = {"module": {"w": big, "b": torch.randn(7), "half": torch.randn(64, 512).half()}, "args": {"lr": 0.1},
           "iteration": 3}
     path = tmp_path / "shard.pt"
     torch.save(sd, path)
-    ranges = _skeleton_of(path, tmp_path / "skel.pt")
+    data = path.read_bytes()
+    ranges = torch_writer.skeleton_ranges(lambda n, off: data[off:off + n], 0, len(data))
     fd = os.open(path, os.O_RDONLY)
     try:
         data_of = {e.name: (e.data_offset, e.size) for e in torch_writer.read_entries(fd)}
@@ -80,13 +88,16 @@ def test_a_skeleton_holds_what_torch_load_reads_and_none_of_the_large_tensors(tm
     for name, (off, size) in data_of.items():
         inside = sum(max(0, min(off + size, o + n) - max(off, o)) for o, n in ranges)
         if size > torch_writer.SKELETON_RECORD:  # beyond what comes with its local header, nothing
-            assert inside <= 128, f"{name}'s bytes were fetched with the structure"
+            assert inside <= 128, f"{name}'s bytes were read with the structure"
         else:
             assert inside == size, f"{name} is small and must be whole"
-    loaded = torch.load(tmp_path / "skel.pt", weights_only=True, mmap=True)  # torch reads nothing else
-    assert {k: (v.shape, v.dtype) for k, v in loaded["module"].items()} == \
-        {k: (v.shape, v.dtype) for k, v in sd["module"].items()}
-    assert loaded["args"] == {"lr": 0.1} and loaded["iteration"] == 3
+    got, source = _streamed(path, tmp_path)
+    assert len(source.fetches) <= 4, source.fetches  # tail, directory(, zip64), then one batch: no more
+    assert source.read == 0  # and not one tensor byte
+    assert {k: (tuple(v.shape), v.dtype) for k, v in got["module"].items()} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in sd["module"].items()}
+    assert got["args"] == {"lr": 0.1} and got["iteration"] == 3
+    assert all(torch.equal(got["module"][k].materialize(), v) for k, v in sd["module"].items())
 
 
 def test_every_box_of_a_streamed_tensor_equals_slicing_the_tensor(tmp_path):
@@ -261,3 +272,32 @@ def test_an_output_streamed_to_s3_never_lies_whole_on_local_disk(to, tmp_path, s
     assert got == want
     assert all(hashlib.sha256(got[r["path"]]).hexdigest() == r["sha256"] for r in report.manifest["files"])
     assert s3_server.client().list_multipart_uploads(Bucket=s3_bucket[5:]).get("Uploads", []) == []
+
+
+def test_tensors_outside_the_module_are_read_whole_into_the_output(tmp_path):
+    """A rank file may carry tensors beside its module (here two views of one storage): a
+    streamed conversion reads them whole and writes them as the same storage, byte for byte what
+    the conversion of the whole files writes."""
+    src = tmp_path / "src"
+    write_sample_checkpoint(src, tp=2, cfg=WIDE)
+    shared = torch.arange(32.0)
+    for f in sorted(src.glob("mp_rank_*_model_states.pt")):
+        sd = torch.load(f, weights_only=False)
+        sd["extra"] = {"head": shared[:8], "tail": shared[8:], "step": torch.tensor(5)}
+        torch.save(sd, f)
+    view = tmp_path / "view"
+    view.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".pt":
+            (view / f.name).write_bytes(f.read_bytes())
+            continue
+        _stand_in(f, view / f.name)
+        remote.attach(view / f.name, LocalSource(f))
+    try:
+        run_direct(str(src), str(tmp_path / "whole"), ReshardOptions(target_tp=1))
+        run_direct(str(view), str(tmp_path / "streamed"), ReshardOptions(target_tp=1))
+    finally:
+        remote.detach(view)
+    assert _outputs(tmp_path / "streamed") == _outputs(tmp_path / "whole")
+    out = torch.load(tmp_path / "streamed" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert out["extra"]["head"].untyped_storage().data_ptr() == out["extra"]["tail"].untyped_storage().data_ptr()

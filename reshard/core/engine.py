@@ -41,6 +41,7 @@ import torch
 from reshard.core import foreign
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.lazy import LazyTensor, materialized
+from reshard.core.remote import materialize_lazy
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
 from reshard.core.ds_pipe import retarget_rank_file
@@ -181,7 +182,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
         elif k in plan.dropped:
             continue
         else:
-            out[k] = v
+            out[k] = materialize_lazy(v)  # an entry copied as it is: a streamed file's tensors read here
     if "mp_world_size" in out:
         out["mp_world_size"] = m
     if "args" in out and out["args"] is not None:

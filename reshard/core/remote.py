@@ -2,35 +2,41 @@
 
 A checkpoint on object storage need not be copied to local disk before it is converted: the
 conversion reads only byte ranges, and knows which ones when it reads them. For such a file the
-local view holds a *skeleton* — a sparse file of the object's size holding only its structure
-(zip directories, pickles, headers: what a format parses to find the tensors) — and a
-:class:`ByteSource` that reads any other range from where the object lives. The storage layer
-makes both and attaches the source to the skeleton's path (:func:`attach`); the formats look it
-up when they open the file (:func:`source_for`) and hand the planner and the engine
-:class:`RemoteTensor` s: lazy tensors whose boxes are read through the source while the target
-is written. Nothing reads a skeleton's holes: a tensor of a streamed file exists only as a
-:class:`RemoteTensor`.
+local view holds a *stand-in* — a sparse file of the object's size holding nothing, or only what
+its format reads from disk (a safetensors header) — and a :class:`ByteSource` that reads any
+range from where the object lives. The storage layer makes both and attaches the source to the
+stand-in's path (:func:`attach`); a format opening the file looks it up (:func:`source_for`),
+reads the file's structure (zip directory, pickle, headers: a few KiB per tensor) into memory
+through it (:func:`structure`), and hands the planner and the engine :class:`RemoteTensor` s:
+lazy tensors whose boxes are read through the source while the target is written. Nothing reads
+a stand-in's holes: a tensor of a streamed file exists only as a :class:`RemoteTensor`, and local
+disk holds no byte of it.
 
 =============================  ===================================================================
 call                           what it is for
 =============================  ===================================================================
-``attach(path, source)``       the storage layer: ``path`` (a skeleton) stands for ``source``
+``attach(path, source)``       the storage layer: ``path`` (a stand-in) stands for ``source``
 ``source_for(path)``           a format opening ``path``: its source, or None (a whole local file)
+``structure(source, ranges)``  a format parsing a streamed file: a file object over it whose
+                               ``ranges`` (its structure) are fetched at once, kept in memory
 ``detach(root)``               a conversion is over: forget the sources under the folder ``root``
 ``materialize_lazy(obj)``      entries copied into an output as they are (not module tensors):
                                every :class:`RemoteTensor` in ``obj`` read into a real tensor,
                                storages shared as they were
 =============================  ===================================================================
 
-This module knows no network: a source is anything with ``read_into``.
+This module knows no network: a source is anything with ``read_into`` and ``fetch``.
 """
 
 from __future__ import annotations
 
+import bisect
+import io
 import math
 import os
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,7 +55,12 @@ class ByteSource(Protocol):
     size: int
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the file's bytes ``[offset, offset + len(out))``, or raise."""
+        """Fill ``out`` with the file's bytes ``[offset, offset + len(out))``, or raise (tensor
+        bytes: read in large aligned blocks, read ahead)."""
+
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(offset, length)`` range, exactly (a file's structure: many small
+        ranges, asked for at once), or raise."""
 
 
 _lock = threading.Lock()
@@ -74,6 +85,100 @@ def detach(root: str | os.PathLike[str]) -> None:
     with _lock:
         for p in [p for p in _sources if p == root or p.startswith(root + os.sep)]:
             del _sources[p]
+
+
+class StructureFile(io.RawIOBase):
+    """A read-only file object over a streamed file for its format's parser (``torch.load``'s zip
+    reader, a directory walk): the ranges given up front are fetched at once and kept in memory;
+    a read outside them fetches exactly what it asks for (and keeps it too). Memory: the file's
+    structure, a few hundred bytes per tensor."""
+
+    def __init__(self, source: ByteSource, spans: dict[int, bytes]) -> None:
+        super().__init__()
+        self.source, self.spans, self.pos = source, _disjoint(spans), 0
+        self._starts = sorted(self.spans)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.source.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """``n`` bytes at ``offset`` (fewer at the end of the file)."""
+        n = max(0, min(n, self.source.size - offset))
+        out = bytearray(n)
+        at = 0
+        while at < n:
+            i = bisect.bisect_right(self._starts, offset + at) - 1
+            if i >= 0:
+                start = self._starts[i]
+                span = self.spans[start]
+                if start <= offset + at < start + len(span):
+                    take = min(n - at, start + len(span) - offset - at)
+                    out[at:at + take] = span[offset + at - start:offset + at - start + take]
+                    at += take
+                    continue
+            nxt = self._starts[i + 1] if i + 1 < len(self._starts) else self.source.size
+            want = min(n - at, nxt - offset - at)
+            (data,) = self.source.fetch([(offset + at, want)])
+            self.spans[offset + at] = data
+            bisect.insort(self._starts, offset + at)
+        return bytes(out)
+
+    def readinto(self, b: Any) -> int:
+        data = self.pread(len(b), self.pos)
+        memoryview(b).cast("B")[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _disjoint(spans: dict[int, bytes]) -> dict[int, bytes]:
+    """``spans`` (offset -> bytes, overlapping or touching) joined into disjoint ones."""
+    out: dict[int, bytes] = {}
+    start, buf = None, bytearray()
+    for off in sorted(spans):
+        data = spans[off]
+        if start is not None and off <= start + len(buf):
+            end = off + len(data)
+            if end > start + len(buf):
+                buf += data[start + len(buf) - off:]
+            continue
+        if start is not None:
+            out[start] = bytes(buf)
+        start, buf = off, bytearray(data)
+    if start is not None:
+        out[start] = bytes(buf)
+    return out
+
+
+_structures: "weakref.WeakKeyDictionary[Any, dict[int, bytes]]" = weakref.WeakKeyDictionary()
+
+
+def structure(source: ByteSource, ranges: Callable[[Callable[[int, int], bytes]], Sequence[tuple[int, int]]]
+              ) -> StructureFile:
+    """A :class:`StructureFile` over ``source`` whose structure ``ranges(pread)`` names (``pread(n,
+    offset)`` reads exactly, e.g. the tail and directory they are found from) — fetched once per
+    source object and process, however often the file is opened."""
+    with _lock:
+        spans = _structures.get(source)
+    if spans is None:
+        probe = StructureFile(source, {})
+        wanted = [(o, n) for o, n in ranges(probe.pread) if n > 0]
+        spans = dict(probe.spans)
+        for (o, _n), data in zip(wanted, source.fetch(wanted)):
+            spans[o] = data
+        with _lock:
+            _structures[source] = spans
+    return StructureFile(source, dict(spans))
 
 
 class RemoteStorage:

@@ -18,6 +18,7 @@ import contextlib
 import io
 import os
 import pickle
+import struct
 import threading
 import types
 import zipfile
@@ -30,7 +31,6 @@ import torch
 from reshard.core import remote
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
 from reshard.core.foreign import SAFE_STAND_INS, Foreign
-from reshard.core.pages import file_mappings
 
 # torch's allowlist is process-wide state; concurrent loads in threads would race on it, so
 # loads are serialized. With mmap=True a load only reads the pickle, not tensors.
@@ -72,48 +72,75 @@ def _only_our_allowlist(entries: tuple[Any, ...] = SAFE_GLOBALS) -> Iterator[Non
 
 
 def load_shard(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str, Any]:
-    """Load one ``*.pt`` shard with the weights-only unpickler and the allowlist.
+    """Load one ``*.pt`` shard with the weights-only unpickler and the allowlist; a streamed file's
+    stand-in (:mod:`reshard.core.remote`) from its source, tensors as ``RemoteTensor`` s.
 
     Raises ``CorruptCheckpointError`` for empty, truncated or non-torch files and
     ``UnsafeCheckpointError`` when the pickle references anything outside the allowlist.
     """
     p = Path(path)
+    source = remote.source_for(p)
+    if source is not None:
+        return _load_streamed(source)
     size = p.stat().st_size
     if size == 0:
         raise CorruptCheckpointError("file is empty (0 bytes)", culprit=str(p),
                                      hint="re-copy the shard from the training output")
     if not zipfile.is_zipfile(p):
-        raise CorruptCheckpointError(
-            "not a torch zip checkpoint (truncated, or saved with the legacy "
-            "_use_new_zipfile_serialization=False format)", culprit=str(p),
-            hint="re-copy the shard; legacy-format files must be re-saved with torch.save")
+        raise _not_a_zip(str(p))
+    return _torch_load(p, str(p), mmap=mmap)
+
+
+def _not_a_zip(where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        "not a torch zip checkpoint (truncated, or saved with the legacy "
+        "_use_new_zipfile_serialization=False format)", culprit=where,
+        hint="re-copy the shard; legacy-format files must be re-saved with torch.save")
+
+
+def _torch_load(f: Any, where: str, **kw: Any) -> dict[str, Any]:
+    """``torch.load`` of ``f`` weights-only with :data:`SAFE_GLOBALS`, errors named for ``where``."""
     try:
         with _LOAD_LOCK, _only_our_allowlist():
-            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
+            obj = torch.load(f, map_location=kw.pop("map_location", "cpu"), weights_only=True, **kw)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"refused to unpickle: it references code outside reshard's allowlist "
-            f"({_first_line(exc)}); nothing from it was executed", culprit=str(p),
+            f"({_first_line(exc)}); nothing from it was executed", culprit=where,
             hint="only load checkpoints from sources you trust; re-save the state dict with "
                  "plain tensors and dicts") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"cannot read shard: {_first_line(exc)}", culprit=str(p),
+        raise CorruptCheckpointError(f"cannot read shard: {_first_line(exc)}", culprit=where,
                                      hint="the file is truncated or corrupt; re-copy it") from None
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"top level is a {type(obj).__name__}, expected a dict",
-                                     culprit=str(p), hint="pass a DeepSpeed/Megatron model-states file")
-    source = remote.source_for(p)
-    return obj if source is None else streamed(obj, p, source)
+                                     culprit=where, hint="pass a DeepSpeed/Megatron model-states file")
+    return obj
 
 
-def streamed(obj: dict[str, Any], path: Path, source: remote.ByteSource) -> dict[str, Any]:
-    """``obj``, loaded memory-mapped from the skeleton ``path`` of a streamed file, with every
-    tensor a :class:`~reshard.core.remote.RemoteTensor` reading ``source`` (see
-    :mod:`reshard.core.remote`): the skeleton's tensor bytes are holes, so no mapped tensor may
-    survive. A tensor the engine would not stream from a mapping either (a subclass such as
-    ``Parameter``, non-contiguous, quantized, carrying Python state) is refused: its bytes in the
-    output depend on more than its values."""
-    maps = file_mappings([path])
+def _load_streamed(source: remote.ByteSource) -> dict[str, Any]:
+    """A streamed ``*.pt`` file: its structure (directory, pickle, small records, each record's
+    local header: :func:`reshard.core.torch_writer.skeleton_ranges`) read into memory through
+    ``source``, loaded by ``torch.load`` onto the meta device — torch's own weights-only
+    unpickler and the allowlist, every storage's place in the file recorded, no tensor byte read
+    — and every tensor made a :class:`~reshard.core.remote.RemoteTensor` over ``source``. A tensor
+    the engine would not stream from a mapping either (a subclass such as ``Parameter``,
+    non-contiguous, quantized, carrying Python state) is refused: its bytes in the output depend
+    on more than its values."""
+    from reshard.core.torch_writer import WriterError, skeleton_ranges
+
+    where = source.url
+    if source.size < 22:
+        raise _not_a_zip(where) if source.size else CorruptCheckpointError(
+            "file is empty (0 bytes)", culprit=where, hint="re-copy the shard from the training output")
+    try:
+        f = remote.structure(source, lambda pread: skeleton_ranges(pread, 0, source.size))
+    except (WriterError, struct.error, UnicodeDecodeError, ValueError):
+        raise _not_a_zip(where) from None
+    if not zipfile.is_zipfile(f):
+        raise _not_a_zip(where)
+    f.seek(0)
+    obj = _torch_load(f, where, map_location="meta")
     storages: dict[int, remote.RemoteStorage] = {}
 
     def lazy(t: torch.Tensor) -> remote.RemoteTensor:
@@ -121,23 +148,17 @@ def streamed(obj: dict[str, Any], path: Path, source: remote.ByteSource) -> dict
                 and not torch._utils._get_obj_state(t)):
             raise CheckpointFormatError(
                 f"holds a {type(t).__name__} that cannot be read while converting (not a plain contiguous tensor)",
-                culprit=source.url, hint="fetch the shards whole first: --cache-sources")
+                culprit=where, hint="fetch the shards whole first: --cache-sources")
         st = t.untyped_storage()
-        addr = st.data_ptr()
-        if addr not in storages:
-            if st.nbytes() == 0:
-                offset = 0
-            else:
-                hits = [lo_off + addr - lo for lo, hi, lo_off in maps if lo <= addr < hi]
-                if len(hits) != 1:
-                    raise CorruptCheckpointError("a tensor's bytes lie outside its file", culprit=source.url,
-                                                 hint="re-copy the checkpoint")
-                offset = hits[0]
-            if offset + st.nbytes() > source.size:
-                raise CorruptCheckpointError("a tensor's bytes run past the end of its file", culprit=source.url,
-                                             hint="the file is truncated; re-copy it")
-            storages[addr] = remote.RemoteStorage(source, offset, st.nbytes())
-        return remote.RemoteTensor(storages[addr], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+        offset = getattr(st, "_checkpoint_offset", None)
+        if not isinstance(offset, int):
+            raise CorruptCheckpointError("a tensor's place in the file is unknown", culprit=where,
+                                         hint="fetch the shards whole first: --cache-sources")
+        if offset + st.nbytes() > source.size:
+            raise CorruptCheckpointError("a tensor's bytes run past the end of its file", culprit=where,
+                                         hint="the file is truncated; re-copy it")
+        storage = storages.setdefault(offset, remote.RemoteStorage(source, offset, st.nbytes()))
+        return remote.RemoteTensor(storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                                    t.requires_grad)
 
     def walk(v: Any) -> Any:
@@ -146,19 +167,17 @@ def streamed(obj: dict[str, Any], path: Path, source: remote.ByteSource) -> dict
         if isinstance(v, Foreign):  # a stand-in rebuilt from inert arguments: it must hold no tensor
             if _holds_tensor((v.foreign_args, v.foreign_state)):
                 raise CheckpointFormatError("holds a tensor inside a foreign object, which cannot be read while "
-                                            "converting", culprit=source.url,
+                                            "converting", culprit=where,
                                             hint="fetch the shards whole first: --cache-sources")
             return v
         out = remote.rebuilt(v, walk)
         if out is v and _holds_tensor(v):  # a container the walk does not rebuild
             raise CheckpointFormatError(f"holds a tensor inside a {type(v).__name__}, which cannot be read while "
-                                        "converting", culprit=source.url,
+                                        "converting", culprit=where,
                                         hint="fetch the shards whole first: --cache-sources")
         return out
 
-    result = walk(obj)
-    del obj
-    return result
+    return walk(obj)
 
 
 def _holds_tensor(v: Any, _depth: int = 0) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, ReshardError
+from reshard.core.lazy import LazyTensor
 from reshard.core.safe_load import load_shard
 from reshard.core.source import choose_module_key, parse_version
 
@@ -39,7 +40,7 @@ def check_shard_file(path: str, role: str, module_key: str, where: str,
         return {"kind": METADATA}
     sd = _load(path, where, load)
     if role == LAYER:
-        bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+        bad = [k for k, v in sd.items() if not isinstance(v, (torch.Tensor, LazyTensor))]
         if bad:
             raise CheckpointFormatError(f"layer file entry {bad[0]!r} is not a tensor", culprit=where,
                                         hint="a DeepSpeed pipeline layer file holds one layer's state dict")

@@ -388,10 +388,17 @@ def read_entries(fd: int, base: int = 0, end: int | None = None) -> list[ZipEntr
     in file order, parsed from its central directory (the archive's own offsets are from
     ``base``); ``ZipEntry.data_offset`` is absolute. Raises :class:`WriterError` if it is not one."""
     end = os.fstat(fd).st_size if end is None else end
+    return zip_entries(lambda n, off: os.pread(fd, n, off), base, end)
+
+
+def zip_entries(pread: Callable[[int, int], bytes], base: int, end: int) -> list[ZipEntry]:
+    """:func:`read_entries` of a file read by ``pread(n, offset)`` (a streamed one's structure)."""
     entries: list[ZipEntry] = []
-    for ce in central_directory(lambda n, off: os.pread(fd, n, off), base, end):
+    for ce in central_directory(pread, base, end):
         off = ce.header_offset + base
-        lh = os.pread(fd, 30, off)
+        lh = pread(30, off)
+        if len(lh) != 30:
+            raise WriterError(f"bad local header for {ce.name}")
         lsig, lnlen, lxlen = struct.unpack_from("<I", lh)[0], *struct.unpack_from("<HH", lh, 26)
         if lsig != _LOCAL_SIG:
             raise WriterError(f"bad local header for {ce.name}")
@@ -402,7 +409,7 @@ def read_entries(fd: int, base: int = 0, end: int | None = None) -> list[ZipEntr
     return entries
 
 
-#: A record of the archive larger than this is a hole of a skeleton (see :func:`skeleton_ranges`).
+#: A record of the archive larger than this is not part of its structure (see :func:`skeleton_ranges`).
 SKELETON_RECORD = 64 << 10
 #: Bytes kept at the start of a skipped record beside its name: its local header's fixed 30 bytes
 #: and extra field (torch's alignment padding, under 64 bytes + 4, and a zip64 field of 20) — what
@@ -414,8 +421,9 @@ def skeleton_ranges(pread: Callable[[int, int], bytes], base: int, end: int) -> 
     """The ``(offset, length)`` ranges of the ``torch.save`` archive in ``[base, end)`` that hold
     its structure — the central directory, every small record (``data.pkl``, versions), and each
     tensor record's local header — but not the bytes of tensor records over
-    :data:`SKELETON_RECORD`: what ``torch.load(mmap=True)`` reads of a file (it maps the tensors,
-    reading none). Raises :class:`WriterError` if it is not such an archive."""
+    :data:`SKELETON_RECORD`: what ``torch.load`` reads of a file onto the meta device, or
+    memory-mapped (reading no tensor). A streamed file's structure, read into memory at once.
+    Raises :class:`WriterError` if it is not such an archive."""
     entries = sorted(central_directory(pread, base, end), key=lambda e: e.header_offset)
     cd_start = min((e.cd_offset for e in entries), default=end - base - 22)
     out = []

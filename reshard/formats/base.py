@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from reshard.core import torch_writer
 from reshard.core.checks import check_same_keys
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.experts import expert_rows
@@ -94,16 +92,14 @@ class CheckpointFormat(ABC):
 
     def skeleton(self, name: str, size: int, pread: Callable[[int, int], bytes],
                  markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
-        """The ``(offset, length)`` ranges of this format's weight file ``name`` (``size`` bytes,
-        read by ``pread(n, offset)``) that hold its structure, when the rest can be read while
-        converting (see :mod:`reshard.core.remote`: :meth:`load` and :meth:`open` then hand out
-        :class:`~reshard.core.remote.RemoteTensor` s for a file a source is attached to); None: the
-        file is fetched whole. Default: a ``torch.save`` archive's structure (its tensor records
-        are read while converting), None for anything else (its own checks then say what it is)."""
-        try:
-            return torch_writer.skeleton_ranges(pread, 0, size)
-        except (torch_writer.WriterError, struct.error, UnicodeDecodeError, ValueError):
-            return None
+        """Whether this format's weight file ``name`` (``size`` bytes, read by ``pread(n, offset)``)
+        can be read while converting instead of fetched whole first (see :mod:`reshard.core.remote`):
+        the ``(offset, length)`` ranges of it to keep on local disk as its stand-in — often none:
+        :meth:`load` and :meth:`open` read the file's structure into memory through the source
+        attached to the stand-in and hand out :class:`~reshard.core.remote.RemoteTensor` s — or None:
+        fetch it whole. Default: a ``torch.save`` archive read by the default :meth:`load`
+        streams (nothing on disk); a format with a loader of its own is fetched whole."""
+        return [] if type(self).load is CheckpointFormat.load else None
 
     def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""

@@ -133,25 +133,10 @@ class TorchDistFormat(CheckpointFormat):
 
     def skeleton(self, name: str, size: int, pread: Callable[[int, int], bytes],
                  markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
-        """Of a ``.distcp`` file, the model's blobs' structure: each tensor blob's first and last
-        :data:`BLOB_EDGE` bytes (a one-tensor ``torch.save`` archive keeps its pickle at the start,
-        its directory at the end; a larger one than guessed is loaded whole from the source
-        instead of mapped), byte items whole; from the index alone, no read of the file."""
-        folder, _, base = name.rpartition("/")
-        index = markers.get(f"{folder}/{INDEX}" if folder else INDEX)
-        if not base.endswith(".distcp") or index is None:
-            return None
-        meta = _metadata(Path(index))
-        keys = set(model_keys(meta))
-        out = [(b.offset, b.length) for b in meta.byte_items.values() if b.key in keys and b.file == base]
-        for t in meta.tensors.values():
-            for c in t.chunks:
-                if t.key in keys and c.file == base:
-                    if c.length <= 2 * BLOB_EDGE:
-                        out.append((c.offset, c.length))
-                    else:
-                        out += [(c.offset, BLOB_EDGE), (c.offset + c.length - BLOB_EDGE, BLOB_EDGE)]
-        return torch_writer.merge_ranges(out)
+        """A ``.distcp`` file streams (nothing of it on disk: each blob's structure is read into
+        memory through its source when it is first mapped, see :class:`MappedFile`); ``common.pt``
+        is fetched whole."""
+        return [] if name.endswith(".distcp") else None
 
     def shard_role(self, name: str, listing: Any) -> str | None:
         return None  # the index is read whole by locate; its blobs are checked against it there
@@ -305,6 +290,14 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
             block.setdefault(k.split(EXPERTS)[0], pos)
     entries: list[tuple[tuple[int, ...], str, Any]] = []  # (sort key, name, value)
     files: dict[str, MappedFile] = {}  # mapped on first read, shared by this module's tensors
+    by_file: dict[str, list[ChunkRef]] = {}
+    for t in (meta.tensors[k] for k in keys if k in meta.tensors):
+        for c in t.chunks:
+            by_file.setdefault(c.file, []).append(c)
+
+    def chunks_of(name: str) -> Sequence[ChunkRef]:
+        return by_file.get(name, [])
+
     for t in (meta.tensors[k] for k in keys if k in meta.tensors):
         stacked = _is_stacked(t.key)
         layers: Sequence[int | None] = range(t.shape[0]) if stacked else [None]
@@ -313,7 +306,7 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
             for g in experts:
                 lead = tuple(x for x in (i, g) if x is not None)
                 entries.append((_order(t.key, position, block, i, g), _entry_name(t.key, i, g),
-                                DistTensor(t, folder, lead, files)))
+                                DistTensor(t, folder, lead, files, chunks_of)))
     for item in (meta.byte_items[k] for k in keys if k in meta.byte_items):
         m = _SHARD_RE.match(item.key)
         base, offsets = (m.group("base"), [int(x) for x in m.group("offsets").split(".")]) if m else (item.key, [])
@@ -362,8 +355,10 @@ def _order(key: str, position: dict[str, int], block: dict[str, int], layer: int
     return (group, layer or 0, block[key.split(EXPERTS)[0]], expert, position[key])
 
 
-#: Bytes of each end of a streamed ``.distcp`` blob fetched as its structure (see ``skeleton``).
-BLOB_EDGE = 16 << 10
+#: Bytes of each end of a streamed ``.distcp`` blob read as its structure (a one-tensor
+#: ``torch.save`` archive keeps its pickle at the start, its directory at the end; a larger one
+#: than guessed reads the rest exactly as it is asked for).
+BLOB_EDGE = 4 << 10
 
 
 class MappedFile:
@@ -372,14 +367,20 @@ class MappedFile:
     unpickler that knows only tensor rebuilding), read on first touch; pages are given back once
     used (:class:`~reshard.core.pages.PageDropper`). A blob that cannot be mapped is loaded instead."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, chunks: Sequence[ChunkRef] = ()) -> None:
         self.path = path
+        self.source = remote.source_for(path)  # a streamed stand-in: everything is read from there
+        self.views: dict[int, torch.Tensor | RemoteTensor | None] = {}
+        self.pages = PageDropper([path])
+        if self.source is not None:  # the blobs' structure: both edges of each, read into memory at once
+            edges = [r for c in chunks for r in ((c.offset, min(c.length, BLOB_EDGE)),
+                                                  (c.offset + c.length - min(c.length, BLOB_EDGE), min(c.length, BLOB_EDGE)))]
+            self.structure = remote.structure(self.source, lambda _pread: torch_writer.merge_ranges(edges, gap=0))
+            self.mm = None
+            return
         self.file = open(path, "rb")  # noqa: SIM115  (lives as long as the mapping's views)
         size = os.fstat(self.file.fileno()).st_size
-        self.source = remote.source_for(path)  # a streamed skeleton: the data records are read from there
-        self.mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY) if size and self.source is None else None
-        self.pages = PageDropper([path])
-        self.views: dict[int, torch.Tensor | RemoteTensor | None] = {}
+        self.mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
 
     def view(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | RemoteTensor | None:
         """The chunk's tensor as a view of the mapping (of its source, for a streamed file), or
@@ -392,11 +393,15 @@ class MappedFile:
     def _map(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | RemoteTensor | None:
         if self.mm is None and self.source is None:
             return None
-        fd = self.file.fileno()
+        if self.source is not None:
+            pread = self.structure.pread
+        else:
+            fd = self.file.fileno()
+            pread = lambda n, off: os.pread(fd, n, off)  # noqa: E731
         try:
-            entries = {e.name: e for e in torch_writer.read_entries(fd, c.offset, c.offset + c.length)}
+            entries = {e.name: e for e in torch_writer.zip_entries(pread, c.offset, c.offset + c.length)}
             pkl = entries["data.pkl"]
-            rec = tensor_record(os.pread(fd, pkl.size, pkl.data_offset))
+            rec = tensor_record(pread(pkl.size, pkl.data_offset))
             data = entries[f"data/{rec.key}"]
             if rec.dtype != dtype or rec.size != c.sizes or data.data_offset + data.size > c.offset + c.length:
                 return None
@@ -423,14 +428,16 @@ class DistTensor(LazyTensor):
     one chunk and is contiguous there is returned as a view of the mapped file (no copy); any
     other box is gathered from the chunks that overlap it."""
 
-    def __init__(self, t: DcpTensor, folder: Path, lead: tuple[int, ...], files: dict[str, MappedFile]) -> None:
+    def __init__(self, t: DcpTensor, folder: Path, lead: tuple[int, ...], files: dict[str, MappedFile],
+                 chunks_of: Callable[[str], Sequence[ChunkRef]] = lambda _name: ()) -> None:
         self.t, self.folder, self.lead, self.files = t, folder, lead, files  # lead: layer and/or expert index
+        self.chunks_of = chunks_of  # a file's chunks of the module (a streamed file reads their structure at once)
         self.shape = t.shape[len(lead):]
         self.dtype = t.dtype
 
     def _file(self, name: str) -> MappedFile:
         if name not in self.files:
-            self.files[name] = MappedFile(self.folder / name)
+            self.files[name] = MappedFile(self.folder / name, self.chunks_of(name))
         return self.files[name]
 
     def _hits(self, g_off: tuple[int, ...], g_size: tuple[int, ...]) -> list[tuple[ChunkRef, list[int], list[int]]]:

@@ -10,9 +10,9 @@ botocore).
 The cache is bounded (``max_bytes``, ``$RESHARD_CACHE_MAX_BYTES``, default 4 GiB: what a
 worker's local disk gives the cache): least recently used entries are evicted. Runs read shards
 through hard links in their own work folder, so evicting an entry never pulls a file from under
-a running conversion. A streamed source (the default for remote ones) keeps only skeletons here,
-a few hundred KiB per GB of checkpoint; whole shards (``--cache-sources``) need room for the
-shards a target reads.
+a running conversion. A streamed source (the default for remote ones) keeps only stand-ins here
+(sparse files holding nothing, or a safetensors header); whole shards (``--cache-sources``) need
+room for the shards a target reads.
 
 Location: ``$RESHARD_CACHE_DIR`` or ``~/.cache/reshard``; clear it with ``rm -rf`` at any time
 when no conversion is running.
@@ -44,7 +44,8 @@ SKELETON = "skeleton"
 
 
 def is_skeleton(path: str | os.PathLike[str]) -> bool:
-    """Is ``path`` a cache entry holding only a file's structure (see :meth:`ShardCache.fetch`)?"""
+    """Is ``path`` a cache entry standing in for a file read while converting (see
+    :meth:`ShardCache.fetch`)?"""
     return Path(path).name.endswith(f".{SKELETON}")
 
 
@@ -109,8 +110,8 @@ class ShardCache:
         chunks of a file that also holds optimizer state. The entry is then a sparse file of the
         object's size holding just those ranges (its own cache entry, named by the ranges), each
         range's length checked; the MD5 of a whole object cannot be checked on a part of it.
-        ``skeleton``: the ranges are the file's structure alone, the rest to be read while
-        converting (:func:`is_skeleton` tells such an entry by its name)."""
+        ``skeleton``: the entry stands in for a file read while converting (the ranges are what its
+        format reads from disk, often none; :func:`is_skeleton` tells such an entry by its name)."""
         if ranges is None:
             def whole(tmp: Path) -> str | None:
                 with storage_errors(obj.url):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -81,6 +82,16 @@ class _Blocks:
 _BLOCKS: _Blocks | None = None
 _KEYS = itertools.count()
 _BLOCKS_LOCK = threading.Lock()
+_STRUCTURE_POOL: ThreadPoolExecutor | None = None
+
+
+def _structure_pool() -> ThreadPoolExecutor:
+    """The threads exact ranges are read on (not the block cache's: a block's reader may wait on them)."""
+    global _STRUCTURE_POOL
+    with _BLOCKS_LOCK:
+        if _STRUCTURE_POOL is None:
+            _STRUCTURE_POOL = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="reshard-structure")
+        return _STRUCTURE_POOL
 
 
 def _blocks() -> _Blocks:
@@ -97,6 +108,7 @@ class RangeReader:
     def __init__(self, loc: Location, obj: RemoteObject) -> None:
         self.fs, self.path, self.url, self.size = loc.fs, obj.path, obj.url, obj.size
         self.key = next(_KEYS)  # the cache's name for this object (never reused, unlike id())
+        self.identity = obj.identity
         etag = (obj.etag or "").strip('"')
         self.if_match = f'"{etag}"' if is_s3(loc.fs) and etag and not etag.startswith("mtime:") else None
 
@@ -121,9 +133,26 @@ class RangeReader:
             out[at:at + take] = data[lo:lo + take]
             at += take
 
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Each ``(offset, length)`` range exactly, :data:`CONCURRENCY` at a time (a file's
+        structure: many small ranges; not cached here, the caller keeps them)."""
+        for off, n in ranges:
+            if off < 0 or n < 0 or off + n > self.size:
+                raise StorageError(f"asked for bytes {off}-{off + n} of a {self.size}-byte object", culprit=self.url,
+                                   hint="the checkpoint's structure does not match its size; re-copy the checkpoint")
+        if len(ranges) == 1:
+            return [self._exact(*ranges[0])]
+        return list(_structure_pool().map(lambda r: self._exact(*r), ranges))
+
+    def _exact(self, start: int, n: int) -> bytes:
+        return self._read(start, start + n) if n else b""
+
     def _fetch(self, index: int) -> bytes:
         start = index * BLOCK
-        end = min(self.size, start + BLOCK)
+        return self._read(start, min(self.size, start + BLOCK))
+
+    def _read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``, checked for length and read again when short."""
         last = ""
         for _ in range(ATTEMPTS):
             try:

@@ -152,9 +152,9 @@ def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None,
           markers: Mapping[str, Path] | None = None, *, stream: bool = False) -> Path:
     """Local path of one object's bytes (in place for local files, else via the cache). With the
     checkpoint's fetched ``markers`` (name -> local path), only the byte ranges its format says
-    the conversion reads are fetched (``reshard.formats.needed_ranges``). ``stream``: of a weight
-    file its format can read while converting, only its structure (a skeleton, see
-    :func:`attach_streamed`), unless the cache holds the whole file already."""
+    the conversion reads are fetched (``reshard.formats.needed_ranges``). ``stream``: a weight file
+    its format can read while converting gets a stand-in (holding what the format reads from disk,
+    often nothing; see :func:`attach_streamed`), unless the cache holds the whole file already."""
     if loc.is_local:
         return Path(obj.path)
     crash_point("fetching")
@@ -173,13 +173,15 @@ def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None,
 
 
 def attach_streamed(view_file: Path, fetched: Path, loc: Location, obj: RemoteObject) -> None:
-    """Make the view's file ``view_file`` (linked to ``fetched``) read the bytes its skeleton
-    lacks from ``obj`` while converting; nothing when ``fetched`` is the whole file."""
+    """Make the view's file ``view_file`` (linked to ``fetched``) read its bytes from ``obj`` while
+    converting, when ``fetched`` is a stand-in; nothing when it is the whole file."""
     if is_skeleton(fetched):
         from reshard.core import remote
         from reshard.storage.remote_read import RangeReader
 
-        remote.attach(view_file, RangeReader(loc, obj))
+        held = remote.source_for(view_file)  # kept when it reads this very object: its structure is read once
+        if not (isinstance(held, RangeReader) and held.identity == obj.identity):
+            remote.attach(view_file, RangeReader(loc, obj))
 
 
 def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path:

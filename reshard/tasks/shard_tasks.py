@@ -18,7 +18,7 @@ from reshard.formats import check_file
 from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import open_location
-from reshard.storage.source_view import discover, fetch
+from reshard.storage.source_view import attach_streamed, discover, fetch
 from reshard.tasks.cache_keys import check_key, fetch_key
 from reshard.tasks.retry import retry_if_transient
 
@@ -58,8 +58,9 @@ def check_shard(path: str, identity: str, module_key: str, url: str, fmt: str | 
     fetched shard, local or remote. Cross-shard consistency is checked in the plan step.
     ``refetch`` (``fetch-shard``'s source, obj, storage_options and cache_dir): where ``path`` is
     not on this machine (fetched by a worker on another), the shard is fetched here the same way."""
-    if refetch is not None and not Path(path).is_file():
-        cache = ShardCache(refetch["cache_dir"])
-        path = str(fetch(open_location(refetch["source"], refetch["storage_options"]), RemoteObject(**refetch["obj"]),
-                         cache, {}, stream=is_skeleton(path)))
+    if refetch is not None:
+        loc, obj = open_location(refetch["source"], refetch["storage_options"]), RemoteObject(**refetch["obj"])
+        if not Path(path).is_file():
+            path = str(fetch(loc, obj, ShardCache(refetch["cache_dir"]), {}, stream=is_skeleton(path)))
+        attach_streamed(Path(path), Path(path), loc, obj)  # a stand-in: its structure is read from the source
     return dict(check_file(path, fmt, role, module_key, url), path=path, role=role)

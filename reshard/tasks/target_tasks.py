@@ -122,11 +122,13 @@ def _ensure_view(job: dict[str, Any], fetched: dict[str, str]) -> None:
     wanted = {**job.get("markers", {}), **fetched}
     for name in sorted(wanted, key=lambda n: not is_marker(n)):  # markers first: the others' ranges need them
         path = Path(wanted[name])
-        if not path.is_file():
+        try:
+            link_into_view(path, root / name)
+        except FileNotFoundError:  # not on this machine, or gone from the cache meanwhile: fetch it here
             path = fetch(loc, by_name[name], cache, None if is_marker(name) else markers, stream=is_skeleton(path))
+            link_into_view(path, root / name)
         if is_marker(name):
             markers[name] = path
-        link_into_view(path, root / name)
         attach_streamed(root / name, path, loc, by_name[name])
 
 
