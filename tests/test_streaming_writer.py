@@ -415,3 +415,32 @@ def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_siz
     assert stats.size == len(buf.getvalue())
     assert path.read_bytes() == b"head" + buf.getvalue() + b"next archive"
     assert digest.hexdigest() == hashlib.sha256(b"head" + buf.getvalue()).hexdigest()
+
+
+def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_path):
+    """With a ``stream`` the writer feeds it the file's final bytes, in order: exactly what
+    ``torch.save`` writes (CRCs in every data descriptor and in the directory, serialization id
+    included); the local file keeps the structure only while it is needed, and gives every block
+    back at the end — the disk a streamed output takes does not grow with its records."""
+    import hashlib
+
+    class Collect:
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def update(self, b) -> None:
+            self.data += bytes(b)
+
+    tensors = {f"layer{i}.w": torch.randn(64, 96) for i in range(40)}  # 40 records, 24 KiB each
+    tensors["small"] = torch.arange(3)
+    obj = {"module": {k: torch_writer.PendingTensor(tuple(v.shape), v.dtype, lambda sink, v=v: sink.write(v)) for k, v in
+                      tensors.items()}, "args": {"lr": 0.5}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    torch.save({"module": tensors, "args": {"lr": 0.5}}, tmp_path / "a" / "out.pt")
+    want = (tmp_path / "a" / "out.pt").read_bytes()
+    got = Collect()
+    stats = torch_writer.save(obj, tmp_path / "b" / "out.pt", sha256=True, stream=got)
+    assert bytes(got.data) == want and stats.size == len(want)
+    assert stats.sha256 == hashlib.sha256(want).hexdigest()
+    assert os.stat(tmp_path / "b" / "out.pt").st_blocks * 512 <= 4096  # the last, partial block at most

@@ -682,12 +682,14 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _fallocate: Any = None
 
 
-def punch_hole(fd: int, lo: int, hi: int) -> int:
+def punch_hole(fd: int, lo: int, hi: int, *, align: bool = True) -> int:
     """Give back the disk blocks of bytes ``[lo, hi)`` of the file (they read as zeros after; the
-    file keeps its size), rounded inward to 4 KiB; returns where that ends (the next ``lo``).
-    Where the filesystem or platform cannot, nothing happens: only disk use differs."""
+    file keeps its size), the end rounded down to 4 KiB unless ``align`` is off (the bytes after
+    ``hi`` in its block are still needed); returns where that ends (the next ``lo``). Where the
+    filesystem or platform cannot, nothing happens: only disk use differs."""
     global _fallocate
-    hi -= hi % 4096
+    if align:
+        hi -= hi % 4096
     if hi <= lo:
         return lo
     if _fallocate is None:
@@ -775,6 +777,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                 entry = by_name[name]
                 if digest is not None and entry.data_offset > hashed_to:  # descriptor + header
                     wt.put((_final_bytes(fd, hashed_to, entry.data_offset, crc_at), None, None, None))
+                    if not to_disk:  # read for the last time: its blocks go back (the data's are holes)
+                        punch_hole(fd, hashed_to, min(entry.data_offset + entry.size,
+                                                      -(-entry.data_offset // 4096) * 4096), align=False)
                 sink = _FileSink(wt, entry, name, to_disk)
                 if rec.pending is not None:
                     rec.pending.produce(sink)
@@ -793,7 +798,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                     on_bytes(hashed_to - base)
         finally:
             wt.close()
-        _patch(fd, entries, crcs, heads, small)
+        # streamed: the descriptors before ``hashed_to`` went out with their CRCs, their blocks given back
+        _patch(fd, entries, crcs, heads, small, descriptors_from=base if to_disk else hashed_to)
         stats.size = end - base
         if digest is not None:
             while hashed_to < end:
@@ -802,6 +808,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
                 hashed_to += len(tail)
             if own_digest:
                 stats.sha256 = digest.hexdigest()
+        if not to_disk:  # every byte went to the stream: the structure's blocks go back too
+            punch_hole(fd, base, end, align=False)
         stats.record_order = [e.name for e in entries]
     finally:
         os.close(fd)
@@ -819,22 +827,26 @@ def _final_bytes(fd: int, lo: int, hi: int, crc_at: dict[int, int]) -> bytes:
     return bytes(buf)
 
 
-def _patch_crc(fd: int, e: ZipEntry, crc: int) -> None:
-    """Write a record's CRC-32 into its data descriptor and central-directory entry."""
+def _patch_crc(fd: int, e: ZipEntry, crc: int, *, descriptor: bool = True) -> None:
+    """Write a record's CRC-32 into its data descriptor (unless ``descriptor`` is off) and
+    central-directory entry."""
     if e.descriptor < 0:
         if crc != 0:
             raise WriterError(f"record {e.name} has data but no data descriptor")
         return
-    if struct.unpack("<I", os.pread(fd, 4, e.descriptor))[0] != _DESCRIPTOR_SIG:
-        raise WriterError(f"no data descriptor after {e.name}")
     packed = struct.pack("<I", crc)
-    os.pwrite(fd, packed, e.descriptor + 4)
+    if descriptor:
+        if struct.unpack("<I", os.pread(fd, 4, e.descriptor))[0] != _DESCRIPTOR_SIG:
+            raise WriterError(f"no data descriptor after {e.name}")
+        os.pwrite(fd, packed, e.descriptor + 4)
     os.pwrite(fd, packed, e.cd_offset + 16)
 
 
 def _patch(fd: int, entries: list[ZipEntry], crcs: dict[str, int], heads: dict[str, bytes],
-           small: dict[str, bytes]) -> None:
-    """Write the real CRC-32s and serialization id into the skeleton."""
+           small: dict[str, bytes], *, descriptors_from: int = 0) -> None:
+    """Write the real CRC-32s and serialization id into the skeleton: into the central directory,
+    and into each data descriptor from ``descriptors_from`` on (those before it went out with
+    their CRCs to a stream already, and their blocks were given back)."""
     combined = 0
     sid: ZipEntry | None = None
     for e in entries:
@@ -862,4 +874,4 @@ def _patch(fd: int, entries: list[ZipEntry], crcs: dict[str, int], heads: dict[s
         os.pwrite(fd, new, sid.data_offset)
         crcs[sid.name] = zlib_ng.crc32(new)
     for e in entries:
-        _patch_crc(fd, e, crcs[e.name])
+        _patch_crc(fd, e, crcs[e.name], descriptor=e.descriptor >= descriptors_from)

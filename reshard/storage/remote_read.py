@@ -31,9 +31,9 @@ from reshard.storage.s3_transfer import is_s3
 #: Bytes per cached block (one ranged GET).
 BLOCK = 4 << 20
 #: Blocks of an object read ahead of the last one asked for.
-READ_AHEAD = 6
+READ_AHEAD = 4
 #: Blocks kept (and being read) at most, over all objects of the process.
-CACHE_BYTES = 256 << 20
+CACHE_BYTES = 128 << 20
 #: Requests in flight at most, over all objects of the process.
 CONCURRENCY = 8
 #: Tries of one block before its read fails.
