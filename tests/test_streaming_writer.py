@@ -417,7 +417,7 @@ def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_siz
     assert digest.hexdigest() == hashlib.sha256(b"head" + buf.getvalue()).hexdigest()
 
 
-def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_path):
+def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_path, monkeypatch):
     """With a ``stream`` the writer feeds it the file's final bytes, in order: exactly what
     ``torch.save`` writes (CRCs in every data descriptor and in the directory, serialization id
     included); the local file keeps the structure only while it is needed, and gives every block
@@ -443,4 +443,13 @@ def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_
     stats = torch_writer.save(obj, tmp_path / "b" / "out.pt", sha256=True, stream=got)
     assert bytes(got.data) == want and stats.size == len(want)
     assert stats.sha256 == hashlib.sha256(want).hexdigest()
-    assert os.stat(tmp_path / "b" / "out.pt").st_blocks * 512 <= 4096  # the last, partial block at most
+    out = tmp_path / "b" / "out.pt"  # the structure was held in memory, or given back as it went
+    assert not out.exists() or out.stat().st_blocks * 512 <= 4096
+    if os.path.isdir("/dev/shm"):
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-")], "left in memory"
+    beside = tmp_path / "c" / "out.pt"  # without a memory folder: beside the output, given back
+    beside.parent.mkdir()
+    monkeypatch.setattr(torch_writer, "memory_folder", lambda: None)
+    again = Collect()
+    torch_writer.save(obj, beside, sha256=True, stream=again)
+    assert bytes(again.data) == want and beside.stat().st_blocks * 512 <= 4096  # the last, partial block

@@ -42,8 +42,10 @@ import io
 import os
 import pickle
 import queue
+import shutil
 import struct
 import sys
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -733,6 +735,11 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     path = os.fspath(path)
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
+    in_memory = None  # a streamed file's structure: held in memory (tmpfs), not on disk
+    if offset is None and stream is not None:
+        in_memory = memory_folder()
+        if in_memory is not None:  # same file name: torch names the archive after it
+            path = os.path.join(in_memory, os.path.basename(path))
     if offset is None:
         writer, skeleton_file = _skeleton_writer(path)
     else:
@@ -813,7 +820,23 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         stats.record_order = [e.name for e in entries]
     finally:
         os.close(fd)
+        if in_memory is not None:
+            shutil.rmtree(in_memory, ignore_errors=True)
     return stats
+
+
+def memory_folder() -> str | None:
+    """A new private folder on a memory-backed filesystem (``/dev/shm``) for a streamed file's
+    structure — the zip writer's headers and directory, a block per record, which would otherwise
+    take local disk in proportion to the model's tensors — or None where there is none (then the
+    structure stays beside the output, its blocks given back as they are streamed)."""
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK)):
+        return None
+    try:
+        return tempfile.mkdtemp(prefix="reshard-", dir=shm)
+    except OSError:
+        return None
 
 
 def _final_bytes(fd: int, lo: int, hi: int, crc_at: dict[int, int]) -> bytes:

@@ -50,6 +50,7 @@ import mmap
 import os
 import pickle
 import re
+import shutil
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -662,6 +663,18 @@ def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
     """Write the blobs of ``items`` back to back, each streamed as it is produced, exactly where
     :func:`index_bytes` says they are (with a ``stream``: the tensors' bytes go there, in order,
     and ``path`` keeps only the blobs' structure, see :func:`reshard.core.torch_writer.save`)."""
+    in_memory = torch_writer.memory_folder() if stream is not None else None
+    if in_memory is not None:  # streamed: the blobs' structure is held in memory, not on disk
+        path = os.path.join(in_memory, os.path.basename(path))
+    try:
+        return _write_blobs(items, path, sha256=sha256, on_bytes=on_bytes, stream=stream)
+    finally:
+        if in_memory is not None:
+            shutil.rmtree(in_memory, ignore_errors=True)
+
+
+def _write_blobs(items: list[GlobalItem], path: str, *, sha256: bool, on_bytes: Callable[[int], None] | None,
+                 stream: Any) -> torch_writer.SaveStats:
     Path(path).write_bytes(b"")  # the blobs are written into it at their offsets
     stats = torch_writer.SaveStats()
     digest = torch_writer.file_digest(sha256, stream)  # fed blob by blob, in file order
