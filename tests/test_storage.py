@@ -15,7 +15,7 @@ from reshard.core.errors import DestinationError, ManifestMismatchError, Storage
 from reshard.core.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
-from reshard.storage.cache import ShardCache
+from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.manifest import MANIFEST_NAME, verify
 from reshard.storage.source_view import list_objects
 from reshard.storage.location import open_location
@@ -410,3 +410,38 @@ def test_two_conversions_claiming_one_destination_at_once_exactly_one_wins(backe
         [t.join() for t in threads]
         assert sorted(o == "won" for o in outcomes) == [False, True], (trial, outcomes)
 
+
+
+def test_a_view_laid_out_again_never_shows_a_reader_a_partial_file(tmp_path):
+    """Every task of a flow run lays out the source view again while others read it (threads
+    of one worker): the descriptor and the linked shards are replaced atomically, so a reader
+    sees the whole file every time, never an empty or missing one."""
+    from reshard.storage.source_view import Discovery, build_view
+
+    body = b'{"type": "Megatron", "checkpoints": ["a.pt"], "version": 1.0}' * 64
+    shard = tmp_path / "cache" / "a.pt"
+    shard.parent.mkdir()
+    shard.write_bytes(b"x" * 4096)
+    obj = RemoteObject(url="s3://b/a.pt", path="b/a.pt", name="a.pt", size=4096, etag="e")
+    disc = Discovery("s3://b", False, [obj], "ckpt.json", body)
+    view = tmp_path / "view"
+    build_view(disc, {"a.pt": shard}, view)
+    other = tmp_path / "cache" / "a2.pt"
+    other.write_bytes(b"x" * 4096)
+    stop, seen = threading.Event(), []
+
+    def lay_out() -> None:
+        for i in range(300):
+            build_view(Discovery("s3://b", False, [obj], "ckpt.json", body + b" " * (i % 2)),
+                       {"a.pt": shard if i % 2 else other}, view)
+        stop.set()
+
+    writer = threading.Thread(target=lay_out)
+    writer.start()
+    while not stop.is_set():
+        try:
+            seen.append((len((view / "ckpt.json").read_bytes()), len((view / "a.pt").read_bytes())))
+        except FileNotFoundError:
+            seen.append((-1, -1))
+    writer.join()
+    assert len(seen) > 10 and all(d >= len(body) and s == 4096 for d, s in seen), sorted(set(seen))[:3]

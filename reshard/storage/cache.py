@@ -251,13 +251,15 @@ class ShardCache:
 
     @staticmethod
     def link(src: Path, dst: Path) -> None:
+        """Put the cached ``src`` at ``dst`` (hard link, else a copy), atomically: a reader
+        of ``dst`` sees the old entry or the new one, never a missing or partial file."""
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if dst.exists():
-            if os.path.samefile(src, dst):
-                return  # a resumed run's view already links this entry
-            dst.unlink()
+        if dst.exists() and os.path.samefile(src, dst):
+            return  # a resumed run's view already links this entry
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.link")
         try:
-            os.link(src, dst)
+            os.link(src, tmp)
         except OSError:
-            shutil.copyfile(src, dst)
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
 

@@ -14,7 +14,6 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -191,10 +190,23 @@ def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path
     for name, path in fetched.items():
         ShardCache.link(path, view / name)
     if disc.descriptor_name is not None:
-        view.mkdir(parents=True, exist_ok=True)
-        (view / disc.descriptor_name).write_bytes(disc.descriptor_bytes or b"")
+        _write_once(view / disc.descriptor_name, disc.descriptor_bytes or b"")
         return view / disc.descriptor_name
     return view
+
+
+def _write_once(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` atomically, unless it is there already: every task of a run
+    lays out the view, and a reader in another thread must never see a half-written file."""
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
@@ -249,12 +261,4 @@ def link_into_view(fetched: Path, dst: Path) -> None:
     """Replace ``dst`` (a placeholder or an earlier link) by the fetched file, atomically: a
     concurrent reader sees either the placeholder or the whole file, never a partial copy, and
     the cache file itself is never written through the view."""
-    if dst.exists() and os.path.samefile(fetched, dst):
-        return
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.link")
-    try:
-        os.link(fetched, tmp)
-    except OSError:
-        shutil.copyfile(fetched, tmp)
-    os.replace(tmp, dst)
+    ShardCache.link(fetched, dst)
