@@ -132,6 +132,7 @@ def test_foreign_stand_ins_and_non_ascii_path(tmp_path):
 
 
 def test_producer_errors_propagate_and_nothing_hangs(tmp_path):
+    assert not [t for t in threading.enumerate() if t.name in ("reshard-writer", "reshard-hasher")]
     def short(sink):
         sink.write(b"\0" * 10)
 
@@ -144,7 +145,8 @@ def test_producer_errors_propagate_and_nothing_hangs(tmp_path):
 
     with pytest.raises(ValueError, match="source vanished"):
         torch_writer.save({"a": PendingTensor((4,), torch.float32, boom)}, tmp_path / "b.pt")
-    assert threading.active_count() < 20  # writer threads were joined
+    # the writer's threads were joined (other parts keep process-wide pools: count only these)
+    assert not [t for t in threading.enumerate() if t.name in ("reshard-writer", "reshard-hasher")]
 
 
 class _BrokenDigest:
