@@ -164,3 +164,15 @@ def test_the_iteration_tracker_text_and_its_folder_are_inverse():
         assert iteration_dir(iteration_text(folder)) == folder
     assert iteration_dir(" 7\n") == "iter_0000007"
     assert iteration_dir("../etc") is None and iteration_dir("") is None
+
+
+@pytest.mark.parametrize("sizes,limit,groups", [
+    ([4, 4, 4], 8, [0, 2]), ([4, 9, 1], 8, [0, 1, 2]), ([9, 0, 4], 8, [0, 2]), ([0, 9, 0, 0], 8, [0]),
+    ([8, 8], 8, [0, 1]), ([4, 4], None, [0]), ([], 8, [0]),
+])
+def test_size_groups_cut_between_tensors_and_never_start_a_file_with_no_bytes(sizes, limit, groups):
+    """The cut behind ``--max-shard-size`` (hf and torch_dist outputs): a file never exceeds the
+    limit unless it is one tensor; entries of no bytes stay with the tensor before them."""
+    from reshard.formats.base import size_groups
+
+    assert size_groups(sizes, limit) == groups

@@ -571,19 +571,23 @@ def test_a_bad_moe_config_is_refused_in_one_line(hf_imported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("source,load_at", [("per-rank moe 1x2", (2, 2)), ("torch_dist moe_gelu 1x4", (2, 2)),
-                                            ("torch_dist moe 2x2", (1, 4))])
+                                            ("torch_dist moe 2x2", (1, 4)), ("torch_dist moe 2x2 cut", (1, 4))])
 def test_written_torch_dist_experts_load_in_megatron_core_at_any_layout(moe, moe_dist, tmp_path, source, load_at):
     """``--to torch_dist`` puts experts on the global expert axis as megatron-core does (stacked over
     layers when every layer is alike, per layer when dense and MoE layers mix): megatron-core's own
-    ``dist_checkpointing.load`` reads it at another (TP, EP) and computes the source's logits."""
-    name = source.split()[1]
-    run = moe[(name, 1, 2, 1)] if source.startswith("per-rank") else moe_dist[(name, *map(int, source[-3:].split("x")))]
-    assert main(["run", "--direct", str(run), str(tmp_path / "dist"), "--to", "torch_dist"]) == 0
+    ``dist_checkpointing.load`` reads it at another (TP, EP) and computes the source's logits.
+    ``cut``: written as many small ``.distcp`` files (``--max-shard-size``), a layer's experts and
+    dense weights in different files, each keyed as the whole model is."""
+    name, layout = source.split()[1:3]
+    cut = ["--max-shard-size", "16KB"] if source.endswith("cut") else []
+    run = moe[(name, 1, 2, 1)] if source.startswith("per-rank") else moe_dist[(name, *map(int, layout.split("x")))]
+    assert main(["run", "--direct", str(run), str(tmp_path / "dist"), "--to", "torch_dist", *cut]) == 0
+    assert len(list((tmp_path / "dist").rglob("*.distcp"))) >= (8 if cut else 1)
     [(logits, routing)] = mcore_forward_moe([(name, tmp_path / "dist", *load_at)], tmp_path, dist=True)
     assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL
     assert all(torch.equal(routing[k], v) for k, v in torch.load(run / "routing.pt").items())
     again = tmp_path / "again"
-    assert main(["run", "--direct", str(tmp_path / "dist"), str(again), "--to", "torch_dist"]) == 0
+    assert main(["run", "--direct", str(tmp_path / "dist"), str(again), "--to", "torch_dist", *cut]) == 0
     for f in sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file() and p.suffix != ".json"):
         assert (again / f).read_bytes() == (tmp_path / "dist" / f).read_bytes(), f  # round trips byte-stable
 

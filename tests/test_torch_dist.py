@@ -9,6 +9,7 @@ megatron-core itself wrote at TP M; megatron-core's forward on them must give th
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import shutil
@@ -227,11 +228,15 @@ def test_megatron_core_loads_the_written_torch_dist_at_every_tp_with_the_saved_l
     ``dist_checkpointing.load`` at TP 1, 2 and 4 gives the source model's logits."""
     from mcore_fixtures import mcore_forward_dist
 
-    sources = {"per-rank": (mcore[("gqa_swiglu", 2, 1)], "gqa_swiglu"), "torch_dist": (dist[("swiglu", 4, 1)], "swiglu")}
+    sources = {"per-rank": (mcore[("gqa_swiglu", 2, 1)], "gqa_swiglu", []),
+               "torch_dist": (dist[("swiglu", 4, 1)], "swiglu", []),
+               # cut into many files: every stacked key's layers and each layer's tensors spread over them
+               "cut": (mcore[("gqa_swiglu", 2, 1)], "gqa_swiglu", ["--max-shard-size", "8KB"])}
     cases, wants = [], []
-    for label, (src, name) in sources.items():
+    for label, (src, name, extra) in sources.items():
         out = tmp_path / label
-        assert main(["run", "--direct", str(src), str(out), "--to", "torch_dist"]) == 0
+        assert main(["run", "--direct", str(src), str(out), "--to", "torch_dist", *extra]) == 0
+        assert len(list(out.rglob("*.distcp"))) >= (8 if extra else 1)
         for tp in (1, 2, 4):
             cases.append((name, out, tp))
             wants.append(torch.load(src / "logits.pt"))
@@ -255,6 +260,34 @@ def test_plain_dcp_reads_the_global_tensors(mcore, tmp_path):
         assert torch.equal(plain["decoder.layers.self_attention.linear_qkv.weight"][i],
                            want[f"decoder.layers.{i}.self_attention.linear_qkv.weight"])
     assert not [k for k in plain if k.startswith("optimizer")]
+
+
+@pytest.mark.parametrize("model", ["gqa_swiglu", "mha"])
+def test_an_output_cut_into_files_holds_the_same_global_tensors(mcore, tmp_path, model):
+    """``--max-shard-size``: the same global tensors as the one-file output, for plain DCP and for
+    reshard reading it back (per-rank TP 2 files byte-identical); no file over the limit unless it
+    is one entry; file ``i`` named ``__i_0.distcp``; refused for a per-rank output."""
+    src = mcore[(model, 2, 1)]
+    one, cut = tmp_path / "one", tmp_path / "cut"
+    assert main(["run", "--direct", str(src), str(one), "--to", "torch_dist"]) == 0
+    assert main(["run", "--direct", str(src), str(cut), "--to", "torch_dist", "--max-shard-size", "20KB"]) == 0
+    files = sorted((cut / "iter_0000007").glob("*.distcp"))
+    assert [f.name for f in files] == sorted(f"__{i}_0.distcp" for i in range(len(files))) and len(files) >= 4
+    meta = read_metadata(cut / "iter_0000007" / ".metadata")
+    held: dict[str, list[int]] = {f.name: [] for f in files}  # tensor bytes per chunk, by file
+    for t in meta.tensors.values():
+        for c in t.chunks:
+            held[c.file].append(math.prod(c.sizes) * t.dtype.itemsize)
+    assert all(sum(b) <= 20_000 or len(b) == 1 for b in held.values()), held  # tensor bytes, as Hugging Face counts
+    assert all(len(b) for b in held.values()), held
+    want = _global_tensors(one / "iter_0000007", tmp_path)
+    got = _global_tensors(cut / "iter_0000007", tmp_path)
+    assert list(got) == list(want) and all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+                                           for k, v in want.items())
+    for label, folder in (("one", one), ("cut", cut)):
+        assert main(["run", "--direct", str(folder), str(tmp_path / f"{label}-tp2"), "--target-tp", "2"]) == 0
+    for f in sorted((tmp_path / "one-tp2").rglob("*.pt")):
+        assert f.read_bytes() == (tmp_path / "cut-tp2" / f.relative_to(tmp_path / "one-tp2")).read_bytes(), f
 
 
 def test_pipeline_stages_become_one_torch_dist_checkpoint(mcore, tmp_path):
@@ -289,6 +322,7 @@ def test_round_trips_are_byte_stable(dist, tmp_path):
     (["--to", "torch_dist", "--quantize"], "--quantize: torch_dist has no place"),
     (["--to", "deepspeed"], "--to: cannot write a torch_dist checkpoint in the DeepSpeed"),
     (["--to", "nope"], "--to: unknown output format 'nope'"),
+    (["--target-tp", "2", "--max-shard-size", "1MB"], "--max-shard-size: the megatron layout is not written in size-limited shards"),
     ([], "--target-tp: needs a target tensor-parallel degree to write the megatron layout"),
 ])
 def test_output_requests_that_cannot_be_written_are_refused(dist, tmp_path, capsys, args, needle):

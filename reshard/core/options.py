@@ -107,7 +107,8 @@ class ReshardOptions(BaseModel):
                         metavar="WHICH")
 
     max_shard_size: str | int | None = _opt(None, "largest file of an output written in shards, e.g. 2GB, 500MB, "
-                                                  "1GiB or bytes (hf; default 5GB, as Hugging Face)", metavar="SIZE")
+                                                  "1GiB or bytes (hf, torch_dist; default 5GB, as Hugging Face)",
+                                            metavar="SIZE")
 
     @field_validator("max_shard_size", mode="before")
     @classmethod

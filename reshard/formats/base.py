@@ -240,6 +240,11 @@ class CheckpointFormat(ABC):
         one file."""
         return [0]
 
+    def cuts_files(self) -> bool:
+        """Whether :meth:`file_groups` may cut a target into several files (``--max-shard-size``
+        means something for this output). Default: no, one file per target."""
+        return False
+
     def part_name(self, name: str, part: int, parts: int) -> str:
         """The name of file ``part`` of ``parts`` of target ``name`` (see :meth:`file_groups`)."""
         return name
@@ -311,3 +316,34 @@ def check_contiguous(ranks: list[int], where: str) -> None:
         raise CheckpointFormatError(
             f"rank files are not 0..N-1: found ranks {ranks}" + (f", missing {missing}" if missing else ""),
             culprit=where, hint="copy the missing rank files, or remove stray extra ones")
+
+
+#: The largest file of an output cut into shards unless ``--max-shard-size`` says otherwise
+#: (Hugging Face's ``max_shard_size="5GB"``, decimal: small enough for any object store's single
+#: upload limits and to spread a model's files over workers, large enough to keep file counts low).
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+def size_groups(sizes: Sequence[int], limit: int | None) -> list[int]:
+    """Cut a run of tensors (``sizes``: their bytes, in order) into files of at most ``limit``
+    bytes (default :data:`DEFAULT_MAX_SHARD`), between tensors: the index of each file's first
+    tensor. A tensor larger than the limit is a file of its own, as Hugging Face does; an entry of
+    no bytes (an ``_extra_state``) stays with the one before it, never starting a file.
+
+    ============================  ===========  =========
+    sizes                         limit        groups
+    ============================  ===========  =========
+    [4, 4, 4]                     8            [0, 2]
+    [4, 9, 1]                     8            [0, 1, 2]
+    [9, 0, 4]                     8            [0, 2]
+    [4, 4]                        None (5 GB)  [0]
+    ============================  ===========  =========
+    """
+    limit = limit or DEFAULT_MAX_SHARD
+    starts, used = [0], 0
+    for i, size in enumerate(sizes):
+        if size and used and used + size > limit:
+            starts.append(i)
+            used = 0
+        used += size
+    return starts

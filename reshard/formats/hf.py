@@ -36,7 +36,7 @@ from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
-from reshard.formats.base import CheckpointFormat
+from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of
 from reshard.models.hf_import import megatron_state, read_config
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
@@ -53,8 +53,6 @@ CONFIG = "config.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``: an import pads the vocabulary as it would.
 MEGATRON_VOCAB_DIVISOR = 128
-#: Hugging Face's default shard size (``max_shard_size="5GB"``, decimal).
-DEFAULT_MAX_SHARD = 5 * 10**9
 
 
 def _json(path: Path) -> Any:
@@ -157,16 +155,11 @@ class HFFormat(CheckpointFormat):
         return WEIGHTS
 
     def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
-        """Shards of at most ``--max-shard-size`` bytes (a tensor larger than that is a shard of its
-        own, as Hugging Face does), cut between tensors: the index of each shard's first tensor."""
-        limit = options.max_shard_size or DEFAULT_MAX_SHARD
-        starts, used = [0], 0
-        for i, size in enumerate(sizes):
-            if used and used + size > limit:
-                starts.append(i)
-                used = 0
-            used += size
-        return starts
+        """Shards of at most ``--max-shard-size`` bytes (see :func:`~reshard.formats.base.size_groups`)."""
+        return size_groups(sizes, options.max_shard_size)
+
+    def cuts_files(self) -> bool:
+        return True
 
     def part_name(self, name: str, part: int, parts: int) -> str:
         return name if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"

@@ -14,6 +14,14 @@ def output_format(source: SourceCheckpoint, options: ReshardOptions) -> Checkpoi
 
     A per-rank layout is only written from its own kind of source (its top-level entries and
     file naming are the source's); a layout of global tensors (torch_dist) from any."""
+    out = _chosen(source, options)
+    if options.max_shard_size is not None and not out.cuts_files():
+        raise LayoutError(f"the {out.title or out.name} layout is not written in size-limited shards",
+                          culprit="--max-shard-size", hint="drop --max-shard-size (it sizes --to hf and --to torch_dist files)")
+    return out
+
+
+def _chosen(source: SourceCheckpoint, options: ReshardOptions) -> CheckpointFormat:
     fmt = get_format(source.format)
     own = get_format(fmt.writes_as or source.format)
     if options.to is None or options.to == own.name:

@@ -35,9 +35,10 @@ Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--
 asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
 is first renamed by its family's table, :func:`reshard.models.megatron_gpt.as_megatron_core`),
 one chunk per layer of each stacked key (per-layer keys when the layers differ: dense and MoE
-layers mixed; one chunk per expert along the expert axis), the blobs streamed back to back into one ``.distcp``
-file at offsets that, like the whole index, follow from the shapes alone (:func:`index_bytes`,
-:func:`write_distcp`).
+layers mixed; one chunk per expert along the expert axis), the blobs streamed back to back into
+``.distcp`` files — one, or files of at most ``--max-shard-size`` (default 5 GB) cut between
+entries, each a target of its own so workers write them in parallel — at offsets that, like the
+whole index, follow from the shapes alone (:func:`index_bytes`, :func:`write_distcp`).
 """
 
 from __future__ import annotations
@@ -69,12 +70,13 @@ from reshard.core.pages import PageDropper
 from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
-from reshard.formats.base import CheckpointFormat
+from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.core.rules import expert_index, is_megatron_core
 from reshard.formats.megatron import iteration_folder
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core
 
 if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
     from reshard.core.plan_types import Plan
 
 TORCH_DIST = "torch_dist"
@@ -213,18 +215,39 @@ class TorchDistFormat(CheckpointFormat):
 
         sd = target_state(plan, 0)
         folder = names[0].rsplit("/", 1)[0]
+        layout = plan_layout(plan)
+        files = [(name.rsplit("/", 1)[1], global_items((sd if tgt == 0 else target_state(plan, tgt))[plan.module_key],
+                                                       layout)) for tgt, name in enumerate(names)]
         top = {k: v for k, v in sd.items() if k != plan.module_key}
         if plan.facts.naming != "megatron-core" and top.get("args") is not None:
             top["args"] = _core_args(top["args"])
         buf = io.BytesIO()
         torch.save(top, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(top) else pickle)
-        return {f"{folder}/{INDEX}": index_bytes(global_items(sd[plan.module_key])),
+        return {f"{folder}/{INDEX}": index_bytes(files),
                 f"{folder}/{COMMON}": buf.getvalue()}
+
+    def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
+        """Files of at most ``--max-shard-size`` bytes (see :func:`~reshard.formats.base.size_groups`):
+        each a target of its own, so a large model's files are written in parallel, by as many
+        workers as there are files."""
+        return size_groups(sizes, options.max_shard_size)
+
+    def cuts_files(self) -> bool:
+        return True
+
+    def part_name(self, name: str, part: int, parts: int) -> str:
+        return f"{name.rsplit('/', 1)[0]}/__{part}_0.distcp"
+
+    def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
+        return DistcpFile(global_items(sd[plan.module_key], plan_layout(plan)))
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
               on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> torch_writer.SaveStats:
-        module = next(obj[k] for k in MODULE_KEYS if isinstance(obj.get(k), dict))
-        return write_distcp(global_items(module), os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
+        if isinstance(obj, DistcpFile):
+            items = obj.items
+        else:  # a state dict of the whole model
+            items = global_items(next(obj[k] for k in MODULE_KEYS if isinstance(obj.get(k), dict)))
+        return write_distcp(items, os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
 
     def writes_streams(self) -> bool:
         return True
@@ -544,9 +567,53 @@ def _load_blob(path: Path, offset: int, length: int, where: str, *, allowlist: b
 
 # --- writing ----------------------------------------------------------------------------------------
 
-#: The one storage file reshard writes (rank 0, writer 0 in megatron-core's naming).
+#: The storage file reshard writes (rank 0, writer 0 in megatron-core's naming); an output cut
+#: into several (``--max-shard-size``) names file ``i`` ``__i_0.distcp`` (see ``part_name``).
 DISTCP_NAME = "__0_0.distcp"
 _LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What the whole model's entry names decide about every entry's global key: one file of an
+    output cut into several holds only some entries and must key them as the whole model does
+    (the layer axis is the model's depth, not the file's; a file of embeddings alone is still a
+    megatron-core model's)."""
+
+    core: bool  #: names are megatron-core's (else renamed by the family's table first)
+    layers: int  #: the stacked keys' leading axis
+    stacked: bool  #: every layer holds the same entries (else keys stay per layer)
+    experts: Mapping[int, int]  #: layer -> its experts (the next axis of an expert's key)
+
+
+def model_layout(names: Sequence[str]) -> ModelLayout:
+    """The :class:`ModelLayout` of a module with entries ``names`` (a whole model's)."""
+    core = is_megatron_core(names)
+    if not core:
+        names = list(as_megatron_core(dict.fromkeys(names)))
+    per_layer: dict[int, set[str]] = {}
+    experts: dict[int, set[int]] = {}
+    for name in names:
+        m = _LAYER_KEY_RE.match(name)
+        if m:
+            rest, g = _dist_name(m.group(2))
+            per_layer.setdefault(int(m.group(1)), set()).add(rest)
+            if g is not None:
+                experts.setdefault(int(m.group(1)), set()).add(g)
+    return ModelLayout(core, 1 + max(per_layer, default=-1), len({frozenset(v) for v in per_layer.values()}) <= 1,
+                       {i: len(e) for i, e in experts.items()})
+
+
+def plan_layout(plan: "Plan") -> ModelLayout:
+    """The :class:`ModelLayout` of the model a plan writes, over all its files."""
+    return model_layout([tp.out_key for t in plan.targets for tp in t.params])
+
+
+@dataclass(frozen=True)
+class DistcpFile:
+    """What one ``.distcp`` file of the output holds: its entries, keyed for the whole model."""
+
+    items: list["GlobalItem"]
 
 
 @dataclass(frozen=True)
@@ -561,26 +628,18 @@ class GlobalItem:
     value: Any
 
 
-def global_items(module: dict[str, Any]) -> list[GlobalItem]:
+def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> list[GlobalItem]:
     """A TP 1 megatron-core module (or a legacy one, renamed by its family's table) as torch_dist
     entries (the name table above, backwards): layer ``i`` of ``L`` becomes chunk ``i`` of the
     stacked key — or, when the layers differ (dense and MoE layers mixed), keys stay per layer, as
     megatron-core keeps them then; expert ``e`` of ``E`` is chunk ``e`` along the expert axis that
     follows; local-spec layer norms take the fused names; ``_extra_state`` becomes the byte item
-    ``<key>/shard_<chunk offsets>_<axis sizes>`` (``shard_0_1`` for an entry of no axis)."""
-    if not is_megatron_core(module):
+    ``<key>/shard_<chunk offsets>_<axis sizes>`` (``shard_0_1`` for an entry of no axis).
+    ``layout``: the whole model's, when ``module`` is one file's part of it (default: its own)."""
+    layout = layout or model_layout(list(module))
+    if not layout.core:
         module = as_megatron_core(module)  # a legacy model: check_plan let only core-compatible QKV through
-    per_layer: dict[int, set[str]] = {}
-    experts: dict[int, set[int]] = {}
-    for name in module:
-        m = _LAYER_KEY_RE.match(name)
-        if m:
-            rest, g = _dist_name(m.group(2))
-            per_layer.setdefault(int(m.group(1)), set()).add(rest)
-            if g is not None:
-                experts.setdefault(int(m.group(1)), set()).add(g)
-    layers = 1 + max(per_layer, default=-1)
-    stacked = len({frozenset(v) for v in per_layer.values()}) <= 1
+    layers, stacked = layout.layers, layout.stacked
     items = []
     for name, value in module.items():
         if name in PER_RANK_ONLY:
@@ -597,7 +656,7 @@ def global_items(module: dict[str, Any]) -> list[GlobalItem]:
             key = f"{LAYERS}{rest}" if stacked else f"{LAYERS}{i}.{rest}"
             lead, axes = ((i,), (layers,)) if stacked else ((), ())
             if g is not None:
-                lead, axes = (*lead, g), (*axes, len(experts[i]))
+                lead, axes = (*lead, g), (*axes, layout.experts[i])
         if name.endswith("._extra_state"):
             shard = f"shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, axes))}" if lead else "shard_0_1"
             items.append(GlobalItem(f"{key}/{shard}", (), (), (), None, value))
@@ -631,8 +690,8 @@ def _byte_blob(value: Any) -> bytes:
 
 
 def _placed(items: list[GlobalItem]) -> list[tuple[GlobalItem, int, int, bytes | None]]:
-    """Each item with its (offset, length) in :data:`DISTCP_NAME` — blobs back to back, a tensor's
-    size from its shape — and a byte item's blob itself (small: serialized once)."""
+    """Each item with its (offset, length) in the ``.distcp`` file holding them — blobs back to
+    back, a tensor's size from its shape — and a byte item's blob itself (small: serialized once)."""
     out, offset = [], 0
     for it in items:
         blob = _byte_blob(it.value) if it.dtype is None else None
@@ -642,17 +701,18 @@ def _placed(items: list[GlobalItem]) -> list[tuple[GlobalItem, int, int, bytes |
     return out
 
 
-def index_bytes(items: list[GlobalItem]) -> bytes:
-    """The ``.metadata`` torch.distributed.checkpoint reads for ``items`` written by :func:`write_distcp`."""
+def index_bytes(files: Sequence[tuple[str, list[GlobalItem]]]) -> bytes:
+    """The ``.metadata`` torch.distributed.checkpoint reads for ``files`` (name in the folder,
+    the items :func:`write_distcp` writes there): a tensor cut over files has its chunks in each."""
     tensors: dict[str, DcpTensor] = {}
     byte_items: dict[str, DcpBytes] = {}
     keys: dict[str, None] = {}
-    for it, offset, length, _ in _placed(items):
+    for file, it, offset, length in ((f, *p[:3]) for f, items in files for p in _placed(items)):
         keys.setdefault(it.key)
         if it.dtype is None:
-            byte_items[it.key] = DcpBytes(it.key, DISTCP_NAME, offset, length)
+            byte_items[it.key] = DcpBytes(it.key, file, offset, length)
             continue
-        chunk = ChunkRef(it.offsets, it.sizes, DISTCP_NAME, offset, length)
+        chunk = ChunkRef(it.offsets, it.sizes, file, offset, length)
         prev = tensors.get(it.key)
         tensors[it.key] = DcpTensor(it.key, it.shape, it.dtype, (prev.chunks if prev else ()) + (chunk,))
     return metadata_bytes(DcpMetadata(tensors, byte_items, tuple(keys)))
