@@ -84,11 +84,11 @@ def tp8_on_s3(tmp_path, s3_server, s3_bucket, monkeypatch) -> tuple[str, dict, d
     return url, so, want
 
 
-def _run(cluster: Cluster, src: str, dst: str, so: dict) -> dict[str, Any]:
+def _run(cluster: Cluster, src: str, dst: str, so: dict, **options: Any) -> dict[str, Any]:
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
 
-    return run_flow(ReshardParams(source=src, destination=dst, target_tp=2, storage_options=so),
+    return run_flow(ReshardParams(source=src, destination=dst, storage_options=so, **(options or {"target_tp": 2})),
                     dask_address=cluster.address)
 
 
@@ -150,3 +150,25 @@ def test_a_worker_killed_mid_conversion_leaves_the_run_to_the_other(tmp_path, pr
         pytest.fail(f"the run failed instead of finishing on the surviving worker: {failure}")
     assert _outputs(dst, so) == want
     assert s3_server.client().list_multipart_uploads(Bucket=s3_bucket[5:]).get("Uploads", []) == []
+
+
+def test_one_target_cut_into_files_is_written_by_both_workers(tmp_path, prefect_env, s3_server, s3_bucket,
+                                                              tp8_on_s3):
+    """TP 8 -> one torch_dist checkpoint (a single target: a layout of global tensors) cut into
+    files of at most 2 MB: each file is a task of its own, so the two workers write the one
+    checkpoint together, and the files equal ``--direct``'s byte for byte."""
+    src, so, _ = tp8_on_s3
+    opts = {"to": "torch_dist", "max_shard_size": "2MB"}
+    run_direct(str(tmp_path / "tp8"), str(tmp_path / "direct-dist"), ReshardOptions(**opts))
+    want = {p.name: p.read_bytes() for p in (tmp_path / "direct-dist").rglob("*")
+            if p.is_file() and p.name != MANIFEST_NAME}
+    assert sum(name.endswith(".distcp") for name in want) >= 8
+    cluster = Cluster(tmp_path / "cluster", _cluster_env(prefect_env, s3_server), {"a": {}, "b": {}})
+    try:
+        out = _run(cluster, src, f"{s3_bucket}/dist", so, **opts)
+    finally:
+        cluster.stop()
+    assert _outputs(f"{s3_bucket}/dist", so) == want
+    pids = {cluster.workers[n].pid for n in cluster.workers}
+    made_by = {int(w.rsplit(" ", 1)[1]) for w in out["converted_on"].values()}
+    assert made_by == pids, (out["converted_on"], pids)  # both workers wrote files of the one checkpoint

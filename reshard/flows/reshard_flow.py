@@ -140,7 +140,8 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
             "target_tp": params.target_tp, "target_format": job["output_format"], "version": job["version"],
             "quantized": params.quantize,
             "up_to_date": job["up_to_date"], "conversion_id": job["conversion_id"],
-            "files": manifest.get("files", []), "warnings": job["warnings"], "steps": len(steps), "reused": reused}
+            "files": manifest.get("files", []), "warnings": job["warnings"], "steps": len(steps), "reused": reused,
+            "converted_on": {c["name"]: c.get("worker") for c in converted}}
 
 
 def _raise_first_failure(futures: list[Any], *, wait_all: bool = True) -> None:

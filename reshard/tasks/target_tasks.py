@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -263,7 +264,13 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
         shutil.rmtree(partial.parent, ignore_errors=True)
     crash_point("converted")
     return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
-            "seconds": round(time.perf_counter() - t0, 3)}
+            "seconds": round(time.perf_counter() - t0, 3), "worker": worker_label()}
+
+
+def worker_label() -> str:
+    """Which process converted a target (host and pid), for the report: on a cluster, where each
+    file was made."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
 
 
 def _convert_and_publish(job: dict[str, Any], plan: Any, name: str, rank: int) -> dict[str, Any]:
@@ -294,7 +301,7 @@ def _convert_and_publish(job: dict[str, Any], plan: Any, name: str, rank: int) -
         finally:
             shutil.rmtree(scratch.parent, ignore_errors=True)
     return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
-            "seconds": round(time.perf_counter() - t0, 3), "record": record}
+            "seconds": round(time.perf_counter() - t0, 3), "record": record, "worker": worker_label()}
 
 
 def _gpu_slot(job: dict[str, Any]) -> Any:
@@ -384,12 +391,12 @@ def report(job: dict[str, Any], converted: list[dict[str, Any]], records: list[d
              f"{job['version']}, "
              f"{'already up to date (nothing written)' if job['up_to_date'] else 'committed'}", "",
              *[f"- {note}" for note in job.get("notes", [])],
-             "", "| target | source ranks | bytes | seconds | sha256 |", "|---|---|---|---|---|"]
+             "", "| target | source ranks | bytes | seconds | sha256 | converted on |", "|---|---|---|---|---|---|"]
     for c in converted:
         rec = by_name.get(c["name"], {})
         lines.append(f"| {c.get('name', c['rank'])} | {', '.join(map(str, c['sources']))} | "
                      f"{rec.get('size', c['size'])} | "
-                     f"{c['seconds']} | `{rec.get('sha256', '')[:16]}` |")
+                     f"{c['seconds']} | `{rec.get('sha256', '')[:16]}` | {c.get('worker') or 'an earlier run'} |")
     for w in job["warnings"]:
         lines.append(f"\n- warning: {w}")
     md = "\n".join(lines)
