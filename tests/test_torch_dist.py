@@ -483,6 +483,42 @@ def test_chunks_are_read_as_views_of_the_mapped_file_equal_to_torch_load(dist):
     assert torch.equal(qkv.read(0, 0, qkv.shape[0])[:c.sizes[1]], want)
 
 
+def _resident(path: Path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                inside = len(head) == 6 and head[5].strip() == str(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_a_chunk_read_from_the_mapped_file_gives_its_pages_back(tmp_path):
+    """Reading a chunk maps its pages into the process; once copied out they are given back, so
+    a conversion's memory follows the tensor in hand, not the file (a dropper made before the file
+    was mapped found nothing to give back: RSS grew to the whole checkpoint)."""
+    from reshard.formats.torch_dist import TorchDistFormat
+    from reshard.sample import GPTConfig, write_sample_checkpoint
+
+    write_sample_checkpoint(tmp_path / "src", tp=1, cfg=GPTConfig(layers=1, hidden=1024, heads=8, vocab=8192, seq=16))
+    assert main(["run", "--direct", str(tmp_path / "src"), str(tmp_path / "dist"), "--to", "torch_dist"]) == 0
+    folder = next((tmp_path / "dist").glob("*/.metadata")).parent
+    emb = TorchDistFormat().load(folder / ".metadata")["model"]["embedding.word_embeddings.weight"]
+    distcp = folder / emb.t.chunks[0].file
+    mapped = emb.files  # filled on first read
+    view = emb.view(0, 0, emb.shape[0])  # a view of the mapping: touching it maps its pages
+    assert view is not None
+    want = view.clone()
+    assert _resident(distcp) >= want.numel() * want.element_size() // 2 and mapped
+    copy = emb.read(0, 0, emb.shape[0], out=torch.empty(want.shape, dtype=want.dtype))  # copied, pages given back
+    assert _resident(distcp) < 4 << 20, _resident(distcp)  # at most a folio or two, not the 32 MiB chunk
+    assert torch.equal(copy, want)
+
+
 def test_the_tensor_only_unpickler_describes_views_and_refuses_anything_else():
     import io
     import zipfile

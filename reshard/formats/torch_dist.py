@@ -395,16 +395,17 @@ class MappedFile:
         self.path = path
         self.source = remote.source_for(path)  # a streamed stand-in: everything is read from there
         self.views: dict[int, torch.Tensor | RemoteTensor | None] = {}
-        self.pages = PageDropper([path])
         if self.source is not None:  # the blobs' structure: both edges of each, read into memory at once
             edges = [r for c in chunks for r in ((c.offset, min(c.length, BLOB_EDGE)),
                                                   (c.offset + c.length - min(c.length, BLOB_EDGE), min(c.length, BLOB_EDGE)))]
             self.structure = remote.structure(self.source, lambda _pread: torch_writer.merge_ranges(edges, gap=0))
             self.mm = None
+            self.pages = PageDropper(())  # nothing mapped
             return
         self.file = open(path, "rb")  # noqa: SIM115  (lives as long as the mapping's views)
         size = os.fstat(self.file.fileno()).st_size
         self.mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.pages = PageDropper([path])  # after mapping: it gives back pages of the mappings it finds now
 
     def view(self, c: ChunkRef, dtype: torch.dtype) -> torch.Tensor | RemoteTensor | None:
         """The chunk's tensor as a view of the mapping (of its source, for a streamed file), or
