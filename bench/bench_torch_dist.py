@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         methods = {
             "floor (per-rank TP 8 bytes)": (FLOOR + [str(src)], src),
             "per-rank TP 8 -> torch_dist": (reshard(str(src), "{out}", "--to", "torch_dist"), src),
+            # the same output cut into ~4 files (targets of their own: one after the other here, in
+            # parallel in the flow and over its workers)
+            "per-rank TP 8 -> torch_dist, 4 files": (reshard(str(src), "{out}", "--to", "torch_dist", "--max-shard-size",
+                                                             str(max(1, size(src) // 4))), src),
             "floor (torch_dist bytes)": (FLOOR + [str(dist)], dist),
             "torch_dist -> per-rank TP 2": (reshard(str(dist), "{out}", "--target-tp", "2"), dist),
             "torch dcp_to_torch_save": (DCP_TO_TORCH + [str(dist / "iter_0000001"), "{out}"], dist),
@@ -193,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                    "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}}
         shutil.rmtree(dist, ignore_errors=True)
     base = results[f"layers={ns.layers}"]
-    lines = [f"{'method':34} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
+    lines = [f"{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
     for name, rec in base.items():
         if not isinstance(rec, dict):
             continue
         floor = base["floor (per-rank TP 8 bytes)" if "TP 8 ->" in name or "TP 8 bytes" in name
                     else "floor (torch_dist bytes)"]["seconds"]
-        lines.append(f"{name:34} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:8d} MiB")
+        lines.append(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:8d} MiB")
     if ns.deep_layers:
         deep = results[f"layers={ns.deep_layers}"]
         for name in ("per-rank TP 8 -> torch_dist", "torch_dist -> per-rank TP 2"):
