@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -245,6 +246,16 @@ def spread(rs: list[dict], key: str) -> str:
     return f"{min(vals):.2f}–{max(vals):.2f}" if len(vals) > 1 else "–"
 
 
+def finish(res: dict[str, Any], path: Path, report: Callable[[dict[str, Any]], str]) -> None:
+    """Record a benchmark's results (``res``, with its ``machine``, ``date`` and ``seconds``) as JSON
+    at ``path``, then print the machine line and ``report(res)``."""
+    path.write_text(json.dumps(res, indent=2))
+    m = res["machine"]
+    print(f"\nMachine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, torch {m['torch']}, "
+          f"Python {m['python']}, Linux {m['kernel']}; {res['date']}; benchmark took {res['seconds']:.0f} s\n")
+    print(report(res))
+
+
 def machine() -> dict[str, Any]:
     import torch  # only for its version string, after every measured run
 
@@ -393,11 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         res["machine"] = machine()
         res["machine"]["disk_free_gb"] = round(shutil.disk_usage(b.work).free / 1e9, 1)
         res["seconds"] = time.perf_counter() - t_start
-        (b.work / "results.json").write_text(json.dumps(res, indent=2))
-        m = res["machine"]
-        print(f"\nMachine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, torch {m['torch']}, "
-              f"Python {m['python']}, Linux {m['kernel']}; {res['date']}; benchmark took {res['seconds']:.0f} s\n")
-        print(report(ns, res))
+        finish(res, b.work / "results.json", lambda r: report(ns, r))
     finally:
         b.close()
     return 0

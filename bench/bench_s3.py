@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
-from bench_reshard import folder_bytes, log, machine, med, spread, tool, warm  # noqa: E402
+from bench_reshard import finish, folder_bytes, log, machine, med, spread, tool, warm  # noqa: E402
 
 TARGET_TP = 2
 PREFIX = "ckpt"
@@ -387,11 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             "weed": weed_v[2] if len(weed_v) > 2 else "?"}
         res["machine"] = machine()
         res["seconds"] = time.perf_counter() - t_start
-        (b.work / "results_s3.json").write_text(json.dumps(res, indent=2))
-        m = res["machine"]
-        print(f"\nMachine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, Python {m['python']}, "
-              f"Linux {m['kernel']}; {res['date']}; benchmark took {res['seconds']:.0f} s\n")
-        print(report(res))
+        finish(res, b.work / "results_s3.json", report)
     finally:
         b.close()
     return 0

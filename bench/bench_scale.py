@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
-from bench_reshard import log, machine, med, tool  # noqa: E402
+from bench_reshard import finish, log, machine, med, tool  # noqa: E402
 
 TARGET_TP = 2
 
@@ -267,11 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             b.drop_bucket(url[5:].split("/")[0])
         res = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": rows,
                "machine": machine(), "seconds": time.perf_counter() - t_start}
-        (ns.work_dir / "results_scale.json").write_text(json.dumps(res, indent=2))
-        m = res["machine"]
-        print(f"\nMachine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM; {res['date']}; "
-              f"benchmark took {res['seconds']:.0f} s\n")
-        print(report(res))
+        finish(res, ns.work_dir / "results_scale.json", report)
     finally:
         b.close()
     return 0
