@@ -25,6 +25,7 @@ Results also go to ``bench/out/results_scale.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -51,10 +52,8 @@ def allocated(root: Path) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for f in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
                 total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -175,12 +174,10 @@ class Bench:
 
         deadline = time.monotonic() + 60
         while True:
-            try:
+            with contextlib.suppress(OSError):  # the scheduler is not up yet
                 with Client(f"tcp://127.0.0.1:{port}", timeout=5) as c:
                     if len(c.scheduler_info()["workers"]) == workers:
                         return f"tcp://127.0.0.1:{port}"
-            except OSError:
-                pass
             if time.monotonic() > deadline:
                 sys.exit("the Dask workers did not join")
             time.sleep(0.5)

@@ -15,6 +15,7 @@ it (every task run recorded), and a watchdog stops it if this process dies witho
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -99,12 +100,10 @@ class EmbeddedServer:
                     raise RuntimeError(f"Prefect's server exited with status {self.proc.returncode} while starting")
                 self.port = _free_port()
                 self._spawn()
-            try:
+            with contextlib.suppress(urllib.error.URLError, OSError):  # not up yet
                 with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
-                pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Prefect's server did not start within {timeout:.0f} s")
             time.sleep(0.05)
@@ -128,7 +127,7 @@ class EmbeddedServer:
 
 
 _WATCHDOG = r"""# reshard: stops Prefect's embedded server once the process that started it is gone
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 for name in ("SIGINT", "SIGHUP"):  # the terminal's signals are for the parent
     if hasattr(signal, name):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
@@ -157,15 +156,13 @@ if pid and alive(pid):
     # nothing new can reach the server now; give it a moment to write what it has received,
     # so that its graceful shutdown finds nothing half-written (and logs nothing)
     time.sleep(1.5)
-    try:
+    with contextlib.suppress(OSError):  # gone meanwhile
         os.kill(pid, signal.SIGTERM)  # uvicorn shuts down gracefully
         deadline = time.monotonic() + 10
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
 """
 
 
@@ -179,9 +176,6 @@ class Watchdog:
     """
 
     def __init__(self) -> None:
-        import subprocess
-        import sys
-
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
         self.pid: int | None = None
@@ -190,11 +184,9 @@ class Watchdog:
         stdin = self.proc.stdin
         if stdin is None:  # never: Popen was given stdin=PIPE
             return
-        try:
+        with contextlib.suppress(OSError, ValueError):  # the watchdog is gone (or its pipe closed): nothing to tell
             stdin.write(line + "\n")
             stdin.flush()
-        except (OSError, ValueError):  # the watchdog is gone (or its pipe closed): nothing to tell
-            pass
 
     def watch(self, pid: int) -> None:
         if pid != self.pid:
@@ -204,9 +196,7 @@ class Watchdog:
     def release(self) -> None:
         """The server was stopped normally: let the watchdog end without doing anything."""
         self._say("release")
-        try:
+        with contextlib.suppress(Exception):  # exiting anyway: an unreaped watchdog exits by itself on EOF
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
             self.proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - exiting anyway: an unreaped watchdog exits by itself on EOF
-            pass

@@ -13,6 +13,7 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Mapping
@@ -198,11 +199,9 @@ def build_view(disc: Discovery, fetched: Mapping[str, Path], view: Path) -> Path
 def _write_once(path: Path, data: bytes) -> None:
     """Put ``data`` at ``path`` atomically, unless it is there already: every task of a run
     lays out the view, and a reader in another thread must never see a half-written file."""
-    try:
+    with contextlib.suppress(OSError):  # not there yet
         if path.read_bytes() == data:
             return
-    except OSError:
-        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_bytes(data)
