@@ -35,6 +35,7 @@ producers decide how big a chunk is (engine: ``CHUNK_BYTES``).
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import ctypes
 import hashlib
@@ -48,7 +49,7 @@ import sys
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -732,14 +733,16 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     only there, not to ``path``, which keeps the archive's structure alone (its records are
     holes: a sparse file of a few KiB). ``keep_data=False`` does the same for a caller that feeds
     ``digest`` to its own stream."""
-    path = os.fspath(path)
+    with structure_path(os.fspath(path), streamed=offset is None and stream is not None) as where:
+        return _save(obj, where, pickle_module=pickle_module, depth=depth, sha256=sha256, on_bytes=on_bytes,
+                     offset=offset, digest=digest, stream=stream, keep_data=keep_data)
+
+
+def _save(obj: Any, path: str, *, pickle_module: Any, depth: int, sha256: bool,
+          on_bytes: Callable[[int], None] | None, offset: int | None, digest: Any, stream: Any,
+          keep_data: bool) -> SaveStats:
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
-    in_memory = None  # a streamed file's structure: held in memory (tmpfs), not on disk
-    if offset is None and stream is not None:
-        in_memory = memory_folder()
-        if in_memory is not None:  # same file name: torch names the archive after it
-            path = os.path.join(in_memory, os.path.basename(path))
     if offset is None:
         writer, skeleton_file = _skeleton_writer(path)
     else:
@@ -820,9 +823,22 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
         stats.record_order = [e.name for e in entries]
     finally:
         os.close(fd)
-        if in_memory is not None:
-            shutil.rmtree(in_memory, ignore_errors=True)
     return stats
+
+
+@contextlib.contextmanager
+def structure_path(path: str, *, streamed: bool) -> Iterator[str]:
+    """Where a writer puts file ``path``: ``path`` itself — or, for a ``streamed`` file (its bytes
+    go to a stream, the local file keeps only its structure), the same name (torch names the
+    archive after it) in a fresh :func:`memory_folder`, removed afterwards."""
+    folder = memory_folder() if streamed else None
+    if folder is None:
+        yield path
+        return
+    try:
+        yield os.path.join(folder, os.path.basename(path))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def memory_folder() -> str | None:

@@ -51,7 +51,6 @@ import mmap
 import os
 import pickle
 import re
-import shutil
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ from reshard.core.lazy import LazyTensor
 from reshard.core.remote import RemoteStorage, RemoteTensor
 from reshard.core.pages import PageDropper
 from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
-from reshard.core.source import MEGATRON, MEGATRON_LATEST, MODULE_KEYS, SourceCheckpoint, iteration_text
+from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.core.rules import expert_index, is_megatron_core
@@ -243,11 +242,9 @@ class TorchDistFormat(CheckpointFormat):
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
               on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> torch_writer.SaveStats:
-        if isinstance(obj, DistcpFile):
-            items = obj.items
-        else:  # a state dict of the whole model
-            items = global_items(next(obj[k] for k in MODULE_KEYS if isinstance(obj.get(k), dict)))
-        return write_distcp(items, os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
+        if not isinstance(obj, DistcpFile):
+            raise torch_writer.WriterError("the torch_dist format writes what its prepare() returns")
+        return write_distcp(obj.items, os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
 
     def writes_streams(self) -> bool:
         return True
@@ -454,7 +451,7 @@ class DistTensor(LazyTensor):
     other box is gathered from the chunks that overlap it."""
 
     def __init__(self, t: DcpTensor, folder: Path, lead: tuple[int, ...], files: dict[str, MappedFile],
-                 chunks_of: Callable[[str], Sequence[ChunkRef]] = lambda _name: ()) -> None:
+                 chunks_of: Callable[[str], Sequence[ChunkRef]]) -> None:
         self.t, self.folder, self.lead, self.files = t, folder, lead, files  # lead: layer and/or expert index
         self.chunks_of = chunks_of  # a file's chunks of the module (a streamed file reads their structure at once)
         self.shape = t.shape[len(lead):]
@@ -724,14 +721,8 @@ def write_distcp(items: list[GlobalItem], path: str, *, sha256: bool = False,
     """Write the blobs of ``items`` back to back, each streamed as it is produced, exactly where
     :func:`index_bytes` says they are (with a ``stream``: the tensors' bytes go there, in order,
     and ``path`` keeps only the blobs' structure, see :func:`reshard.core.torch_writer.save`)."""
-    in_memory = torch_writer.memory_folder() if stream is not None else None
-    if in_memory is not None:  # streamed: the blobs' structure is held in memory, not on disk
-        path = os.path.join(in_memory, os.path.basename(path))
-    try:
-        return _write_blobs(items, path, sha256=sha256, on_bytes=on_bytes, stream=stream)
-    finally:
-        if in_memory is not None:
-            shutil.rmtree(in_memory, ignore_errors=True)
+    with torch_writer.structure_path(path, streamed=stream is not None) as where:
+        return _write_blobs(items, where, sha256=sha256, on_bytes=on_bytes, stream=stream)
 
 
 def _write_blobs(items: list[GlobalItem], path: str, *, sha256: bool, on_bytes: Callable[[int], None] | None,
