@@ -57,22 +57,20 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
     # with this process
     embedded = _EmbeddedServer.attach(server)
     unsubscribe = progress.subscribe(done_only) if on_target_done else (lambda: None)
-    settle = False
+    interrupted = False  # Ctrl-C: the server is stopping too, nothing to settle with
     with embedded.settings() if embedded is not None else contextlib.nullcontext():
         try:
             if embedded is not None:
                 embedded.note_events()
             with _no_heartbeats(embedded is not None):
-                out = flow(params)
-            settle = True
-            return out
-        except Exception:
-            settle = True
+                return flow(params)
+        except BaseException as exc:
+            interrupted = not isinstance(exc, Exception)
             raise
         finally:
             unsubscribe()
             if embedded is not None:
-                embedded.detach(settle=settle)  # not after Ctrl-C: the server is stopping too
+                embedded.detach(settle=not interrupted)
 
 
 def _no_heartbeats(embedded: bool) -> Any:
@@ -206,9 +204,9 @@ class _EmbeddedServer:
     :class:`~reshard.flows.server.EmbeddedServer`, the run pointed at it, task-run events noted
     as they are sent, and, once the run is over, settled with and stopped."""
 
-    def __init__(self, server: Any, ledger: _TaskRunLedger | None) -> None:
+    def __init__(self, server: Any) -> None:
         self.server = server
-        self.ledger = ledger
+        self.ledger: _TaskRunLedger | None = None  # set by note_events
 
     @classmethod
     def attach(cls, server: Any = None) -> "_EmbeddedServer | None":
@@ -227,7 +225,7 @@ class _EmbeddedServer:
         from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
         server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
-        return cls(server, None)
+        return cls(server)
 
     def note_events(self) -> None:
         """Note each task-run event this process sends (inside :meth:`settings`: the events
@@ -265,12 +263,11 @@ class _EmbeddedServer:
 
         deadline = time.monotonic() + SETTLE_TIMEOUT
         try:
-            if settle:
-                self._flush(EventsWorker, deadline, wait_empty=True)
-                self._flush(APILogWorker, deadline, wait_empty=False)  # batched: it drains quietly
-                self._wait_recorded(deadline)
-        except Exception:  # noqa: BLE001 - best effort: the run's own outcome stands
-            pass
+            with contextlib.suppress(Exception):  # best effort: the run's own outcome stands
+                if settle:
+                    self._flush(EventsWorker, deadline, wait_empty=True)
+                    self._flush(APILogWorker, deadline, wait_empty=False)  # batched: it drains quietly
+                    self._wait_recorded(deadline)
         finally:
             self.server.stop()
 
