@@ -220,6 +220,28 @@ def test_abort_incomplete_uploads_stays_under_its_prefix(s3_server, s3_bucket):
     assert abort_incomplete_uploads(fs, f"{bucket}/d/.reshard-staging") == 0
 
 
+def test_a_part_sent_twice_is_counted_once_and_completes_as_sent_last(s3_server, s3_bucket):
+    """A part whose request timed out is sent again under the same number; SeaweedFS then lists
+    both copies (S3 keeps the last). The verification before an upload is recorded counts each
+    part number once — the copy with the upload's own ETag — so a retried part is not taken for
+    a corrupt upload (seen as "the server holds 1763038 of 881519 bytes" under injected latency),
+    and the completed object holds the part as sent last."""
+    from reshard.storage.s3_transfer import PendingUpload, complete_upload, uploaded_bytes
+
+    bucket = s3_bucket.removeprefix("s3://")
+    client = s3_server.client()
+    up_id = client.create_multipart_upload(Bucket=bucket, Key="twice.bin")["UploadId"]
+    client.upload_part(Bucket=bucket, Key="twice.bin", UploadId=up_id, PartNumber=1, Body=b"x" * 10)
+    etag = client.upload_part(Bucket=bucket, Key="twice.bin", UploadId=up_id, PartNumber=1, Body=b"y" * 20)["ETag"]
+    listed = client.list_parts(Bucket=bucket, Key="twice.bin", UploadId=up_id)["Parts"]
+    fs = open_location(s3_bucket, s3_server.storage_options()).fs
+    up = PendingUpload(f"{bucket}/twice.bin", up_id, (etag,), 20)
+    assert uploaded_bytes(fs, up) == 20, listed
+    complete_upload(fs, up)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/twice.bin") == b"y" * 20
+
+
 # --- 3. a failed local run leaves the destination as it was ----------------------------------------
 
 def _truncated_source(tp4: Path, tmp_path: Path) -> Path:

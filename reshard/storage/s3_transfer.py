@@ -241,18 +241,24 @@ class MultipartStream:
 
 
 def uploaded_bytes(fs: Any, up: PendingUpload) -> int:
-    """Bytes the server holds for ``up``'s parts (``ListParts``, page by page); raises
+    """Bytes the server holds for ``up``'s parts (``ListParts``, page by page), one part per part
+    number — the one with this upload's ETag where a server lists a part sent twice (a request
+    retried after a timeout) twice, as SeaweedFS does; S3 keeps the last. Raises
     ``FileNotFoundError`` when the upload is gone (completed or aborted)."""
     bucket, key, _ = fs.split_path(up.path)
-    total, marker = 0, 0
+    sizes: dict[int, int] = {}
+    marker = 0
     for _ in range(MAX_PARTS // 1000 + 1):
         page = fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=up.upload_id, PartNumberMarker=marker)
         parts = page.get("Parts") or []
-        total += sum(int(p["Size"]) for p in parts)
+        for p in parts:
+            n = int(p["PartNumber"])
+            if n not in sizes or (n <= len(up.etags) and str(p.get("ETag")).strip('"') == up.etags[n - 1].strip('"')):
+                sizes[n] = int(p["Size"])
         if not page.get("IsTruncated") or not parts:
             break
         marker = int(page.get("NextPartNumberMarker") or parts[-1]["PartNumber"])
-    return total
+    return sum(sizes.values())
 
 
 def upload_state(fs: Any, up: PendingUpload) -> str | None:
