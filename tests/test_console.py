@@ -4,7 +4,8 @@
   task run it was sent is recorded before the server is stopped, so its shutdown loses nothing
   and logs nothing ("Error flushing 1 events" + a CancelledError traceback, before).
 * A ``reshard run`` killed with SIGKILL takes the embedded server with it (it was left running,
-  orphaned, before), at startup as well as mid-run.
+  orphaned, before), at startup as well as mid-run — and even when it dies the instant the
+  server's process exists (the server watches a pipe it holds from birth).
 * ``reshard emit-training-completed`` prints its one line, nothing on stderr.
 * A failing ``reshard run`` prints exactly one line on stderr, reshard's own, unless ``-v``.
 
@@ -160,6 +161,39 @@ def test_a_killed_run_takes_the_embedded_server_with_it(sample_factory, tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        kill_all(server_pids(home))
+
+
+# The parent SIGKILLs itself the moment the server's process exists: before anything else it
+# could do to arrange the server's end (a watchdog spawned after the server left this window open).
+DIES_AT_SPAWN = """
+import os, signal, subprocess
+from reshard.flows import server
+
+class _DiesAtSpawn(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+server.subprocess.Popen = _DiesAtSpawn
+server.start_embedded(__import__("pathlib").Path(os.environ["RESHARD_CACHE_DIR"]))
+"""
+
+
+@pytest.mark.skipif(not LINUX_PROC, reason="finds the server through /proc")
+def test_a_parent_killed_the_moment_it_spawned_the_server_takes_the_server_with_it(tmp_path):
+    env = embedded_env(tmp_path)
+    home = Path(env["PREFECT_HOME"])
+    log = tmp_path / "stderr.log"  # not a pipe: the server inherits it, and would hold it open
+    try:
+        with open(log, "w") as err:
+            proc = subprocess.run([sys.executable, "-c", DIES_AT_SPAWN], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=err, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+        assert wait_until(lambda: server_pids(home), 30, 0.02), "the server was never spawned"
+        gone = wait_until(lambda: not server_pids(home), 30, 0.2)
+        assert gone, f"the embedded server outlived its killed parent: {server_pids(home)}"
+    finally:
         kill_all(server_pids(home))
 
 

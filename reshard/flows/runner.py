@@ -150,9 +150,9 @@ def quiet_console(level: str = "WARNING", *, run_logs: bool | None = None) -> No
 # still on their way or being written, the server loses them (task runs left Pending or Running in
 # its database) and logs "Error flushing 1 events" with a CancelledError traceback. So
 # ``run_flow`` settles first: it sends everything (events and logs) and waits until the server
-# holds the last state of every task run it sent; the stop then finds an idle server. A watchdog
-# process stops the server if this process dies without stopping it (SIGKILL), which would
-# otherwise leave it running, orphaned.
+# holds the last state of every task run it sent; the stop then finds an idle server. Should this
+# process die without stopping it (SIGKILL), the server notices and stops itself rather than run
+# on, orphaned.
 
 #: Most seconds ``run_flow`` waits for the embedded server to record the flow's task runs.
 SETTLE_TIMEOUT = 20.0

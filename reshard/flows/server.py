@@ -10,7 +10,9 @@ flow, so the server comes up while those imports run, and points the run at it
 (:attr:`EmbeddedServer.api_url`). This module imports neither Prefect nor anything heavy.
 
 The server is this process's child: :mod:`reshard.flows.runner` settles with it before stopping
-it (every task run recorded), and a watchdog stops it if this process dies without stopping it.
+it (every task run recorded). If this process dies without stopping it (``kill -9`` included) the
+server stops itself: it holds the read end of a pipe whose only writer is this process, and the
+kernel closes that pipe however this process ends (see :data:`_SERVE`).
 """
 
 from __future__ import annotations
@@ -64,12 +66,11 @@ def _free_port() -> int:
 
 class EmbeddedServer:
     """One Prefect API server subprocess on 127.0.0.1 (SQLite under ``PREFECT_HOME``, as Prefect's
-    own temporary server), guarded by a :class:`Watchdog`."""
+    own temporary server) that stops itself once this process is gone."""
 
     def __init__(self) -> None:
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.watchdog: Watchdog | None = None
         self._spawn()
 
     @property
@@ -79,17 +80,12 @@ class EmbeddedServer:
     def _spawn(self) -> None:
         env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1")
         env.pop("PREFECT_API_URL", None)
+        # the pipe exists before the child does: there is no moment at which this process could
+        # die and leave a server that does not know whom it serves
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", _prefect_dir(), "--factory",
+            [sys.executable, "-c", _SERVE, "--app-dir", _prefect_dir(), "--factory",
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "error", "--lifespan", "on"], env=env)
-        if self.watchdog is None:
-            try:
-                self.watchdog = Watchdog()
-            except OSError:  # no watchdog: stop() and the atexit stop remain
-                self.watchdog = None
-        if self.watchdog is not None:
-            self.watchdog.watch(self.proc.pid)
+             "--log-level", "error", "--lifespan", "on"], env=env, stdin=subprocess.PIPE)
 
     def wait_ready(self, timeout: float) -> None:
         """Return once the server answers its health check; a taken port is retried on another."""
@@ -112,91 +108,43 @@ class EmbeddedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """Stop the server (gracefully, killed after :data:`STOP_GRACE_SECONDS`); then the watchdog."""
+        """Stop the server (gracefully, killed after :data:`STOP_GRACE_SECONDS`)."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is None:
+            return
+        if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=STOP_GRACE_SECONDS)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.watchdog is not None:
-            self.watchdog.release()
-            self.watchdog = None
+        with contextlib.suppress(OSError):  # already closed
+            if proc.stdin is not None:
+                proc.stdin.close()
 
 
-_WATCHDOG = r"""# reshard: stops Prefect's embedded server once the process that started it is gone
-import contextlib, os, signal, sys, time
-for name in ("SIGINT", "SIGHUP"):  # the terminal's signals are for the parent
-    if hasattr(signal, name):
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-pid = None
-for line in sys.stdin:  # ends (EOF) when the parent is gone, however it went
-    word, _, arg = line.strip().partition(" ")
-    if word == "watch":
-        pid = int(arg)
-    elif word == "release":  # the parent stopped the server itself
-        pid = None
+#: The server's command: uvicorn, run by a Python that also watches its stdin. Nothing is ever
+#: written to that pipe; it reaches end-of-file only when the process that spawned the server is
+#: gone (however it went). The server then waits a moment, so that whatever it has received is
+#: written and its graceful shutdown finds nothing half-done (and logs nothing), and stops the
+#: way uvicorn stops on SIGTERM; a server still there 10 s later exits outright. SIGINT and SIGHUP
+#: from the terminal are left to uvicorn, which stops on them as the parent does.
+_SERVE = r"""# reshard: Prefect's embedded API server, which stops once the process that started it is gone
+import os, runpy, signal, sys, threading, time
 
-def alive(pid):
+def watch_parent():
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-if pid and alive(pid):
-    # nothing new can reach the server now; give it a moment to write what it has received,
-    # so that its graceful shutdown finds nothing half-written (and logs nothing)
+        while sys.stdin.buffer.read(65536):
+            pass
+    except (OSError, ValueError):
+        pass
     time.sleep(1.5)
-    with contextlib.suppress(OSError):  # gone meanwhile
-        os.kill(pid, signal.SIGTERM)  # uvicorn shuts down gracefully
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+    os._exit(1)
+
+threading.Thread(target=watch_parent, name="reshard-parent-watch", daemon=True).start()
+sys.argv[0] = "uvicorn"
+runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
 """
-
-
-class Watchdog:
-    """A small process that stops the server ``pid`` once this process is gone.
-
-    It reads a pipe from this process; the kernel closes the pipe however this process ends
-    (``kill -9`` included), and the watchdog then terminates the server. Unlike
-    ``PR_SET_PDEATHSIG`` (Linux only, and tied to the *thread* that spawned the child: Prefect
-    may start the server from any thread) this needs no hook into how Prefect spawns the server.
-    """
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-        self.pid: int | None = None
-
-    def _say(self, line: str) -> None:
-        stdin = self.proc.stdin
-        if stdin is None:  # never: Popen was given stdin=PIPE
-            return
-        with contextlib.suppress(OSError, ValueError):  # the watchdog is gone (or its pipe closed): nothing to tell
-            stdin.write(line + "\n")
-            stdin.flush()
-
-    def watch(self, pid: int) -> None:
-        if pid != self.pid:
-            self.pid = pid
-            self._say(f"watch {pid}")
-
-    def release(self) -> None:
-        """The server was stopped normally: let the watchdog end without doing anything."""
-        self._say("release")
-        with contextlib.suppress(Exception):  # exiting anyway: an unreaped watchdog exits by itself on EOF
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(timeout=5)
