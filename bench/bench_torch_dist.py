@@ -31,7 +31,7 @@ FLOOR = [sys.executable, "-c", """
 import sys, torch  # the floor pays the same interpreter + torch start-up
 from pathlib import Path
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-buf = bytearray(8 << 20); mv = memoryview(buf)
+buf = bytearray(1 << 20); mv = memoryview(buf)  # as bench/copy_floor.py
 for f in sorted(p for p in src.rglob('*') if p.is_file()):
     out = dst / f.relative_to(src); out.parent.mkdir(parents=True, exist_ok=True)
     with open(f, 'rb', buffering=0) as fi, open(out, 'wb', buffering=0) as fo:
