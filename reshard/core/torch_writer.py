@@ -56,12 +56,11 @@ from typing import Any
 import torch
 from zlib_ng import zlib_ng  # CRC-32 with carry-less multiply: ~8x stdlib zlib's on x86-64 (AVX-512)
 
-#: Bytes per streamed chunk (producers cut larger runs into pieces of this size). Each chunk is
-#: touched three times in a row on two cores — CRC, the ``pwrite``'s copy, SHA-256 — so it should
-#: still be in the CPU's caches when the next stage reads it: at 8 MiB it no longer was, and the
-#: later stages ran at memory speed (SHA-256 ~1.0 GB/s from memory, ~1.6 GB/s from cache on the
-#: benchmark machine). See docs/performance.md, "chunk size".
-CHUNK_BYTES = 1 << 20
+#: Bytes per streamed chunk (producers cut larger runs into pieces of this size). Smaller chunks
+#: would stay in the CPU's caches through CRC, ``pwrite`` and SHA-256 (faster), but a chunk smaller
+#: than a page-cache folio leaves pages of the source mapping behind that no drop covers, and peak
+#: RSS then grows with the model: see docs/performance.md, "The streamed chunk size (session 14)".
+CHUNK_BYTES = 8 << 20
 #: Chunks queued between the producer and the writer thread.
 QUEUE_DEPTH = 4
 #: Chunks queued between the writer thread and the hashing thread (``save(..., sha256=True)``).
