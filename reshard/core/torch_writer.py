@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-
 import ctypes
 import hashlib
 import io

@@ -131,14 +131,11 @@ class EmbeddedServer:
 #: way uvicorn stops on SIGTERM; a server still there 10 s later exits outright. SIGINT and SIGHUP
 #: from the terminal are left to uvicorn, which stops on them as the parent does.
 _SERVE = r"""# reshard: Prefect's embedded API server, which stops once the process that started it is gone
-import os, runpy, signal, sys, threading, time
+import contextlib, os, runpy, signal, sys, threading, time
 
 def watch_parent():
-    try:
-        while sys.stdin.buffer.read(65536):
-            pass
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdin.buffer.read()  # nothing is ever written: returns at end-of-file
     time.sleep(1.5)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(10)
