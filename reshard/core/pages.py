@@ -1,9 +1,11 @@
 """Give back the pages of memory-mapped shards once read, so peak memory follows what is in use.
 
 Shards are loaded memory-mapped (``safe_load``): reading a tensor maps its file pages into the
-process, and they count toward its RSS until unmapped. With large page-cache folios (recent
-kernels, files read sequentially into a roomy page cache) touching even a few KiB maps the whole
-folio — up to 2 MiB — so checking a few hundred small replicated tensors can map hundreds of MiB.
+process, and they count toward its RSS until unmapped. A touch maps more than the page touched:
+its fault-around window (64 KiB by default) or, with large page-cache folios (recent kernels,
+files read sequentially into a roomy page cache), the whole folio — up to 2 MiB — so checking a
+few hundred small replicated tensors can map hundreds of MiB, and the first touch of a range maps
+pages before it that were already given back.
 
 :class:`PageDropper` unmaps such pages with ``madvise(MADV_DONTNEED)``: the file stays in the
 page cache, the pages stop counting toward this process, and they are read again from the file
@@ -67,14 +69,20 @@ class PageDropper:
             self.ranges = []
 
     def drop(self, addr: int, nbytes: int, within: tuple[int, int] | None = None) -> None:
-        """Drop the pages covering ``[addr, addr + nbytes)`` if they lie in one of the mappings.
+        """Drop the pages covering ``[addr, addr + nbytes)`` if they lie in one of the mappings, and
+        the pages before them in the same folio-sized, folio-aligned window.
 
-        ``within``: the bytes ``[start, end)`` of the entry the range belongs to. Reaching its first
-        (last) page also drops the rest of the folio before (after) it: a touch maps whole folios,
-        so the neighbouring entry's pages came with it, and when that entry is never read (another
-        EP rank's copy of a dense weight) nothing else would give them back. Only outside the
-        entry: its own pages are dropped as they are read, and a neighbour read later is just
-        mapped again from the page cache."""
+        Why before: a fault maps more than the page touched — its fault-around window (64 KiB by
+        default) or its whole folio, both aligned, so also pages *before* it. Readers go forward
+        through a source, so those pages were read and dropped already; the fault that starts the
+        next range maps them again, and with nothing to give them back a conversion leaked part
+        of every window a range boundary fell in (with 1 MiB chunks, 53 MiB per 2.6 GB of
+        row-parallel weights read). A page dropped too early is only mapped again from the page cache.
+
+        ``within``: the bytes ``[start, end)`` of the entry the range belongs to. Reaching its last
+        page also drops the rest of the folio after it: the neighbouring entry's pages came with
+        the touch, and when that entry is never read (another EP rank's copy of a dense weight)
+        nothing else would give them back."""
         if self._madvise is None or nbytes <= 0:
             return
         lo = addr - addr % self.page
@@ -82,24 +90,14 @@ class PageDropper:
         hi += -hi % self.page
         for a, b, offset in self.ranges:
             if a <= lo and hi <= b:
-                self._madvise(lo, hi - lo, MADV_DONTNEED)
+                origin = a - offset  # where the file's byte 0 would be: folios are aligned in the file
+                lo = max(a, origin + (lo - origin) // FOLIO * FOLIO)
                 if within is not None:
-                    self._edges(a, b, a - offset, lo, hi, *within)
+                    last = within[1] + -within[1] % self.page
+                    if hi >= last:
+                        hi = min(b, origin + -(-(hi - origin) // FOLIO) * FOLIO)
+                self._madvise(lo, hi - lo, MADV_DONTNEED)
                 return
-
-    def _edges(self, a: int, b: int, origin: int, lo: int, hi: int, start: int, end: int) -> None:
-        """The folio parts outside entry ``[start, end)`` next to the dropped ``[lo, hi)``, within the
-        mapping ``[a, b)`` (folios are aligned in the file: ``origin`` is where its byte 0 would be)."""
-        first = start - start % self.page
-        if lo <= first:
-            edge = max(a, origin + (first - origin) // FOLIO * FOLIO)
-            if edge < first:
-                self._madvise(edge, first - edge, MADV_DONTNEED)
-        last = end + -end % self.page
-        if hi >= last:
-            edge = min(b, origin + -(-(last - origin) // FOLIO) * FOLIO)
-            if edge > last:
-                self._madvise(last, edge - last, MADV_DONTNEED)
 
     def dropper(self, addr: int, nbytes: int, within: tuple[int, int] | None = None) -> Callable[[], None]:
         """:meth:`drop` of this range, to call later (e.g. once a writer is done with it)."""

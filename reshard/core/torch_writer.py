@@ -55,11 +55,12 @@ from typing import Any
 import torch
 from zlib_ng import zlib_ng  # CRC-32 with carry-less multiply: ~8x stdlib zlib's on x86-64 (AVX-512)
 
-#: Bytes per streamed chunk (producers cut larger runs into pieces of this size). Smaller chunks
-#: would stay in the CPU's caches through CRC, ``pwrite`` and SHA-256 (faster), but a chunk smaller
-#: than a page-cache folio leaves pages of the source mapping behind that no drop covers, and peak
-#: RSS then grows with the model: see docs/performance.md, "The streamed chunk size (session 14)".
-CHUNK_BYTES = 8 << 20
+#: Bytes per streamed chunk (producers cut larger runs into pieces of this size). Small enough to
+#: stay in the CPU's caches through CRC, ``pwrite`` and SHA-256 (8 MiB chunks reached the later
+#: stages from memory: ~1.5x the time); small chunks mean many range boundaries in the sources,
+#: which the page dropper covers (:meth:`reshard.core.pages.PageDropper.drop`). See
+#: docs/performance.md, "The streamed chunk size".
+CHUNK_BYTES = 1 << 20
 #: Chunks queued between the producer and the writer thread.
 QUEUE_DEPTH = 4
 #: Chunks queued between the writer thread and the hashing thread (``save(..., sha256=True)``).
