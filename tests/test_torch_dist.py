@@ -317,6 +317,30 @@ def test_round_trips_are_byte_stable(dist, tmp_path):
             assert (a / "iter_0000007" / name).read_bytes() == (c / "iter_0000007" / name).read_bytes(), name
 
 
+def test_each_distcp_file_is_written_through_one_pipeline_and_hashed_as_written(mcore, tmp_path, monkeypatch):
+    """The blobs of a ``.distcp`` file (an archive per tensor, byte items between them) share one
+    write pipeline — not one started and drained per blob — and the manifest's SHA-256, computed
+    as the bytes went out, is the file's."""
+    import hashlib
+    import json
+
+    from reshard.core import torch_writer
+
+    made = []
+    real = torch_writer.writer_pipeline
+    monkeypatch.setattr(torch_writer, "writer_pipeline", lambda *a, **k: made.append(1) or real(*a, **k))
+    out = tmp_path / "out"
+    assert main(["run", "--direct", str(mcore[("gqa_swiglu", 2, 1)]), str(out), "--to", "torch_dist",
+                 "--max-shard-size", "100KB"]) == 0
+    files = sorted((out / "iter_0000007").glob("*.distcp"))
+    assert len(files) >= 2 and len(made) == len(files)
+    meta = read_metadata(out / "iter_0000007" / ".metadata")
+    assert sum(len(t.chunks) for t in meta.tensors.values()) > 2 * len(files)  # several blobs per file
+    recorded = {f["path"]: f["sha256"] for f in json.loads((out / "reshard_manifest.json").read_text())["files"]}
+    for f in files:
+        assert recorded[f"iter_0000007/{f.name}"] == hashlib.sha256(f.read_bytes()).hexdigest(), f.name
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--to", "torch_dist", "--target-tp", "2"], "--target-tp: the torch_dist layout holds global tensors"),
     (["--to", "torch_dist", "--quantize"], "--quantize: torch_dist has no place"),

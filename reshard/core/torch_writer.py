@@ -719,7 +719,8 @@ def file_digest(sha256: bool, stream: Any = None) -> FileDigest | None:
 def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
          depth: int = QUEUE_DEPTH, sha256: bool = False,
          on_bytes: Callable[[int], None] | None = None, offset: int | None = None,
-         digest: Any = None, stream: Any = None, keep_data: bool = True) -> SaveStats:
+         digest: Any = None, stream: Any = None, keep_data: bool = True,
+         pipeline: "_Stage | None" = None) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
     pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
 
@@ -735,15 +736,21 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     :class:`FileDigest`): an upload of the file while it is written. The tensors' bytes then go
     only there, not to ``path``, which keeps the archive's structure alone (its records are
     holes: a sparse file of a few KiB). ``keep_data=False`` does the same for a caller that feeds
-    ``digest`` to its own stream."""
+    ``digest`` to its own stream.
+    ``pipeline``: with ``offset``, write through this :func:`writer_pipeline` of the file (hashing
+    into ``digest``) and leave it open, so that archives written back to back keep one pipeline
+    busy instead of starting and draining one each; its errors surface at a later ``put`` or at
+    its ``close``, which the caller owes."""
+    if pipeline is not None and offset is None:
+        raise ValueError("a shared pipeline writes archives at an offset into an existing file")
     with structure_path(os.fspath(path), streamed=offset is None and stream is not None) as where:
         return _save(obj, where, pickle_module=pickle_module, depth=depth, sha256=sha256, on_bytes=on_bytes,
-                     offset=offset, digest=digest, stream=stream, keep_data=keep_data)
+                     offset=offset, digest=digest, stream=stream, keep_data=keep_data, pipeline=pipeline)
 
 
 def _save(obj: Any, path: str, *, pickle_module: Any, depth: int, sha256: bool,
           on_bytes: Callable[[int], None] | None, offset: int | None, digest: Any, stream: Any,
-          keep_data: bool) -> SaveStats:
+          keep_data: bool, pipeline: "_Stage | None") -> SaveStats:
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
     if offset is None:
@@ -783,7 +790,7 @@ def _save(obj: Any, path: str, *, pickle_module: Any, depth: int, sha256: bool,
         # CRCs of streamed records: patched into the file once all data is written (a pwrite here
         # would contend with the writer thread for the file's lock), and into the bytes hashed
         crc_at: dict[int, int] = {}
-        wt = writer_pipeline(fd, depth, digest)
+        wt = pipeline if pipeline is not None else writer_pipeline(fd, depth, digest)
         try:
             for rec in records:
                 name = f"data/{rec.key}"
@@ -810,14 +817,18 @@ def _save(obj: Any, path: str, *, pickle_module: Any, depth: int, sha256: bool,
                 if on_bytes is not None:
                     on_bytes(hashed_to - base)
         finally:
-            wt.close()
+            if pipeline is None:
+                wt.close()
         # streamed: the descriptors before ``hashed_to`` went out with their CRCs, their blocks given back
         _patch(fd, entries, crcs, heads, small, descriptors_from=base if to_disk else hashed_to)
         stats.size = end - base
         if digest is not None:
             while hashed_to < end:
                 tail = os.pread(fd, min(end - hashed_to, 1 << 24), hashed_to)
-                digest.update(tail)
+                if pipeline is not None:  # after this archive's data, still in flight
+                    wt.put((memoryview(tail), None, None, None))
+                else:
+                    digest.update(tail)
                 hashed_to += len(tail)
             if own_digest:
                 stats.sha256 = digest.hexdigest()

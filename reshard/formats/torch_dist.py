@@ -730,20 +730,25 @@ def _write_blobs(items: list[GlobalItem], path: str, *, sha256: bool, on_bytes: 
     Path(path).write_bytes(b"")  # the blobs are written into it at their offsets
     stats = torch_writer.SaveStats()
     digest = torch_writer.file_digest(sha256, stream)  # fed blob by blob, in file order
-    for it, offset, length, blob in _placed(items):
-        if blob is not None:
-            with open(path, "r+b") as f:
-                f.seek(offset)
-                f.write(blob)
-            if digest is not None:
-                digest.update(blob)
-            size = len(blob)
-        else:
-            size = torch_writer.save(_blob_tensor(it), path, offset=offset, digest=digest, keep_data=stream is None,
-                                     on_bytes=None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))).size
-        if size != length:
-            raise torch_writer.WriterError(f"{it.key}: wrote {size} bytes where the index says {length}")
-        stats.size, stats.records = offset + size, stats.records + 1
+    fd = os.open(path, os.O_RDWR)
+    try:  # one write pipeline for the whole file: kept busy from blob to blob, not drained after each
+        wt = torch_writer.writer_pipeline(fd, torch_writer.QUEUE_DEPTH, digest)
+        try:
+            for it, offset, length, blob in _placed(items):
+                if blob is not None:
+                    wt.put((memoryview(blob), offset, None, None))
+                    size = len(blob)
+                else:
+                    size = torch_writer.save(_blob_tensor(it), path, offset=offset, digest=digest,
+                                             keep_data=stream is None, pipeline=wt,
+                                             on_bytes=None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))).size
+                if size != length:
+                    raise torch_writer.WriterError(f"{it.key}: wrote {size} bytes where the index says {length}")
+                stats.size, stats.records = offset + size, stats.records + 1
+        finally:
+            wt.close()
+    finally:
+        os.close(fd)
     if digest is not None:
         stats.sha256 = digest.hexdigest()
     return stats
