@@ -78,3 +78,44 @@ def test_scratch_buffers_are_kept_per_thread_and_dropped_when_a_target_fails(sam
     with pytest.raises(OSError):
         engine.convert_target(plan, 0, tmp_path / "out.pt")
     assert engine._thread_scratch() is not first
+
+
+class _Mapped(LazyTensor):
+    """A tensor whose boxes of whole rows are views (as of a mapped file), recording what is given back."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.shape, self.dtype, self.released = t, tuple(t.shape), t.dtype, []
+
+    def view_box(self, offsets, sizes):
+        box = self.t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        return box if box.is_contiguous() else None
+
+    def read_box(self, offsets, sizes, out=None):
+        box = self.t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        return box.contiguous() if out is None else out.copy_(box)
+
+    def release(self, t):
+        self.released.append(t.data_ptr())
+
+
+def test_a_fused_qkv_is_written_from_its_parts_mappings_not_gathered():
+    """Q, K and V fused per query group (a RowConcat of runs of each) -> TP 2: each target's rows
+    are written as views of the three tensors, nothing gathered into scratch buffers, bytes as
+    the concatenation; each piece is given back to the tensor it came from."""
+    from reshard.core.lazy import RowConcat
+
+    groups, q_rows, kv_rows, cols = 4, 6, 2, 5
+    q, k, v = (_Mapped(torch.randn(groups * n, cols)) for n in (q_rows, kv_rows, kv_rows))
+    fused = RowConcat([seg for g in range(groups)
+                       for seg in ((q, g * q_rows, q_rows), (k, g * kv_rows, kv_rows), (v, g * kv_rows, kv_rows))])
+    want = torch.cat([x.t[g * n:(g + 1) * n] for g in range(groups)
+                      for x, n in ((q, q_rows), (k, kv_rows), (v, kv_rows))])
+    half = want.shape[0] // 2
+    for tgt in range(2):
+        pool = _Recording()
+        got = engine._pending_lazy_assembled(PartitionSpec(dim=0), {0: fused}, 1, 2, tgt, "qkv", "here", pool).materialize()
+        assert torch.equal(got, want[tgt * half:(tgt + 1) * half])
+        assert pool.largest == 0  # written from the views
+    starts = {x: {x.t[r].data_ptr() for r in range(0, x.shape[0], n)} for x, n in ((q, q_rows), (k, kv_rows), (v, kv_rows))}
+    for x in (q, k, v):
+        assert sorted(x.released) == sorted(starts[x])  # every run of x given back to x, and only those

@@ -253,8 +253,9 @@ def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
 def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
                             name: str, culprit: str, scratch: "ScratchBuffers | None") -> PendingTensor:
     """A partitioned parameter's target slice from lazy sources, each segment along ``spec.dim``
-    read as boxes (only the rows this target needs). Along dim 0 a box that is one region of
-    a mapped file is written from the mapping, chunk by chunk, its pages given back as written;
+    read as boxes (only the rows this target needs). Along dim 0 a box that is regions of
+    mapped files (one, or a run per fused part: :meth:`LazyTensor.views`) is written from the
+    mappings, chunk by chunk, its pages given back as written;
     any other box is gathered into reused scratch buffers (fresh allocations per tensor would
     pile up in the allocator's arenas) a block of at most :data:`GATHER_BYTES` at a time — along
     ``spec.dim`` when it is the outermost dim that is not 1, else of whole rows of dim 0, each
@@ -305,9 +306,10 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
                 return
             if d == 0 or math.prod(any_src.shape[:d]) == 1:
                 for s, start, length in segs:
-                    view = None if s == FILL else sources[s].view(d, start, length)
-                    if view is not None:
-                        _write_from_source(sink, sources[s], view)
+                    views = None if s == FILL else sources[s].views(d, start, length)
+                    if views is not None:
+                        for owner, view in views:
+                            _write_from_source(sink, owner, view)
                         continue
                     for r0, rows in _blocks(length, math.prod(any_src.shape[d + 1:]) * isz, whole):
                         box = [rows if i == d else x for i, x in enumerate(any_src.shape)]

@@ -14,6 +14,8 @@ call                               returns
                                    of ``dim``: shape ``shape`` with ``shape[dim] =
                                    length`` (copied into ``out`` when given)
 ``view(dim, start, length)``       the same box as a view of a mapped file, or None
+``views(dim, start, length)``      the same box as views of mapped files, in order, each
+                                   with the tensor that gives it back; or None
 ``read_box`` / ``view_box``        any box (``offsets``, ``sizes``)
 ``materialize()``                  the whole tensor (small replicated tensors, checks)
 =================================  ===================================================
@@ -70,6 +72,13 @@ class LazyTensor(ABC):
         when it is not one region there. Default: None."""
         return None
 
+    def view_pieces(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
+        """The box as contiguous views of where its bytes already are, in the box's byte order, each
+        with the tensor whose :meth:`release` gives it back; None when a part is not one region of
+        a mapped file. Default: :meth:`view_box`, as one piece."""
+        view = self.view_box(offsets, sizes)
+        return None if view is None else [(self, view)]
+
     def release(self, t: torch.Tensor) -> None:
         """``t`` (a view this tensor returned) has been written: give back what holds it (pages
         of a mapped file). Default: nothing."""
@@ -95,6 +104,9 @@ class LazyTensor(ABC):
 
     def view(self, dim: int, start: int, length: int) -> torch.Tensor | None:
         return self.view_box(*self._box(dim, start, length))
+
+    def views(self, dim: int, start: int, length: int) -> list[tuple[LazyTensor, torch.Tensor]] | None:
+        return self.view_pieces(*self._box(dim, start, length))
 
     def materialize(self) -> torch.Tensor:
         return self.read_box(tuple(0 for _ in self.shape), tuple(self.shape))
@@ -139,6 +151,18 @@ class RowConcat(LazyTensor):
             return None
         t, start, rows, _ = pieces[0]
         return t.view_box((start, *offsets[1:]), (rows, *sizes[1:]))
+
+    def view_pieces(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
+        """Each segment's rows of the box as views of its own tensor: a grouped QKV fused from Hugging
+        Face's Q, K and V is written straight from their mappings, group by group, not gathered
+        into a buffer first (a box narrower than a row is one view only a row at a time)."""
+        out: list[tuple[LazyTensor, torch.Tensor]] = []
+        for t, start, rows, _ in self._pieces(offsets[0], offsets[0] + sizes[0]):
+            got = t.view_pieces((start, *offsets[1:]), (rows, *sizes[1:]))
+            if got is None:
+                return None
+            out += got
+        return out
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
