@@ -31,7 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_torch_dist import FLOOR, log, measure, parse_bench_args, reshard, size, source_for, warm  # noqa: E402
+from bench_torch_dist import FLOOR, SETTLE, log, measure, parse_bench_args, reshard, settle, size, source_for, warm  # noqa: E402
 
 #: The naive peer: the whole model in memory, merged with the TP rules of this Llama shape.
 NAIVE = [sys.executable, "-c", """
@@ -156,8 +156,10 @@ def same_rank_tensors(a: Path, b: Path) -> bool:
     return True
 
 
-def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label: str) -> dict[str, dict[str, float]]:
-    """Median wall seconds and peak RSS of each command, methods interleaved, the source warm."""
+def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label: str,
+          pause: float = SETTLE) -> dict[str, dict[str, float]]:
+    """Median wall seconds and peak RSS of each command, methods interleaved, the source warm,
+    ``pause`` seconds before each (:func:`bench_torch_dist.settle`)."""
     got: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     out = work / "run_out"
     for i in range(runs):
@@ -165,6 +167,7 @@ def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
             warm(src)
+            settle(pause)
             log(f"{label} run {i + 1}/{runs}: {name}")
             got[name].append(measure([c.replace("{out}", str(out)) for c in cmd]))
     shutil.rmtree(out, ignore_errors=True)
@@ -222,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         if deep:  # memory scaling: reshard only
             export, imp = {EXPORT: export[EXPORT]}, {IMPORT: imp[IMPORT]}
         results[f"layers={layers}"] = {"source GB": round(size(src) / 1e9, 2), "hf GB": round(size(hf) / 1e9, 2),
-                                       "export": timed(export, src, work, ns.runs, f"L{layers} export"),
-                                       "import": timed(imp, hf, work, ns.runs, f"L{layers} import")}
+                                       "export": timed(export, src, work, ns.runs, f"L{layers} export", ns.settle),
+                                       "import": timed(imp, hf, work, ns.runs, f"L{layers} import", ns.settle)}
         if not deep:  # independent checks: the naive scripts write the same tensors
             results["export: same tensors as the naive script"] = agree(export[EXPORT], export[
                 "naive: load all, merge, save_file"], work, "--compare")

@@ -7,8 +7,8 @@ the whole state dict in one process), on a ~3 GB fp16 Llama-shaped megatron-core
 
 Not part of the tests. Every command runs as its own process: wall time around it, peak RSS its
 ``ru_maxrss`` (as in bench_reshard.py). Methods run interleaved, medians of ``--runs`` reported;
-the source is read once before each run (warm cache) and outputs are deleted and synced between
-runs. ``--deep-layers`` repeats the reshard runs on a model with twice the layers: peak RSS must
+the source is read once before each run (warm cache), outputs are deleted and synced between
+runs, and each run starts after a pause (``--settle``, see :func:`settle`). ``--deep-layers`` repeats the reshard runs on a model with twice the layers: peak RSS must
 stay flat. Sources are generated under ``bench/data/`` (git-ignored) by this script, rank by rank
 (random tensors of the right shapes; replicated ones equal on every rank).
 """
@@ -115,6 +115,20 @@ def measure(cmd: list[str]) -> dict[str, float]:
     return {"seconds": wall, "rss_mib": usage.ru_maxrss / 1024}
 
 
+#: Seconds to wait before each run (``--settle``), as ``bench_reshard.py`` does.
+SETTLE = 4.0
+
+
+def settle(seconds: float) -> None:
+    """Let memory the previous run freed (its deleted output, its heap) go back to the host before
+    the next run starts: in this VM (virtio-balloon free-page reporting) a run that starts at once
+    writes into pages the guest still holds, one that starts later faults fresh ones in from the
+    host (1-3 s per GB). Without the pause the method after ``dcp_to_torch_save`` (3.2 GB freed) —
+    the first floor — ran in 2.8-4.7 s where the same bytes' second floor took 4.5-5.2 s."""
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def warm(folder: Path) -> None:
     """Read every file once, so each run starts with the source in the page cache."""
     with open(os.devnull, "wb") as null:
@@ -135,12 +149,14 @@ def parse_bench_args(argv: list[str], description: str) -> tuple[argparse.Namesp
     ap.add_argument("--deep-layers", type=int, default=24, help="second depth for memory scaling (0: skip)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--settle", type=float, default=SETTLE, help="seconds to pause before each run (0: none)")
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ns = ap.parse_args(argv)
     shape = dict(hidden=3072, ffn=8192, heads=24, groups=8, vocab=32768, tp=8)
     if ns.quick:
         shape, ns.layers, ns.deep_layers, ns.runs = dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8), 2, 4, 1
+        ns.settle = min(ns.settle, 0.5)
     return ns, shape
 
 
@@ -187,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.mkdir(parents=True) if "dcp" in name else None
                 os.sync()
                 warm(source)
+                settle(ns.settle)
                 log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
                 cmd = [c.replace("{out}", str(out)) for c in cmd] + ([str(out)] if "floor" in name else [])
                 runs[name].append(measure(cmd))
