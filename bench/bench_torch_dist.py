@@ -8,8 +8,8 @@ the whole state dict in one process), on a ~3 GB fp16 Llama-shaped megatron-core
 Not part of the tests. Every command runs as its own process: wall time around it, peak RSS its
 ``ru_maxrss`` (as in bench_reshard.py). Methods run interleaved, medians of ``--runs`` reported;
 the source is read once before each run (warm cache), outputs are deleted and synced between
-runs, and each run starts after a pause (``--settle``, see :func:`settle`). ``--deep-layers`` repeats the reshard runs on a model with twice the layers: peak RSS must
-stay flat. Sources are generated under ``bench/data/`` (git-ignored) by this script, rank by rank
+runs, and each run starts after a pause (``--settle``, see :func:`settle`). ``--deep-layers``
+repeats the reshard runs on a model with twice the layers: peak RSS must stay flat. Sources are generated under ``bench/data/`` (git-ignored) by this script, rank by rank
 (random tensors of the right shapes; replicated ones equal on every rank).
 """
 
@@ -123,8 +123,8 @@ def settle(seconds: float) -> None:
     """Let memory the previous run freed (its deleted output, its heap) go back to the host before
     the next run starts: in this VM (virtio-balloon free-page reporting) a run that starts at once
     writes into pages the guest still holds, one that starts later faults fresh ones in from the
-    host (1-3 s per GB). Without the pause the method after ``dcp_to_torch_save`` (3.2 GB freed) —
-    the first floor — ran in 2.8-4.7 s where the same bytes' second floor took 4.5-5.2 s."""
+    host, so without the pause a method's time depends on what ran before it (the floor right
+    after ``dcp_to_torch_save`` most of all; measured in docs/performance.md, session 15)."""
     if seconds > 0:
         time.sleep(seconds)
 

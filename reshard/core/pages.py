@@ -76,8 +76,8 @@ class PageDropper:
         default) or its whole folio, both aligned, so also pages *before* it. Readers go forward
         through a source, so those pages were read and dropped already; the fault that starts the
         next range maps them again, and with nothing to give them back a conversion leaked part
-        of every window a range boundary fell in (1 MiB chunks over a 5.2 GB source: 440 MiB
-        still mapped at the peak). A page dropped too early is only mapped again from the page cache.
+        of every window a range boundary fell in, in proportion to the source (docs/performance.md,
+        session 15). A page dropped too early is only mapped again from the page cache.
 
         ``within``: the bytes ``[start, end)`` of the entry the range belongs to. Reaching its last
         page also drops the rest of the folio after it: the neighbouring entry's pages came with

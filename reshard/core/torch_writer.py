@@ -57,7 +57,7 @@ from zlib_ng import zlib_ng  # CRC-32 with carry-less multiply: ~8x stdlib zlib'
 
 #: Bytes per streamed chunk (producers cut larger runs into pieces of this size). Small enough to
 #: stay in the CPU's caches through CRC, ``pwrite`` and SHA-256 (8 MiB chunks reached the later
-#: stages from memory: ~1.5x the time); small chunks mean many range boundaries in the sources,
+#: stages from memory); small chunks mean many range boundaries in the sources,
 #: which the page dropper covers (:meth:`reshard.core.pages.PageDropper.drop`). See
 #: docs/performance.md, "The streamed chunk size".
 CHUNK_BYTES = 1 << 20
