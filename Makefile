@@ -18,8 +18,8 @@ $(PY):
 $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[s3]"
-	# pre-migrate Prefect's database so the first run starts its embedded server quickly
-	$(VENV)/bin/prefect server database upgrade -y >/dev/null
+	# pre-migrate reshard's own Prefect database so the first run starts its embedded server quickly
+	$(PY) -m reshard.flows.server upgrade
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

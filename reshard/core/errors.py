@@ -75,6 +75,11 @@ class ConfigError(ReshardError):
         super().__init__(message, culprit=culprit, hint=hint)
 
 
+class PrefectServerError(ReshardError):
+    """The Prefect server a run needs cannot start: its database belongs to another Prefect
+    version, cannot be opened, or the server does not come up in time."""
+
+
 class StorageError(ReshardError):
     """A URL cannot be read or written: no such bucket/prefix, permission denied, size changed.
 

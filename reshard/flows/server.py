@@ -13,6 +13,13 @@ The server is this process's child: :mod:`reshard.flows.runner` settles with it 
 it (every task run recorded). If this process dies without stopping it (``kill -9`` included) the
 server stops itself: it holds the read end of a pipe whose only writer is this process, and the
 kernel closes that pipe however this process ends (see :data:`_SERVE`).
+
+Its state is reshard's own: a SQLite database under the shard cache's root
+(:func:`own_database`), not Prefect's default ``~/.prefect/prefect.db``, which whatever other
+Prefect the user runs migrates to its own schema (a newer Prefect's alembic revision stops an
+older server at start-up). A user who chose their Prefect state (``PREFECT_API_URL``,
+``PREFECT_HOME`` or a database URL in the environment) keeps it; trouble with any database is
+one line naming the file and the fix (:class:`~reshard.core.errors.PrefectServerError`).
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ import importlib.util
 import os
 import signal
 import socket
+import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from reshard.core.errors import PrefectServerError
 
 #: uvicorn's exit status when its port was taken meanwhile (the spawn is retried on another).
 PORT_TAKEN = 3
@@ -35,12 +46,83 @@ PORT_TAKEN = 3
 STOP_GRACE_SECONDS = 5.0
 
 
+#: The environment variables with which a user chooses the Prefect state runs use: with any of
+#: them set, the database is theirs (Prefect's default under their ``PREFECT_HOME``, or their URL).
+USER_STATE_SETTINGS = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+                       "PREFECT_API_DATABASE_CONNECTION_URL")
+#: The database setting reshard sets for its own state (the server inherits it).
+DATABASE_SETTING = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+#: Values of :data:`DATABASE_SETTING` this process set itself (not a user's choice).
+_OWN_URLS: set[str] = set()
+
+
+def own_database(cache_root: Path) -> Path:
+    """The SQLite file of reshard's own Prefect state: beside the shard cache, out of reach of the
+    user's other Prefect installs."""
+    return cache_root / "prefect" / "prefect.db"
+
+
 def prefect_environment(cache_root: Path) -> None:
-    """Defaults for running offline on a small machine; an explicit setting always wins."""
+    """Defaults for running offline on a small machine, and reshard's own database unless the user
+    chose their Prefect state; an explicit setting always wins."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(cache_root / "prefect-results"))
+    if os.environ.get(DATABASE_SETTING) in _OWN_URLS:
+        os.environ.pop(DATABASE_SETTING)  # set by an earlier run of this process, maybe for another cache
+    if not any(os.environ.get(name) for name in USER_STATE_SETTINGS):
+        db = own_database(cache_root)
+        db.parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite+aiosqlite:///{db}"
+        _OWN_URLS.add(url)
+        os.environ[DATABASE_SETTING] = url
+
+
+def database_in_use() -> str:
+    """The database a Prefect server started now would open, as a user would name it: the SQLite
+    file, or the configured URL without its password."""
+    url = os.environ.get(DATABASE_SETTING) or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+    if url:
+        return url.split(":///", 1)[1] if url.startswith("sqlite") and ":///" in url else re.sub(r":[^:@/]*@", ":***@", url)
+    home = os.environ.get("PREFECT_HOME") or str(Path.home() / ".prefect")
+    return str(Path(home) / "prefect.db")
+
+
+def database_error(stderr: str, status: int | None) -> PrefectServerError:
+    """What a Prefect process that died opening its database printed, as one line naming the
+    database and the fix (the alembic traceback itself is not shown)."""
+    from importlib.metadata import version
+
+    db = database_in_use()
+    own = os.environ.get(DATABASE_SETTING) in _OWN_URLS
+    unknown = re.search(r"Can't locate revision identified by '(\w+)'", stderr)
+    if unknown:
+        fix = ("delete it (it holds only reshard's run history)" if own else
+               "unset PREFECT_HOME to let reshard keep a database of its own, point it at another folder, "
+               f"or install the Prefect version that migrated it; this one is {version('prefect')}")
+        return PrefectServerError(f"Prefect's database was migrated by another Prefect version (alembic revision "
+                                  f"{unknown.group(1)}, unknown to Prefect {version('prefect')})", culprit=db, hint=fix)
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    last = (errors or lines or [f"exit status {status}"])[-1][:300]
+    return PrefectServerError(f"Prefect's server could not start ({last})", culprit=db,
+                              hint="check that the database is readable and writable and not used by another "
+                                   "Prefect version; PREFECT_HOME or PREFECT_SERVER_DATABASE_CONNECTION_URL choose "
+                                   "another")
+
+
+def upgrade_database(cache_root: Path) -> int:
+    """Migrate the database the embedded server will use (what ``make install`` runs once, so the
+    first conversion's server starts quickly): 0, or one line on stderr and 2."""
+    prefect_environment(cache_root)
+    done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"reshard: error: {database_error(done.stderr + done.stdout, done.returncode).one_line()}",
+              file=sys.stderr)
+        return 2
+    return 0
 
 
 def start_embedded(cache_root: Path) -> "EmbeddedServer":
@@ -71,6 +153,8 @@ class EmbeddedServer:
     def __init__(self) -> None:
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        # what the server prints goes here, not to the user's terminal: read back when it fails to start
+        self._stderr = tempfile.TemporaryFile()
         self._spawn()
 
     @property
@@ -85,7 +169,7 @@ class EmbeddedServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SERVE, "--app-dir", _prefect_dir(), "--factory",
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "error", "--lifespan", "on"], env=env, stdin=subprocess.PIPE)
+             "--log-level", "error", "--lifespan", "on"], env=env, stdin=subprocess.PIPE, stderr=self._stderr)
 
     def wait_ready(self, timeout: float) -> None:
         """Return once the server answers its health check; a taken port is retried on another."""
@@ -93,7 +177,7 @@ class EmbeddedServer:
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 if self.proc.returncode != PORT_TAKEN:
-                    raise RuntimeError(f"Prefect's server exited with status {self.proc.returncode} while starting")
+                    raise database_error(self._printed(), self.proc.returncode)
                 self.port = _free_port()
                 self._spawn()
             with contextlib.suppress(urllib.error.URLError, OSError):  # not up yet
@@ -101,8 +185,17 @@ class EmbeddedServer:
                     if r.status == 200:
                         return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Prefect's server did not start within {timeout:.0f} s")
+                self.stop()
+                raise PrefectServerError(f"Prefect's server did not start within {timeout:.0f} s",
+                                         culprit=database_in_use(),
+                                         hint="raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a busy machine")
             time.sleep(0.05)
+
+    def _printed(self) -> str:
+        """The end of what the server has printed so far."""
+        self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, self._stderr.tell() - 65536))
+        return self._stderr.read().decode("utf-8", "replace")
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -122,6 +215,7 @@ class EmbeddedServer:
         with contextlib.suppress(OSError):  # already closed
             if proc.stdin is not None:
                 proc.stdin.close()
+        self._stderr.close()
 
 
 #: The server's command: uvicorn, run by a Python that also watches its stdin. Nothing is ever
@@ -145,3 +239,11 @@ threading.Thread(target=watch_parent, name="reshard-parent-watch", daemon=True).
 sys.argv[0] = "uvicorn"
 runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
 """
+
+
+if __name__ == "__main__":  # ``python -m reshard.flows.server upgrade``: the Makefile's pre-migration
+    if sys.argv[1:] != ["upgrade"]:
+        sys.exit("usage: python -m reshard.flows.server upgrade")
+    from reshard.storage.cache import default_cache_dir
+
+    sys.exit(upgrade_database(default_cache_dir()))
