@@ -592,6 +592,25 @@ def test_written_torch_dist_experts_load_in_megatron_core_at_any_layout(moe, moe
         assert (again / f).read_bytes() == (tmp_path / "dist" / f).read_bytes(), f  # round trips byte-stable
 
 
+@pytest.mark.parametrize("name,layout,load_at", [("moe", (1, 2, 1), [(1, 1), (2, 2)]),
+                                                 ("moe_gelu", (2, 1, 1), [(4, 1), (1, 4)])])
+def test_experts_without_extra_states_become_torch_dist_megatron_core_loads(moe, tmp_path, name, layout, load_at):
+    """A per-rank MoE source saved without ``_extra_state`` entries (per-layer keys: ``moe`` mixes
+    dense and MoE layers; stacked: ``moe_gelu``): the torch_dist output holds the extra state of
+    every linear module, experts' and shared experts' included, and megatron-core's default-strict
+    ``dist_checkpointing.load`` reads it at other (TP, EP) with the source's logits."""
+    from legacy_twin import rewrite_run
+    from test_torch_dist import without_extra_state
+
+    run = moe[(name, *layout)]
+    bare = rewrite_run(run, tmp_path / "bare", without_extra_state)
+    assert main(["run", "--direct", str(bare), str(tmp_path / "dist"), "--to", "torch_dist"]) == 0
+    for (logits, routing), at in zip(mcore_forward_moe([(name, tmp_path / "dist", *at) for at in load_at], tmp_path,
+                                                       dist=True), load_at):
+        assert (logits - torch.load(run / "logits.pt")).abs().max() < ATOL, at
+        assert all(torch.equal(routing[k], v) for k, v in torch.load(run / "routing.pt").items()), at
+
+
 # --- expert tensor parallelism: experts split over fewer ranks than the dense layers ---------------
 
 @pytest.fixture(scope="module")

@@ -244,6 +244,33 @@ def test_megatron_core_loads_the_written_torch_dist_at_every_tp_with_the_saved_l
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{out.name} {name} loaded at TP {tp}")
 
 
+def without_extra_state(sd: dict) -> dict:
+    """A rank file as converters and older saves write one: megatron-core names, no ``_extra_state``."""
+    sd["model"] = {k: v for k, v in sd["model"].items() if not k.endswith("_extra_state")}
+    return sd
+
+
+@pytest.mark.parametrize("model", ["mha", "gqa_swiglu"])
+def test_a_source_without_extra_states_becomes_torch_dist_megatron_core_loads(mcore, tmp_path, model):
+    """A megatron-core-named per-rank source with no ``_extra_state`` entries: the torch_dist
+    output still holds every object megatron-core's model asks for (its default strictness refused
+    ``decoder.layers.self_attention.linear_proj._extra_state/shard_0_2`` before), loaded at TP 1, 2
+    and 4 with the source's logits; and its index equals the one made from the source with them."""
+    from mcore_fixtures import mcore_forward_dist
+
+    src = mcore[(model, 2, 1)]
+    bare = rewrite_run(src, tmp_path / "bare", without_extra_state)
+    assert not [k for k in _module(bare, 0) if k.endswith("_extra_state")]
+    for label, folder in (("bare", bare), ("full", src)):
+        assert main(["run", "--direct", str(folder), str(tmp_path / f"{label}_dist"), "--to", "torch_dist"]) == 0
+    it = "iter_0000007"
+    for name in (".metadata", "__0_0.distcp"):
+        assert (tmp_path / "bare_dist" / it / name).read_bytes() == (tmp_path / "full_dist" / it / name).read_bytes()
+    cases = [(model, tmp_path / "bare_dist", tp) for tp in (1, 2, 4)]
+    for (_, _, tp), got in zip(cases, mcore_forward_dist(cases, tmp_path / "fwd")):
+        torch.testing.assert_close(got, torch.load(src / "logits.pt"), atol=1e-5, rtol=0, msg=f"loaded at TP {tp}")
+
+
 def test_plain_dcp_reads_the_global_tensors(mcore, tmp_path):
     """The torch_dist output holds, under megatron-core's global keys, the TP 1 tensors: stacked
     layers, fused layer-norm names, SwiGLU fc1 as [all gate; all up]."""

@@ -72,7 +72,7 @@ from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.core.rules import expert_index, is_megatron_core
 from reshard.formats.megatron import iteration_folder
-from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core
+from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_module
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -96,6 +96,8 @@ _SHARD_RE = re.compile(r"^(?P<base>.+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]
 
 
 class TorchDistFormat(CheckpointFormat):
+    """megatron-core's torch_dist (Megatron-LM --ckpt-format torch_dist): a .metadata index over .distcp files of global tensors."""
+
     name = TORCH_DIST
     title = "torch_dist"
     priority = 5  # before Megatron-LM's per-rank layout: both use latest_checkpointed_iteration.txt
@@ -582,13 +584,17 @@ class ModelLayout:
     layers: int  #: the stacked keys' leading axis
     stacked: bool  #: every layer holds the same entries (else keys stay per layer)
     experts: Mapping[int, int]  #: layer -> its experts (the next axis of an expert's key)
+    #: ``_extra_state`` entries megatron-core's model asks for that no file of the source holds
+    #: (a legacy model's, or a megatron-core-named one saved without them): made up as None
+    made_up: frozenset[str] = frozenset()
 
 
 def model_layout(names: Sequence[str]) -> ModelLayout:
     """The :class:`ModelLayout` of a module with entries ``names`` (a whole model's)."""
     core = is_megatron_core(names)
-    if not core:
-        names = list(as_megatron_core(dict.fromkeys(names)))
+    given = set(names)
+    names = list(core_module(dict.fromkeys(names)) if core else as_megatron_core(dict.fromkeys(names)))
+    made_up = frozenset(n for n in names if n not in given and n.endswith("._extra_state"))
     per_layer: dict[int, set[str]] = {}
     experts: dict[int, set[int]] = {}
     for name in names:
@@ -599,7 +605,7 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
             if g is not None:
                 experts.setdefault(int(m.group(1)), set()).add(g)
     return ModelLayout(core, 1 + max(per_layer, default=-1), len({frozenset(v) for v in per_layer.values()}) <= 1,
-                       {i: len(e) for i, e in experts.items()})
+                       {i: len(e) for i, e in experts.items()}, made_up)
 
 
 def plan_layout(plan: "Plan") -> ModelLayout:
@@ -635,8 +641,15 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
     ``<key>/shard_<chunk offsets>_<axis sizes>`` (``shard_0_1`` for an entry of no axis).
     ``layout``: the whole model's, when ``module`` is one file's part of it (default: its own)."""
     layout = layout or model_layout(list(module))
+    given = module
     if not layout.core:
         module = as_megatron_core(module)  # a legacy model: check_plan let only core-compatible QKV through
+    elif layout.made_up:  # extra states the source lacks, in megatron-core's order
+        module = core_module(module)
+    # an extra state is made up beside its module's weight, in that file alone; one another file of
+    # the source holds is that file's
+    module = {k: v for k, v in module.items()
+              if not k.endswith("._extra_state") or k in given or k in layout.made_up}
     layers, stacked = layout.layers, layout.stacked
     items = []
     for name, value in module.items():
