@@ -1,4 +1,4 @@
-"""The ``reshard`` command line.
+"""The ``reshard`` command line (the Python API is :mod:`reshard.api`).
 
 Every expected failure is a :class:`~reshard.core.errors.ReshardError`: printed as one line
 naming the file/key and the fix, exit code 2, no traceback.
@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from reshard import __version__
@@ -19,14 +18,41 @@ from reshard.cli_progress import fmt_bytes
 from reshard.core.errors import ReshardError
 
 
-def _add_layout_options(p: argparse.ArgumentParser, *, target_required: bool) -> None:
+#: ``run --help`` in this order: the common groups first.
+GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
+          "quantization": "quantization (int8, per-rank outputs)",
+          "model facts": "model facts (only when the checkpoint's saved args lack them)"}
+#: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
+#: placed where they are added).
+OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_ep": "layout", "target_etp": "layout",
+                 "to": "output", "max_shard_size": "output", "weights": "output",
+                 "quantize": "quantization", "bits": "quantization", "groups": "quantization",
+                 "mlp_extra_grouping": "quantization", "version": "model facts", "module_key": "model facts",
+                 "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",
+                 "vocab_size": "model facts", "make_vocab_size_divisible_by": "model facts"}
+
+SRC_HELP = ("the checkpoint: a Megatron-LM run or iteration folder (per-rank files or torch_dist), a folder of "
+            "DeepSpeed mp_rank_XX files or its descriptor JSON, a DeepSpeed pipeline folder, a ZeRO checkpoint "
+            "folder, or a Hugging Face folder (config.json + safetensors); a path or any fsspec URL "
+            "(s3://, gs://, az://, memory://, ...)")
+DST_HELP = "the output folder, a path or URL as SRC; must not hold a committed checkpoint (see --overwrite)"
+
+
+def _groups(p: argparse.ArgumentParser) -> dict[str, Any]:
+    return {key: p.add_argument_group(title) for key, title in GROUPS.items()}
+
+
+def _add_layout_options(groups: dict[str, Any], *, target_required: bool) -> None:
     """One flag per :class:`~reshard.core.options.ReshardOptions` field, made from the field (name,
-    type, default, help): the options are defined once, for the CLI, the flow and the core."""
+    type, default, help) into its group: the options are defined once, for the CLI, the Python API,
+    the flow and the core."""
     import typing
 
     from reshard.core.options import ReshardOptions, flag_of
 
-    for name, field in ReshardOptions.model_fields.items():
+    for name in sorted(ReshardOptions.model_fields, key=lambda n: list(OPTION_GROUPS).index(n)):
+        field = ReshardOptions.model_fields[name]
+        p = groups[OPTION_GROUPS[name]]
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         types = [t for t in typing.get_args(field.annotation) if t is not type(None)] or [field.annotation]
         if types[0] is bool:
@@ -42,7 +68,20 @@ def _add_layout_options(p: argparse.ArgumentParser, *, target_required: bool) ->
                        required=field.is_required() and target_required)
 
 
-def _add_storage_options(p: argparse.ArgumentParser) -> None:
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, with ``--to``'s choices read from the format registry when help is shown (a
+    plug-in's format appears; nothing is imported to parse a command)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if action.dest == "to" and text:
+            from reshard.formats import writable
+
+            text += f"; one of: {', '.join(writable())}"
+        return text
+
+
+def _add_storage_options(p: Any) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000, "
                         "key=..., secret=...; credentials otherwise come from the environment/profiles")
@@ -50,50 +89,66 @@ def _add_storage_options(p: argparse.ArgumentParser) -> None:
                    help="shard cache for remote sources (default $RESHARD_CACHE_DIR or ~/.cache/reshard)")
 
 
+DESCRIPTION = ("Change the parallel layout (tensor, pipeline, expert) and the format of Megatron-LM, megatron-core, "
+               "DeepSpeed and Hugging Face checkpoints: exactly, in bounded memory, from and to local folders or "
+               "object storage. Run 'reshard COMMAND --help' for a command's options.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0])
-    parser.add_argument("--version-info", action="version", version=f"reshard {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="reshard", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", "-V", action="version", version=f"reshard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("run", help="convert SRC to DST at a new tensor-parallel degree")
-    p.add_argument("src", help="checkpoint folder or DeepSpeed descriptor JSON")
-    p.add_argument("dst", help="output folder (must not hold a committed checkpoint)")
-    _add_layout_options(p, target_required=True)
-    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    p.add_argument("--device", default=None, help="torch device for tensor work (default: cuda if present, else cpu)")
-    p.add_argument("--direct", action="store_true",
-                   help="run the engine in-process without Prefect (no retries, caching or UI)")
-    p.add_argument("--dask-address", default=None, metavar="tcp://HOST:PORT",
-                   help="run tensor tasks on this Dask scheduler (default: threads in this process)")
-    p.add_argument("--dask-workers", type=int, default=None, metavar="N",
-                   help="run tensor tasks on a local Dask cluster of N workers")
-    p.add_argument("--target-config", default=None, metavar="FILE",
-                   help="DeepSpeed config of the job that will load the output; validated before any transfer")
-    p.add_argument("--cache-sources", action="store_true",
-                   help="fetch a remote source's shards whole into the shard cache first (default: read them "
-                        "range by range while converting; only their structure is cached)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--verbose", "-v", action="store_true", help="show Prefect's task logs on the console")
-    _add_storage_options(p)
+    p = sub.add_parser("run", help="convert SRC into DST at a new layout or in another format",
+                       description="Convert SRC into DST at a new layout or in another format; the output is "
+                                   "committed atomically with a manifest, or nothing is.",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("src", help=SRC_HELP)
+    p.add_argument("dst", help=DST_HELP)
+    g = _groups(p)
+    _add_layout_options(g, target_required=True)
+    g["output"].add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    g["output"].add_argument("--target-config", default=None, metavar="FILE",
+                             help="DeepSpeed config of the job that will load the output; validated before any "
+                                  "transfer")
+    g["execution"].add_argument("--direct", action="store_true",
+                                help="run the engine in-process without Prefect (no retries, caching or UI)")
+    g["execution"].add_argument("--device", default=None,
+                                help="torch device for tensor work (default: cuda if present, else cpu)")
+    g["execution"].add_argument("--dask-address", default=None, metavar="tcp://HOST:PORT",
+                                help="run tensor tasks on this Dask scheduler (default: threads in this process)")
+    g["execution"].add_argument("--dask-workers", type=int, default=None, metavar="N",
+                                help="run tensor tasks on a local Dask cluster of N workers")
+    g["execution"].add_argument("--json", action="store_true", help="print the summary as JSON")
+    g["execution"].add_argument("--verbose", "-v", action="store_true", help="show Prefect's task logs on the console")
+    _add_storage_options(g["storage"])
+    g["storage"].add_argument("--cache-sources", action="store_true",
+                              help="fetch a remote source's shards whole into the shard cache first (default: read "
+                                   "them range by range while converting; only their structure is cached)")
 
-    p = sub.add_parser("plan", help="dry run: which source ranks feed which target rank, bytes, memory")
-    p.add_argument("src")
-    _add_layout_options(p, target_required=True)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--verbose", "-v", action="store_true",
-                   help="also list the model family's rules that matched no tensor")
-    _add_storage_options(p)
+    p = sub.add_parser("plan", help="dry run: which source ranks feed which output file, bytes, memory",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("src", help=SRC_HELP)
+    g = _groups(p)
+    _add_layout_options(g, target_required=True)
+    g["execution"].add_argument("--json", action="store_true", help="print the plan as JSON")
+    g["execution"].add_argument("--verbose", "-v", action="store_true",
+                                help="also list the model family's rules that matched no tensor")
+    _add_storage_options(g["storage"])
 
     p = sub.add_parser("inspect", help="describe a checkpoint: format, version, TP, dtype, sizes")
-    p.add_argument("src")
+    p.add_argument("src", help=SRC_HELP)
     p.add_argument("--module-key", default="auto")
     p.add_argument("--version", type=float, default=None)
     p.add_argument("--json", action="store_true")
     _add_storage_options(p)
 
     p = sub.add_parser("verify", help="re-hash a committed output against its manifest")
-    p.add_argument("dst")
+    p.add_argument("dst", help="a committed output (path or URL)")
     _add_storage_options(p)
+
+    sub.add_parser("formats", help="list the checkpoint formats and model families reshard reads and writes "
+                                   "(plug-ins included)")
 
     p = sub.add_parser("validate-config", help="validate a DeepSpeed config's zero_optimization section")
     p.add_argument("file")
@@ -150,16 +205,9 @@ def _cache(ns: argparse.Namespace) -> Any:
 
 
 def _target_config(path: str | None) -> dict[str, Any] | None:
-    if path is None:
-        return None
-    from reshard.core.errors import ConfigError
-    from reshard.core.zero_config import load_deepspeed_config_text
+    from reshard.api import load_target_config
 
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", culprit=path) from None
-    return load_deepspeed_config_text(text, path)
+    return load_target_config(path)
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
@@ -199,17 +247,18 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
-    from reshard.direct import run_direct
+    from reshard.api import convert
 
-    report = run_direct(ns.src, ns.dst, _options(ns, ns.target_tp), overwrite=ns.overwrite, device=ns.device,
-                        storage_options=_storage(ns), cache=_cache(ns),
-                        target_config=_target_config(ns.target_config), cache_sources=ns.cache_sources)
-    m = report.manifest
-    return {"source": m["source"]["url"], "destination": report.destination,
-            "source_tp": m["source"]["tp"], "target_tp": m["target"]["tp"], "target_format": m["target"]["format"],
-            "version": m["source"].get("version"), "quantized": bool(m["options"].get("quantize")),
-            "up_to_date": report.up_to_date, "conversion_id": m.get("conversion_id"),
-            "files": m["files"], "warnings": list(m.get("warnings", [])), "seconds": round(report.seconds, 3)}
+    result = convert(ns.src, ns.dst, overwrite=ns.overwrite, device=ns.device, storage_options=_storage(ns),
+                     cache_dir=ns.cache_dir, target_config=ns.target_config, cache_sources=ns.cache_sources,
+                     **_option_fields(ns))
+    return result.model_dump(exclude={"manifest"})
+
+
+def _option_fields(ns: argparse.Namespace) -> dict[str, Any]:
+    from reshard.core.options import ReshardOptions
+
+    return {k: v for k, v in vars(ns).items() if k in ReshardOptions.model_fields}
 
 
 def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +296,7 @@ def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
 def _run_flow(ns: argparse.Namespace, server: Any) -> dict[str, Any]:
     from pydantic import ValidationError
 
-    from reshard.core.errors import LayoutError
+    from reshard.core.options import option_error
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
     from reshard.storage.location import open_location
@@ -263,68 +312,17 @@ def _run_flow(ns: argparse.Namespace, server: Any) -> dict[str, Any]:
                                target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir,
                                cache_sources=ns.cache_sources)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = str(first["loc"][0]) if first.get("loc") else "options"
-        shown = "" if field == "storage_options" else f" (got {first.get('input')!r})"
-        raise LayoutError(f"{first['msg']}{shown}", culprit="--" + field.replace("_", "-"),
-                          hint=f"fix --{field.replace('_', '-')}") from None
-    return run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
-                    console_level="INFO" if ns.verbose else "WARNING", server=server)
-
-
-def plan_record(plan: Any) -> dict[str, Any]:
-    """JSON-able description of a plan (used by ``plan`` and ``inspect``)."""
-    return {
-        "source": plan.source.origin, "layout": plan.source.format, "source_tp": plan.source_tp,
-        "target_tp": plan.target_tp, "source_pp": plan.source_pp, "target_pp": plan.target_pp,
-        "version": plan.version, "module_key": plan.module_key, "num_heads": plan.facts.heads,
-        "hidden": plan.facts.hidden,
-        "output_format": plan.output_format,
-        "targets": [{"rank": t.rank, "name": t.name, "sources": list(t.sources), "bytes_read": t.bytes_read,
-                     "bytes_written": t.bytes_written} for t in plan.targets],
-        "bytes_read": sum(f.stat().st_size for f in plan.source.distinct_files),
-        "bytes_written": sum(t.bytes_written for t in plan.targets),
-        "peak_memory_estimate": plan.peak_memory_estimate,
-        "facts": plan.facts.to_record(),
-        "rules": {p.key: p.rule.name for p in plan.params},
-        "unused_rules": list(plan.unused_rules),
-        "dropped": dict(plan.dropped),
-        "warnings": list(plan.warnings),
-    }
-
-
-@contextlib.contextmanager
-def _local_view(ns: argparse.Namespace, options: "ReshardOptions") -> Iterator[Any]:
-    """The source as a local path: a remote one as skeletons read range by range (what a
-    conversion under ``options`` would fetch; planning reads the structure and a few small
-    tensors, not the checkpoint), through the shard cache."""
-    from reshard.conversion import streams_sources
-    from reshard.core import remote
-    from reshard.storage.location import open_location
-    from reshard.storage.source_view import materialize
-
-    loc = open_location(ns.src, _storage(ns))
-    if loc.is_local:
-        yield loc.path
-        return
-    from reshard.storage.cache import ShardCache
-
-    cache = _cache(ns) or ShardCache()
-    work = cache.new_workdir("inspect")
-    try:
-        yield str(materialize(ns.src, _storage(ns), cache, work, stream=streams_sources(options, False)).path)
-    finally:
-        remote.detach(work)
-        shutil.rmtree(work, ignore_errors=True)
+        raise option_error(exc) from None
+    summary = run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
+                       console_level="INFO" if ns.verbose else "WARNING", server=server)
+    summary.pop("manifest", None)
+    return summary
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from reshard.core.planner import build_plan
+    from reshard.api import plan
 
-    options = _options(ns, ns.target_tp)
-    with _local_view(ns, options) as path:
-        plan = build_plan(path, options)
-    rec = plan_record(plan)
+    rec = plan(ns.src, storage_options=_storage(ns), cache_dir=ns.cache_dir, **_option_fields(ns))
     if ns.json:
         print(json.dumps(rec, indent=2))
         return 0
@@ -349,28 +347,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
-    from reshard.core.experts import experts_per_layer
-    from reshard.core.options import ReshardOptions
-    from reshard.core.planner import build_plan
-    from reshard.formats import locate
+    from reshard.api import inspect
 
-    with _local_view(ns, ReshardOptions()) as path:
-        source = locate(path)
-        plan = build_plan(source, ReshardOptions(target_tp=source.tp, version=ns.version, module_key=ns.module_key))
-        total_bytes = sum(f.stat().st_size for f in source.distinct_files)
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in plan.params})
-    n_params = sum(_numel(p.shape) * (plan.degrees.of(p.key)[0] if p.spec is not None else 1) for p in plan.params)
-    zero = (plan.ds_config or {}).get("zero_optimization")
-    rec = {"format": "descriptor" if source.descriptor is not None else "folder",
-           "source": ns.src, "tp": source.tp, "version": plan.version, "module_key": plan.module_key,
-           "dtypes": dtypes, "parameters": n_params, "tensors": len(plan.params),
-           "bytes": total_bytes, "num_heads": plan.facts.heads,
-           "hidden": plan.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-           "layout": source.format, "pp": plan.source.pp, "ep": plan.source.ep, "etp": plan.source.expert_tp,
-           "experts": max(experts_per_layer([p.key for p in plan.params], ns.src).values(), default=0), "skipped": sorted(plan.dropped),
-           "optimizer": _optimizer(source),
-           "facts": plan.facts.to_record(),
-           "files": list(source.relative_distinct_files)}
+    rec = inspect(ns.src, storage_options=_storage(ns), cache_dir=ns.cache_dir, module_key=ns.module_key,
+                  version=ns.version)
     if ns.json:
         print(json.dumps(rec, indent=2))
     else:
@@ -396,29 +376,36 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _optimizer(source: Any) -> dict[str, Any] | None:
-    """The ZeRO optimizer state beside the checkpoint's files, if its format reads any (a remote
-    source's optimizer files are not fetched to inspect it: None)."""
-    from reshard.core.options import ReshardOptions
-    from reshard.core.zero_master import optimizer_summary
-    from reshard.formats import get_format
-
-    return optimizer_summary(get_format(source.format).companions(source, ReshardOptions(weights="master")))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from reshard.storage.manifest import verify
+    from reshard.api import verify
 
-    data = verify(ns.dst, _storage(ns))
-    print(f"ok: {len(data['files'])} files match the manifest of {ns.dst}")
+    result = verify(ns.dst, storage_options=_storage(ns))
+    print(f"ok: {len(result.files)} files match the manifest of {ns.dst}")
     return 0
+
+
+def cmd_formats(ns: argparse.Namespace) -> int:
+    """The registered formats and model families (built-ins and plug-ins), what each reads and writes."""
+    from reshard.formats import available
+    from reshard.models.registry import families
+
+    print("Checkpoint formats (reshard run --to NAME writes those marked 'writes'):")
+    for fmt in available():
+        does = "/".join(w for w, yes in (("reads", fmt.reads), ("writes", fmt.writes)) if yes)
+        kind = "per-rank files" if fmt.per_rank else "global tensors"
+        print(f"  {fmt.name:26} {does:13} {kind:15} {_first_line(fmt)}")
+    print("Model families:")
+    for family in families():
+        print(f"  {family.name:26} {_first_line(family)}")
+        for line in family.describe():
+            print(f"  {'':26} {line}")
+    return 0
+
+
+def _first_line(obj: Any) -> str:
+    """The first sentence of an object's class docstring, on one line."""
+    doc = " ".join((type(obj).__doc__ or "").replace("``", "").split())
+    return doc.split(". ")[0].rstrip(".") + "." if doc else ""
 
 
 def cmd_validate_config(ns: argparse.Namespace) -> int:
@@ -464,7 +451,7 @@ def cmd_emit_training_completed(ns: argparse.Namespace) -> int:
 #: Exit code for transient failures (sysexits EX_TEMPFAIL): the same command may succeed later.
 EX_TEMPFAIL = 75
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "inspect": cmd_inspect, "verify": cmd_verify,
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "inspect": cmd_inspect, "verify": cmd_verify, "formats": cmd_formats,
             "validate-config": cmd_validate_config, "sample": cmd_sample}
 COMMANDS.update({"deploy": cmd_deploy, "serve": cmd_serve, "emit-training-completed": cmd_emit_training_completed})
 

@@ -19,6 +19,11 @@ class ReshardError(Exception):
         self.hint = hint
         super().__init__(self.one_line())
 
+    @property
+    def fix(self) -> str | None:
+        """How to fix it (the CLI's ``(fix: ...)``)."""
+        return self.hint
+
     def one_line(self) -> str:
         """The message as the CLI prints it: culprit, problem, fix — on one line."""
         parts = []

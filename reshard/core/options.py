@@ -98,8 +98,8 @@ class ReshardOptions(BaseModel):
                                         "saved args lack it", metavar="V", minimum=1)
     make_vocab_size_divisible_by: int | None = _opt(None, "Megatron's vocabulary padding divisor, when the saved "
                                                           "args lack it", metavar="D", minimum=1)
-    to: str | None = _opt(None, "output format: megatron, deepspeed, torch_dist, ... (default: the source's own; "
-                                "torch_dist sources are written as Megatron-LM per-rank files)", metavar="FORMAT")
+    to: str | None = _opt(None, "output format (default: the source's own; torch_dist and Hugging Face sources "
+                                "are written as Megatron-LM per-rank files)", metavar="FORMAT")
 
     weights: str = _opt("module", "which weights to convert: 'module' (the copy the model ran with), 'master' "
                                   "(the optimizer's fp32 master weights, from DeepSpeed ZeRO optimizer files), or "
@@ -137,6 +137,17 @@ class ReshardOptions(BaseModel):
         return {name: getattr(self, name) for name in ReshardOptions.model_fields}
 
     @classmethod
+    def checked(cls, **fields: Any) -> ReshardOptions:
+        """The options from keyword arguments (Python callers, the flow's parameters), every
+        problem the one-line :class:`~reshard.core.errors.LayoutError` the CLI prints for its flag."""
+        from pydantic import ValidationError
+
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            raise option_error(exc) from None
+
+    @classmethod
     def from_fields(cls, values: Any) -> ReshardOptions:
         """The options among ``values`` (a mapping or an object with attributes), by field name;
         absent ones take their defaults."""
@@ -145,3 +156,14 @@ class ReshardOptions(BaseModel):
 
 
 _MISSING = object()
+
+
+def option_error(exc: Any) -> LayoutError:
+    """A pydantic ``ValidationError`` over option fields as the one-line error naming the flag."""
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first.get("loc") else "options"
+    if first.get("type") == "extra_forbidden":
+        return LayoutError("is not an option of reshard", culprit=field,
+                           hint=f"use one of {', '.join(ReshardOptions.model_fields)}")
+    shown = "" if field == "storage_options" else f" (got {first.get('input')!r})"
+    return LayoutError(f"{first['msg']}{shown}", culprit=flag_of(field), hint=f"fix {flag_of(field)}")

@@ -23,6 +23,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from reshard.flows.params import ReshardParams
+from reshard.result import ConversionResult
 
 #: default ``destination``: a sibling of the source, e.g. ``s3://ckpt/run7/global_step1000-tp2``
 DEFAULT_DESTINATION = "{source}-tp{target_tp}"
@@ -76,7 +77,7 @@ def reshard_deployment(
     cache_sources: bool = False,
     gpu_resource: bool = False,
     gpu_concurrency_limit: str | None = None,
-) -> dict[str, Any]:
+) -> ConversionResult:
     """Reshard ``source`` to ``target_tp`` (flat parameters; see ``ReshardParams`` for each)."""
     fields = dict(locals())  # exactly the parameters (first statement)
     from reshard.flows.reshard_flow import reshard_flow

@@ -40,6 +40,7 @@ from reshard import progress
 from reshard.conversion import streams_sources
 from reshard.flows.params import ReshardParams
 from reshard.formats import is_marker, shard_role
+from reshard.result import ConversionResult
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
@@ -49,8 +50,9 @@ from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, commit_checkpoin
 
 
 @flow(name="reshard", validate_parameters=True)
-def reshard_flow(params: ReshardParams) -> dict[str, Any]:
-    """Reshard ``params.source`` into ``params.destination`` at ``params.target_tp``."""
+def reshard_flow(params: ReshardParams) -> ConversionResult:
+    """Reshard ``params.source`` into ``params.destination`` at ``params.target_tp``; usable as a
+    subflow of a user's own flow (``reshard_flow(ReshardParams(...))``), its result a typed record."""
     log = get_run_logger()
     # None: each process (a Dask worker on another machine, say) uses its own default cache
     cache_dir = params.cache_dir
@@ -136,12 +138,12 @@ def reshard_flow(params: ReshardParams) -> dict[str, Any]:
     report(job, converted, records)
     from prefect.runtime import flow_run
 
-    return {"flow_run_id": str(flow_run.id), "source": params.source, "destination": params.destination, "source_tp": job["source_tp"],
-            "target_tp": params.target_tp, "target_format": job["output_format"], "version": job["version"],
-            "quantized": params.quantize,
-            "up_to_date": job["up_to_date"], "conversion_id": job["conversion_id"],
-            "files": manifest.get("files", []), "warnings": job["warnings"], "steps": len(steps), "reused": reused,
-            "converted_on": {c["name"]: c.get("worker") for c in converted}}
+    return ConversionResult.from_manifest(
+        manifest, params.destination, up_to_date=job["up_to_date"], source=params.source,
+        target_tp=params.target_tp, target_format=job["output_format"], version=job["version"],
+        quantized=params.quantize, conversion_id=job["conversion_id"], warnings=job["warnings"],
+        flow_run_id=str(flow_run.id), steps=len(steps), reused=reused,
+        converted_on={c["name"]: c.get("worker") for c in converted})
 
 
 def _raise_first_failure(futures: list[Any], *, wait_all: bool = True) -> None:

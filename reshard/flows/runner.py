@@ -32,7 +32,8 @@ def task_runner(dask_address: str | None = None, dask_workers: int | None = None
 def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_workers: int | None = None,
              on_target_done: Callable[[dict[str, Any]], None] | None = None,
              console_level: str | None = None, server: Any = None) -> dict[str, Any]:
-    """Run the flow in this process and return its summary (raises the first task error).
+    """Run the flow in this process and return its summary, the flow's
+    :class:`~reshard.result.ConversionResult` as plain data (raises the first task error).
     ``server``: the embedded server (:class:`reshard.flows.server.EmbeddedServer`) when the
     caller started it already (the CLI does, first thing, so it boots while the flow imports);
     without it and without ``PREFECT_API_URL`` one is started here."""
@@ -63,7 +64,7 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
             if embedded is not None:
                 embedded.note_events()
             with _no_heartbeats(embedded is not None):
-                return flow(params)
+                return flow(params).model_dump()
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)
             raise

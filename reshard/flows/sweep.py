@@ -240,7 +240,7 @@ def reshard_sweep(
             params, return_state=True)
         if state.is_completed():
             summary = state.result()
-            item.update(state="converted", flow_run_id=summary["flow_run_id"])
+            item.update(state="converted", flow_run_id=summary.flow_run_id)
         else:
             item.update(state="failed", reason=(state.message or state.name)[:500])
             log.error("converting %s to TP %d failed: %s", item["source"], item["target_tp"], item["reason"])

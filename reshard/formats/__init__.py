@@ -19,11 +19,11 @@ from reshard.core.options import ReshardOptions
 from reshard.core.shard_check import METADATA
 from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
-from reshard.formats.registry import available, get_format, register_format, registry, unregister_format
+from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
 
 __all__ = ["CheckpointFormat", "available", "check_file", "descriptor_entries", "get_format", "is_marker",
            "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",
-           "unregister_format"]
+           "unregister_format", "writable"]
 
 
 def locate(src: str | Path) -> SourceCheckpoint:

@@ -178,6 +178,10 @@ class CheckpointFormat(ABC):
         return source.tp
 
     # -- writing (outputs are written in the format they were read in, or in ``writes_as``) ------
+    #: Is this layout read (a source reshard converts from)? Listed by ``reshard formats``.
+    reads: ClassVar[bool] = True
+    #: Is this layout written (a ``--to`` choice, or what a source of its own kind becomes)?
+    writes: ClassVar[bool] = True
     #: The format outputs are written in when this one is read (None: this one).
     writes_as: ClassVar[str | None] = None
     #: Does this layout hold one file per tensor-parallel rank (else global tensors, TP-free)?

@@ -34,6 +34,8 @@ DESCRIPTOR_NAME = "ds_checkpoint.json"
 
 
 class DeepSpeedFormat(CheckpointFormat):
+    """DeepSpeed mp_rank_XX_model_states.pt files (a global_stepN folder), beside their ZeRO optimizer files."""
+
     name = DEEPSPEED
     title = "DeepSpeed mp_rank_XX_model_states"
     priority = 30
@@ -90,12 +92,14 @@ class DeepSpeedFormat(CheckpointFormat):
 
 
 class DeepSpeedZero3Format(CheckpointFormat):
-    """A ZeRO stage 3 engine folder: ``zero_pp_rank_D_mp_rank_TT_model_states.pt`` per (data-parallel,
+    """DeepSpeed ZeRO stage 3 folder, read for its fp32 master weights. It holds
+    ``zero_pp_rank_D_mp_rank_TT_model_states.pt`` per (data-parallel,
     tensor-parallel) rank, whose modules hold only placeholders; the weights are partitioned over the
     ``*_optim_states.pt`` files. Converted with ``--weights master`` (the fp32 master weights, written
     in DeepSpeed's per-rank layout); refused otherwise, with what to do."""
 
     name = DEEPSPEED_ZERO3
+    writes = False  # read for --weights master; written as DeepSpeed per-rank files
     priority = 40
     patterns = (re.compile(r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$"),)
     writes_as = DEEPSPEED
@@ -181,9 +185,11 @@ def _zero3_grid(folder: Path) -> dict[int, list[Path]]:
 
 
 class DeepSpeedDescriptorFormat(CheckpointFormat):
-    """The descriptor JSON; what it locates is a DeepSpeed per-rank checkpoint."""
+    """DeepSpeed descriptor JSON ({"type": "Megatron", "checkpoints": [...]}), naming mp_rank_XX files. What it
+    locates is a DeepSpeed per-rank checkpoint."""
 
     name = "deepspeed-descriptor"
+    writes = False  # what it locates is written as DeepSpeed per-rank files (and a new descriptor)
     priority = 90
     markers = (re.compile(r"(^|/)[^/]+\.json$"),)
 

@@ -48,6 +48,8 @@ PARALLEL_DIMS, PP_DEGREE, TP_DEGREE = "checkpoint_parallel_dimensions", "pp_degr
 
 
 class DeepSpeedPipelineFormat(CheckpointFormat):
+    """DeepSpeed pipeline-parallel folder: layer_LL-model_TT-model_states.pt per layer and TP rank."""
+
     name = DEEPSPEED_PIPE
     priority = 20
     patterns = (re.compile(r"(^|/)layer_\d+-model_\d+-model_states\.pt$"),

@@ -74,6 +74,8 @@ def _weight_map(folder: Path) -> dict[str, str]:
 
 
 class HFFormat(CheckpointFormat):
+    """Hugging Face: config.json and safetensors (sharded, with an index), as transformers and vLLM load them."""
+
     name = HF
     title = "Hugging Face safetensors"
     priority = 90  # after the Megatron and DeepSpeed layouts: a config.json alone says little

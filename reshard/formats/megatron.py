@@ -22,6 +22,8 @@ from reshard.formats.base import CheckpointFormat
 
 
 class MegatronFormat(CheckpointFormat):
+    """Megatron-LM per-rank files: a run folder or one iteration folder of mp_rank_XX[_YYY]/model_optim_rng.pt."""
+
     name = MEGATRON
     priority = 10
     patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+){0,2}/model_optim_rng\.pt$"),)

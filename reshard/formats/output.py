@@ -6,7 +6,7 @@ from reshard.core.errors import LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
-from reshard.formats.registry import get_format, registry
+from reshard.formats.registry import get_format, registry, writable
 
 
 def output_format(source: SourceCheckpoint, options: ReshardOptions) -> CheckpointFormat:
@@ -26,9 +26,9 @@ def _chosen(source: SourceCheckpoint, options: ReshardOptions) -> CheckpointForm
     own = get_format(fmt.writes_as or source.format)
     if options.to is None or options.to == own.name:
         return own
-    if options.to not in registry:
-        raise LayoutError(f"unknown output format {options.to!r}", culprit="--to",
-                          hint=f"choose one of {', '.join(sorted(registry))}")
+    if options.to not in registry or not get_format(options.to).writes:
+        known = "unknown output format" if options.to not in registry else "reshard reads but does not write"
+        raise LayoutError(f"{known} {options.to!r}", culprit="--to", hint=f"choose one of {', '.join(writable())}")
     out = get_format(options.to)
     if out.per_rank:
         raise LayoutError(f"cannot write a {fmt.title or fmt.name} checkpoint in the {out.title or out.name} layout",

@@ -50,3 +50,8 @@ def available() -> list[CheckpointFormat]:
 def get_format(name: str) -> CheckpointFormat:
     """The registered format called ``name``."""
     return _FORMATS.get(name)
+
+
+def writable() -> list[str]:
+    """Names of the registered formats an output can be written in (the ``--to`` choices)."""
+    return [fmt.name for fmt in available() if fmt.writes]

@@ -63,7 +63,10 @@ KEPT = frozenset({"optimizer", "lr_scheduler"})
 
 
 class UniversalFormat(CheckpointFormat):
+    """DeepSpeed universal checkpoint (resumes at any DP size), written from ZeRO optimizer files."""
+
     name = UNIVERSAL
+    reads = False
     title = "DeepSpeed universal checkpoint"
     priority = 95
     per_rank = False

@@ -33,6 +33,10 @@ class ModelFamily(ABC):
         """The naming variant the names follow (recorded in the model facts)."""
         return self.name
 
+    def describe(self) -> list[str]:
+        """Further lines for ``reshard formats`` (e.g. the Hugging Face architectures a family maps)."""
+        return []
+
     # -- the deciders of the model facts ------------------------------------------------------------
     # The planner asks the family for each fact. The defaults are Megatron-LM's (the flags, then
     # the saved Megatron ``args``, then the shapes; see :mod:`reshard.core.facts`): every family

@@ -193,7 +193,8 @@ def _core_position(key: str) -> tuple[int, ...]:
 
 
 class MegatronGPT(ModelFamily):
-    """Legacy and megatron-core GPT naming; ``naming`` tells which a checkpoint uses."""
+    """GPT-style decoders under Megatron-LM's legacy names or megatron-core's (dense and MoE). ``naming``
+    tells which a checkpoint uses."""
 
     name = "megatron-gpt"
     rules = MEGATRON_GPT_RULES
@@ -203,3 +204,8 @@ class MegatronGPT(ModelFamily):
 
     def naming(self, keys: Sequence[str]) -> str:
         return "megatron-core" if is_megatron_core(keys) else "legacy"
+
+    def describe(self) -> list[str]:
+        from reshard.models.hf_architectures import NAME_TABLES
+
+        return [f"Hugging Face (export with --to hf, import from a folder): {', '.join(NAME_TABLES)}"]
