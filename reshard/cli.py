@@ -29,7 +29,9 @@ OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_ep": "lay
                  "quantize": "quantization", "bits": "quantization", "groups": "quantization",
                  "mlp_extra_grouping": "quantization", "version": "model facts", "module_key": "model facts",
                  "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",
-                 "vocab_size": "model facts", "make_vocab_size_divisible_by": "model facts"}
+                 "vocab_size": "model facts", "make_vocab_size_divisible_by": "model facts",
+                 "hf_model_config": "model facts", "normalization": "model facts", "position_embedding_type": "model facts",
+                 "rotary_base": "model facts", "norm_epsilon": "model facts"}
 
 SRC_HELP = ("the checkpoint: a Megatron-LM run or iteration folder (per-rank files or torch_dist), a folder of "
             "DeepSpeed mp_rank_XX files or its descriptor JSON, a DeepSpeed pipeline folder, a ZeRO checkpoint "
@@ -63,7 +65,8 @@ def _add_layout_options(groups: dict[str, Any], *, target_required: bool) -> Non
                 p.add_argument(str(extra["negative_flag"]), dest=name, action="store_false",
                                help=str(extra["negative_help"]))
             continue
-        p.add_argument(flag_of(name), dest=name, type=types[0], metavar=extra.get("metavar"),
+        kind = types[0] if types[0] in (int, float, str) else str  # a file's contents: its path here
+        p.add_argument(flag_of(name), dest=name, type=kind, metavar=extra.get("metavar"),
                        default=None if field.is_required() else field.default, help=field.description,
                        required=field.is_required() and target_required)
 
@@ -239,7 +242,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(f"up to date {head} (already holds this exact conversion: nothing written{how})")
     else:
         resumed = f" (resumed: {reused} of {steps} steps reused from an earlier run)" if reused else ""
-        took = f", {summary['seconds']:.2f}s" if "seconds" in summary else ""
+        took = f", {summary['seconds']:.2f}s" if summary.get("seconds") is not None else ""
         print(f"committed {head}{took}{resumed}")
     for w in summary["warnings"]:
         print(f"warning: {w}")
