@@ -115,6 +115,19 @@ def mcore_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
                                               "adam": adam[lay], "model": model_options(lay[0]), "tokens": TOKENS})
 
 
+#: (model, tp) saved as mbridge and Megatron-Bridge save torch_dist: ``dist_checkpointing.save`` with no
+#: Megatron-LM ``args`` in ``common.pt`` (same seeds as above).
+FOREIGN_DIST_LAYOUTS: tuple[tuple[str, int], ...] = (("llama", 2), ("mha", 2))
+
+
+def mcore_foreign_dist_checkpoints(root: Path) -> dict[tuple[str, int], Path]:
+    """Every torch_dist run folder of :data:`FOREIGN_DIST_LAYOUTS` (with ``logits.pt``), written once."""
+    return _written_once("foreign_dist", root, {lay: root / f"{lay[0]}_tp{lay[1]}_noargs" for lay in
+                                                FOREIGN_DIST_LAYOUTS},
+                         lambda lay, folder: {"kind": "write_dist", "out": str(folder), "tp": lay[1], "pp": 1,
+                                              "no_args": True, "model": model_options(lay[0]), "tokens": TOKENS})
+
+
 def mcore_forward(cases: list[tuple[str | None, Path, int]], workdir: Path) -> list[torch.Tensor]:
     """megatron-core logits for each (model, checkpoint folder, tp): load strict, run, gather.
     Model None: the model the checkpoint's own ``args`` describe."""

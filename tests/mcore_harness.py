@@ -315,6 +315,8 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
     model_sd = model.sharded_state_dict()
     sd: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
                           "opt_param_scheduler": {"num_steps": ITERATION}, "num_floating_point_operations_so_far": 0}
+    if job.get("no_args"):  # as mbridge and Megatron-Bridge save: no Megatron-LM args in common.pt
+        sd = {"checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd}
     if job.get("adam"):
         state: dict[str, Any] = {}
         for moment in ("exp_avg", "exp_avg_sq"):

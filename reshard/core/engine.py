@@ -115,7 +115,7 @@ def target_state(plan: Plan, tgt: int) -> dict[str, Any]:
     for i in plan.targets[tgt].sources:
         stage = i // src.tp
         if stage not in heads:
-            heads[stage] = fmt.open(src, plan.target_options(tgt), stage * src.tp)
+            heads[stage] = fmt.opened(src, plan.target_options(tgt), stage * src.tp)
         shards[i] = heads[stage]
     return _target_layout(plan, tgt, shards, torch.device("cpu"), PageDropper(()))
 
@@ -124,7 +124,7 @@ def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
     """The source shards target ``tgt`` reads, memory-mapped (tensors are read on first touch)."""
     fmt = get_format(plan.source.format)
     options = plan.target_options(tgt)
-    return {i: fmt.open(plan.source, options, i) for i in plan.targets[tgt].sources}
+    return {i: fmt.opened(plan.source, options, i) for i in plan.targets[tgt].sources}
 
 
 def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], device: torch.device,

@@ -170,7 +170,8 @@ def decide_swiglu(options: ReshardOptions, args: Any, raw: list[CanonicalParam],
         key = fc1[0].key
         raise MissingModelFactError(
             f"whether the MLP is gated (SwiGLU) is unknown, and {n} -> {m} ranks moves its gate and "
-            f"up halves differently", culprit=key, hint="pass --swiglu or --no-swiglu")
+            f"up halves differently", culprit=key,
+            hint="pass --swiglu or --no-swiglu, or the model's config.json with --model-config")
     return None
 
 

@@ -24,7 +24,7 @@ from reshard.core.source import AUTO
 
 
 def _opt(default: Any = None, description: str = "", *, metavar: str | None = None, minimum: int | None = None,
-         negative: tuple[str, str] | None = None) -> Any:
+         negative: tuple[str, str] | None = None, flag: str | None = None) -> Any:
     """A field with what the CLI needs to make its flag (``metavar``; ``negative``: the flag that
     sets a bool False, and its help) and the JSON-schema bounds a deployment's form shows."""
     extra: dict[str, Any] = {}
@@ -34,12 +34,18 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
         extra["negative_flag"], extra["negative_help"] = negative
     if minimum is not None:
         extra["minimum"] = minimum
+    if flag:
+        extra["flag"] = flag  # the CLI's name, where the field's own would read otherwise
     return Field(default=default, description=description, json_schema_extra=extra or None)
 
 
 #: ``--weights``: the module's own tensors, or one of the optimizer's per-parameter states (the fp32
 #: master weights, Adam's first and second moments), each read from the ZeRO optimizer files.
 WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
+
+#: ``--normalization`` and ``--position-embedding-type``: Megatron-LM's choices.
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 #: Fields that must be positive integers when given.
 _POSITIVE = ("target_tp", "target_pp", "target_ep", "target_etp", "num_heads", "num_query_groups", "vocab_size",
@@ -61,8 +67,10 @@ def parse_size(value: Any, flag: str) -> int:
 
 
 def flag_of(field: str) -> str:
-    """The CLI flag of an option field (``target_tp`` -> ``--target-tp``)."""
-    return "--" + field.replace("_", "-")
+    """The CLI flag of an option field (``target_tp`` -> ``--target-tp``; a field may name its own)."""
+    info = ReshardOptions.model_fields.get(field) if "ReshardOptions" in globals() else None
+    extra = info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {}
+    return str(extra.get("flag") or "--" + field.replace("_", "-"))
 
 
 class ReshardOptions(BaseModel):
@@ -98,6 +106,16 @@ class ReshardOptions(BaseModel):
                                         "saved args lack it", metavar="V", minimum=1)
     make_vocab_size_divisible_by: int | None = _opt(None, "Megatron's vocabulary padding divisor, when the saved "
                                                           "args lack it", metavar="D", minimum=1)
+    hf_model_config: dict[str, Any] | None = _opt(
+        None, "the model's Hugging Face config.json (any architecture reshard imports; a path, read at once): the "
+              "model facts the checkpoint does not save, e.g. a torch_dist written by mbridge or Megatron-Bridge "
+              "(a Megatron-Bridge run_config.yaml beside the checkpoint is read without it)", metavar="FILE",
+        flag="--model-config")
+    normalization: str | None = _opt(None, "LayerNorm or RMSNorm, when the saved args lack it", metavar="NORM")
+    position_embedding_type: str | None = _opt(None, "learned_absolute, rope or none, when the saved args lack it",
+                                               metavar="TYPE")
+    rotary_base: float | None = _opt(None, "the rotary base (rope theta), when the saved args lack it", metavar="BASE")
+    norm_epsilon: float | None = _opt(None, "the layer norms' epsilon, when the saved args lack it", metavar="EPS")
     to: str | None = _opt(None, "output format (default: the source's own; torch_dist and Hugging Face sources "
                                 "are written as Megatron-LM per-rank files)", metavar="FORMAT")
 
@@ -114,6 +132,46 @@ class ReshardOptions(BaseModel):
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value, flag_of("max_shard_size"))
+
+    @field_validator("hf_model_config", mode="before")
+    @classmethod
+    def _read_model_config(cls, value: Any) -> Any:
+        """A path is read here, once: the options (and so the conversion's identity and the flow's
+        parameters) hold the config itself."""
+        if value is None or isinstance(value, dict):
+            return value
+        import json
+        import os
+
+        if not isinstance(value, (str, os.PathLike)):
+            raise LayoutError(f"{value!r} is neither a config.json path nor its contents",
+                              culprit=flag_of("hf_model_config"))
+        try:
+            data = json.loads(open(value, encoding="utf-8").read())
+        except OSError as exc:
+            raise LayoutError(f"cannot read: {exc.strerror}", culprit=str(value), hint="check --model-config") from None
+        except (ValueError, UnicodeDecodeError):
+            raise LayoutError("is not valid JSON", culprit=str(value),
+                              hint="--model-config takes a Hugging Face config.json") from None
+        if not isinstance(data, dict):
+            raise LayoutError("is not a JSON object", culprit=str(value),
+                              hint="--model-config takes a Hugging Face config.json")
+        return data
+
+    @field_validator("normalization")
+    @classmethod
+    def _check_normalization(cls, value: str | None) -> str | None:
+        if value is not None and value not in NORMALIZATIONS:
+            raise LayoutError(f"{value!r} is not one of {', '.join(NORMALIZATIONS)}", culprit="--normalization")
+        return value
+
+    @field_validator("position_embedding_type")
+    @classmethod
+    def _check_positions(cls, value: str | None) -> str | None:
+        if value is not None and value not in POSITION_EMBEDDINGS:
+            raise LayoutError(f"{value!r} is not one of {', '.join(POSITION_EMBEDDINGS)}",
+                              culprit="--position-embedding-type")
+        return value
 
     @field_validator("weights")
     @classmethod

@@ -159,7 +159,7 @@ def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptio
         return None
     other = options.model_copy(update={"weights": weights})
     return {(s, key): value.dtype for s in range(source.rows)
-            for key, value in fmt.open(source, other, s * source.tp)[module_key].items()
+            for key, value in fmt.opened(source, other, s * source.tp)[module_key].items()
             if isinstance(value, (torch.Tensor, LazyTensor))}
 
 

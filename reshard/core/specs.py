@@ -114,7 +114,8 @@ def _unknown_heads(key: str, c: _SpecContext, what: str) -> None:
         raise MissingModelFactError(
             f"splitting {c.n} -> {c.m} ranks must not cut an attention head, but the {what} is unknown "
             f"(no args saved)", culprit=key,
-            hint="pass --num-heads H" if what == "head count" else "pass --num-query-groups G")
+            hint=("pass --num-heads H" if what == "head count" else "pass --num-query-groups G")
+            + ", or the model's config.json with --model-config")
 
 
 def _check_groups_divide(key: str, c: _SpecContext, groups: int) -> None:

@@ -121,6 +121,15 @@ class CheckpointFormat(ABC):
                               hint="optimizer states are read from DeepSpeed ZeRO checkpoints; drop the flag")
         return self.load(source.files[index])
 
+    def opened(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
+        """:meth:`open`, with the saved ``args`` supplemented by the model facts given another way
+        (flags, ``--model-config``, Megatron-Bridge's ``run_config.yaml``: see
+        :mod:`reshard.models.given_facts`). The planner and the engine read source files through
+        this; formats override :meth:`open`, not this."""
+        from reshard.models.given_facts import given_args
+
+        return given_args(self.open(source, options, index), options, Path(source.files[index]))
+
     def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
         """Files :meth:`open` reads besides ``source.files`` under ``options`` (the ZeRO optimizer
         files, for ``--weights master``): a pipeline that fetches shard by shard links them in
@@ -136,14 +145,14 @@ class CheckpointFormat(ABC):
 
         ``headers_only``: read the first file of each stage alone and stand it in for every rank
         of its stage (see :func:`reshard.core.plan.build_grid_plan`)."""
-        first = self.open(source, options, 0)
+        first = self.opened(source, options, 0)
         source = self.axes(first.get("args"), source)  # the grid as the saved args explain it
         n = source.tp
         opened = {source.files[0]: first}
 
         def at(i: int) -> dict[str, Any]:
             if source.files[i] not in opened:  # a grid may repeat a file (expert TP): read once
-                opened[source.files[i]] = self.open(source, options, i)
+                opened[source.files[i]] = self.opened(source, options, i)
             return opened[source.files[i]]
 
         shards = [at(i // n * n if headers_only else i) for i in range(len(source.files))]

@@ -79,14 +79,14 @@ class DeepSpeedPipelineFormat(CheckpointFormat):
         checked. Every file is read (layer files are small: ``headers_only`` changes nothing)."""
         n, pp = source.tp, source.pp
         names = [str(f) for f in source.files[:pp * n]]
-        shards = [self.open(source, options, i) for i in range(pp * n)]
+        shards = [self.opened(source, options, i) for i in range(pp * n)]
         module_key = _check_rank_files(shards, names, options.module_key)
         _check_degrees(shards, names, shards[0].get("args"), source)
         rows = [SourceStage(index=s, names=[], modules=[]) for s in range(pp)]
         for g, layer in enumerate(source.layer_ids):
             idx = [source.layer_file_index(g, r) for r in range(n)]
             files = [source.files[i] for i in idx]
-            modules = [_layer_dict(self.open(source, options, i), str(f)) for i, f in zip(idx, files)]
+            modules = [_layer_dict(self.opened(source, options, i), str(f)) for i, f in zip(idx, files)]
             check_same_keys(modules, [str(f) for f in files])
             role = layer_role(modules[0])
             prefix, renamed = LAYER_NAMES[role]

@@ -38,6 +38,7 @@ from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, 
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of
+from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state, read_config
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
@@ -254,7 +255,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
-    args = target_state(plan, 0).get("args")
+    args = with_flags(target_state(plan, 0).get("args"), plan.options, "--to hf")
     return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32,
                                widths.get("dense"), widths.get("expert"), widths.get("shared"))
 

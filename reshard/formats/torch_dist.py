@@ -102,7 +102,9 @@ class TorchDistFormat(CheckpointFormat):
     title = "torch_dist"
     priority = 5  # before Megatron-LM's per-rank layout: both use latest_checkpointed_iteration.txt
     patterns = (re.compile(r"(^|/)__\d+_\d+\.distcp$"), re.compile(r"(^|/)common\.pt$"))
-    markers = (re.compile(r"(^|/)\.metadata$"), re.compile(r"(^|/)metadata\.json$"))
+    #: ``run_config.yaml``: Megatron-Bridge's description of the model (:mod:`reshard.models.given_facts`)
+    markers = (re.compile(r"(^|/)\.metadata$"), re.compile(r"(^|/)metadata\.json$"),
+               re.compile(r"(^|/)run_config\.yaml$"))
     writes_as = MEGATRON
 
     def detect(self, folder: Path) -> bool:

@@ -461,7 +461,13 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
         raise refuse("args.qk_layernorm contradicts the query/key layer norms the tensors hold")
     if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
         raise refuse("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
-    norm = _arg(args, "normalization", default="LayerNorm")  # Megatron-LM's default
+    norm = _arg(args, "normalization")
+    if norm is None:  # Megatron-LM's default is LayerNorm, which no SwiGLU, MoE or Qwen3 export has: ask
+        if facts.swiglu or qk_norm or has(r"\.mlp\.router\.weight$"):
+            raise LayoutError("the normalization is unknown: the checkpoint's args do not record it",
+                              culprit="--to hf", hint="give --normalization RMSNorm (or LayerNorm), or the model's "
+                                                      "config.json with --model-config")
+        norm = "LayerNorm"
     if norm == "LayerNorm" and has(r"\.mlp\.router\.weight$"):
         raise refuse("a mixture-of-experts model with LayerNorm (Mixtral and Qwen2-MoE use RMSNorm)")
     if norm == "LayerNorm":

@@ -79,10 +79,19 @@ class HFModel:
     facts: ModelFacts
 
 
+#: ``model_type`` -> the causal-LM architecture, for a ``config.json`` without ``architectures`` (what
+#: ``PretrainedConfig.save_pretrained`` writes; transformers' own Auto classes go by ``model_type``).
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                              "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
 def read_config(config: Mapping[str, Any], where: str) -> HFModel:
     """The megatron-core model a Hugging Face ``config.json`` describes (see the module table);
     :class:`LayoutError` naming the first thing megatron-core does not compute exactly."""
     archs = config.get("architectures") or []
+    if not archs and config.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:  # saved from a config class alone
+        archs = [ARCHITECTURE_OF_MODEL_TYPE[config["model_type"]]]
     arch = archs[0] if len(archs) == 1 else None
     if arch not in NAME_TABLES:
         raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,

@@ -1,0 +1,170 @@
+"""Model facts a checkpoint does not save, given another way, as the Megatron-LM ``args`` the
+planner, the exports and the outputs read.
+
+torch_dist written by mbridge or Megatron-Bridge carries no Megatron-LM ``args`` (``common.pt``
+holds the iteration, if anything). Their architecture is elsewhere: the model's Hugging Face
+``config.json`` (what mbridge builds the model from; ``--model-config``), Megatron-Bridge's
+``run_config.yaml`` in the iteration folder (its ``model`` section: megatron-core's
+``TransformerConfig`` field names), and the flags. Each becomes an ``args`` namespace; together
+they fill in what the saved ``args`` lack, in this order of precedence: flags, ``--model-config``,
+``run_config.yaml``. A given fact that contradicts a saved one is refused, never overridden.
+
+Layout fields (parallel degrees, the checkpoint format, the transformer implementation) are the
+checkpoint's own and are never taken from a model description.
+
+================================================  ==============================================
+Megatron-Bridge ``model`` field                   Megatron-LM ``args``
+================================================  ==============================================
+``layernorm_epsilon``                             ``norm_epsilon``
+``gated_linear_unit``                             ``swiglu``
+``share_embeddings_and_output_weights``           ``untie_embeddings_and_output_weights`` (negated)
+``num_moe_experts``                               ``num_experts``
+every other field of :data:`BRIDGE_SAME`          the same name
+================================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from reshard.core.errors import ConfigError, LayoutError
+
+#: ``run_config.yaml`` beside a Megatron-Bridge checkpoint's files (in its iteration folder).
+RUN_CONFIG = "run_config.yaml"
+#: Megatron-Bridge ``model`` fields under Megatron-LM's own name.
+BRIDGE_SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "kv_channels", "normalization", "add_bias_linear", "add_qkv_bias", "position_embedding_type",
+               "rotary_base", "rotary_percent", "rotary_interleaved", "vocab_size", "make_vocab_size_divisible_by",
+               "seq_length", "max_position_embeddings", "qk_layernorm", "moe_router_topk", "moe_ffn_hidden_size",
+               "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
+               "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_gate",
+               "moe_grouped_gemm", "multi_latent_attention", "apply_layernorm_1p", "layernorm_zero_centered_gamma")
+#: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map).
+BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
+    "layernorm_epsilon": ("norm_epsilon", float),
+    "gated_linear_unit": ("swiglu", bool),
+    "share_embeddings_and_output_weights": ("untie_embeddings_and_output_weights", lambda v: not v),
+    "num_moe_experts": ("num_experts", int),
+}
+#: ``args`` of the checkpoint's layout, never taken from a model description.
+LAYOUT_ARGS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                         "expert_tensor_parallel_size", "ckpt_format", "transformer_impl", "use_legacy_models",
+                         "padded_vocab_size", "params_dtype", "bf16", "fp16"})
+#: The layout fields an output's ``args`` describe (the engine sets them: see ``retarget_args``).
+OUTPUT_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size",
+                      "ckpt_format")
+#: Option fields that are model facts kept in ``args`` (flag -> args name).
+FLAG_ARGS = {"normalization": "normalization", "position_embedding_type": "position_embedding_type",
+             "rotary_base": "rotary_base", "norm_epsilon": "norm_epsilon"}
+
+
+def from_hf_config(config: Mapping[str, Any], where: str) -> argparse.Namespace:
+    """The model facts of a Hugging Face ``config.json`` (any architecture reshard imports)."""
+    from reshard.models.hf_import import read_config
+
+    args = read_config(config, where).args
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in LAYOUT_ARGS})
+
+
+def from_run_config(path: Path) -> argparse.Namespace | None:
+    """The model facts of Megatron-Bridge's ``run_config.yaml`` (its ``model`` section); None when
+    it has none. Read with a safe YAML loader (plain data, no tags run)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read it as YAML ({str(exc).splitlines()[0][:160]})", culprit=str(path),
+                          hint="re-copy it, or move it away and give the facts with --model-config") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        return None
+    out: dict[str, Any] = {k: model[k] for k in BRIDGE_SAME if model.get(k) is not None}
+    for field, (name, convert) in BRIDGE_RENAMED.items():
+        if model.get(field) is not None:
+            out[name] = convert(model[field])
+    if "num_attention_heads" in out and "num_query_groups" in out:
+        out["group_query_attention"] = out["num_query_groups"] != out["num_attention_heads"]
+    return argparse.Namespace(**out)
+
+
+def with_flags(args: Any, options: Any, where: str) -> Any:
+    """``args`` supplemented by the flags alone (what an export decides from, when the checkpoint
+    saved no args and no model description was given)."""
+    return supplement(args, [(from_flags(options), "the flags")], where)
+
+
+def from_flags(options: Any) -> argparse.Namespace:
+    """The model facts given as flags that live in ``args`` (the planner reads the others itself)."""
+    return argparse.Namespace(**{name: getattr(options, flag) for flag, name in FLAG_ARGS.items()
+                                 if getattr(options, flag, None) is not None})
+
+
+def supplement(saved: Any, given: list[tuple[argparse.Namespace, str]], where: str) -> Any:
+    """``saved`` args (or None) with what they lack taken from ``given`` ((facts, where they come
+    from), first wins); a given fact that differs from a saved one is refused, naming both."""
+    if not any(vars(facts) for facts, _ in given):
+        return saved
+    # args made from given facts alone hold the layout fields the engine sets for the output
+    merged = copy.copy(saved) if saved is not None else argparse.Namespace(**dict.fromkeys(OUTPUT_LAYOUT_ARGS))
+    taken: dict[str, str] = {}
+    for facts, origin in given:
+        for name, value in vars(facts).items():
+            have = getattr(merged, name, None)
+            if have is None:
+                setattr(merged, name, value)
+                taken[name] = origin
+            elif not _same(have, value) and name not in taken:
+                raise LayoutError(f"{name}={value!r} from {origin} contradicts the checkpoint's saved args "
+                                  f"({have!r})", culprit=where,
+                                  hint=f"correct it in {origin}, or drop it: the saved args describe the weights")
+    return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return False
+    return bool(a == b)
+
+
+def given_args(state: dict[str, Any], options: Any, path: Path) -> dict[str, Any]:
+    """``state`` (one opened checkpoint file) with its ``args`` supplemented by the flags,
+    ``--model-config`` and a ``run_config.yaml`` beside ``path``; unchanged when none gives any."""
+    described: list[tuple[argparse.Namespace, str]] = []
+    if getattr(options, "hf_model_config", None):
+        described.append((from_hf_config(options.hf_model_config, "--model-config"), "--model-config"))
+    run_config = run_config_beside(path)
+    if run_config is not None:
+        stat = run_config.stat()
+        facts = _run_config_facts(str(run_config), stat.st_mtime_ns, stat.st_size)
+        if facts is not None:
+            described.append((facts, str(run_config)))
+    if state.get("args") is None and not described:
+        return state  # flags alone never invent args for the outputs (an export reads them: with_flags)
+    args = supplement(state.get("args"), [(from_flags(options), "the flags"), *described], str(path))
+    if args is state.get("args"):
+        return state
+    return {**state, "args": args}
+
+
+@functools.lru_cache(maxsize=16)
+def _run_config_facts(path: str, mtime_ns: int, size: int) -> argparse.Namespace | None:
+    """:func:`from_run_config`, read once per version of the file (a plan opens every source file)."""
+    return from_run_config(Path(path))
+
+
+def run_config_beside(path: Path) -> Path | None:
+    """Megatron-Bridge's ``run_config.yaml`` in the folder of a checkpoint file, or the one above
+    (a torch_dist file or a per-rank folder's file)."""
+    for folder in (path.parent, path.parent.parent):
+        if (folder / RUN_CONFIG).is_file():
+            return folder / RUN_CONFIG
+    return None
