@@ -4,6 +4,7 @@
     python bench/bench_reshard.py                 # full run (~6-9 minutes on 2 cores)
     python bench/bench_reshard.py --quick         # smoke test of the benchmark itself (tiny model)
     python bench/bench_reshard.py --cold          # drop the page cache before every run (needs root)
+    python bench/bench_reshard.py --busy 6        # contention: 6 busy processes beside every run
 
 Not part of the tests. Every measured command runs as its own process; wall time is measured
 around it and peak RSS is its ``ru_maxrss`` from ``wait4`` — the number GNU ``time -v`` prints
@@ -35,6 +36,8 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
+
+from contention import busy, load_note
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -195,7 +198,8 @@ class Bench:
         dst = run_dir / "out"
         cmd, env = self.command(method, src, dst, run_dir)
         self.prepare(src)
-        r = measure(cmd, self.logfile, env)
+        with busy(self.ns.busy):  # the same load beside every method (none by default)
+            r = measure(cmd, self.logfile, env)
         if r["rc"]:
             tail = self.logfile.read_text()[-3000:]
             sys.exit(f"{method} failed (exit {r['rc']}):\n{tail}")
@@ -277,6 +281,7 @@ def report(ns: argparse.Namespace, res: dict[str, Any]) -> str:
     floor_w, ds_w = med(main_[FLOOR], "wall"), med(main_.get(DS, main_[FLOOR]), "wall")
     loads = [r["load1"] for rs in main_.values() for r in rs if "load1" in r]
     lines = [f"Source: {res['source_gb']:.2f} GB, {res['layers']} layers, fp16, TP 8 -> {TARGET_TP}; "
+             f"{load_note(res.get('busy', 0))}; "
              f"{ns.runs} runs each, interleaved, {'cold' if res['cold'] else 'warm'} page cache, "
              f"{ns.settle:g} s pause before each run (memory back with the host); "
              f"median (min–max); user / sys s = CPU time of the command's process tree (sys: mostly the "
@@ -372,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=4.0,
                     help="seconds to wait before each run so memory freed by the previous one is back with "
                          "the host (VM free-page reporting); 0: start at once, as before")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="contention mode: N busy processes (compute and memory traffic) run beside every "
+                         "measured run, started before it and stopped after it (default 0: a quiet machine)")
     ap.add_argument("--skip-flow", action="store_true")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-quant", action="store_true")
@@ -390,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"need ~{3 * src_bytes / 1e9:.1f} GB free under {b.work}, have {free / 1e9:.1f} GB")
         methods = [FLOOR, CP, ENGINE, DIRECT] + ([] if ns.skip_flow else [FLOW, EMPTY_FLOW]) + \
             ([] if ns.skip_deepspeed else [DS])
-        res: dict[str, Any] = {"layers": ns.layers, "source_gb": src_bytes / 1e9, "target_tp": TARGET_TP,
+        res: dict[str, Any] = {"layers": ns.layers, "source_gb": src_bytes / 1e9, "target_tp": TARGET_TP, "busy": ns.busy,
                                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
         res["main"] = b.series(src, methods, ns.runs, check_identical=not ns.skip_flow)
         if ns.deep_layers:

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contention import busy, load_note
+
 HERE = Path(__file__).resolve().parent
 FLOOR = [sys.executable, "-c", """
 import sys, torch  # the floor pays the same interpreter + torch start-up
@@ -150,6 +152,8 @@ def parse_bench_args(argv: list[str], description: str) -> tuple[argparse.Namesp
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--settle", type=float, default=SETTLE, help="seconds to pause before each run (0: none)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="contention mode: N busy processes beside every measured run (see contention.py)")
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ns = ap.parse_args(argv)
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 settle(ns.settle)
                 log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
                 cmd = [c.replace("{out}", str(out)) for c in cmd] + ([str(out)] if "floor" in name else [])
-                runs[name].append(measure(cmd))
+                with busy(ns.busy):  # the same load beside every method (none by default)
+                    runs[name].append(measure(cmd))
         shutil.rmtree(work / "run_out", ignore_errors=True)
         results[f"layers={layers}"] = {
             "source GB": round(size(src) / 1e9, 2), "torch_dist GB": round(size(dist) / 1e9, 2),
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                    "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}}
         shutil.rmtree(dist, ignore_errors=True)
     base = results[f"layers={ns.layers}"]
-    lines = [f"{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
+    lines = [load_note(ns.busy), f"{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
     for name, rec in base.items():
         if not isinstance(rec, dict):
             continue
