@@ -433,10 +433,14 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from reshard.flows.server import prefect_environment
+    import os
+
+    from reshard.flows.server import prefect_environment, server_database
     from reshard.storage.cache import ShardCache
 
     prefect_environment(ShardCache().root)
+    # this process is the command: Prefect's own temporary server (no PREFECT_API_URL) starts from it
+    os.environ.update(server_database(ShardCache().root))
     from reshard.deploy import serve
 
     serve(ns.file, ns.names or None, limit=ns.limit)

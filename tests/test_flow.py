@@ -40,7 +40,9 @@ def test_flow_output_equals_direct_and_rerun_is_all_cached(sample_factory, tmp_p
     before = (manifest.read_bytes(), manifest.stat().st_mtime_ns)
     second = run_flow(_params(src, tmp_path / "flow", tmp_path, target_tp=2))
     assert second["up_to_date"] and second["conversion_id"] == first["conversion_id"]
-    states = task_states(second["flow_run_id"])
+    # task runs reach the server as events a little after the flow returns: wait for every one
+    states = task_states(second["flow_run_id"], expect={"fetch-shard": 8, "check-shard": 8, "convert-target": 2,
+                                                        "upload-target": 2})
     for name in ("fetch-shard", "check-shard", "convert-target", "upload-target"):
         assert states[name] and set(states[name]) == {"Cached"}, (name, states)
     assert len(states["fetch-shard"]) == 8 and len(states["convert-target"]) == 2

@@ -29,9 +29,21 @@ def foreign_home(tmp_path_factory) -> Path:
     env["PREFECT_HOME"] = str(home / ".prefect")
     subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env, check=True,
                    capture_output=True, timeout=300)
-    with sqlite3.connect(home / ".prefect" / "prefect.db") as db:
-        db.execute("UPDATE alembic_version SET version_num = ?", (FOREIGN_REVISION,))
+    _set_revision(home / ".prefect" / "prefect.db")
     return home
+
+
+def _set_revision(path: Path) -> None:
+    """Stamp the database with :data:`FOREIGN_REVISION`, as the other Prefect's migration would, and
+    close it: Prefect's databases are in WAL mode, and the last connection's close moves the change
+    into the file itself (an open one would do it later, in the middle of the test)."""
+    db = sqlite3.connect(path)
+    try:
+        with db:
+            db.execute("UPDATE alembic_version SET version_num = ?", (FOREIGN_REVISION,))
+    finally:
+        db.close()
+    assert not Path(f"{path}-wal").exists() or Path(f"{path}-wal").stat().st_size == 0
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -42,8 +54,11 @@ def _env(home: Path) -> dict[str, str]:
 
 
 def _revision(home: Path) -> str:
-    with sqlite3.connect(home / ".prefect" / "prefect.db") as db:
+    db = sqlite3.connect(home / ".prefect" / "prefect.db")
+    try:
         return db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+    finally:
+        db.close()
 
 
 def test_make_demo_works_beside_another_prefects_database(foreign_home, tmp_path):
@@ -96,8 +111,7 @@ def test_reshards_own_database_left_by_a_newer_prefect_is_named_with_its_fix(tmp
     assert subprocess.run([sys.executable, "-m", "reshard.flows.server", "upgrade"], env=env,
                           capture_output=True, timeout=300).returncode == 0
     own = home / ".cache" / "reshard" / "prefect" / "prefect.db"
-    with sqlite3.connect(own) as db:
-        db.execute("UPDATE alembic_version SET version_num = ?", (FOREIGN_REVISION,))
+    _set_revision(own)
     res = subprocess.run([sys.executable, "-m", "reshard.flows.server", "upgrade"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr

@@ -56,7 +56,7 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
     # the embedded server (no PREFECT_API_URL): started here unless the CLI started it already,
     # settled with (every task run recorded) and stopped when the run is over, and made to die
     # with this process
-    embedded = _EmbeddedServer.attach(server)
+    embedded = _EmbeddedServer.attach(server, ShardCache(params.cache_dir).root)
     unsubscribe = progress.subscribe(done_only) if on_target_done else (lambda: None)
     interrupted = False  # Ctrl-C: the server is stopping too, nothing to settle with
     with embedded.settings() if embedded is not None else contextlib.nullcontext():
@@ -210,7 +210,7 @@ class _EmbeddedServer:
         self.ledger: _TaskRunLedger | None = None  # set by note_events
 
     @classmethod
-    def attach(cls, server: Any = None) -> "_EmbeddedServer | None":
+    def attach(cls, server: Any = None, cache_root: Any = None) -> "_EmbeddedServer | None":
         """Use ``server`` (started early by the CLI), or start one; note the task-run events this
         process sends it. None when a configured server (``PREFECT_API_URL``) is used."""
         from prefect.settings import PREFECT_API_URL
@@ -222,7 +222,7 @@ class _EmbeddedServer:
                 server.stop()
             return None
         if server is None:
-            server = EmbeddedServer()
+            server = EmbeddedServer(cache_root)
         from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
         server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))

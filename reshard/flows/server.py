@@ -50,10 +50,9 @@ STOP_GRACE_SECONDS = 5.0
 #: them set, the database is theirs (Prefect's default under their ``PREFECT_HOME``, or their URL).
 USER_STATE_SETTINGS = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
                        "PREFECT_API_DATABASE_CONNECTION_URL")
-#: The database setting reshard sets for its own state (the server inherits it).
+#: The database setting reshard gives the servers it starts (never this process's environment: a
+#: child process would take it for the user's choice).
 DATABASE_SETTING = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
-#: Values of :data:`DATABASE_SETTING` this process set itself (not a user's choice).
-_OWN_URLS: set[str] = set()
 
 
 def own_database(cache_root: Path) -> Path:
@@ -62,40 +61,41 @@ def own_database(cache_root: Path) -> Path:
     return cache_root / "prefect" / "prefect.db"
 
 
+def server_database(cache_root: Path) -> dict[str, str]:
+    """The environment a Prefect server reshard starts needs on top of this process's: reshard's
+    own database, unless the user chose their Prefect state (then nothing)."""
+    if any(os.environ.get(name) for name in USER_STATE_SETTINGS):
+        return {}
+    db = own_database(cache_root)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}"}
+
+
 def prefect_environment(cache_root: Path) -> None:
-    """Defaults for running offline on a small machine, and reshard's own database unless the user
-    chose their Prefect state; an explicit setting always wins."""
+    """Defaults for running offline on a small machine; an explicit setting always wins."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(cache_root / "prefect-results"))
-    if os.environ.get(DATABASE_SETTING) in _OWN_URLS:
-        os.environ.pop(DATABASE_SETTING)  # set by an earlier run of this process, maybe for another cache
-    if not any(os.environ.get(name) for name in USER_STATE_SETTINGS):
-        db = own_database(cache_root)
-        db.parent.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite+aiosqlite:///{db}"
-        _OWN_URLS.add(url)
-        os.environ[DATABASE_SETTING] = url
 
 
-def database_in_use() -> str:
-    """The database a Prefect server started now would open, as a user would name it: the SQLite
-    file, or the configured URL without its password."""
-    url = os.environ.get(DATABASE_SETTING) or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+def database_in_use(env: dict[str, str]) -> str:
+    """The database a Prefect server started with ``env`` opens, as a user would name it: the
+    SQLite file, or the configured URL without its password."""
+    url = env.get(DATABASE_SETTING) or env.get("PREFECT_API_DATABASE_CONNECTION_URL")
     if url:
         return url.split(":///", 1)[1] if url.startswith("sqlite") and ":///" in url else re.sub(r":[^:@/]*@", ":***@", url)
-    home = os.environ.get("PREFECT_HOME") or str(Path.home() / ".prefect")
+    home = env.get("PREFECT_HOME") or str(Path.home() / ".prefect")
     return str(Path(home) / "prefect.db")
 
 
-def database_error(stderr: str, status: int | None) -> PrefectServerError:
-    """What a Prefect process that died opening its database printed, as one line naming the
-    database and the fix (the alembic traceback itself is not shown)."""
+def database_error(stderr: str, status: int | None, env: dict[str, str], own: bool) -> PrefectServerError:
+    """What a Prefect process (started with ``env``; ``own``: on reshard's own database) that died
+    opening its database printed, as one line naming the database and the fix (the alembic
+    traceback itself is not shown)."""
     from importlib.metadata import version
 
-    db = database_in_use()
-    own = os.environ.get(DATABASE_SETTING) in _OWN_URLS
+    db = database_in_use(env)
     unknown = re.search(r"Can't locate revision identified by '(\w+)'", stderr)
     if unknown:
         fix = ("delete it (it holds only reshard's run history)" if own else
@@ -116,11 +116,13 @@ def upgrade_database(cache_root: Path) -> int:
     """Migrate the database the embedded server will use (what ``make install`` runs once, so the
     first conversion's server starts quickly): 0, or one line on stderr and 2."""
     prefect_environment(cache_root)
+    own = server_database(cache_root)
+    env = dict(os.environ, **own)
     done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        print(f"reshard: error: {database_error(done.stderr + done.stdout, done.returncode).one_line()}",
-              file=sys.stderr)
+        err = database_error(done.stderr + done.stdout, done.returncode, env, own=bool(own))
+        print(f"reshard: error: {err.one_line()}", file=sys.stderr)
         return 2
     return 0
 
@@ -129,7 +131,7 @@ def start_embedded(cache_root: Path) -> "EmbeddedServer":
     """The environment's defaults set (the server inherits them), the server spawned: it comes up
     while the caller goes on (see :meth:`EmbeddedServer.wait_ready`)."""
     prefect_environment(cache_root)
-    return EmbeddedServer()
+    return EmbeddedServer(cache_root)
 
 
 def _prefect_dir() -> str:
@@ -150,7 +152,8 @@ class EmbeddedServer:
     """One Prefect API server subprocess on 127.0.0.1 (SQLite under ``PREFECT_HOME``, as Prefect's
     own temporary server) that stops itself once this process is gone."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_root: Path) -> None:
+        self.database = server_database(cache_root)  # reshard's own, unless the user chose theirs
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         # what the server prints goes here, not to the user's terminal: read back when it fails to start
@@ -162,7 +165,8 @@ class EmbeddedServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _spawn(self) -> None:
-        env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1")
+        env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
+                   **self.database)
         env.pop("PREFECT_API_URL", None)
         # the pipe exists before the child does: there is no moment at which this process could
         # die and leave a server that does not know whom it serves
@@ -177,7 +181,8 @@ class EmbeddedServer:
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 if self.proc.returncode != PORT_TAKEN:
-                    raise database_error(self._printed(), self.proc.returncode)
+                    raise database_error(self._printed(), self.proc.returncode, dict(os.environ, **self.database),
+                                         own=bool(self.database))
                 self.port = _free_port()
                 self._spawn()
             with contextlib.suppress(urllib.error.URLError, OSError):  # not up yet
@@ -187,7 +192,7 @@ class EmbeddedServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise PrefectServerError(f"Prefect's server did not start within {timeout:.0f} s",
-                                         culprit=database_in_use(),
+                                         culprit=database_in_use(dict(os.environ, **self.database)),
                                          hint="raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a busy machine")
             time.sleep(0.05)
 
