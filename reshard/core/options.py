@@ -68,7 +68,7 @@ def parse_size(value: Any, flag: str) -> int:
 
 def flag_of(field: str) -> str:
     """The CLI flag of an option field (``target_tp`` -> ``--target-tp``; a field may name its own)."""
-    info = ReshardOptions.model_fields.get(field) if "ReshardOptions" in globals() else None
+    info = ReshardOptions.model_fields.get(field)  # called once the class exists, never while it is built
     extra = info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {}
     return str(extra.get("flag") or "--" + field.replace("_", "-"))
 
