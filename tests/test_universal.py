@@ -1,5 +1,5 @@
-"""``--to universal``: DeepSpeed universal checkpoints written from ZeRO stage 1/2 checkpoints saved by
-DeepSpeed's own engine (``tests/zero_engine.py``), equal file by file to DeepSpeed's
+"""``--to universal``: DeepSpeed universal checkpoints written from ZeRO stage 1, 2 and 3 checkpoints saved
+by DeepSpeed's own engine (``tests/zero_engine.py``), equal file by file to DeepSpeed's
 ``ds_to_universal.py``; an engine started with ``checkpoint.load_universal`` at another data-parallel
 size (and at TP 1 from a TP 2 source) resumes from reshard's output exactly as from DeepSpeed's."""
 
@@ -83,6 +83,30 @@ def test_universal_equals_ds_to_universal(zero_checkpoint, config, tmp_path):
     assert all(ms[k] == src[k] for k in ("global_steps", "dp_world_size", "ds_version", "checkpoint_version"))
 
 
+#: ZeRO stage 3 (TP 1): fp32 at DP 2, bf16 at DP 3 (parameters not divisible by 3: padded shares),
+#: and with the 16-bit weights gathered for save_16bit_model (the model states stay placeholders).
+ZERO3_CONFIGS = [(3, "fp32", 2), (3, "bf16", 3), (3, "bf16-gather", 2)]
+
+
+@pytest.mark.parametrize("config", ZERO3_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_zero3_universal_equals_ds_to_universal(zero_checkpoint, config, tmp_path):
+    """ZeRO-3: the files DeepSpeed's ds_to_universal writes for stage 3, equal as loaded (flat whole
+    tensors of the trained parameters, no step files, rank 0's optimizer state with the groups, the
+    model-states files carried), and no others."""
+    step = zero_checkpoint(*config)
+    assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--to", "universal"]) == 0
+    got, want = tmp_path / "got", _ds_to_universal(step, tmp_path / "want")
+    files = _files(want)
+    assert _files(got) - {"reshard_manifest.json"} == files
+    for f in sorted(files - {"latest_universal"}):
+        _same(torch.load(got / f, weights_only=False), torch.load(want / f, weights_only=False), f)
+    assert (got / "latest_universal").read_text() == ZERO_TAG
+    zero = got / ZERO_TAG / "zero"
+    assert not (zero / "position_embeddings.weight").exists()  # frozen: DeepSpeed's ZeRO-3 output has none
+    qkv = torch.load(zero / "transformer.layers.0.attention.query_key_value.weight" / "fp32.pt")
+    assert qkv.shape == (3 * 64 * 64,) and not list(zero.glob("*/step.pt"))
+
+
 def _resumed(path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=False)
 
@@ -105,10 +129,33 @@ def test_an_engine_resumes_from_it_as_from_deepspeeds_own(zero_checkpoint, confi
     params = got["params"]
     assert all(not torch.equal(p["exp_avg"], p["exp_avg_sq"]) for p in params.values())
     if len(config) == 3:  # TP 1: the weights are the source's master weights
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        _master_weights_of(step, params)
 
-        ref = get_fp32_state_dict_from_zero_checkpoint(str(step.parent), tag=step.name)
-        assert all(torch.equal(params[k]["fp32"], ref[k]) for k in params)
+
+def _master_weights_of(step: Path, params: dict[str, Any]) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(step.parent), tag=step.name)
+    assert all(torch.equal(params[k]["fp32"], ref[k]) for k in params)
+
+
+@pytest.mark.parametrize("config, resume_dp", [((3, "fp32", 2), 3), ((3, "bf16", 3), 2)],
+                         ids=["dp2-to-dp3", "dp3-to-dp2"])
+def test_a_zero3_engine_resumes_from_it_as_from_deepspeeds_own(zero_checkpoint, config, resume_dp, tmp_path):
+    """A ZeRO-3 engine (``checkpoint.load_universal``) at another DP size loads reshard's output to
+    the same fp32 weights (the source's master weights), Adam moments, step and settings as
+    DeepSpeed's own output."""
+    stage, dtype = config[0], config[1]
+    step = zero_checkpoint(*config)
+    assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--to", "universal"]) == 0
+    want_dir = _ds_to_universal(step, tmp_path / "want")
+    got = _resumed(run_zero_engine(tmp_path / "got.pt", stage, dtype, resume_dp, 1, resume=tmp_path / "got"))
+    want = _resumed(run_zero_engine(tmp_path / "want.pt", stage, dtype, resume_dp, 1, resume=want_dir))
+    _same(got, want, "resumed")
+    assert [float(s) for s in got["steps"]] == [2.0, 2.0]
+    assert got["groups"][0]["weight_decay"] == 0.1  # from the checkpoint (the engine says 0.5)
+    assert all(not torch.equal(p["exp_avg"], p["exp_avg_sq"]) for p in got["params"].values())
+    _master_weights_of(step, got["params"])
 
 
 def test_bf16_optimizer_master_weights_equal_ds_to_universal(zero_checkpoint, tmp_path):
@@ -199,7 +246,10 @@ def _refused(capsys, src: Path, out: Path, needle: str, *extra: str) -> None:
 
 def test_what_cannot_be_written_as_universal_is_refused_in_one_line(zero_checkpoint, sample_factory, tmp_path, capsys):
     good = zero_checkpoint(2, "bf16", 3)
-    _refused(capsys, zero_checkpoint(3, "bf16", 2), tmp_path / "o1", "not from a ZeRO stage 3 checkpoint")
+    autotp = shutil.copytree(zero_checkpoint(3, "bf16", 3), tmp_path / "autotp")
+    for f in list(autotp.glob("*mp_rank_00_*.pt")):  # a second TP rank's files (an AutoTP run's grid)
+        shutil.copy(f, f.with_name(f.name.replace("mp_rank_00", "mp_rank_01")))
+    _refused(capsys, autotp, tmp_path / "o1", "DeepSpeed AutoTP")
     _refused(capsys, good, tmp_path / "o2", "drop --weights", "--weights", "master")
     _refused(capsys, sample_factory(2), tmp_path / "o3", "no ZeRO optimizer files")
     bad = shutil.copytree(good, tmp_path / "missing")
@@ -210,7 +260,8 @@ def test_what_cannot_be_written_as_universal_is_refused_in_one_line(zero_checkpo
     _refused(capsys, good, tmp_path / "o7", "cut wrongly", "--version", "0")
 
 
-def test_the_flow_writes_it_from_s3(zero_checkpoint, tmp_path, request, monkeypatch):
+@pytest.mark.parametrize("config", [(2, "bf16", 2, 2), (3, "bf16", 3)], ids=["zero2-tp2", "zero3"])
+def test_the_flow_writes_it_from_s3(zero_checkpoint, config, tmp_path, request, monkeypatch):
     """The Prefect flow from object storage: the optimizer files are fetched (only) because the output
     needs them, and the result equals ``--direct``'s file for file."""
     request.getfixturevalue("prefect_env")
@@ -220,9 +271,9 @@ def test_the_flow_writes_it_from_s3(zero_checkpoint, tmp_path, request, monkeypa
     from reshard.flows.runner import run_flow
     from reshard.storage.source_view import discover
 
-    step = zero_checkpoint(2, "bf16", 2, 2)
+    step = zero_checkpoint(*config)
     source, so = upload_to_s3(step, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),
-                              monkeypatch, prefix="uc")
+                              monkeypatch, prefix=f"uc{config[0]}")
     listed = {o.name for o in discover(source, so, ReshardOptions(to="universal")).objects}
     assert listed == {p.name for p in step.iterdir()}  # model states and optimizer files
     run_flow(ReshardParams(source=source, destination=str(tmp_path / "flow"), to="universal", storage_options=so,

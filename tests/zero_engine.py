@@ -164,7 +164,10 @@ if RESUME:  # the groups' settings (weight decay 0.5 above) must come from the c
              for name, p in model.named_parameters() if p.requires_grad}
     inner = engine.optimizer.optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    steps = [inner.state[g["params"][0]].get("step") for g in inner.param_groups]
+    if int(stage) == 3:  # keyed by the flat fp32 partitions (its universal loader empties the groups' params)
+        steps = [inner.state[t].get("step") for t in engine.optimizer.fp32_partitioned_groups_flat]
+    else:
+        steps = [inner.state[g["params"][0]].get("step") for g in inner.param_groups]
     if int(rank) == 0:
         torch.save({"params": state, "groups": groups, "steps": steps}, out)
     torch.distributed.barrier()

@@ -624,20 +624,21 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     shards = _load_sources(plan, tgt)
     pages = PageDropper(plan.source.files[i] for i in plan.targets[tgt].sources)
     sd = _target_layout(plan, tgt, shards, device, pages)
-    pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(sd) else None
+    fmt = get_format(plan.output_format)
+    obj = fmt.prepare(plan, tgt, sd)
+    pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(obj) else None
     # quantizing is compute: it keeps torch's threads
     threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
-    fmt = get_format(plan.output_format)
     streaming = {} if stream is None else {"stream": stream}
     if stream is not None and not fmt.writes_streams():
         raise WriterError(f"the {fmt.name} format's writer takes no stream")
     try:
         with threads:
-            stats = fmt.write(fmt.prepare(plan, tgt, sd), out_path, pickle_module=pickle_module, sha256=sha256,
-                              on_bytes=on_bytes, **streaming)
+            stats = fmt.write(obj, out_path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes,
+                              **streaming)
     except BaseException:
         _local.scratch = None  # buffers a failed writer never gave back: the next target starts afresh
         raise
-    del sd, shards
+    del sd, obj, shards
     return TargetResult(tgt, str(out_path), stats.size, plan.targets[tgt].sources,
                         time.perf_counter() - t0, stats.sha256)

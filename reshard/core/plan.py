@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +61,8 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     fmt = get_format(source.format)  # reads the files
     out_fmt = output_format(source, options)  # names and writes the outputs
     out_fmt.check_source(source, options)
+    if (weights := out_fmt.read_weights(source, options)) != options.weights:
+        options = options.model_copy(update={"weights": weights})
     read = fmt.read(source, options, headers_only=headers_only)
     source = read.source or source  # rows read as the saved args say (stages or expert-parallel ranks)
     tpp = (source.pp if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
@@ -91,7 +93,11 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
         held = {w: _held(fmt, source, options, w, read.module_key) for w in out_fmt.weight_sets(options)}
         targets = split_files(targets[0], source, options, degrees, tpp, out_fmt.name,
                               held or {options.weights: None})
-    dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES and k not in out_fmt.keeps}
+        targets += tuple(replace(target_plan(0, 0, [], source, options, degrees, tpp, out_fmt.name, name=name,
+                                             rank=len(targets) + i), bytes_written=size)
+                         for i, (name, size) in enumerate(out_fmt.object_targets(source, options).items()))
+    kept = out_fmt.kept_entries(source)
+    dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES and k not in kept}
     ds_config = read.shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
     facts = d.model_facts(tied, tuple(d.layers_per_stage), tuple(target_layers))

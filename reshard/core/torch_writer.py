@@ -212,6 +212,11 @@ def first_rows(t: PendingTensor, rows: int) -> PendingTensor:
     return PendingTensor((rows, *t.shape[1:]), t.dtype, produce, t.requires_grad, t.name)
 
 
+def flat(t: PendingTensor) -> PendingTensor:
+    """``t`` as one dimension (its bytes unchanged: a contiguous tensor's elements in order)."""
+    return PendingTensor((t.numel,), t.dtype, t.produce, t.requires_grad, t.name)
+
+
 class _PrefixSink(RecordSink):
     """Passes on the first ``limit`` bytes written to it, drops the rest."""
 

@@ -376,6 +376,12 @@ def _cut(pieces: list[tuple[torch.Tensor, int, int]], numel: int) -> list[tuple[
     return out or [(pieces[0][0], 0, 0)]
 
 
+def optimizer_state(path: Path) -> dict[str, Any]:
+    """The ``optimizer_state_dict`` of one ZeRO optimizer file (kept loaded, see
+    :func:`_optimizer_state`; the caller must not change it)."""
+    return _optimizer_state(path)
+
+
 def _optimizer_state(path: Path) -> dict[str, Any]:
     """The ``optimizer_state_dict`` of one ZeRO optimizer file, memory-mapped (never written to).
 

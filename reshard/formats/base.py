@@ -209,6 +209,11 @@ class CheckpointFormat(ABC):
     #: training, so it keeps the LR scheduler.
     keeps: ClassVar[frozenset[str]] = frozenset()
 
+    def kept_entries(self, source: SourceCheckpoint) -> frozenset[str]:
+        """The top-level entries of ``source`` this output keeps (:attr:`keeps`; an output that
+        carries a source's files whole keeps everything of them)."""
+        return self.keeps
+
     def check_target(self, target_pp: int) -> None:
         """Refuse a target layout this format cannot write."""
         if target_pp != 1 and not self.writes_pipeline_stages:
@@ -228,6 +233,20 @@ class CheckpointFormat(ABC):
     def check_source(self, source: SourceCheckpoint, options: ReshardOptions) -> None:
         """Refuse, before anything is read, a source this output cannot be written from (a layout
         that needs what only some sources hold: a universal checkpoint, the ZeRO optimizer files)."""
+
+    def read_weights(self, source: SourceCheckpoint, options: ReshardOptions) -> str:
+        """The weights (a ``--weights`` value) the source is read as for this output: those its
+        parameters and its targets without weights of their own come from. Default: ``--weights``
+        (a DeepSpeed universal checkpoint of a ZeRO-3 run reads Adam's first moment: its files hold
+        the trained parameters only, and its module files are placeholders)."""
+        return options.weights
+
+    def object_targets(self, source: SourceCheckpoint, options: ReshardOptions) -> dict[str, int]:
+        """Output files that hold no parameter of the plan but a whole object of the source (a
+        ZeRO-3 run's model-states files, its optimizer's settings), each a target of its own so it
+        is streamed and cached like any other, with the bytes it is expected to take; :meth:`prepare`
+        builds each. Default: none."""
+        return {}
 
     def weight_sets(self, options: ReshardOptions) -> tuple[str, ...]:
         """The weights (``--weights`` values) this output's files are written from, when it holds

@@ -133,9 +133,10 @@ class DeepSpeedZero3Format(CheckpointFormat):
                 f"a DeepSpeed ZeRO stage 3 checkpoint ({first}, ...): its model-states files hold only "
                 f"placeholders, the weights are partitioned over the *_optim_states.pt files of every "
                 f"data-parallel rank", culprit=source.origin,
-                hint="convert the optimizer's fp32 weights with --weights master, consolidate them with the "
-                     "zero_to_fp32.py script DeepSpeed saved beside the checkpoint, or save with "
-                     "stage3_gather_16bit_weights_on_model_save=true and convert that")
+                hint="convert the optimizer's fp32 weights with --weights master (or write a universal "
+                     "checkpoint: --to universal), consolidate them with the zero_to_fp32.py script DeepSpeed "
+                     "saved beside the checkpoint, or save with stage3_gather_16bit_weights_on_model_save=true "
+                     "and convert that")
         path = source.files[index]
         tp_rank = int(ZERO3_MODEL_FILE_RE.match(path.name).group(2))
         states = [self.load(f) for f in _zero3_grid(path.parent)[tp_rank]]

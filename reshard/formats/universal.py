@@ -32,6 +32,17 @@ output layer)               (``universal_checkpoint_info.original_vocab_size``, 
 ==========================  ==================================================================
 
 Frozen parameters have ``fp32.pt`` only (the module copy, upcast), as in DeepSpeed's own output.
+
+From a ZeRO stage 3 checkpoint (TP 1) the output is what ``ds_to_universal`` writes for stage 3,
+which DeepSpeed's ZeRO-3 loader reads: each state file is the whole tensor flattened to one
+dimension (no dict: the loader re-partitions flat elements over its data-parallel ranks), for the
+trained parameters only (``param_shapes``; frozen ones and a tied alias have none), with no
+``step.pt`` (the loader takes the step from the optimizer's settings). ``zero/optimizer_state.pt``
+is data-parallel rank 0's whole ``optimizer_state_dict`` with the base optimizer's
+``param_groups`` beside it, and every ``zero_pp_rank_D_mp_rank_00_model_states.pt`` is carried as
+saved (the engine's metadata and the frozen parameters' fragments); both are targets of their own,
+streamed like the parameters (:meth:`UniversalFormat.object_targets`), since rank 0's optimizer
+state is a data-parallel share of the whole model's.
 """
 
 from __future__ import annotations
@@ -45,10 +56,11 @@ import torch
 
 from reshard.core import foreign
 from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.plan_types import DROPPED_ENTRIES
 from reshard.core.safe_load import load_shard
-from reshard.core.source import DEEPSPEED, DEEPSPEED_ZERO3, SourceCheckpoint, rank_file_name
-from reshard.core.torch_writer import first_rows
-from reshard.core.zero_master import STATES, optim_files, universal_globals
+from reshard.core.source import DEEPSPEED, DEEPSPEED_ZERO3, ZERO3_MODEL_FILE_RE, SourceCheckpoint, rank_file_name
+from reshard.core.torch_writer import first_rows, flat
+from reshard.core.zero_master import OPTIM_STATE, STATES, optim_files, optimizer_state, universal_globals
 from reshard.formats.base import CheckpointFormat
 
 if TYPE_CHECKING:
@@ -77,13 +89,15 @@ class UniversalFormat(CheckpointFormat):
                                     culprit=str(path), hint="convert the DeepSpeed ZeRO checkpoint it was made from")
 
     def check_source(self, source: SourceCheckpoint, options: ReshardOptions) -> None:
-        if source.format != DEEPSPEED:
-            what = "a ZeRO stage 3 checkpoint" if source.format == DEEPSPEED_ZERO3 else \
-                f"a {source.format} checkpoint"
-            raise LayoutError(f"a universal checkpoint is written from a DeepSpeed ZeRO stage 1/2 checkpoint (model "
-                              f"states and optimizer files), not from {what}", culprit="--to universal",
-                              hint="convert a DeepSpeed ZeRO stage 1/2 checkpoint (ZeRO-3: use DeepSpeed's "
-                                   "ds_to_universal.py), or write another format")
+        if source.format not in (DEEPSPEED, DEEPSPEED_ZERO3):
+            raise LayoutError(f"a universal checkpoint is written from a DeepSpeed ZeRO checkpoint (model states and "
+                              f"optimizer files), not from a {source.format} checkpoint", culprit="--to universal",
+                              hint="convert a DeepSpeed ZeRO checkpoint, or write another format")
+        if source.format == DEEPSPEED_ZERO3 and source.tp > 1:
+            raise LayoutError(f"a ZeRO stage 3 checkpoint at {source.tp} tensor-parallel ranks (DeepSpeed AutoTP): "
+                              f"its universal form needs the TP merge patterns only AutoTP's model saves",
+                              culprit="--to universal", hint="use DeepSpeed's ds_to_universal.py for an AutoTP run, "
+                                                             "or convert the fp32 weights with --weights master")
         if options.weights != "module":
             raise LayoutError("a universal checkpoint holds the module, the master weights and Adam's moments "
                               "already", culprit="--weights", hint="drop --weights")
@@ -91,7 +105,27 @@ class UniversalFormat(CheckpointFormat):
             raise LayoutError("a universal checkpoint resumes training: its weights are not quantized",
                               culprit="--quantize", hint="drop --quantize")
 
+    def kept_entries(self, source: SourceCheckpoint) -> frozenset[str]:
+        if source.format == DEEPSPEED_ZERO3:  # its model-states files are carried whole
+            return frozenset(DROPPED_ENTRIES)
+        return self.keeps
+
+    def read_weights(self, source: SourceCheckpoint, options: ReshardOptions) -> str:
+        return "exp_avg" if source.format == DEEPSPEED_ZERO3 else options.weights
+
+    def object_targets(self, source: SourceCheckpoint, options: ReshardOptions) -> dict[str, int]:
+        if source.format != DEEPSPEED_ZERO3:
+            return {}  # (stage 1/2: the optimizer's settings are a side file, the model states a target)
+        tag, folder = _tag(source), source.files[0].parent
+        states = sorted((c for c in folder.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name)),
+                        key=lambda c: tuple(int(g) for g in ZERO3_MODEL_FILE_RE.match(c.name).groups()))
+        optim = optim_files(folder, 0, str(source.files[0]))[0]
+        return {f"{tag}/zero/optimizer_state.pt": optim.stat().st_size,
+                **{f"{tag}/{c.name}": c.stat().st_size for c in states}}
+
     def check_plan(self, plan: Plan) -> None:
+        if plan.source.format == DEEPSPEED_ZERO3:
+            return  # written whole and flat: no row is cut
         for p in plan.params:
             if p.spec is not None and p.spec.parts > 2:
                 raise LayoutError(f"checkpoint_version {plan.version} stores QKV as [3, heads, head_dim] rows, which "
@@ -103,7 +137,8 @@ class UniversalFormat(CheckpointFormat):
         return f"{_tag(source)}/{rank_file_name(0)}"
 
     def weight_sets(self, options: ReshardOptions) -> tuple[str, ...]:
-        return ("module", *STATES)
+        # read as "exp_avg" (a ZeRO-3 source, see read_weights): no module file, the trained parameters
+        return tuple(STATES) if options.weights == "exp_avg" else ("module", *STATES)
 
     def split(self, name: str, keys: Sequence[str], sizes: Sequence[int], options: ReshardOptions,
               weights: str) -> list[tuple[str, int, int]]:
@@ -114,10 +149,14 @@ class UniversalFormat(CheckpointFormat):
 
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
         target = plan.targets[tgt]
-        if target.weights is None:
+        if not target.params:
+            return _whole_object(plan, target.name)
+        if target.weights is None and plan.options.weights == "module":
             return sd  # the model states file
         (entry,) = target.params
         value = sd[plan.module_key][entry.out_key]
+        if plan.source.format == DEEPSPEED_ZERO3:
+            return flat(value)
         p = entry.param
         rec: dict[str, Any] = {}
         if p.spec is not None:
@@ -136,6 +175,8 @@ class UniversalFormat(CheckpointFormat):
         src = plan.source
         model_states = load_shard(src.files[0])
         tag = _tag_of(model_states, src)
+        if src.format == DEEPSPEED_ZERO3:
+            return {LATEST_UNIVERSAL: tag}  # (the optimizer's settings: a target, see object_targets)
         settings, steps = universal_globals(model_states, optim_files(src.files[0].parent, 0, str(src.files[0]))[0])
         out: dict[str, str | bytes] = {LATEST_UNIVERSAL: tag, f"{tag}/zero/optimizer_state.pt": _saved(settings)}
         trained = {t.params[0].out_key for t in plan.targets if t.weights == "exp_avg"}
@@ -145,16 +186,38 @@ class UniversalFormat(CheckpointFormat):
         return out
 
     def describe(self, plan: Plan) -> list[str]:
-        trained = sum(t.weights == "exp_avg" for t in plan.targets)
-        frozen = sum(t.weights == "master" for t in plan.targets) - trained
-        lines = [f"DeepSpeed universal checkpoint: {trained} trained parameters (fp32 master, exp_avg, exp_avg_sq, "
-                 f"step)" + (f", {frozen} frozen (fp32 only)" if frozen else "")
+        trained = sum(t.name.endswith("/exp_avg.pt") for t in plan.targets)
+        frozen = sum(t.name.endswith("/fp32.pt") for t in plan.targets) - trained
+        zero3 = plan.source.format == DEEPSPEED_ZERO3
+        lines = [f"DeepSpeed universal checkpoint: {trained} trained parameters (fp32 master, exp_avg, exp_avg_sq"
+                 + (")" if zero3 else ", step)") + (f", {frozen} frozen (fp32 only)" if frozen else "")
+                 + (", as ZeRO stage 3 writes them (flat, the model states carried)" if zero3 else "")
                  + "; resume with DeepSpeed's checkpoint.load_universal=true at any data-parallel size"]
-        if any(p.rule.vocab for p in plan.params) and _true_vocab(plan, load_shard(plan.source.files[0])) is None:
+        if not zero3 and any(p.rule.vocab for p in plan.params) and \
+                _true_vocab(plan, load_shard(plan.source.files[0])) is None:
             lines.append("vocabulary rows kept as saved, padding included: the true vocabulary size is unknown "
                          "(pass --vocab-size V to cut Megatron's padding; DeepSpeed's loader cannot load more "
                          "rows than its own padding)")
         return lines
+
+
+def _whole_object(plan: Plan, name: str) -> Any:
+    """What an object target of a ZeRO-3 source holds (see :meth:`UniversalFormat.object_targets`):
+    data-parallel rank 0's optimizer state with the base optimizer's ``param_groups`` beside it
+    (as ``ds_to_universal`` saves it), or a model-states file as saved. Memory-mapped: the writer
+    streams its tensors."""
+    folder = plan.source.files[0].parent
+    base = name.rsplit("/", 1)[1]
+    if name.endswith("/zero/optimizer_state.pt"):
+        state = optimizer_state(optim_files(folder, 0, str(plan.source.files[0]))[0])
+        inner = state.get(OPTIM_STATE)
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(groups, list):
+            raise CheckpointFormatError("has no optimizer_state_dict.param_groups (the base optimizer's settings)",
+                                        culprit=str(folder), hint="pass a DeepSpeed ZeRO stage 3 checkpoint's own "
+                                                                  "*_optim_states.pt files")
+        return {**state, "param_groups": groups}
+    return load_shard(folder / base)
 
 
 def _tag(source: SourceCheckpoint) -> str:
