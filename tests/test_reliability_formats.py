@@ -228,3 +228,59 @@ def test_a_spoiled_file_of_each_format_is_one_line_and_nothing_committed(s3_serv
     with pytest.raises(ManifestMismatchError):
         verify(dst, so)
     assert _listing(url, so) == before
+
+
+# --- a source object replaced while the conversion runs -------------------------------------------
+
+#: case -> the object replaced (a name under the source): each format's tensor data
+REPLACED = {"torch_dist-in": "iter_0000007/__1_0.distcp", "hf-in-sharded": "model-00002-of-",
+            "zero-universal": "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "moe-per-rank": "iter_0000007/mp_rank_00_001/model_optim_rng.pt"}
+
+
+def _flip_middle(data: bytes) -> bytes:
+    """A new version of the same size whose structure still parses: one byte in the middle changed."""
+    mid = len(data) // 2
+    return data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "flow"])
+@pytest.mark.parametrize("case", sorted(REPLACED))
+def test_a_source_object_replaced_mid_run_fails_in_one_line(s3_server, s3_bucket, sources, tmp_path, capsys,
+                                                            monkeypatch, request, case, direct):
+    """The object is replaced (same size, other bytes) once the source has been listed: every read
+    after that carries the listed ETag (If-Match), so the run stops with one line naming the object,
+    and nothing is committed — never an output mixing two versions."""
+    from reshard.storage import source_view
+
+    if not direct:
+        request.getfixturevalue("prefect_env")
+    src, options = CASES[case]
+    so = s3_server.storage_options()
+    url = f"{s3_bucket}/replaced/{case}-{direct}"
+    _upload(sources[src], url, so)
+    loc = open_location(url, so)
+    target = next(p for p in sorted(loc.fs.find(loc.path)) if p[len(loc.path) + 1:].startswith(REPLACED[case]))
+    listed = source_view.list_objects
+
+    def list_then_replace(*args: Any, **kwargs: Any) -> Any:
+        objs = listed(*args, **kwargs)
+        if not replaced:
+            loc.fs.pipe_file(target, _flip_middle(loc.fs.cat_file(target)))
+            replaced.append(target)
+        return objs
+
+    replaced: list[str] = []
+    monkeypatch.setattr(source_view, "list_objects", list_then_replace)
+    dst = f"{s3_bucket}/replaced-out/{case}-{direct}"
+    capsys.readouterr()
+    code = main(["run", *(["--direct"] if direct else []), url, dst, *_flags(options),
+                 "--cache-dir", str(tmp_path / "c"),
+                 "--storage-option", f"endpoint_url={s3_server.endpoint_url}", "--storage-option", "region_name=us-east-1",
+                 "--storage-option", f"key={s3_server.access_key}", "--storage-option", f"secret={s3_server.secret_key}"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
+    assert replaced and code != 0 and len(lines) == 1 and "Traceback" not in err, (code, err[-3000:])
+    assert "changed" in lines[0] and REPLACED[case].rstrip("-") in lines[0], lines[0]
+    with pytest.raises(ManifestMismatchError):
+        verify(dst, so)

@@ -186,8 +186,9 @@ def test_shard_changed_between_listing_and_fetch(s3_src, tmp_path):
     objs = list_objects(loc)
     victim = next(o for o in objs if o.name == "mp_rank_03_model_states.pt")
     loc.fs.pipe_file(victim.path, b"rewritten by a still-running training job")
-    with pytest.raises(StorageError, match="changed size between listing"):
+    with pytest.raises(StorageError, match=r"changed since it was listed \(\d+ B then, 41 B now\)") as err:
         ShardCache(tmp_path / "c").fetch(loc, victim)
+    assert not err.value.transient  # reading again reads the new version: no retry
 
 
 def test_cache_is_keyed_by_identity_and_bounded(s3_src, tmp_path):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from reshard.core.errors import StorageError
 from reshard.core.options import parse_size
+from reshard.storage.if_match import changed, changed_error, get_range, if_match_of
 from reshard.storage.location import Location, is_transient_error, storage_errors
 
 DEFAULT_MAX_BYTES = 4 << 30
@@ -173,11 +174,21 @@ class ShardCache:
         try:
             os.ftruncate(fd, obj.size)
 
+            pinned = if_match_of(loc.fs, obj.etag)  # the listed version, or an error: never two versions' bytes
+
+            def get(start: int, end: int) -> bytes:
+                try:
+                    return get_range(loc.fs, obj.path, start, end, pinned)
+                except Exception as exc:
+                    if changed(exc):
+                        raise changed_error(obj.url, f"since it was listed{self._now(loc, obj)}") from None
+                    raise
+
             def read_range(r: tuple[int, int]) -> None:
                 start, end = r
-                data = loc.fs.cat_file(obj.path, start=start, end=end)
+                data = get(start, end)
                 if len(data) != end - start:
-                    data = loc.fs.cat_file(obj.path, start=start, end=end)  # one re-read of a short range
+                    data = get(start, end)  # one re-read of a short range
                 if len(data) != end - start:
                     raise StorageError(f"range {start}-{end} returned {len(data)} bytes", culprit=obj.url,
                                        transient=True)
@@ -189,10 +200,20 @@ class ShardCache:
         finally:
             os.close(fd)
 
+    @staticmethod
+    def _now(loc: Location, obj: RemoteObject) -> str:
+        """What the object is now, beside what was listed (for the error; nothing when unknown)."""
+        try:
+            loc.fs.invalidate_cache(obj.path)
+            now = int(loc.fs.info(obj.path)["size"])
+        except Exception:  # gone, or unreadable: the error names the object either way
+            return ""
+        return f" ({obj.size} B then, {now} B now)"
+
     def _download(self, loc: Location, obj: RemoteObject, tmp: Path) -> None:
         """Concurrent ranged reads into a preallocated file; each range's length is checked
         (a short body is re-read; request retries stay in the client)."""
-        if obj.size <= self.chunksize:
+        if obj.size <= self.chunksize and if_match_of(loc.fs, obj.etag) is None:
             data = loc.fs.cat_file(obj.path)
             tmp.write_bytes(data)
             return

@@ -26,7 +26,7 @@ from typing import Any
 from reshard.core.errors import StorageError
 from reshard.storage.cache import RemoteObject
 from reshard.storage.location import Location, is_transient_error, storage_errors
-from reshard.storage.s3_transfer import is_s3
+from reshard.storage.if_match import changed, changed_error, get_range, if_match_of
 
 #: Bytes per cached block (one ranged GET).
 BLOCK = 4 << 20
@@ -109,8 +109,7 @@ class RangeReader:
         self.fs, self.path, self.url, self.size = loc.fs, obj.path, obj.url, obj.size
         self.key = next(_KEYS)  # the cache's name for this object (never reused, unlike id())
         self.identity = obj.identity
-        etag = (obj.etag or "").strip('"')
-        self.if_match = f'"{etag}"' if is_s3(loc.fs) and etag and not etag.startswith("mtime:") else None
+        self.if_match = if_match_of(loc.fs, obj.etag)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         n = len(out)
@@ -161,9 +160,8 @@ class RangeReader:
             except StorageError:
                 raise
             except Exception as exc:  # a body cut after botocore gave up: read the block again
-                if _changed(exc):
-                    raise StorageError("the object changed while it was being read", culprit=self.url,
-                                       hint="do not convert a checkpoint that is still being written") from None
+                if changed(exc):
+                    raise changed_error(self.url) from None
                 if not is_transient_error(exc):
                     raise
                 last = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -175,34 +173,8 @@ class RangeReader:
                            hint="the network or the storage endpoint is failing; retry later", transient=True)
 
     def _get(self, start: int, end: int) -> bytes:
-        if self.if_match is None:
-            return self.fs.cat_file(self.path, start=start, end=end)
-        from fsspec.asyn import sync
-
-        bucket, key, _ = self.fs.split_path(self.path)
-        return sync(self.fs.loop, _get_object, self.fs, bucket, key, start, end, self.if_match)
+        return get_range(self.fs, self.path, start, end, self.if_match)
 
     def forget(self) -> None:
         """Drop this object's cached blocks (the conversion is over)."""
         _blocks().forget(self)
-
-
-async def _get_object(fs: Any, bucket: str, key: str, start: int, end: int, if_match: str) -> bytes:
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=if_match)
-    body = resp["Body"]
-    try:
-        return await body.read()
-    finally:
-        body.close()
-
-
-def _changed(exc: BaseException | None) -> bool:
-    """Did ``If-Match`` fail (S3's 412 PreconditionFailed; s3fs raises it as an ``OSError`` whose
-    cause is botocore's error)?"""
-    seen = 0
-    while exc is not None and seen < 5:
-        text = f"{type(exc).__name__} {exc}"
-        if "PreconditionFailed" in text or "pre-conditions you specified" in text:
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
