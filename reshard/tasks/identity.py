@@ -1,7 +1,12 @@
 """Identities that make caching and resume safe (no Prefect imports here).
 
-* ``code_version``: the tool version plus a hash of the core engine's sources — a change to
-  the tensor math invalidates every cached conversion.
+* ``code_version``: the tool version plus a hash of the code that decides output bytes — every
+  module of the reshard package (the core's tensor math, the formats' readers and writers, the
+  model families' rules and name tables, the planner) and the module of every format and model
+  family registered from outside it (a plugin). Any change to them invalidates every cached
+  conversion: a resumed flow never reuses an output written by other code, and ``--direct``
+  never calls such an output up to date. (Hashing the whole package over-invalidates on a change
+  to, say, the CLI's help text: a re-conversion, never a stale output.)
 * ``conversion_id``: what decides the output bytes — the source shards' identities (URL + ETag
   or size + mtime), the options, and the code version. Two runs with the same id produce the
   same files, so finished work from one may be reused by the other.
@@ -12,22 +17,60 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from reshard import __version__
 
+#: The reshard package's folder.
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def code_version() -> str:
+    """``<version>+<hash>`` of the reshard package's sources and of the registered plugins'
+    modules (see the module docstring); the package is hashed on first use, not at import."""
+    h = hashlib.sha256(_package_hash().encode())
+    for path in sorted(_plugin_sources()):
+        h.update(path.encode())
+        h.update(_file_hash(path, *_stamp(path)).encode())
+    return f"{__version__}+{h.hexdigest()[:12]}"
+
 
 @functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """``<version>+<hash of reshard/core/*.py>``; computed on first use, not at import."""
-    core = Path(__file__).resolve().parent.parent / "core"
+def _package_hash() -> str:
+    """Every ``*.py`` file under the package, by relative path (renaming a module counts)."""
     h = hashlib.sha256()
-    for p in sorted(core.glob("*.py")):
-        h.update(p.name.encode())
+    for p in sorted(PACKAGE.rglob("*.py")):
+        h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
         h.update(p.read_bytes())
-    return f"{__version__}+{h.hexdigest()[:12]}"
+    return h.hexdigest()
+
+
+def _plugin_sources() -> set[str]:
+    """The source files of the registered formats and model families defined outside the package
+    (third parties': entry points or ``register_*`` calls)."""
+    from reshard.formats.registry import registry as formats
+    from reshard.models.registry import registry as families
+
+    files = set()
+    for item in (*formats.values(), *families.values()):
+        module = sys.modules.get(type(item).__module__)
+        path = getattr(module, "__file__", None)
+        if path and not Path(path).resolve().is_relative_to(PACKAGE):
+            files.add(str(Path(path).resolve()))
+    return files
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = Path(path).stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=256)
+def _file_hash(path: str, size: int, mtime_ns: int) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def digest(*parts: Any) -> str:
