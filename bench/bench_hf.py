@@ -31,6 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from contention import busy, load_note  # noqa: E402
 from bench_torch_dist import FLOOR, SETTLE, log, measure, parse_bench_args, reshard, settle, size, source_for, warm  # noqa: E402
 
 #: The naive peer: the whole model in memory, merged with the TP rules of this Llama shape.
@@ -157,9 +158,10 @@ def same_rank_tensors(a: Path, b: Path) -> bool:
 
 
 def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label: str,
-          pause: float = SETTLE) -> dict[str, dict[str, float]]:
+          pause: float = SETTLE, load: int = 0) -> dict[str, dict[str, float]]:
     """Median wall seconds and peak RSS of each command, methods interleaved, the source warm,
-    ``pause`` seconds before each (:func:`bench_torch_dist.settle`)."""
+    ``pause`` seconds before each (:func:`bench_torch_dist.settle`), ``load`` busy processes beside
+    each (``--busy``, :mod:`contention`)."""
     got: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     out = work / "run_out"
     for i in range(runs):
@@ -169,7 +171,8 @@ def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label
             warm(src)
             settle(pause)
             log(f"{label} run {i + 1}/{runs}: {name}")
-            got[name].append(measure([c.replace("{out}", str(out)) for c in cmd]))
+            with busy(load):  # the same load beside every method (none by default)
+                got[name].append(measure([c.replace("{out}", str(out)) for c in cmd]))
     shutil.rmtree(out, ignore_errors=True)
     return {m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
                 "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in got.items()}
@@ -224,15 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         deep = layers != ns.layers
         if deep:  # memory scaling: reshard only
             export, imp = {EXPORT: export[EXPORT]}, {IMPORT: imp[IMPORT]}
-        results[f"layers={layers}"] = {"source GB": round(size(src) / 1e9, 2), "hf GB": round(size(hf) / 1e9, 2),
-                                       "export": timed(export, src, work, ns.runs, f"L{layers} export", ns.settle),
-                                       "import": timed(imp, hf, work, ns.runs, f"L{layers} import", ns.settle)}
+        results[f"layers={layers}"] = {
+            "source GB": round(size(src) / 1e9, 2), "hf GB": round(size(hf) / 1e9, 2),
+            "export": timed(export, src, work, ns.runs, f"L{layers} export", ns.settle, ns.busy),
+            "import": timed(imp, hf, work, ns.runs, f"L{layers} import", ns.settle, ns.busy)}
         if not deep:  # independent checks: the naive scripts write the same tensors
             results["export: same tensors as the naive script"] = agree(export[EXPORT], export[
                 "naive: load all, merge, save_file"], work, "--compare")
             results["import: same tensors as the naive script"] = agree(imp[IMPORT], imp[
                 "naive: load_file all, fuse, split, save"], work, "--compare-ranks")
     base = results[f"layers={ns.layers}"]
+    print(load_note(ns.busy))
     report("export", base["export"], EXPORT_FLOOR)
     report("import", base["import"], IMPORT_FLOOR)
     if ns.deep_layers:

@@ -107,7 +107,9 @@ def measure(cmd: list[str], logfile: Path, env: dict[str, str] | None = None) ->
         wall = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
     return {"wall": wall, "rss_mib": ru.ru_maxrss / 1024, "cpu": ru.ru_utime + ru.ru_stime, "user": ru.ru_utime,
-            "sys": ru.ru_stime, "rc": p.returncode, "load1": load_before}
+            "sys": ru.ru_stime, "rc": p.returncode, "load1": load_before,
+            # waits (a thread blocked: I/O, a lock, a queue) and preemptions (its time slice taken)
+            "waits": ru.ru_nvcsw, "preempted": ru.ru_nivcsw}
 
 
 class Bench:
@@ -287,15 +289,18 @@ def report(ns: argparse.Namespace, res: dict[str, Any]) -> str:
              f"median (min–max); user / sys s = CPU time of the command's process tree (sys: mostly the "
              f"kernel copying into the page cache, which varies run to run on this VM for every method alike); "
              f"1-min load average before each run {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} CPUs.", "",
-             "| method | wall s | range s | user s | sys s | peak RSS MiB | vs byte-copy floor | vs DeepSpeed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| method | wall s | range s | user s | sys s | CPU / wall | waits | preempted | peak RSS MiB | "
+             "vs byte-copy floor | vs DeepSpeed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in ALL:
         if m not in main_:
             continue
         w = med(main_[m], "wall")
         ds = f"{w / ds_w:.2f}x" if DS in main_ else "–"
+        cores = med(main_[m], "cpu") / w
         lines.append(f"| {m} | {w:.2f} | {spread(main_[m], 'wall')} | {med(main_[m], 'user'):.2f} | "
-                     f"{med(main_[m], 'sys'):.2f} | {med(main_[m], 'rss_mib'):.0f} | {w / floor_w:.2f}x | {ds} |")
+                     f"{med(main_[m], 'sys'):.2f} | {cores:.2f} | {med(main_[m], 'waits'):.0f} | "
+                     f"{med(main_[m], 'preempted'):.0f} | {med(main_[m], 'rss_mib'):.0f} | {w / floor_w:.2f}x | {ds} |")
     deep = res.get("deep")
     if deep:
         lines += ["", f"Depth scaling ({res['layers']} -> {res['deep_layers']} layers, "
