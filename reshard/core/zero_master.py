@@ -192,7 +192,7 @@ def master_module(module: Mapping[str, Any], model_states: Mapping[str, Any], fi
     (data-parallel ranks in order); see the module docstring. Validates everything it reads: stage,
     partition count, step, group sizes, shapes."""
     where = str(files[0])
-    states = [_optimizer_state(f) for f in files]
+    states = [optimizer_state(f) for f in files]
     stage = _stage(states[0], where)
     if stage == 3:
         raise CheckpointFormatError("is a ZeRO stage 3 optimizer file beside model states that are not ZeRO-3's "
@@ -256,7 +256,7 @@ def optimizer_summary(files: Sequence[Path]) -> dict[str, Any] | None:
     mine = [f for f in files if (m := OPTIM_FILE_RE.match(f.name)) and int(m.group(2)) == 0]
     if not mine:
         return None
-    states = [_optimizer_state(f) for f in sorted(mine, key=lambda f: int(OPTIM_FILE_RE.match(f.name).group(1)))]
+    states = [optimizer_state(f) for f in sorted(mine, key=lambda f: int(OPTIM_FILE_RE.match(f.name).group(1)))]
     stage = _stage(states[0], str(mine[0]))
     key = PARTITIONS_KEY[stage]
     parts = [t for st in states for t in st.get(key) or [] if isinstance(t, torch.Tensor)]
@@ -272,7 +272,7 @@ def universal_globals(model_states: Mapping[str, Any], optim_file: Path) -> tupl
     base optimizer's ``param_groups`` added: learning rates, betas, weight decay) and each trained
     parameter's ``step`` (its group's), from one optimizer file and its model states."""
     where = str(optim_file)
-    state = _optimizer_state(optim_file)  # (its stage was checked when the plan read the master weights)
+    state = optimizer_state(optim_file)  # (its stage was checked when the plan read the master weights)
     base = state.get("base_optimizer_state")
     groups = base.get("param_groups") if isinstance(base, dict) else None
     per_group = base.get("state") if isinstance(base, dict) else None
@@ -298,7 +298,7 @@ def master_module_zero3(module: Mapping[str, Any], model_states: Sequence[Mappin
     (``which``: or an Adam moment, see :data:`STATES`) from ZeRO stage 3 optimizer ``files`` and
     each data-parallel rank's ``model_states`` (frozen fragments); see the module docstring."""
     where = str(files[0])
-    states = [_optimizer_state(f) for f in files]
+    states = [optimizer_state(f) for f in files]
     dp = len(files)
     for st, f in zip(states, files):
         if _stage(st, str(f)) != 3:
@@ -377,13 +377,8 @@ def _cut(pieces: list[tuple[torch.Tensor, int, int]], numel: int) -> list[tuple[
 
 
 def optimizer_state(path: Path) -> dict[str, Any]:
-    """The ``optimizer_state_dict`` of one ZeRO optimizer file (kept loaded, see
-    :func:`_optimizer_state`; the caller must not change it)."""
-    return _optimizer_state(path)
-
-
-def _optimizer_state(path: Path) -> dict[str, Any]:
-    """The ``optimizer_state_dict`` of one ZeRO optimizer file, memory-mapped (never written to).
+    """The ``optimizer_state_dict`` of one ZeRO optimizer file, memory-mapped (never written to;
+    kept for every caller, who must not change it).
 
     Kept for the process (up to :data:`OPEN_FILES` files, keyed by path, size and modification time):
     every target of a conversion reads its sources' optimizer files, and a universal checkpoint is one

@@ -116,14 +116,14 @@ class DeepSpeedZero3Format(CheckpointFormat):
     def locate(self, path: Path) -> SourceCheckpoint:
         """Data-parallel rank 0's model states file of each TP rank, as the grid (the other ranks'
         files are read beside it: :meth:`companions`)."""
-        grid = _zero3_grid(path)
+        grid = zero3_grid(path)
         return SourceCheckpoint(tuple(grid[t][0] for t in sorted(grid)), origin=str(path), format=self.name)
 
     def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
         if weights_read(options) == {"module"}:
             return ()
         folder = source.files[0].parent
-        others = [f for files in _zero3_grid(folder).values() for f in files[1:]]
+        others = [f for files in zero3_grid(folder).values() for f in files[1:]]
         return tuple(others) + tuple(c for c in sorted(folder.iterdir()) if OPTIM_FILE_RE.match(c.name))
 
     def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
@@ -139,7 +139,7 @@ class DeepSpeedZero3Format(CheckpointFormat):
                      "and convert that")
         path = source.files[index]
         tp_rank = int(ZERO3_MODEL_FILE_RE.match(path.name).group(2))
-        states = [self.load(f) for f in _zero3_grid(path.parent)[tp_rank]]
+        states = [self.load(f) for f in zero3_grid(path.parent)[tp_rank]]
         sd = dict(states[0])
         key = choose_module_key(sd, options.module_key, str(path))
         if not isinstance(sd.get(key), dict):
@@ -167,7 +167,7 @@ def _gathered(ds_config: Any) -> Any:
     return {**ds_config, "zero_optimization": {**zero, "gather_16bit_weights_on_model_save": True}}
 
 
-def _zero3_grid(folder: Path) -> dict[int, list[Path]]:
+def zero3_grid(folder: Path) -> dict[int, list[Path]]:
     """TP rank -> its model states files by data-parallel rank (0..D-1 for every TP rank)."""
     grid: dict[int, dict[int, Path]] = {}
     for child in sorted(folder.iterdir()):

@@ -58,10 +58,11 @@ from reshard.core import foreign
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.plan_types import DROPPED_ENTRIES
 from reshard.core.safe_load import load_shard
-from reshard.core.source import DEEPSPEED, DEEPSPEED_ZERO3, ZERO3_MODEL_FILE_RE, SourceCheckpoint, rank_file_name
+from reshard.core.source import DEEPSPEED, DEEPSPEED_ZERO3, SourceCheckpoint, rank_file_name
 from reshard.core.torch_writer import first_rows, flat
 from reshard.core.zero_master import OPTIM_STATE, STATES, optim_files, optimizer_state, universal_globals
 from reshard.formats.base import CheckpointFormat
+from reshard.formats.deepspeed import zero3_grid
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -117,8 +118,7 @@ class UniversalFormat(CheckpointFormat):
         if source.format != DEEPSPEED_ZERO3:
             return {}  # (stage 1/2: the optimizer's settings are a side file, the model states a target)
         tag, folder = _tag(source), source.files[0].parent
-        states = sorted((c for c in folder.iterdir() if ZERO3_MODEL_FILE_RE.match(c.name)),
-                        key=lambda c: tuple(int(g) for g in ZERO3_MODEL_FILE_RE.match(c.name).groups()))
+        (states,) = zero3_grid(folder).values()  # (TP 1: check_source)
         optim = optim_files(folder, 0, str(source.files[0]))[0]
         return {f"{tag}/zero/optimizer_state.pt": optim.stat().st_size,
                 **{f"{tag}/{c.name}": c.stat().st_size for c in states}}
