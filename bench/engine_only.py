@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from reshard.core.engine import convert_target
-from reshard.core.plan import ReshardOptions
-from reshard.core.planner import build_plan
+from reshard.execution.engine import convert_target
+from reshard.execution.plan import ReshardOptions
+from reshard.execution.planner import build_plan
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,7 @@ def plan(src: str, *, storage_options: Mapping[str, Any] | None = None, cache_di
     estimate, the model facts and where each came from, warnings. Refusals raise as ``convert``
     would."""
     from reshard.core.options import ReshardOptions
-    from reshard.core.planner import build_plan
+    from reshard.execution.planner import build_plan
 
     opts = ReshardOptions.checked(**options)
     with local_view(src, storage_options, cache_dir, opts) as path:
@@ -91,7 +91,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
     count, bytes, model facts, files, and the ZeRO optimizer state beside it."""
     from reshard.core.experts import experts_per_layer
     from reshard.core.options import ReshardOptions
-    from reshard.core.planner import build_plan
+    from reshard.execution.planner import build_plan
     from reshard.formats import locate
 
     with local_view(src, storage_options, cache_dir, ReshardOptions()) as path:
@@ -187,11 +187,10 @@ def plan_record(built: Any) -> dict[str, Any]:
 def _optimizer(source: Any) -> dict[str, Any] | None:
     """The ZeRO optimizer state beside the checkpoint's files, if its format reads any (a remote
     source's optimizer files are not fetched to inspect it: None)."""
-    from reshard.core.options import ReshardOptions
     from reshard.core.zero_master import optimizer_summary
     from reshard.formats import get_format
 
-    return optimizer_summary(get_format(source.format).companions(source, ReshardOptions(weights="master")))
+    return optimizer_summary(get_format(source.format).companions(source, frozenset({"master"})))
 
 
 def _numel(shape: Sequence[int]) -> int:

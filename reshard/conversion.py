@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard import __version__, progress
-from reshard.core.engine import TargetResult, convert_target
+from reshard.execution.engine import TargetResult, convert_target
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan

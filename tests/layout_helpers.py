@@ -10,9 +10,9 @@ from typing import Any
 def convert(src: Path | str, dst: Path, **options: Any) -> Any:
     """Plan and write a conversion with the core API only (what a writer does): every target under
     its planned name, then ``plan.extra_files``. Returns the plan."""
-    from reshard.core.engine import convert_target
-    from reshard.core.plan import ReshardOptions
-    from reshard.core.planner import build_plan
+    from reshard.execution.engine import convert_target
+    from reshard.execution.plan import ReshardOptions
+    from reshard.execution.planner import build_plan
 
     plan = build_plan(str(src), ReshardOptions(**options))
     for t in plan.targets:

@@ -53,7 +53,7 @@ def _edit(path: Path) -> None:
 
 
 @pytest.mark.parametrize("module", ["formats/hf.py", "models/hf_architectures.py", "formats/torch_dist.py",
-                                    "core/planner.py", "conversion.py"])
+                                    "execution/planner.py", "conversion.py"])
 def test_a_change_to_any_module_that_decides_bytes_changes_the_conversion_id(copy, module):
     before = _identity(copy)
     assert _identity(copy) == before  # deterministic

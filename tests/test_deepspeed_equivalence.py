@@ -11,7 +11,7 @@ from deepspeed.runtime.weight_quantizer import WeightQuantization
 from deepspeed.utils import logger as ds_logger
 
 from conftest import rank_files
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.core.quantize import QUANT_KEY
 from reshard.direct import run_direct
 

@@ -309,7 +309,7 @@ def stack(tmp_path_factory, s3_server):
 
 
 def _expected_shards(sample: Path, tmp_path: Path, target_tp: int) -> dict[str, str]:
-    from reshard.core.plan import ReshardOptions
+    from reshard.execution.plan import ReshardOptions
     from reshard.direct import run_direct
 
     report = run_direct(str(sample), str(tmp_path / f"expected-tp{target_tp}"), ReshardOptions(target_tp=target_tp))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cache_records, read_task_runs, record_kinds, run_reshard_cli, task_name, task_states
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.flows.params import ReshardParams
 from reshard.flows.runner import run_flow

@@ -12,7 +12,7 @@ import torch
 
 from conftest import task_states, upload_to_s3
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.flows.params import ReshardParams
 from reshard.flows.runner import run_flow

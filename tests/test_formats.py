@@ -123,7 +123,7 @@ def test_the_flow_checks_each_plugin_file_with_the_plugins_own_reader(plugin, sa
 
 def test_a_format_that_cannot_write_is_refused_in_one_typed_error(sample_factory, tmp_path):
     from reshard.core.errors import LayoutError
-    from reshard.core.planner import build_plan
+    from reshard.execution.planner import build_plan
 
     class ReadOnly(SafetensorsPerRank):
         name = "test-read-only"

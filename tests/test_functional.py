@@ -8,7 +8,7 @@ import torch
 
 from conftest import CFG, load_modules
 from gpt_reference import logits_from_shards
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
 
 TOKENS = torch.tensor([3, 17, 64, 127, 0, 99, 42, 5, 77, 120, 31, 8])

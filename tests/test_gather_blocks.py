@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.core import engine
+from reshard.execution import engine
 from reshard.core.layouts import PartitionSpec
 from reshard.core.lazy import Converted, LazyTensor
 from reshard.core.zero_master import FlatSlice
@@ -64,7 +64,7 @@ def test_a_source_that_converts_the_whole_tensor_is_read_once(monkeypatch):
 
 def test_scratch_buffers_are_kept_per_thread_and_dropped_when_a_target_fails(sample_factory, tmp_path, monkeypatch):
     from reshard.core.options import ReshardOptions
-    from reshard.core.planner import build_plan
+    from reshard.execution.planner import build_plan
     from reshard.formats.registry import get_format
 
     first = engine._thread_scratch()

@@ -1,21 +1,28 @@
 """The layering, enforced on the source (every import statement that runs, module level or inside
-a function; ``if TYPE_CHECKING:`` imports are annotations only): pure core below, formats and
-storage beside it, Prefect tasks and flows on top, no cycles.
+a function; ``if TYPE_CHECKING:`` imports are annotations only; a module named in a string, as the
+registries name their built-ins and as entry points name plug-ins, counts as an import too, since it is
+imported when that string is used): the pure core at the bottom, model families and formats above it,
+planning and execution above those, storage beside them, Prefect tasks and flows on top, no cycles.
 
-================  =====================================================================
-package           must not import
-================  =====================================================================
-reshard.core      reshard.storage/tasks/flows, the CLI, fsspec, s3fs, prefect, dask
-reshard.models    the same, and reshard.formats (a model family knows no file layout)
-reshard.formats   reshard.tasks/flows, the CLI, prefect, dask
-reshard.storage   reshard.tasks/flows, the CLI, prefect, dask
-reshard.tasks     reshard.flows, the CLI (a task does not know its flow)
-================  =====================================================================
+==================  ==================================================================================
+package             must not import
+==================  ==================================================================================
+reshard.core        reshard.models/formats/execution/storage/tasks/flows, the CLI, fsspec, s3fs,
+                    prefect, dask (pure primitives: tensor and partition math, writers, safe loading)
+reshard.models      reshard.formats/execution/storage/tasks/flows (a model family knows no file
+                    layout), the CLI, fsspec, s3fs, prefect, dask
+reshard.formats     reshard.execution (a format is handed what it writes: ``Plan.target_state``),
+                    reshard.tasks/flows, the CLI, prefect, dask
+reshard.execution   reshard.storage/tasks/flows, the CLI, fsspec, s3fs, prefect, dask
+reshard.storage     reshard.execution/tasks/flows, the CLI, prefect, dask
+reshard.tasks       reshard.flows, the CLI (a task does not know its flow)
+==================  ==================================================================================
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -23,15 +30,24 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "reshard"
 
 _LOWER = ("reshard.cli", "prefect", "dask", "distributed", "prefect_dask")
+_STORAGE = ("reshard.storage", "reshard.tasks", "reshard.flows", "fsspec", "s3fs")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "reshard.core": ("reshard.storage", "reshard.tasks", "reshard.flows", "fsspec", "s3fs",
-                     *_LOWER),
-    "reshard.models": ("reshard.storage", "reshard.tasks", "reshard.flows", "reshard.formats", "fsspec", "s3fs",
-                       *_LOWER),
-    "reshard.formats": ("reshard.tasks", "reshard.flows", *_LOWER),
-    "reshard.storage": ("reshard.tasks", "reshard.flows", *_LOWER),
+    "reshard.core": ("reshard.models", "reshard.formats", "reshard.execution", *_STORAGE, *_LOWER),
+    "reshard.models": ("reshard.formats", "reshard.execution", *_STORAGE, *_LOWER),
+    "reshard.formats": ("reshard.execution", "reshard.tasks", "reshard.flows", *_LOWER),
+    "reshard.execution": (*_STORAGE, *_LOWER),
+    "reshard.storage": ("reshard.execution", "reshard.tasks", "reshard.flows", *_LOWER),
     "reshard.tasks": ("reshard.flows", "reshard.cli"),
 }
+
+#: A string that names a module of ours, alone or as ``module:attribute`` (registry built-ins, entry points).
+_NAMED_MODULE = re.compile(r"(reshard(?:\.\w+)+)(:\w+)?")
+
+
+def _is_package(path: Path) -> bool:
+    """A bare package name in a string is a namespace (the entry-point groups ``reshard.formats``,
+    ``reshard.models``), not an import; ``package:attribute`` still is one."""
+    return path.name == "__init__.py"
 
 
 def _modules() -> dict[str, Path]:
@@ -55,7 +71,8 @@ def _runtime_nodes(node: ast.AST):
 
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
     """Every absolute module name ``path`` imports at run time (``from a.b import c`` gives ``a.b``
-    and, if it is a module of ours, ``a.b.c``)."""
+    and, if it is a module of ours, ``a.b.c``), and every module of ours it names in a string
+    (``"reshard.formats.hf:HFFormat"``: imported by the registry on first use)."""
     found: set[str] = set()
     for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -63,6 +80,10 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named = _NAMED_MODULE.fullmatch(node.value)
+            if named and named.group(1) in modules and (named.group(2) or not _is_package(modules[named.group(1)])):
+                found.add(named.group(1))
     return found
 
 
@@ -135,6 +156,24 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     bad.write_text("def f():\n    from reshard.storage.location import open_location\n    import prefect\n")
     assert violations({"reshard.core.bad": bad}) == ["reshard.core.bad imports prefect",
                                                      "reshard.core.bad imports reshard.storage.location"]
+
+
+def test_a_module_named_in_a_string_is_an_import_edge(tmp_path):
+    """The registries import their built-ins from "module:class" strings: a cycle through one (the
+    format registry -> a format -> the engine -> the format registry) is a cycle all the same."""
+    f = tmp_path / "registry.py"
+    f.write_text('BUILTIN = ("reshard.formats.hf:HFFormat", "reshard.core.errors")\nNOTE = "reshard.complete"\n'
+                 'GROUP = "reshard.formats"\n')
+    modules = {"reshard.formats.hf": f, "reshard.core.errors": f, "reshard.formats": tmp_path / "__init__.py"}
+    assert imports_of(f, modules) == {"reshard.formats.hf", "reshard.core.errors"}
+
+
+def test_the_rules_catch_the_core_importing_a_format_and_a_format_the_engine(tmp_path):
+    core, fmt = tmp_path / "plan.py", tmp_path / "hf.py"
+    core.write_text("from reshard.formats.registry import get_format\n")
+    fmt.write_text("def f():\n    from reshard.execution.engine import target_state\n")
+    assert violations({"reshard.core.plan": core, "reshard.formats.hf": fmt}) == [
+        "reshard.core.plan imports reshard.formats.registry", "reshard.formats.hf imports reshard.execution.engine"]
 
 
 def test_type_checking_imports_are_not_run_time_edges(tmp_path):

@@ -169,8 +169,8 @@ def test_real_shards_merge_without_the_true_vocab_size_and_repad_exactly_with_it
 
 
 def test_inspect_facts_from_megatron_core_args(mcore):
-    from reshard.core.plan import ReshardOptions
-    from reshard.core.planner import build_plan
+    from reshard.execution.plan import ReshardOptions
+    from reshard.execution.planner import build_plan
 
     plan = build_plan(str(mcore[("llama", 2, 1)]), ReshardOptions(target_tp=2))
     f = plan.facts

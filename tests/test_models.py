@@ -17,7 +17,7 @@ import torch
 
 from reshard.core.errors import MissingModelFactError, UnknownParameterError
 from reshard.core.options import ReshardOptions
-from reshard.core.planner import build_plan
+from reshard.execution.planner import build_plan
 from reshard.core.plan_types import CanonicalParam
 from reshard.core.rules import Kind, Place, Rule
 from reshard.models import ModelFamily, families, register_family, registry, resolve_family, unregister_family

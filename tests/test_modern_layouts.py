@@ -31,8 +31,8 @@ from reshard.core import foreign
 from reshard.core.errors import (CheckpointFormatError, LayoutError, MissingModelFactError,
                                  UnsafeCheckpointError)
 from reshard.core.layouts import pieces_for_target
-from reshard.core.plan import ReshardOptions
-from reshard.core.planner import build_plan
+from reshard.execution.plan import ReshardOptions
+from reshard.execution.planner import build_plan
 from reshard.core.quantize import QUANT_KEY, dequantize_piece
 from reshard.core.safe_load import load_shard
 from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint

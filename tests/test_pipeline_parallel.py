@@ -151,7 +151,7 @@ def test_uneven_source_stages_are_renumbered(samples, tmp_path):
 
 
 def test_run_direct_writes_pipeline_stages_under_their_planned_names(samples, tmp_path):
-    from reshard.core.plan import ReshardOptions
+    from reshard.execution.plan import ReshardOptions
     from reshard.direct import run_direct
 
     report = run_direct(str(samples("tied", 2, 1)), str(tmp_path / "out"), ReshardOptions(target_tp=1, target_pp=2))

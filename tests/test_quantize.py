@@ -8,7 +8,7 @@ from deepspeed.runtime.weight_quantizer import WeightQuantization
 
 from conftest import CFG, load_modules
 from reshard.core.errors import LayoutError
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.core.quantize import QUANT_KEY, dequantize_piece, quantize_groups
 from reshard.core.rules import QUANT_SLOT_ORDER
 from reshard.direct import run_direct

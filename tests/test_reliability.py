@@ -18,7 +18,7 @@ from reshard.cli import main
 from reshard.core.errors import (CheckpointFormatError, ConfigError, CorruptCheckpointError, DestinationError,
                                  InconsistentShardsError, LayoutError, ManifestMismatchError, StorageError,
                                  UnknownParameterError, UnsafeCheckpointError)
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import ShardCache

@@ -12,7 +12,7 @@ import pytest
 
 from reshard.cli import main
 from reshard.core.errors import DestinationError, ManifestMismatchError, StorageError
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import RemoteObject, ShardCache

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
-from reshard.core.plan import ReshardOptions
+from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import ShardCache

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 import torch
 
-from reshard.core import engine, foreign, torch_writer
-from reshard.core.engine import build_target, convert_target
-from reshard.core.plan import ReshardOptions
-from reshard.core.planner import build_plan
+from reshard.execution import engine, foreign, torch_writer
+from reshard.execution.engine import build_target, convert_target
+from reshard.execution.plan import ReshardOptions
+from reshard.execution.planner import build_plan
 from reshard.core.safe_load import load_shard
 from reshard.core.torch_writer import PendingTensor, WriterError
 from reshard.sample import CoreGPTConfig, GPTConfig, write_core_sample_checkpoint, write_sample_checkpoint
@@ -274,9 +274,9 @@ def test_engine_never_assembles_a_whole_tensor(tmp_path, monkeypatch):
 
 _RSS_CHILD = r"""
 import json, resource, sys
-from reshard.core.engine import convert_target
-from reshard.core.plan import ReshardOptions
-from reshard.core.planner import build_plan
+from reshard.execution.engine import convert_target
+from reshard.execution.plan import ReshardOptions
+from reshard.execution.planner import build_plan
 plan = build_plan(sys.argv[1], ReshardOptions(target_tp=1))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 convert_target(plan, 0, sys.argv[2])

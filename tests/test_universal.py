@@ -158,7 +158,7 @@ def test_bf16_optimizer_master_weights_equal_ds_to_universal(zero_checkpoint, tm
 
 def test_bf16_optimizer_inspected_and_universal_files_planned_in_fp32(zero_checkpoint, capsys):
     from reshard.core.options import ReshardOptions
-    from reshard.core.planner import build_plan
+    from reshard.execution.planner import build_plan
 
     step = zero_checkpoint(*BF16_OPTIMIZER)
     capsys.readouterr()

@@ -5,7 +5,7 @@ canonical parameter records the planners see (:class:`CanonicalParam`). No logic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +135,7 @@ class TargetPlan:
     ``tp_rank``/``pp_rank``: its place in the target grid; ``base_rank``: the source TP rank
     that replicated tensors and top-level entries are taken from; ``params``: its module.
     ``kind``: what the file holds (:data:`RANK_FILE`, or for DeepSpeed pipelines
-    :data:`LAYER_FILE` / :data:`PIPE_RANK_FILE`; see :mod:`reshard.core.ds_pipe`)."""
+    :data:`LAYER_FILE` / :data:`PIPE_RANK_FILE`; see :mod:`reshard.execution.ds_pipe`)."""
 
     rank: int
     name: str
@@ -189,6 +189,10 @@ class Plan:
     extra_files: Mapping[str, str] = field(default_factory=dict)
     #: The output's expert TP (MoE; None: the target TP).
     target_etp: int | None = None
+    #: How the planning layer reads a target's pending state dict (see :meth:`target_state`); set by
+    #: :func:`reshard.execution.planner.build_plan`, so a format gets it with the plan it is handed
+    #: and never imports the engine (the layers point one way).
+    state_reader: Callable[[Plan, int], dict[str, Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def source_tp(self) -> int:
@@ -219,6 +223,15 @@ class Plan:
         if weights is None or weights == self.options.weights:
             return self.options
         return self.options.model_copy(update={"weights": weights})
+
+    def target_state(self, tgt: int) -> dict[str, Any]:
+        """Target ``tgt``'s state dict with every produced tensor pending: names, shapes, dtypes
+        and the top-level entries, no tensor bytes read. A format that writes an index or a header
+        before the bytes (Hugging Face, torch_dist) reads what it will write from here."""
+        if self.state_reader is None:
+            raise RuntimeError("this plan was not made by reshard.execution.planner.build_plan, which wires the "
+                               "engine's target_state into it")
+        return self.state_reader(self, tgt)
 
     @property
     def peak_memory_estimate(self) -> int:

@@ -20,6 +20,7 @@ from reshard.core.shard_check import METADATA
 from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
+from reshard.formats.output import weights_read
 
 __all__ = ["CheckpointFormat", "available", "check_file", "descriptor_entries", "get_format", "is_marker",
            "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",
@@ -48,7 +49,8 @@ def locate(src: str | Path) -> SourceCheckpoint:
 def listing_patterns(options: ReshardOptions | None = None) -> tuple[re.Pattern[str], ...]:
     """Names (relative to a checkpoint's root) that some registered format reads (under ``options``:
     with the files only some options read)."""
-    extra = [p for fmt in available() for p in fmt.optional_patterns(options)] if options is not None else []
+    weights = weights_read(options) if options is not None else None
+    extra = [p for fmt in available() for p in fmt.optional_patterns(weights)] if weights is not None else []
     return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers)) + tuple(extra)
 
 

@@ -45,9 +45,11 @@ class CheckpointFormat(ABC):
     #: fetched whole before the checkpoint is located.
     markers: ClassVar[tuple[re.Pattern[str], ...]] = ()
 
-    def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
-        """Names of files read only under some ``options`` (the ZeRO optimizer files, for
-        ``--weights master``): discovery fetches them then, and never otherwise."""
+    def optional_patterns(self, weights: frozenset[str]) -> tuple[re.Pattern[str], ...]:
+        """Names of files read only when a conversion reads some ``weights`` (the sets
+        :func:`reshard.formats.output.weights_read` gives: the ZeRO optimizer files, for anything
+        beyond ``module``): discovery fetches them then, and never otherwise. Given the sets, not
+        the options, so a source format need not ask the registry what its output reads."""
         return ()
 
     def detect(self, folder: Path) -> bool:
@@ -130,10 +132,10 @@ class CheckpointFormat(ABC):
 
         return given_args(self.open(source, options, index), options, Path(source.files[index]))
 
-    def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
-        """Files :meth:`open` reads besides ``source.files`` under ``options`` (the ZeRO optimizer
-        files, for ``--weights master``): a pipeline that fetches shard by shard links them in
-        before any file is opened. Default: none."""
+    def companions(self, source: SourceCheckpoint, weights: frozenset[str]) -> tuple[Path, ...]:
+        """Files :meth:`open` reads besides ``source.files`` when a conversion reads ``weights``
+        (see :meth:`optional_patterns`; the ZeRO optimizer files, for ``--weights master``): a
+        pipeline that fetches shard by shard links them in before any file is opened. Default: none."""
         return ()
 
     def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
@@ -144,7 +146,7 @@ class CheckpointFormat(ABC):
         with the module under one key, and its keys are canonical names.
 
         ``headers_only``: read the first file of each stage alone and stand it in for every rank
-        of its stage (see :func:`reshard.core.plan.build_grid_plan`)."""
+        of its stage (see :func:`reshard.execution.plan.build_grid_plan`)."""
         first = self.opened(source, options, 0)
         source = self.axes(first.get("args"), source)  # the grid as the saved args explain it
         n = source.tp

@@ -23,7 +23,6 @@ from reshard.core.source import (DEEPSPEED, DEEPSPEED_ZERO3, RANK_FILE_RE, ZERO3
 from reshard.core.zero_master import (OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, master_module_zero3,
                                       optim_files)
 from reshard.formats.base import CheckpointFormat, check_contiguous
-from reshard.formats.output import weights_read
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -51,11 +50,11 @@ class DeepSpeedFormat(CheckpointFormat):
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str]:
         return {DESCRIPTOR_NAME: json.dumps(descriptor_for(plan, names), indent=2)}
 
-    def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
-        return _optimizer_patterns(options)
+    def optional_patterns(self, weights: frozenset[str]) -> tuple[re.Pattern[str], ...]:
+        return _optimizer_patterns(weights)
 
-    def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
-        if weights_read(options) == {"module"}:
+    def companions(self, source: SourceCheckpoint, weights: frozenset[str]) -> tuple[Path, ...]:
+        if weights == {"module"}:
             return ()
         folders = sorted({f.parent for f in source.files})
         return tuple(c for d in folders for c in sorted(d.iterdir()) if OPTIM_FILE_RE.match(c.name))
@@ -110,8 +109,8 @@ class DeepSpeedZero3Format(CheckpointFormat):
     def shard_role(self, name: str, listing: Sequence[str]) -> str | None:
         return None  # read whole by open(); its files are not checked one by one
 
-    def optional_patterns(self, options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
-        return _optimizer_patterns(options)
+    def optional_patterns(self, weights: frozenset[str]) -> tuple[re.Pattern[str], ...]:
+        return _optimizer_patterns(weights)
 
     def locate(self, path: Path) -> SourceCheckpoint:
         """Data-parallel rank 0's model states file of each TP rank, as the grid (the other ranks'
@@ -119,8 +118,8 @@ class DeepSpeedZero3Format(CheckpointFormat):
         grid = zero3_grid(path)
         return SourceCheckpoint(tuple(grid[t][0] for t in sorted(grid)), origin=str(path), format=self.name)
 
-    def companions(self, source: SourceCheckpoint, options: ReshardOptions) -> tuple[Path, ...]:
-        if weights_read(options) == {"module"}:
+    def companions(self, source: SourceCheckpoint, weights: frozenset[str]) -> tuple[Path, ...]:
+        if weights == {"module"}:
             return ()
         folder = source.files[0].parent
         others = [f for files in zero3_grid(folder).values() for f in files[1:]]
@@ -150,10 +149,10 @@ class DeepSpeedZero3Format(CheckpointFormat):
         return sd
 
 
-def _optimizer_patterns(options: ReshardOptions) -> tuple[re.Pattern[str], ...]:
+def _optimizer_patterns(weights: frozenset[str]) -> tuple[re.Pattern[str], ...]:
     """The ZeRO optimizer files, listed only when the conversion reads optimizer states (they hold
     ~12 bytes per parameter: never fetched for a conversion of the module's own weights)."""
-    return () if weights_read(options) == {"module"} else (OPTIM_FILE_PATTERN,)
+    return () if weights == {"module"} else (OPTIM_FILE_PATTERN,)
 
 
 def _gathered(ds_config: Any) -> Any:

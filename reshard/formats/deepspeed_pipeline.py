@@ -9,7 +9,7 @@ Each layer file is one row of the source grid (rows after the rank files' ``PP``
 :mod:`reshard.core.source`). Its keys are the layer module's own (``input_layernorm.weight``); their
 canonical names are the legacy Megatron names the model family knows, by the layer's role
 (:data:`LAYER_NAMES`), so partitioning, checks and facts are those of every other layout. The
-planner of this layout (:mod:`reshard.core.ds_pipe`) writes layer files back under the files' own
+planner of this layout (:mod:`reshard.execution.ds_pipe`) writes layer files back under the files' own
 keys: layer files are written from layer files only.
 """
 

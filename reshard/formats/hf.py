@@ -239,8 +239,6 @@ def architecture(plan: Plan) -> HFArchitecture:
 
 
 def _architecture(plan: Plan) -> HFArchitecture:
-    from reshard.core.engine import target_state
-
     legacy = plan.facts.naming != "megatron-core"
     written = {core_name(tp.out_key) if legacy else tp.out_key: tp.param for t in plan.targets for tp in t.params}
     keys = set(written)
@@ -255,7 +253,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
-    args = with_flags(target_state(plan, 0).get("args"), plan.options, "--to hf")
+    args = with_flags(plan.target_state(0).get("args"), plan.options, "--to hf")
     return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32,
                                widths.get("dense"), widths.get("expert"), widths.get("shared"))
 
@@ -299,10 +297,8 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
 
 
 def _file_entries(plan: Plan, tgt: int) -> list[FileEntry]:
-    from reshard.core.engine import target_state
-
     return _PER_PLAN.get(plan, ("entries", tgt), lambda: SafetensorsFile(
-        _exports(plan, tgt, _module(target_state(plan, tgt), plan))).entries)
+        _exports(plan, tgt, _module(plan.target_state(tgt), plan))).entries)
 
 
 class SafetensorsFile:

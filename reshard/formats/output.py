@@ -36,11 +36,11 @@ def _chosen(source: SourceCheckpoint, options: ReshardOptions) -> CheckpointForm
     return out
 
 
-def weights_read(options: ReshardOptions) -> set[str]:
+def weights_read(options: ReshardOptions) -> frozenset[str]:
     """The weights (``--weights`` values) a conversion under ``options`` reads: its own, and those
     its output format is written from (a universal checkpoint's optimizer states). A source format
     fetches and opens the ZeRO optimizer files only when this holds more than ``module``."""
     sets = {options.weights}
     if options.to is not None and options.to in registry:
         sets.update(get_format(options.to).weight_sets(options))
-    return sets
+    return frozenset(sets)

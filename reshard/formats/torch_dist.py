@@ -214,12 +214,10 @@ class TorchDistFormat(CheckpointFormat):
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
         """The index (from the shapes: blob sizes do not depend on the bytes) and ``common.pt``
         (the top-level entries, ``args`` describing the output)."""
-        from reshard.core.engine import target_state
-
-        sd = target_state(plan, 0)
+        sd = plan.target_state(0)
         folder = names[0].rsplit("/", 1)[0]
         layout = plan_layout(plan)
-        files = [(name.rsplit("/", 1)[1], global_items((sd if tgt == 0 else target_state(plan, tgt))[plan.module_key],
+        files = [(name.rsplit("/", 1)[1], global_items((sd if tgt == 0 else plan.target_state(tgt))[plan.module_key],
                                                        layout)) for tgt, name in enumerate(names)]
         top = {k: v for k, v in sd.items() if k != plan.module_key}
         if plan.facts.naming != "megatron-core" and top.get("args") is not None:

@@ -27,12 +27,13 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from reshard.core.engine import convert_target, pick_device
+from reshard.execution.engine import convert_target, pick_device
 from reshard.core.errors import DestinationError, StorageError
 from reshard.core.options import ReshardOptions
-from reshard.core.planner import build_plan
+from reshard.execution.planner import build_plan
 from reshard.crashpoints import crash_point
 from reshard.formats import get_format, is_marker, locate
+from reshard.formats.output import weights_read
 from reshard.core.zero_master import forget_optimizer_files
 from reshard.conversion import (convert_streamed, manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
                                 source_record, urls_in_errors, zero_gate)
@@ -162,7 +163,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     with urls_in_errors(view, disc.url):
         source = locate(str(view))
     names = _object_names(job, source.files)
-    read_too = source.aux + get_format(source.format).companions(source, _options(job))  # read by every target
+    read_too = source.aux + get_format(source.format).companions(source, weights_read(_options(job)))  # read by every target
     aux = _object_names(job, read_too)
     if None in names or None in aux:  # a local descriptor may list files outside its folder: no per-shard early start
         names = [o.name for o in disc.objects if not is_marker(o.name)]

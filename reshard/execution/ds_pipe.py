@@ -15,7 +15,7 @@ On disk (DeepSpeed ``runtime/pipe/module.py`` ``save_state_dict`` / ``ckpt_layer
 Each layer file is one row of the source grid (see :mod:`reshard.core.source`); the format
 (:mod:`reshard.formats.deepspeed_pipeline`) reads it and names its keys canonically, by the layer's
 role, with the legacy Megatron names the rule table knows, so partitioning, checks and facts are
-those of every other layout (:func:`reshard.core.plan.decide_parameters`). Output: the same layer files at the target TP (same layer indices: they do not depend on
+those of every other layout (:func:`reshard.execution.plan.decide_parameters`). Output: the same layer files at the target TP (same layer indices: they do not depend on
 PP) and ``TP x PP`` rank files; a PP change only changes the rank files, which DeepSpeed's loader
 reads per stage. DeepSpeed's own reader (``checkpoint/deepspeed_checkpoint.py``) splits transformer
 layers evenly over stages; reshard likewise refuses a target PP that does not divide them.
@@ -31,8 +31,8 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.facts import bool_arg, decide_version
 from reshard.core.layouts import source_ranks_for_target
 from reshard.core.options import ReshardOptions
-from reshard.core.placement import target_ranks_needed, target_size
-from reshard.core.plan import decide_parameters
+from reshard.execution.placement import target_ranks_needed, target_size
+from reshard.execution.plan import decide_parameters
 from reshard.core.plan_types import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetParam,
                                      TargetPlan, dropped_warning)
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, layer_file_name, rank_file_name

@@ -31,7 +31,7 @@ from reshard.core.experts import check_expert_ranks, check_expert_tp, experts_pe
 from reshard.core.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
-from reshard.core.placement import place, split_files, target_plan
+from reshard.execution.placement import place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
                                      SourceStage, TensorDegrees, dropped_warning)
 from reshard.core.rules import Kind, Resolution, Rule, expert_index, layer_index, with_expert, with_layer
@@ -50,7 +50,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     """The plan of a checkpoint whose files form a (stage, TP rank) grid of module dicts
     (DeepSpeed ``mp_rank_XX`` files, Megatron-LM folders) at target PP ``target_pp`` (None: the
     source's stages, or one where the output has none); see
-    :func:`reshard.core.planner.build_plan`, which validates the degrees and picks the planner.
+    :func:`reshard.execution.planner.build_plan`, which validates the degrees and picks the planner.
 
     ``headers_only``: read just the first rank file of each pipeline stage and take it as
     every rank of its stage. The layout (specs, targets, sources) then equals the full plan's
@@ -107,7 +107,6 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
                 extra_files=extra, target_etp=tetp if experts else None)
-    out_fmt.check_plan(plan)
     return plan
 
 

@@ -44,7 +44,7 @@ from reshard.core.lazy import LazyTensor, materialized
 from reshard.core.remote import materialize_lazy
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
-from reshard.core.ds_pipe import retarget_rank_file
+from reshard.execution.ds_pipe import retarget_rank_file
 from reshard.core.plan_types import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan
 from reshard.core.specs import quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table

@@ -1,14 +1,17 @@
 """The entry point of planning: locate the source and hand the
 checkpoint to the planner of its file layout — the (stage, TP rank) grid of module dicts
-(:mod:`reshard.core.plan`) or DeepSpeed's pipeline layer files (:mod:`reshard.core.ds_pipe`).
+(:mod:`reshard.execution.plan`) or DeepSpeed's pipeline layer files (:mod:`reshard.execution.ds_pipe`).
 Both planners share the rule table, the model-fact deciders and the engine; keeping the choice
 here keeps them free of each other (no import cycle)."""
 
 from __future__ import annotations
 
-from reshard.core.ds_pipe import build_pipe_plan
+from dataclasses import replace
+
+from reshard.execution.ds_pipe import build_pipe_plan
+from reshard.execution.engine import target_state
 from reshard.core.options import ReshardOptions
-from reshard.core.plan import build_grid_plan
+from reshard.execution.plan import build_grid_plan
 from reshard.core.plan_types import Plan
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint
 from reshard.core.errors import LayoutError
@@ -22,7 +25,7 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
 
     ``headers_only`` (grid layouts): plan from the first rank file of each pipeline stage, so
     conversions can start before every shard is fetched; see
-    :func:`reshard.core.plan.build_grid_plan`."""
+    :func:`reshard.execution.plan.build_grid_plan`."""
     source = src if isinstance(src, SourceCheckpoint) else locate(src)
     out = output_format(source, options)
     if options.target_tp is None:
@@ -38,6 +41,10 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
             raise LayoutError(f"DeepSpeed pipeline layer files are written back only as layer files, not in the "
                               f"{out.title or out.name} layout", culprit="--to",
                               hint="drop --to, or convert Megatron-LM per-rank files instead")
-        return build_pipe_plan(source, options, source.pp if options.target_pp is None else options.target_pp)
-    return build_grid_plan(source, options, options.target_pp, headers_only=headers_only)
+        plan = build_pipe_plan(source, options, source.pp if options.target_pp is None else options.target_pp)
+    else:
+        plan = build_grid_plan(source, options, options.target_pp, headers_only=headers_only)
+    plan = replace(plan, state_reader=target_state)
+    out.check_plan(plan)  # the output format's own refusals, with what it would write at hand
+    return plan
 
