@@ -35,6 +35,9 @@ MODELS = {
                               "rope_theta": 50000.0, "tie_word_embeddings": False}, "100KB"),
     "llama_tied": ("LlamaConfig", {**_SMALL, "num_key_value_heads": 4, "vocab_size": 256,
                                    "tie_word_embeddings": True}, None),
+    # Mistral without its sliding window: Llama's arithmetic (no bias keys in its config)
+    "mistral": ("MistralConfig", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rope_theta": 1e6,
+                                  "sliding_window": None, "tie_word_embeddings": False}, None),
     "qwen2": ("Qwen2Config", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-6,
                               "rope_theta": 1e6, "tie_word_embeddings": False}, None),
     # Qwen3: query/key RMSNorm per head, a head dim above hidden / heads
@@ -219,8 +222,15 @@ def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path,
     _refused(capsys, _edited(llama, tmp_path / "c", config={"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0}}), tmp_path / "o3", "rotary scaling llama3")
     _refused(capsys, _edited(llama, tmp_path / "d", config={"hidden_act": "gelu"}), tmp_path / "o4", "activation gelu")
-    _refused(capsys, _edited(llama, tmp_path / "e", config={"architectures": ["MistralForCausalLM"]}), tmp_path / "o5",
-             "architecture ['MistralForCausalLM'] is not imported")
+    _refused(capsys, _edited(llama, tmp_path / "e", config={"architectures": ["PhiForCausalLM"]}), tmp_path / "o5",
+             "architecture ['PhiForCausalLM'] is not imported")
+    _refused(capsys, _edited(imported["hf"]["mistral"], tmp_path / "e2", config={"sliding_window": 4096}),
+             tmp_path / "o5b", "megatron-core does not compute this MistralForCausalLM exactly: sliding-window")
+    no_window = _edited(imported["hf"]["mistral"], tmp_path / "e3")
+    cfg = json.loads((no_window / "config.json").read_text())
+    del cfg["sliding_window"]  # absent: MistralConfig's default window (4096), not none
+    (no_window / "config.json").write_text(json.dumps(cfg))
+    _refused(capsys, no_window, tmp_path / "o5c", "sliding-window attention")
     _refused(capsys, _edited(llama, tmp_path / "f", config={"num_hidden_layers": 3}), tmp_path / "o6",
              "config.json says 3")
     _refused(capsys, _edited(llama, tmp_path / "g", config={"num_key_value_heads": 4}), tmp_path / "o7",
@@ -273,3 +283,14 @@ def test_gpt2_names_without_the_base_model_prefix_import_the_same(imported, tmp_
     want = imported["runs"][("gpt2", 2)]
     for f in sorted(want.rglob("model_optim_rng.pt")):
         assert (out / f.relative_to(want)).read_bytes() == f.read_bytes(), f
+
+
+def test_an_export_only_name_table_is_refused_on_import_in_one_line(monkeypatch):
+    """A name table with no import defaults (an architecture reshard writes but does not read) is a
+    clear refusal, not a KeyError."""
+    from reshard.core.errors import LayoutError
+    from reshard.models import hf_import
+
+    monkeypatch.setitem(arch.NAME_TABLES, "ExportOnlyForCausalLM", arch.LLAMA_NAMES)
+    with pytest.raises(LayoutError, match=r"architecture \['ExportOnlyForCausalLM'\] is not imported"):
+        hf_import.read_config({"architectures": ["ExportOnlyForCausalLM"], "vocab_size": 8}, "config.json")

@@ -378,7 +378,8 @@ QWEN3_NAMES: NameTable = LLAMA_NAMES + _table(
 #: megatron-core MoE layers <-> Qwen3-MoE's: Qwen2-MoE's router and experts, no shared expert.
 QWEN3_MOE_NAMES: NameTable = QWEN3_NAMES + _QWEN_ROUTED
 #: Each architecture's name table, both directions.
-NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "GPT2LMHeadModel": GPT2_NAMES,
+NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "MistralForCausalLM": LLAMA_NAMES,
+               "GPT2LMHeadModel": GPT2_NAMES,
                "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES,
                "Qwen3ForCausalLM": QWEN3_NAMES, "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES}
 

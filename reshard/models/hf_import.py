@@ -17,6 +17,7 @@ weights' dtype          ``torch_dtype``                              ``dtype``
 
 Only what megatron-core computes exactly is read; anything else (rotary scaling, sliding-window
 attention, another activation, biases on some linear layers only) is refused in one line.
+Mistral is Llama's arithmetic once its sliding window is off (``"sliding_window": null``).
 Mixtral, Qwen2-MoE and Qwen3-MoE become megatron-core MoE layers (SequentialMLP experts, EP 1:
 reshard's ``--target-ep`` deals them out); Qwen3's query/key norms become ``--qk-layernorm``.
 """
@@ -46,6 +47,10 @@ BASE_PREFIX = {"GPT2LMHeadModel": "transformer."}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                          "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048},
+    # Mistral: Llama's arithmetic (no biases) unless its sliding window is set, which transformers'
+    # MistralConfig does by default (4096): a folder must say "sliding_window": null to be imported.
+    "MistralForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                           "max_position_embeddings": 131072, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                          "use_sliding_window": False, "max_position_embeddings": 32768},
     "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -81,7 +86,8 @@ class HFModel:
 
 #: ``model_type`` -> the causal-LM architecture, for a ``config.json`` without ``architectures`` (what
 #: ``PretrainedConfig.save_pretrained`` writes; transformers' own Auto classes go by ``model_type``).
-ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
@@ -93,9 +99,9 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
     if not archs and config.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:  # saved from a config class alone
         archs = [ARCHITECTURE_OF_MODEL_TYPE[config["model_type"]]]
     arch = archs[0] if len(archs) == 1 else None
-    if arch not in NAME_TABLES:
+    if arch not in NAME_TABLES or arch not in _DEFAULTS:  # a name table without defaults is export-only
         raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
-                          hint=f"reshard imports {', '.join(sorted(NAME_TABLES))}")
+                          hint=f"reshard imports {', '.join(sorted(set(NAME_TABLES) & set(_DEFAULTS)))}")
     c = {**_DEFAULTS[arch], **config}
 
     def refuse(what: str) -> LayoutError:
@@ -125,7 +131,7 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
     else:
         if c["hidden_act"] != "silu":
             raise refuse(f"activation {c['hidden_act']} (Megatron's SwiGLU is silu)")
-        if c.get("use_sliding_window"):
+        if c.get("use_sliding_window") or (arch == "MistralForCausalLM" and c.get("sliding_window") is not None):
             raise refuse("sliding-window attention")
         base, rope_type, partial = _rope(c)
         if rope_type != "default":
@@ -145,6 +151,8 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
             qkv_bias = linear_bias = False
         elif arch in _MOE:
             qkv_bias, linear_bias = arch == "Qwen2MoeForCausalLM" and bool(c["qkv_bias"]), False
+        elif arch == "MistralForCausalLM":  # its linear layers have no biases, whatever the config says
+            qkv_bias = linear_bias = False
         else:
             if c["attention_bias"] != c["mlp_bias"]:
                 raise refuse("biases on the attention or the MLP layers only (Megatron has them on all or none, "
