@@ -25,7 +25,7 @@ GROUPS = {"layout": "target layout", "output": "output", "execution": "execution
 #: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
 #: placed where they are added).
 OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_ep": "layout", "target_etp": "layout",
-                 "to": "output", "max_shard_size": "output", "weights": "output",
+                 "to": "output", "hf_architecture": "output", "max_shard_size": "output", "weights": "output",
                  "quantize": "quantization", "bits": "quantization", "groups": "quantization",
                  "mlp_extra_grouping": "quantization", "version": "model facts", "module_key": "model facts",
                  "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",

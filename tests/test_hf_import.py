@@ -188,9 +188,10 @@ def test_a_transformers_4_config_imports_the_same(imported, tmp_path):
         assert (old / f.relative_to(new)).read_bytes() == f.read_bytes(), f
 
 
-def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str) -> None:
+def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str, tp: tuple[str, ...] = ("--target-tp", "2")
+             ) -> None:
     capsys.readouterr()
-    assert main(["run", "--direct", str(src), str(dst), "--target-tp", "2", *extra]) == 2
+    assert main(["run", "--direct", str(src), str(dst), *tp, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert not dst.exists()
@@ -285,12 +286,50 @@ def test_gpt2_names_without_the_base_model_prefix_import_the_same(imported, tmp_
         assert (out / f.relative_to(want)).read_bytes() == f.read_bytes(), f
 
 
-def test_an_export_only_name_table_is_refused_on_import_in_one_line(monkeypatch):
-    """A name table with no import defaults (an architecture reshard writes but does not read) is a
-    clear refusal, not a KeyError."""
+def test_an_export_only_architecture_is_refused_on_import_in_one_line():
+    """An architecture reshard writes but does not read (no ``read_config`` of its own) is a clear
+    refusal on import, not a KeyError."""
     from reshard.core.errors import LayoutError
-    from reshard.models import hf_import
+    from reshard.models import hf_registry
 
-    monkeypatch.setitem(arch.NAME_TABLES, "ExportOnlyForCausalLM", arch.LLAMA_NAMES)
-    with pytest.raises(LayoutError, match=r"architecture \['ExportOnlyForCausalLM'\] is not imported"):
-        hf_import.read_config({"architectures": ["ExportOnlyForCausalLM"], "vocab_size": 8}, "config.json")
+    class ExportOnly(arch.HFArchitectureFamily):
+        name, names = "ExportOnlyForCausalLM", arch.LLAMA_NAMES
+
+    hf_registry.register_hf_architecture(ExportOnly)
+    try:
+        with pytest.raises(LayoutError, match=r"architecture \['ExportOnlyForCausalLM'\] is not imported"):
+            hf_registry.read_config({"architectures": ["ExportOnlyForCausalLM"], "vocab_size": 8}, "config.json")
+    finally:
+        hf_registry.unregister_hf_architecture("ExportOnlyForCausalLM")
+
+
+def _st_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_a_mistral_import_exports_back_as_mistral_bit_for_bit(imported, tmp_path):
+    """``--hf-architecture MistralForCausalLM``: the Llama-shaped model written as Mistral (no sliding
+    window), every tensor as transformers saved it."""
+    out = tmp_path / "mistral"
+    assert main(["run", "--direct", str(imported["runs"][("mistral", 2)]), str(out), "--to", "hf",
+                 "--hf-architecture", "MistralForCausalLM"]) == 0
+    want, got = _st_tensors(imported["hf"]["mistral"]), _st_tensors(out)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mistral" and config["sliding_window"] is None
+
+
+def test_hf_architecture_choices_that_cannot_be_written_are_refused(imported, tmp_path, capsys):
+    qwen2, llama = imported["runs"][("qwen2", 1)], imported["runs"][("llama", 1)]
+    _refused(capsys, qwen2, tmp_path / "o1", "the model is Qwen2ForCausalLM (RMSNorm, SwiGLU, rotary, biases on the "
+             "fused QKV only); MistralForCausalLM does not compute it", "--to", "hf",
+             "--hf-architecture", "MistralForCausalLM", tp=())
+    _refused(capsys, llama, tmp_path / "o2", "'NopeForCausalLM' is not a Hugging Face architecture reshard knows",
+             "--to", "hf", "--hf-architecture", "NopeForCausalLM", tp=())
+    _refused(capsys, llama, tmp_path / "o3", "--hf-architecture: names the class of a Hugging Face export",
+             "--hf-architecture", "MistralForCausalLM")

@@ -118,6 +118,9 @@ class ReshardOptions(BaseModel):
     norm_epsilon: float | None = _opt(None, "the layer norms' epsilon, when the saved args lack it", metavar="EPS")
     to: str | None = _opt(None, "output format (default: the source's own; torch_dist and Hugging Face sources "
                                 "are written as Megatron-LM per-rank files)", metavar="FORMAT")
+    hf_architecture: str | None = _opt(None, "with --to hf: the transformers class to write (default: the one "
+                                             "reshard finds computes the model), e.g. MistralForCausalLM, or a "
+                                             "registered plug-in's", metavar="CLASS")
 
     weights: str = _opt("module", "which weights to convert: 'module' (the copy the model ran with), 'master' "
                                   "(the optimizer's fp32 master weights, from DeepSpeed ZeRO optimizer files), or "
@@ -188,6 +191,9 @@ class ReshardOptions(BaseModel):
                 raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name))
         if not 1 <= self.bits <= 8:
             raise LayoutError(f"{self.bits} does not fit int8", culprit="--bits", hint="use 1..8")
+        if self.hf_architecture is not None and self.to != "hf":  # the hf format's own choice of class
+            raise LayoutError("names the class of a Hugging Face export", culprit=flag_of("hf_architecture"),
+                              hint="add --to hf, or drop it")
         return self
 
     def to_record(self) -> dict[str, Any]:

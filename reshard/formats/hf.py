@@ -39,7 +39,8 @@ from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, 
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of
 from reshard.models.given_facts import with_flags
-from reshard.models.hf_import import megatron_state, read_config
+from reshard.models.hf_import import megatron_state
+from reshard.models.hf_registry import export_as, read_config
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
 if TYPE_CHECKING:
@@ -254,8 +255,9 @@ def _architecture(plan: Plan) -> HFArchitecture:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
     args = with_flags(plan.target_state(0).get("args"), plan.options, "--to hf")
-    return decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32,
-                               widths.get("dense"), widths.get("expert"), widths.get("shared"))
+    decided = decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32,
+                                  widths.get("dense"), widths.get("expert"), widths.get("shared"))
+    return export_as(decided, plan.options.hf_architecture)
 
 
 class _PerPlan:
@@ -290,7 +292,7 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
             if value is not None and not key.endswith("_extra_state"):
                 raise LayoutError(f"{key} holds a {type(value).__name__}, not a tensor", culprit=key)
             continue
-        exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts, architecture(plan).name)
+        exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts, architecture(plan))
         if exp.outputs:
             out.append((exp, value, value.dtype))
     return out

@@ -65,7 +65,7 @@ FLAG_ARGS = {"normalization": "normalization", "position_embedding_type": "posit
 
 def from_hf_config(config: Mapping[str, Any], where: str) -> argparse.Namespace:
     """The model facts of a Hugging Face ``config.json`` (any architecture reshard imports)."""
-    from reshard.models.hf_import import read_config
+    from reshard.models.hf_registry import read_config
 
     args = read_config(config, where).args
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in LAYOUT_ARGS})

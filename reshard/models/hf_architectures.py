@@ -54,9 +54,11 @@ does, so no row permutation is needed.
 from __future__ import annotations
 
 import abc
+import argparse
+import dataclasses
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,7 +379,8 @@ QWEN3_NAMES: NameTable = LLAMA_NAMES + _table(
 )
 #: megatron-core MoE layers <-> Qwen3-MoE's: Qwen2-MoE's router and experts, no shared expert.
 QWEN3_MOE_NAMES: NameTable = QWEN3_NAMES + _QWEN_ROUTED
-#: Each architecture's name table, both directions.
+#: The built-in architectures' name tables, both directions (the built-ins of
+#: :mod:`reshard.models.hf_registry` are made from them; a plug-in brings its own).
 NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "MistralForCausalLM": LLAMA_NAMES,
                "GPT2LMHeadModel": GPT2_NAMES,
                "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES,
@@ -395,10 +398,11 @@ class Export:
     convert: Any = None
 
 
-def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts, architecture: str) -> Export:
-    """Where megatron-core tensor ``key`` goes in ``architecture`` (:data:`NAME_TABLES`); an unknown
-    key is an error."""
-    for row in NAME_TABLES[architecture]:
+def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts,
+              architecture: HFArchitecture) -> Export:
+    """Where megatron-core tensor ``key`` goes in ``architecture`` (its name table); an unknown key
+    is an error."""
+    for row in architecture.names:
         m = next((m for m in (p.match(key) for p in row.core_patterns) if m), None)
         if m is None:
             continue
@@ -410,18 +414,68 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         if isinstance(transform, WholeTensorTransform):
             return Export(key, outputs, (), functools.partial(transform.convert, facts=facts))
         return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)))
-    raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture}", culprit=key,
+    raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture.name}", culprit=key,
                       hint="export a model whose every tensor that architecture holds")
 
 
 @dataclass(frozen=True, kw_only=True)
 class HFArchitecture:
-    """The chosen class, its ``config.json`` and why (for the report)."""
+    """The chosen class, its ``config.json``, why (for the report) and its name table."""
 
     name: str
     config: dict[str, Any]
     reason: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    names: NameTable = ()
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """What a ``config.json`` says, as Megatron-LM sees it, and the name table its tensors are read by
+    (``base_prefix``: the base model's prefix, which some saved folders leave out of the names)."""
+
+    architecture: str
+    args: argparse.Namespace
+    facts: ModelFacts
+    names: NameTable = ()
+    base_prefix: str | None = None
+
+
+class HFArchitectureFamily(abc.ABC):
+    """One Hugging Face architecture: everything reshard knows of one ``transformers`` class, in one
+    object (registered in :mod:`reshard.models.hf_registry`). A plug-in sets :attr:`name`,
+    :attr:`names` and :attr:`model_types`, and overrides :meth:`read_config` to import its folders,
+    :meth:`export` to write megatron-core models as it, or both."""
+
+    #: The ``transformers`` class (``config.json``'s ``architectures``).
+    name: str = ""
+    #: Registry order (built-ins 0, plug-ins after them by default).
+    priority: int = 100
+    #: ``config.json``'s ``model_type`` values that mean this class when ``architectures`` is absent.
+    model_types: tuple[str, ...] = ()
+    #: megatron-core names <-> this class's names, each row's transform owning its math both ways.
+    names: NameTable = ()
+
+    def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
+        """Import: the megatron-core model ``config`` (a ``config.json``) describes, or
+        :class:`LayoutError` naming the first thing megatron-core does not compute exactly."""
+        raise LayoutError(f"{self.name} is written by reshard but not read", culprit=where,
+                          hint="import a folder of an architecture reshard reads")
+
+    def export(self, decided: HFArchitecture) -> HFArchitecture:
+        """Export under ``--hf-architecture``: this class's ``config.json`` for the model reshard
+        decided ``decided`` computes (a built-in architecture, whose ``config`` and ``reason`` say
+        what it is), or :class:`LayoutError` saying why this class does not compute it."""
+        raise LayoutError(f"the model is {decided.name} ({decided.reason}); {self.name} does not compute it",
+                          culprit="--hf-architecture", hint=f"drop --hf-architecture, or give {decided.name}")
+
+    @property
+    def imports(self) -> bool:
+        """Whether :meth:`read_config` is this class's own (an export-only architecture has none)."""
+        return type(self).read_config is not HFArchitectureFamily.read_config
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
 
 
 _HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -441,6 +495,12 @@ def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: tor
     table), from the saved ``args`` and the tensor names present; :class:`LayoutError` naming the
     first difference otherwise. ``ffn``, ``moe_ffn``, ``shared_ffn``: the FFN widths of the dense
     MLPs, the routed experts and the shared experts (None: none such)."""
+    decided = _decide(args, facts, keys, dtype, ffn, moe_ffn, shared_ffn)
+    return dataclasses.replace(decided, names=NAME_TABLES[decided.name])
+
+
+def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
+            ffn: int | None, moe_ffn: int | None, shared_ffn: int | None) -> HFArchitecture:
 
     def refuse(what: str) -> LayoutError:
         return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",

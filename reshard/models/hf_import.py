@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +34,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import LazyTensor
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import NAME_TABLES, ROPE_BASE_DEFAULT
+from reshard.models.hf_architectures import (NAME_TABLES, ROPE_BASE_DEFAULT, HFArchitecture, HFArchitectureFamily,
+                                             HFModel, NameTable)
 from reshard.models.megatron_gpt import core_module
 
 #: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
@@ -75,34 +75,49 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _ACTIVATIONS = {"gelu": False, "gelu_new": True}  # GPT-2 activation -> Megatron's --openai-gelu
 
 
-@dataclass(frozen=True)
-class HFModel:
-    """What a ``config.json`` says, as Megatron-LM sees it."""
+class BuiltinArchitecture(HFArchitectureFamily):
+    """A built-in architecture: its name table from :data:`~reshard.models.hf_architectures.NAME_TABLES`,
+    its ``config.json`` read by :func:`read_llama_like` (or GPT-2's branch of it) with its class defaults,
+    exported as :func:`~reshard.models.hf_architectures.decide_architecture` decides."""
 
-    architecture: str
-    args: argparse.Namespace
-    facts: ModelFacts
+    priority = 0
 
+    def __init__(self, name: str, model_type: str) -> None:
+        self.name, self.model_types, self.names = name, (model_type,), NAME_TABLES[name]
 
-#: ``model_type`` -> the causal-LM architecture, for a ``config.json`` without ``architectures`` (what
-#: ``PretrainedConfig.save_pretrained`` writes; transformers' own Auto classes go by ``model_type``).
-ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                              "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+    def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
+        return read_llama_like(self.name, self.names, {**_DEFAULTS[self.name], **config}, where)
 
 
-def read_config(config: Mapping[str, Any], where: str) -> HFModel:
-    """The megatron-core model a Hugging Face ``config.json`` describes (see the module table);
-    :class:`LayoutError` naming the first thing megatron-core does not compute exactly."""
-    archs = config.get("architectures") or []
-    if not archs and config.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:  # saved from a config class alone
-        archs = [ARCHITECTURE_OF_MODEL_TYPE[config["model_type"]]]
-    arch = archs[0] if len(archs) == 1 else None
-    if arch not in NAME_TABLES or arch not in _DEFAULTS:  # a name table without defaults is export-only
-        raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
-                          hint=f"reshard imports {', '.join(sorted(set(NAME_TABLES) & set(_DEFAULTS)))}")
-    c = {**_DEFAULTS[arch], **config}
+class MistralArchitecture(BuiltinArchitecture):
+    """Mistral: Llama's arithmetic without biases once its sliding window is off; exported from a
+    model reshard decides is Llama without biases (``--hf-architecture MistralForCausalLM``)."""
+
+    def export(self, decided: HFArchitecture) -> HFArchitecture:
+        c = decided.config
+        if decided.name != "LlamaForCausalLM" or c.get("attention_bias") or c.get("mlp_bias"):
+            return super().export(decided)
+        config = {k: v for k, v in c.items() if k not in ("attention_bias", "mlp_bias")}
+        config.update(architectures=[self.name], model_type="mistral", sliding_window=None)
+        return HFArchitecture(name=self.name, config=config, names=self.names, notes=decided.notes,
+                              reason=decided.reason + ", no sliding window")
+
+
+LLAMA = BuiltinArchitecture("LlamaForCausalLM", "llama")
+MISTRAL = MistralArchitecture("MistralForCausalLM", "mistral")
+QWEN2 = BuiltinArchitecture("Qwen2ForCausalLM", "qwen2")
+QWEN3 = BuiltinArchitecture("Qwen3ForCausalLM", "qwen3")
+MIXTRAL = BuiltinArchitecture("MixtralForCausalLM", "mixtral")
+QWEN2_MOE = BuiltinArchitecture("Qwen2MoeForCausalLM", "qwen2_moe")
+QWEN3_MOE = BuiltinArchitecture("Qwen3MoeForCausalLM", "qwen3_moe")
+GPT2 = BuiltinArchitecture("GPT2LMHeadModel", "gpt2")
+
+
+def read_llama_like(arch: str, names: NameTable, c: Mapping[str, Any], where: str) -> HFModel:
+    """The megatron-core model of a Llama-like (or GPT-2) ``config.json`` ``c`` whose class defaults are
+    already filled in (see the module table): a plug-in whose class computes Llama's arithmetic calls
+    it with its own name table. :class:`LayoutError` naming the first thing megatron-core does not
+    compute exactly."""
 
     def refuse(what: str) -> LayoutError:
         return LayoutError(f"megatron-core does not compute this {arch} exactly: {what}", culprit=where,
@@ -177,7 +192,7 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
                        head_dim=head_dim, swiglu=arch_args["swiglu"], tied_embeddings=tied, vocab_size=vocab,
                        padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
                        source_pp_layers=(layers,), target_pp_layers=(layers,))
-    return HFModel(arch, args, facts)
+    return HFModel(arch, args, facts, names, BASE_PREFIX.get(arch))
 
 
 #: The mixture-of-experts architectures (:func:`_moe_args`).
@@ -238,8 +253,8 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
     no row names, or one a row misses, is an error; a tied model's ``lm_head`` copy is dropped
     (transformers ties it to the embedding on load, as megatron-core does); names saved without
     the base model's prefix (:data:`BASE_PREFIX`) are read with it."""
-    table = NAME_TABLES[model.architecture]
-    prefix = BASE_PREFIX.get(model.architecture)
+    table = model.names
+    prefix = model.base_prefix
     if prefix and not any(k.startswith(prefix) for k in tensors):
         tensors = {(k if k.startswith("lm_head.") else prefix + k): v for k, v in tensors.items()}
     found: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}

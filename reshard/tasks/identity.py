@@ -49,13 +49,14 @@ def _package_hash() -> str:
 
 
 def _plugin_sources() -> set[str]:
-    """The source files of the registered formats and model families defined outside the package
+    """The source files of the registered formats, model families and Hugging Face architectures defined outside the package
     (third parties': entry points or ``register_*`` calls)."""
     from reshard.formats.registry import registry as formats
+    from reshard.models.hf_registry import registry as hf_architectures
     from reshard.models.registry import registry as families
 
     files = set()
-    for item in (*formats.values(), *families.values()):
+    for item in (*formats.values(), *families.values(), *hf_architectures.values()):
         module = sys.modules.get(type(item).__module__)
         path = getattr(module, "__file__", None)
         if path and not Path(path).resolve().is_relative_to(PACKAGE):
