@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-from reshard.execution import engine, foreign, torch_writer
+from reshard.core import foreign, torch_writer
+from reshard.execution import engine
 from reshard.execution.engine import build_target, convert_target
 from reshard.execution.plan import ReshardOptions
 from reshard.execution.planner import build_plan

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
-from reshard.core.rules import expert_index
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of
+from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of, ffn_widths
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import export_as, read_config
@@ -244,13 +243,12 @@ def _architecture(plan: Plan) -> HFArchitecture:
     written = {core_name(tp.out_key) if legacy else tp.out_key: tp.param for t in plan.targets for tp in t.params}
     keys = set(written)
     dtypes = {p.dtype for p in written.values() if p.dtype is not None}
-    widths: dict[str, int] = {}  # FFN width of the dense MLPs, routed experts, shared experts
+    split_rows = {}  # the whole model's size of every split tensor along its split dim
     for key, p in written.items():
-        kind = "expert" if expert_index(key) is not None else "shared" if ".shared_experts." in key else "dense"
-        if re.search(r"linear_fc1\.weight\d*$", key) and p.spec is not None:
+        if p.spec is not None:
             split = plan.degrees.of(key)[0]  # the source TP (expert TP) it is split over
-            rows = p.shape[p.spec.dim] * split if p.spec.total is None else p.spec.total * p.spec.parts
-            widths[kind] = rows // 2 if plan.facts.swiglu else rows  # SwiGLU's fc1 is [gate; up]
+            split_rows[key] = p.shape[p.spec.dim] * split if p.spec.total is None else p.spec.total * p.spec.parts
+    widths = ffn_widths(split_rows, bool(plan.facts.swiglu))
     if len(dtypes) > 1:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")

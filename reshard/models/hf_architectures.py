@@ -68,7 +68,7 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
 from reshard.core.experts import experts_per_layer
-from reshard.core.rules import layer_index
+from reshard.core.rules import expert_index, layer_index
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
 ROPE_BASE_DEFAULT = 10000.0
@@ -487,6 +487,18 @@ def _arg(args: Any, *names: str, default: Any = None) -> Any:
         if v is not None:
             return v
     return default
+
+
+def ffn_widths(split_rows: Mapping[str, int], swiglu: bool) -> dict[str, int]:
+    """The FFN widths of the dense MLPs, the routed experts and the shared experts (``"dense"``,
+    ``"expert"``, ``"shared"``; absent: none such), from each split megatron-core tensor's whole
+    size along its split dim (``split_rows``): fc1's rows, halved for SwiGLU (``[gate; up]``)."""
+    widths: dict[str, int] = {}
+    for key, rows in split_rows.items():
+        if re.search(r"linear_fc1\.weight\d*$", key):
+            kind = "expert" if expert_index(key) is not None else "shared" if ".shared_experts." in key else "dense"
+            widths[kind] = rows // 2 if swiglu else rows
+    return widths
 
 
 def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
