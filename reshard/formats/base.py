@@ -30,9 +30,11 @@ if TYPE_CHECKING:
     from reshard.core.torch_writer import SaveStats
 
 
-class CheckpointFormat(ABC):
-    """One on-disk layout. Subclasses set the class attributes and implement :meth:`detect` and
-    :meth:`locate` (and :meth:`detect_file` if the format is a single file, like a descriptor)."""
+class Locating(ABC):
+    """Role 1 of a format — locating and discovery: which files (local or listed remotely) are this
+    format's, which a conversion needs, what each is and which byte ranges of it are read, and the
+    grid they form. Every format implements :meth:`detect` and :meth:`locate` (and
+    :meth:`detect_file` if it is a single file, like a descriptor)."""
 
     #: Registry key, also ``SourceCheckpoint.format`` of what it locates (unless it delegates).
     name: ClassVar[str]
@@ -44,12 +46,22 @@ class CheckpointFormat(ABC):
     #: Names of small files that tell where the weights are (``latest`` markers, descriptors):
     #: fetched whole before the checkpoint is located.
     markers: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    #: How errors name the layout (default: ``name``).
+    title: ClassVar[str] = ""
+    #: Is this layout read (a source reshard converts from)? Listed by ``reshard formats``.
+    reads: ClassVar[bool] = True
 
     def optional_patterns(self, weights: frozenset[str]) -> tuple[re.Pattern[str], ...]:
         """Names of files read only when a conversion reads some ``weights`` (the sets
         :func:`reshard.formats.output.weights_read` gives: the ZeRO optimizer files, for anything
         beyond ``module``): discovery fetches them then, and never otherwise. Given the sets, not
         the options, so a source format need not ask the registry what its output reads."""
+        return ()
+
+    def companions(self, source: SourceCheckpoint, weights: frozenset[str]) -> tuple[Path, ...]:
+        """Files :meth:`open` reads besides ``source.files`` when a conversion reads ``weights``
+        (see :meth:`optional_patterns`; the ZeRO optimizer files, for ``--weights master``): a
+        pipeline that fetches shard by shard links them in before any file is opened. Default: none."""
         return ()
 
     def detect(self, folder: Path) -> bool:
@@ -101,7 +113,20 @@ class CheckpointFormat(ABC):
         attached to the stand-in and hand out :class:`~reshard.core.remote.RemoteTensor` s — or None:
         fetch it whole. Default: a ``torch.save`` archive read by the default :meth:`load`
         streams (nothing on disk); a format with a loader of its own is fetched whole."""
-        return [] if type(self).load is CheckpointFormat.load else None
+        return [] if type(self).load is Reading.load else None
+
+
+
+class Reading:
+    """Role 2 of a format — reading: a file into a state dict (weights-only, lazily), the files as
+    the conversion sees them under its options, and the planner's rows of the grid (checked for
+    what one format can tell). Defaults read ``torch.save`` archives; a format overrides what its
+    files hold differently."""
+
+    #: Megatron's vocabulary padding divisor when neither ``--make-vocab-size-divisible-by`` nor the
+    #: saved ``args`` give one (None: keep the source's rows). A format of unpadded vocabularies
+    #: (Hugging Face) sets Megatron-LM's default, so its import pads as Megatron-LM would.
+    vocab_divisor: ClassVar[int | None] = None
 
     def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""
@@ -131,12 +156,6 @@ class CheckpointFormat(ABC):
         from reshard.models.given_facts import given_args
 
         return given_args(self.open(source, options, index), options, Path(source.files[index]))
-
-    def companions(self, source: SourceCheckpoint, weights: frozenset[str]) -> tuple[Path, ...]:
-        """Files :meth:`open` reads besides ``source.files`` when a conversion reads ``weights``
-        (see :meth:`optional_patterns`; the ZeRO optimizer files, for ``--weights master``): a
-        pipeline that fetches shard by shard links them in before any file is opened. Default: none."""
-        return ()
 
     def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
         """The planner's view of ``source``: its files' top-level entries and module dicts as rows
@@ -177,20 +196,21 @@ class CheckpointFormat(ABC):
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         """Refuse a partial copy when the saved ``args`` name more ranks than were found."""
 
-    #: Megatron's vocabulary padding divisor when neither ``--make-vocab-size-divisible-by`` nor the
-    #: saved ``args`` give one (None: keep the source's rows). A format of unpadded vocabularies
-    #: (Hugging Face) sets Megatron-LM's default, so its import pads as Megatron-LM would.
-    vocab_divisor: ClassVar[int | None] = None
-
     def padding_tp(self, args: Any, source: SourceCheckpoint) -> int:
         """The TP degree the vocabulary rows were padded for (Megatron pads to a multiple of
         ``make_vocab_size_divisible_by * TP``): the grid's TP, unless the format stores global
         tensors saved at another TP."""
         return source.tp
 
-    # -- writing (outputs are written in the format they were read in, or in ``writes_as``) ------
-    #: Is this layout read (a source reshard converts from)? Listed by ``reshard formats``.
-    reads: ClassVar[bool] = True
+
+
+class Writing:
+    """Role 3 of a format — writing: its traits as data (class attributes: does it write, per rank
+    or global tensors, pipeline stages, experts, what it keeps), the refusals of what it cannot
+    write (:meth:`check_target`, :meth:`check_source`, :meth:`check_plan`), the output's names and
+    files, and the writer. Outputs are written in the format they were read in, or in
+    :attr:`writes_as`."""
+
     #: Is this layout written (a ``--to`` choice, or what a source of its own kind becomes)?
     writes: ClassVar[bool] = True
     #: The format outputs are written in when this one is read (None: this one).
@@ -204,8 +224,6 @@ class CheckpointFormat(ABC):
     #: Can this layout hold MoE experts? A per-rank one then also has an expert-parallel axis
     #: (``target_name``'s ``ep_rank``/``ep``).
     holds_experts: ClassVar[bool] = False
-    #: How errors name the layout (default: ``name``).
-    title: ClassVar[str] = ""
     #: Top-level entries of the source that this output keeps although a reshard drops them
     #: elsewhere (:data:`~reshard.core.plan_types.DROPPED_ENTRIES`): a universal checkpoint resumes
     #: training, so it keeps the LR scheduler.
@@ -275,9 +293,9 @@ class CheckpointFormat(ABC):
         return [0]
 
     def cuts_files(self) -> bool:
-        """Whether :meth:`file_groups` may cut a target into several files (``--max-shard-size``
-        means something for this output). Default: no, one file per target."""
-        return False
+        """Whether a target may be cut into several files (``--max-shard-size`` means something for
+        this output): exactly when the format brings its own :meth:`file_groups`."""
+        return type(self).file_groups is not Writing.file_groups
 
     def part_name(self, name: str, part: int, parts: int) -> str:
         """The name of file ``part`` of ``parts`` of target ``name`` (see :meth:`file_groups`)."""
@@ -316,7 +334,15 @@ class CheckpointFormat(ABC):
     def writes_streams(self) -> bool:
         """Does :meth:`write` take a ``stream``? Default: when it is the default writer (a format
         that brings its own ``write`` says so itself)."""
-        return type(self).write is CheckpointFormat.write
+        return type(self).write is Writing.write
+
+
+
+class CheckpointFormat(Locating, Reading, Writing):
+    """One on-disk layout: its three roles (:class:`Locating`, :class:`Reading`, :class:`Writing`),
+    each with defaults, so a format author overrides only what the layout's files do differently
+    and finds each hook with the role it serves. A read-only format sets ``writes = False`` and
+    needs nothing of :class:`Writing`."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -161,9 +161,6 @@ class HFFormat(CheckpointFormat):
         """Shards of at most ``--max-shard-size`` bytes (see :func:`~reshard.formats.base.size_groups`)."""
         return size_groups(sizes, options.max_shard_size)
 
-    def cuts_files(self) -> bool:
-        return True
-
     def part_name(self, name: str, part: int, parts: int) -> str:
         return name if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
 

@@ -233,9 +233,6 @@ class TorchDistFormat(CheckpointFormat):
         workers as there are files."""
         return size_groups(sizes, options.max_shard_size)
 
-    def cuts_files(self) -> bool:
-        return True
-
     def part_name(self, name: str, part: int, parts: int) -> str:
         return f"{name.rsplit('/', 1)[0]}/__{part}_0.distcp"
 
