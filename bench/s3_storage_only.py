@@ -3,7 +3,7 @@
     python bench/s3_storage_only.py fetch  s3://src/ckpt  --cache-dir DIR [--storage-option K=V ...]
     python bench/s3_storage_only.py upload LOCALDIR s3://dst/ckpt --work-dir DIR [--no-commit]
 
-``fetch``  = ``reshard.storage.source_view.materialize`` through a cold ``ShardCache`` (discover,
+``fetch``  = ``reshard.discovery.materialize`` through a cold ``ShardCache`` (discover,
 concurrent ranged reads, size/MD5 verification, hard-linked view) — what ``reshard run`` does
 before converting a remote source.
 
@@ -47,7 +47,7 @@ def _opts(items: list[str]) -> dict:
 def fetch(ns: argparse.Namespace) -> dict:
     from reshard.storage.cache import ShardCache
     from reshard.storage.location import open_location
-    from reshard.storage.source_view import discover, materialize
+    from reshard.discovery import discover, materialize
 
     kind, *nums = ns.variant.split(":")
     chunk, conc, files = (int(n) for n in nums) if nums else (32, 8, 4)

@@ -147,7 +147,7 @@ def local_view(src: str, storage_options: Mapping[str, Any] | None, cache_dir: s
     from reshard.core import remote
     from reshard.storage.cache import ShardCache
     from reshard.storage.location import open_location
-    from reshard.storage.source_view import materialize
+    from reshard.discovery import materialize
 
     so = dict(storage_options or {})
     loc = open_location(src, so)

@@ -303,7 +303,7 @@ def _run_flow(ns: argparse.Namespace, server: Any) -> dict[str, Any]:
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
     from reshard.storage.location import open_location
-    from reshard.storage.source_view import check_source_exists
+    from reshard.discovery import check_source_exists
 
     # a missing source is told in a second, not after the embedded server has started
     storage_options = _credentials_to_env(_storage(ns))

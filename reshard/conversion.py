@@ -24,7 +24,7 @@ from reshard.formats.output import weights_read
 from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT
 from reshard.crashpoints import crash_point
-from reshard.storage.source_view import LocalSource
+from reshard.discovery import LocalSource
 from reshard.tasks.identity import code_version
 
 def side_files(plan: Plan, names: list[str]) -> dict[str, bytes]:

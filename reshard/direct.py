@@ -31,7 +31,7 @@ from reshard.formats import get_format
 from reshard.storage.cache import ShardCache
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
-from reshard.storage.source_view import discover, materialize
+from reshard.discovery import discover, materialize
 from reshard.tasks.identity import conversion_id
 
 
@@ -59,7 +59,7 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
                cache_sources: bool = False) -> RunReport:
     """Convert ``src`` into ``dst`` (any URLs) in this process; commits atomically or not at all.
     A remote source's weight files are read range by range while converting (only their
-    structure is fetched first: :func:`reshard.storage.source_view.fetch`), unless
+    structure is fetched first: :func:`reshard.discovery.fetch`), unless
     ``cache_sources`` (fetch them whole into the shard cache, for conversions that read them again)."""
     t0 = time.perf_counter()
     src_loc = open_location(src, storage_options)

@@ -14,7 +14,10 @@ reshard.models      reshard.formats/execution/storage/tasks/flows (a model famil
 reshard.formats     reshard.execution (a format is handed what it writes: ``Plan.target_state``),
                     reshard.tasks/flows, the CLI, prefect, dask
 reshard.execution   reshard.storage/tasks/flows, the CLI, fsspec, s3fs, prefect, dask
-reshard.storage     reshard.execution/tasks/flows, the CLI, prefect, dask
+reshard.storage     reshard.formats/models/execution (storage is fsspec alone; discovery, which asks the
+                    formats what a listing holds, is ``reshard.discovery`` above both),
+                    reshard.tasks/flows, the CLI, prefect, dask
+reshard.discovery   reshard.tasks/flows, the CLI, prefect, dask
 reshard.tasks       reshard.flows, the CLI (a task does not know its flow)
 ==================  ==================================================================================
 """
@@ -36,7 +39,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "reshard.models": ("reshard.formats", "reshard.execution", *_STORAGE, *_LOWER),
     "reshard.formats": ("reshard.execution", "reshard.tasks", "reshard.flows", *_LOWER),
     "reshard.execution": (*_STORAGE, *_LOWER),
-    "reshard.storage": ("reshard.execution", "reshard.tasks", "reshard.flows", *_LOWER),
+    "reshard.storage": ("reshard.formats", "reshard.models", "reshard.execution", "reshard.tasks", "reshard.flows",
+                        *_LOWER),
+    "reshard.discovery": ("reshard.tasks", "reshard.flows", *_LOWER),
     "reshard.tasks": ("reshard.flows", "reshard.cli"),
 }
 

@@ -251,7 +251,7 @@ def test_a_source_object_replaced_mid_run_fails_in_one_line(s3_server, s3_bucket
     """The object is replaced (same size, other bytes) once the source has been listed: every read
     after that carries the listed ETag (If-Match), so the run stops with one line naming the object,
     and nothing is committed — never an output mixing two versions."""
-    from reshard.storage import source_view
+    from reshard import discovery as source_view
 
     if not direct:
         request.getfixturevalue("prefect_env")

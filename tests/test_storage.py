@@ -17,7 +17,7 @@ from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.manifest import MANIFEST_NAME, verify
-from reshard.storage.source_view import list_objects
+from reshard.discovery import list_objects
 from reshard.storage.location import open_location
 
 BIG = GPTConfig(layers=2, hidden=256, heads=8, vocab=512, seq=16)  # ~1.6 MB per TP-8 shard
@@ -417,7 +417,7 @@ def test_a_view_laid_out_again_never_shows_a_reader_a_partial_file(tmp_path):
     """Every task of a flow run lays out the source view again while others read it (threads
     of one worker): the descriptor and the linked shards are replaced atomically, so a reader
     sees the whole file every time, never an empty or missing one."""
-    from reshard.storage.source_view import Discovery, build_view
+    from reshard.discovery import Discovery, build_view
 
     body = b'{"type": "Megatron", "checkpoints": ["a.pt"], "version": 1.0}' * 64
     shard = tmp_path / "cache" / "a.pt"

@@ -253,7 +253,7 @@ def test_the_flow_writes_it_from_s3(zero_checkpoint, config, tmp_path, request, 
     from reshard.core.options import ReshardOptions
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from reshard.storage.source_view import discover
+    from reshard.discovery import discover
 
     step = zero_checkpoint(*config)
     source, so = upload_to_s3(step, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),

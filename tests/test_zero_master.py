@@ -187,7 +187,7 @@ def test_the_flow_reads_master_weights_from_s3(zero_ckpts, config, tmp_path, req
     request.getfixturevalue("prefect_env")
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from reshard.storage.source_view import discover
+    from reshard.discovery import discover
 
     step = zero_ckpts[config]
     source, so = upload_to_s3(step, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),

@@ -18,7 +18,7 @@ from reshard.formats import check_file
 from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import open_location
-from reshard.storage.source_view import attach_streamed, discover, fetch
+from reshard.discovery import attach_streamed, discover, fetch
 from reshard.tasks.cache_keys import check_key, fetch_key
 from reshard.tasks.retry import retry_if_transient
 

@@ -42,7 +42,7 @@ from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.destination import Destination, LocalDestination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
-from reshard.storage.source_view import (Discovery, LocalSource, attach_streamed, fetch, link_into_view,
+from reshard.discovery import (Discovery, LocalSource, attach_streamed, fetch, link_into_view,
                                          skeleton_view)
 from reshard.tasks.cache_keys import target_key
 from reshard.tasks.shard_tasks import TRANSIENT_RETRIES

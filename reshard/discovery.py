@@ -1,4 +1,5 @@
-"""Make a checkpoint at any URL readable by the (local-path) core.
+"""Make a checkpoint at any URL readable by the (local-path) core: discovery, above storage (fsspec
+alone, which knows no format) and the formats (which classify what is listed).
 
 Three steps, which the Prefect flow runs as separate tasks and :func:`materialize` runs in a row:
 
