@@ -72,6 +72,7 @@ def reshard_deployment(
     rotary_base: float | None = None,
     norm_epsilon: float | None = None,
     to: str | None = None,
+    hf_architecture: str | None = None,
     max_shard_size: str | int | None = None,
     weights: str = "module",
     module_key: str = "auto",
