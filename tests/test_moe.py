@@ -744,9 +744,9 @@ def test_an_expert_tp_that_cannot_split_the_experts_names_target_etp():
     """Experts 6 rows wide cannot be split over an expert TP of 4, whatever the target TP: the
     error names ``--target-etp``, not a target TP (a target TP hint could not fix it)."""
     from reshard.core.errors import LayoutError
-    from reshard.core.facts import Vocab
+    from reshard.models.facts import Vocab
     from reshard.core.plan_types import CanonicalParam
-    from reshard.core.specs import _expert_spec, _SpecContext
+    from reshard.execution.specs import _expert_spec, _SpecContext
     from reshard.models import resolve_family
 
     key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"

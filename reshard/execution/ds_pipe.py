@@ -28,7 +28,7 @@ import dataclasses
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
-from reshard.core.facts import bool_arg, decide_version
+from reshard.models.facts import bool_arg, decide_version
 from reshard.core.layouts import source_ranks_for_target
 from reshard.core.options import ReshardOptions
 from reshard.execution.placement import target_ranks_needed, target_size

@@ -46,7 +46,7 @@ from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_fo
 from reshard.core.pages import PageDropper
 from reshard.execution.ds_pipe import retarget_rank_file
 from reshard.core.plan_types import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan
-from reshard.core.specs import quant_groups_for
+from reshard.execution.specs import quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
 from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.rules import QUANT_SLOT_ORDER

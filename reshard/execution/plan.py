@@ -28,7 +28,7 @@ import torch
 from reshard.core.checks import check_replicated
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.experts import check_expert_ranks, check_expert_tp, experts_per_layer, rank_experts, rank_files
-from reshard.core.facts import Vocab, decide_version, int_arg
+from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
 from reshard.execution.placement import place, split_files, target_plan
@@ -36,7 +36,7 @@ from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts
                                      SourceStage, TensorDegrees, dropped_warning)
 from reshard.core.rules import Kind, Resolution, Rule, expert_index, layer_index, with_expert, with_layer
 from reshard.core.source import SourceCheckpoint
-from reshard.core.specs import check_quantization, target_specs
+from reshard.execution.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
 from reshard.formats.output import output_format
 from reshard.models import ModelFamily, resolve_family

@@ -15,7 +15,7 @@ from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.experts import check_expert_tp, rank_files
-from reshard.core.facts import int_arg
+from reshard.models.facts import int_arg
 from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
                                  iteration_dir, iteration_text, megatron_file_name)
 from reshard.formats.base import CheckpointFormat

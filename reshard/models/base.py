@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from reshard.core import facts
+import reshard.models.facts as facts
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ParamPlan, SourceStage
 from reshard.core.rules import Rule
@@ -39,7 +39,7 @@ class ModelFamily(ABC):
 
     # -- the deciders of the model facts ------------------------------------------------------------
     # The planner asks the family for each fact. The defaults are Megatron-LM's (the flags, then
-    # the saved Megatron ``args``, then the shapes; see :mod:`reshard.core.facts`): every family
+    # the saved Megatron ``args``, then the shapes; see :mod:`reshard.models.facts`): every family
     # built in writes Megatron-LM's ``args``. A family whose checkpoints say a fact another way
     # overrides its decider; each records where its answer came from in ``origin``.
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError, MissingModelFactError, ReshardError
-from reshard.core.facts import Vocab
+from reshard.models.facts import Vocab
 from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import ParamPlan, CanonicalParam, elems
