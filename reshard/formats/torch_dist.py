@@ -72,7 +72,8 @@ from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.core.rules import expert_index, is_megatron_core
 from reshard.formats.megatron import iteration_folder
-from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_module
+from reshard.models.megatron_gpt import (EXPERTS, LAYERS, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MIN_CORE_COMPATIBLE_VERSION,
+                                         PER_RANK_ONLY, as_megatron_core, core_module)
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -85,13 +86,6 @@ CONFIG = "metadata.json"
 #: Global keys that are not the model: skipped (never read), reported under these top-level names.
 SKIPPED_ROOTS: dict[str, str] = {"optimizer.": "optimizer", "rng_state": "rng_state",
                                  "rerun_state_machine_state": "rerun_state_machine"}
-#: Layer-norm names of megatron-core's local spec (``sharded_state_dict_keys_map``): torch_dist
-#: stores them under Transformer Engine's fused names.
-LOCAL_SPEC_NAMES: dict[str, str] = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
-                                    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
-#: Entries megatron-core's per-rank state dict holds that torch_dist does not store.
-PER_RANK_ONLY: dict[str, Any] = {"output_layer._extra_state": None}
-LAYERS = "decoder.layers."
 _SHARD_RE = re.compile(r"^(?P<base>.+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
 
 
@@ -354,9 +348,6 @@ def _layer_name(key: str, i: int) -> str:
     return f"{LAYERS}{i}.{key[len(LAYERS):]}"
 
 
-#: Routed experts in torch_dist keys: one key per expert weight, a global expert axis leading
-#: (after the layer axis when stacked); per rank, ``local_experts.{e}`` (SequentialMLP).
-EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}."
 
 
 def _entry_name(key: str, layer: int | None, expert: int | None) -> str:

@@ -131,6 +131,19 @@ LEGACY_TO_CORE: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(a), 
 ))
 #: Legacy QKV rows are grouped per head (megatron-core's layout) from this ``checkpoint_version`` on.
 MIN_CORE_COMPATIBLE_VERSION = 2.0
+
+# -- megatron-core's names in torch_dist (``dist_checkpointing``'s global keys) -------------------
+#: Layer-norm names of megatron-core's local spec (``sharded_state_dict_keys_map``): torch_dist
+#: stores them under Transformer Engine's fused names.
+LOCAL_SPEC_NAMES: dict[str, str] = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+                                    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+#: Entries megatron-core's per-rank state dict holds that torch_dist does not store.
+PER_RANK_ONLY: dict[str, Any] = {"output_layer._extra_state": None}
+#: The prefix of the per-layer keys, stacked along a leading layer axis in torch_dist.
+LAYERS = "decoder.layers."
+#: Routed experts in torch_dist keys: one key per expert weight, a global expert axis leading
+#: (after the layer axis when stacked); per rank, ``local_experts.{e}`` (SequentialMLP).
+EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}."
 #: megatron-core's module order: top-level modules, then a layer's submodules (an MoE layer's router,
 #: experts by number, shared experts), then their entries.
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
