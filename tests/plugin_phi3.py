@@ -89,10 +89,4 @@ class Phi3(HFArchitectureFamily):
         return read_llama_like(self.name, self.names, c, where)
 
     def export(self, decided: HFArchitecture) -> HFArchitecture:
-        c = decided.config
-        if decided.name != "LlamaForCausalLM" or c.get("attention_bias") or c.get("mlp_bias"):
-            return super().export(decided)
-        config = {k: v for k, v in c.items() if k not in ("attention_bias", "mlp_bias")}
-        config.update(architectures=[self.name], model_type="phi3", sliding_window=None, pad_token_id=None)
-        return HFArchitecture(name=self.name, config=config, names=self.names, notes=decided.notes,
-                              reason=decided.reason + ", fused qkv_proj and gate_up_proj")
+        return self.as_llama_without_biases(decided, "phi3", sliding_window=None, pad_token_id=None)

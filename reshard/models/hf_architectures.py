@@ -469,6 +469,18 @@ class HFArchitectureFamily(abc.ABC):
         raise LayoutError(f"the model is {decided.name} ({decided.reason}); {self.name} does not compute it",
                           culprit="--hf-architecture", hint=f"drop --hf-architecture, or give {decided.name}")
 
+    def as_llama_without_biases(self, decided: HFArchitecture, model_type: str, **config: Any) -> HFArchitecture:
+        """An :meth:`export` for a class that computes Llama's arithmetic without biases (Mistral with
+        no sliding window, Phi-3): Llama's ``config.json`` under this class, with ``config`` added;
+        refused for any other decided model."""
+        c = decided.config
+        if decided.name != "LlamaForCausalLM" or c.get("attention_bias") or c.get("mlp_bias"):
+            return HFArchitectureFamily.export(self, decided)
+        out = {k: v for k, v in c.items() if k not in ("attention_bias", "mlp_bias")}
+        out.update(architectures=[self.name], model_type=model_type, **config)
+        return HFArchitecture(name=self.name, config=out, names=self.names, notes=decided.notes,
+                              reason=f"{decided.reason} ({self.name})")
+
     @property
     def imports(self) -> bool:
         """Whether :meth:`read_config` is this class's own (an export-only architecture has none)."""

@@ -93,14 +93,16 @@ class MistralArchitecture(BuiltinArchitecture):
     """Mistral: Llama's arithmetic without biases once its sliding window is off; exported from a
     model reshard decides is Llama without biases (``--hf-architecture MistralForCausalLM``)."""
 
+    def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
+        c = {**_DEFAULTS[self.name], **config}
+        if c["sliding_window"] is not None:
+            raise LayoutError(f"megatron-core does not compute this {self.name} exactly: sliding-window attention",
+                              culprit=where, hint="only models Megatron-LM reproduces exactly are imported")
+        # its linear layers have no biases, whatever the config says
+        return read_llama_like(self.name, self.names, {**c, "attention_bias": False, "mlp_bias": False}, where)
+
     def export(self, decided: HFArchitecture) -> HFArchitecture:
-        c = decided.config
-        if decided.name != "LlamaForCausalLM" or c.get("attention_bias") or c.get("mlp_bias"):
-            return super().export(decided)
-        config = {k: v for k, v in c.items() if k not in ("attention_bias", "mlp_bias")}
-        config.update(architectures=[self.name], model_type="mistral", sliding_window=None)
-        return HFArchitecture(name=self.name, config=config, names=self.names, notes=decided.notes,
-                              reason=decided.reason + ", no sliding window")
+        return self.as_llama_without_biases(decided, "mistral", sliding_window=None)
 
 
 LLAMA = BuiltinArchitecture("LlamaForCausalLM", "llama")
@@ -146,7 +148,7 @@ def read_llama_like(arch: str, names: NameTable, c: Mapping[str, Any], where: st
     else:
         if c["hidden_act"] != "silu":
             raise refuse(f"activation {c['hidden_act']} (Megatron's SwiGLU is silu)")
-        if c.get("use_sliding_window") or (arch == "MistralForCausalLM" and c.get("sliding_window") is not None):
+        if c.get("use_sliding_window"):
             raise refuse("sliding-window attention")
         base, rope_type, partial = _rope(c)
         if rope_type != "default":
@@ -166,8 +168,6 @@ def read_llama_like(arch: str, names: NameTable, c: Mapping[str, Any], where: st
             qkv_bias = linear_bias = False
         elif arch in _MOE:
             qkv_bias, linear_bias = arch == "Qwen2MoeForCausalLM" and bool(c["qkv_bias"]), False
-        elif arch == "MistralForCausalLM":  # its linear layers have no biases, whatever the config says
-            qkv_bias = linear_bias = False
         else:
             if c["attention_bias"] != c["mlp_bias"]:
                 raise refuse("biases on the attention or the MLP layers only (Megatron has them on all or none, "
