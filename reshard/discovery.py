@@ -5,7 +5,9 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 
 1. :func:`discover` lists the model-state objects (name, size, ETag) — optimizer shards
    (``zero_pp_rank_*``) are never listed; for a Megatron run folder only the latest iteration;
-   for a descriptor JSON exactly the files it lists;
+   for a descriptor JSON exactly the files it lists — and has the formats classify each object
+   once (:class:`~reshard.formats.ObjectClass`: marker or weights, who reads and who checks it),
+   a record the later steps read instead of asking the formats again;
 2. :func:`fetch` brings one object local: a local file is used in place (never copied, never
    written), a remote one goes through the :class:`~reshard.storage.cache.ShardCache`;
 3. :func:`build_view` hard-links the fetched files into a private folder that mirrors the
@@ -14,7 +16,9 @@ Three steps, which the Prefect flow runs as separate tasks and :func:`materializ
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import os
 import uuid
 from collections.abc import Mapping
@@ -26,7 +30,7 @@ from typing import Any
 from reshard.core.errors import StorageError
 from reshard.core.options import ReshardOptions
 from reshard.crashpoints import crash_point
-from reshard.formats import (descriptor_entries, is_marker, listing_patterns, locate, needed_ranges,
+from reshard.formats import (ObjectClass, classify, descriptor_entries, listing_patterns, locate, needed_ranges,
                              select_objects, skeleton_ranges)
 from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import Location, open_location, storage_errors
@@ -35,13 +39,35 @@ from reshard.storage.location import Location, open_location, storage_errors
 
 @dataclass
 class Discovery:
-    """What a source URL holds: the objects to fetch and, for descriptors, the JSON itself."""
+    """What a source URL holds: the objects to fetch, each classified (name -> its class), and,
+    for descriptors, the JSON itself."""
 
     url: str
     is_local: bool
     objects: list[RemoteObject]
     descriptor_name: str | None = None
     descriptor_bytes: bytes | None = None
+    classes: Mapping[str, ObjectClass] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.classes:
+            self.classes = classify([o.name for o in self.objects])
+
+    def is_marker(self, name: str) -> bool:
+        return self.classes[name].marker
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-able record (what the flow's tasks pass each other)."""
+        return {"url": self.url, "is_local": self.is_local, "objects": [dataclasses.asdict(o) for o in self.objects],
+                "descriptor_name": self.descriptor_name,
+                "descriptor_b64": base64.b64encode(self.descriptor_bytes).decode() if self.descriptor_bytes else None,
+                "classes": {n: c.to_record() for n, c in self.classes.items()}}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Discovery:
+        return cls(rec["url"], rec["is_local"], [RemoteObject(**o) for o in rec["objects"]], rec["descriptor_name"],
+                   base64.b64decode(rec["descriptor_b64"]) if rec["descriptor_b64"] else None,
+                   {n: ObjectClass.from_record(c) for n, c in rec["classes"].items()})
 
 
 @dataclass
@@ -120,11 +146,11 @@ def discover(url: str, storage_options: Mapping[str, Any] | None = None,
         is_file = loc.fs.isfile(loc.path)
     if is_file:
         return _discover_descriptor(loc)
-    objs = _needed(loc, list_objects(loc, options))
-    if all(is_marker(o.name) for o in objs):
+    disc = Discovery(url, loc.is_local, _needed(loc, list_objects(loc, options)))
+    if all(disc.is_marker(o.name) for o in disc.objects):
         raise StorageError("holds no checkpoint (no model-state files under this prefix)", culprit=url,
                            hint="point at the folder that holds mp_rank_XX_model_states.pt files")
-    return Discovery(url, loc.is_local, objs)
+    return disc
 
 
 def _discover_descriptor(loc: Location) -> Discovery:
@@ -149,9 +175,10 @@ def _discover_descriptor(loc: Location) -> Discovery:
     return Discovery(loc.url, False, objs, name, raw)
 
 
-def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None,
+def fetch(loc: Location, obj: RemoteObject, kind: ObjectClass, cache: ShardCache | None,
           markers: Mapping[str, Path] | None = None, *, stream: bool = False) -> Path:
-    """Local path of one object's bytes (in place for local files, else via the cache). With the
+    """Local path of one object's bytes (in place for local files, else via the cache); ``kind``:
+    its class from discovery. With the
     checkpoint's fetched ``markers`` (name -> local path), only the byte ranges its format says
     the conversion reads are fetched (``reshard.formats.needed_ranges``). ``stream``: a weight file
     its format can read while converting gets a stand-in (holding what the format reads from disk,
@@ -166,7 +193,7 @@ def fetch(loc: Location, obj: RemoteObject, cache: ShardCache | None,
             with storage_errors(obj.url):
                 return loc.fs.cat_file(obj.path, start=offset, end=offset + n)
 
-        skeleton = skeleton_ranges(obj.name, obj.size, pread, markers)
+        skeleton = skeleton_ranges(obj.name, kind, obj.size, pread, markers)
         if skeleton is not None:
             return cache.fetch(loc, obj, skeleton, skeleton=True)
     ranges = needed_ranges(obj.name, markers) if markers else None
@@ -223,10 +250,11 @@ def materialize(url: str, storage_options: Mapping[str, Any] | None = None,
     workdir = workdir or cache.new_workdir("src")
     hits0 = cache.hits
     with ThreadPoolExecutor(max_workers=4) as pool:  # markers first: they say which bytes the rest need
-        futs = {o.name: pool.submit(fetch, loc, o, cache) for o in disc.objects if is_marker(o.name)}
+        futs = {o.name: pool.submit(fetch, loc, o, disc.classes[o.name], cache) for o in disc.objects
+                if disc.is_marker(o.name)}
         markers = {name: fut.result() for name, fut in futs.items()}
-        futs = {o.name: pool.submit(fetch, loc, o, cache, markers, stream=stream) for o in disc.objects
-                if o.name not in markers}
+        futs = {o.name: pool.submit(fetch, loc, o, disc.classes[o.name], cache, markers, stream=stream)
+                for o in disc.objects if o.name not in markers}
         fetched = {**markers, **{name: fut.result() for name, fut in futs.items()}}
     out = LocalSource(url, build_view(disc, fetched, workdir / "source"), disc.objects)
     by_name = {o.name: o for o in disc.objects}

@@ -104,21 +104,39 @@ def test_the_flow_checks_each_plugin_file_with_the_plugins_own_reader(plugin, sa
     from reshard.core.errors import CheckpointFormatError
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from reshard.formats import shard_role
+    from reshard.formats import classify
 
     src = write_as_safetensors(sample_factory(4, 2.0), tmp_path / "st")
     names = sorted(p.name for p in src.iterdir())
-    assert shard_role("rank-03.safetensors", names) == (plugin.name, "rank")
+    kind = classify(names)["rank-03.safetensors"]
+    assert (kind.marker, kind.reader, kind.checker, kind.role) == (False, plugin.name, plugin.name, "rank")
     bad = src / "rank-03.safetensors"
     bad.write_bytes(bad.read_bytes()[:100])
     from reshard.formats import check_file
 
     with pytest.raises(CheckpointFormatError, match="cannot read safetensors"):  # what the check-shard task runs
-        check_file(str(bad), *shard_role(bad.name, names), "auto", str(bad))
+        check_file(str(bad), kind.checker, kind.role, "auto", str(bad))
     with pytest.raises(CheckpointFormatError, match="cannot read safetensors") as info:
         run_flow(ReshardParams(source=str(src), destination=str(tmp_path / "out"), target_tp=2,
                                cache_dir=str(tmp_path / "cache")))
     assert info.value.culprit == str(bad)
+
+
+def test_discovery_classifies_each_listed_object_once_for_the_whole_flow(plugin, sample_factory, tmp_path,
+                                                                         prefect_env, monkeypatch):
+    """The formats classify the listing once, in discovery; fetch order, streaming and the per-shard
+    checks read that record (carried between tasks) instead of asking the formats again."""
+    import reshard.discovery
+    from reshard.flows.params import ReshardParams
+    from reshard.flows.runner import run_flow
+
+    calls: list[list[str]] = []
+    real = reshard.discovery.classify
+    monkeypatch.setattr(reshard.discovery, "classify", lambda names: calls.append(list(names)) or real(names))
+    src = write_as_safetensors(sample_factory(4, 2.0), tmp_path / "st")
+    run_flow(ReshardParams(source=str(src), destination=str(tmp_path / "out"), target_tp=2,
+                           cache_dir=str(tmp_path / "cache")))
+    assert calls == [sorted(p.name for p in src.iterdir())]
 
 
 def test_a_format_that_cannot_write_is_refused_in_one_typed_error(sample_factory, tmp_path):

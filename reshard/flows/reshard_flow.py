@@ -39,7 +39,6 @@ from prefect.futures import wait
 from reshard import progress
 from reshard.conversion import streams_sources
 from reshard.flows.params import ReshardParams
-from reshard.formats import is_marker, shard_role
 from reshard.result import ConversionResult
 from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.tasks.identity import conversion_id
@@ -63,7 +62,7 @@ def reshard_flow(params: ReshardParams) -> ConversionResult:
             "gpu_concurrency_limit": params.gpu_concurrency_limit}
 
     disc = discover_shards(params.source, params.storage_options, options)
-    objects = disc["objects"]
+    objects, kinds = disc["objects"], disc["classes"]  # each object classified once, by discovery
     log.info("discovered %d objects under %s", len(objects), params.source)
     cache = ShardCache(cache_dir)
 
@@ -73,22 +72,23 @@ def reshard_flow(params: ReshardParams) -> ConversionResult:
         obj = RemoteObject(**o)
         held = cache.entry(obj).is_file() or (stream and cache.skeleton_entry(obj).is_file())
         return fetch_shard.with_options(refresh_cache=not (disc["is_local"] or held)).submit(
-            params.source, o, params.storage_options, cache_dir, disc["is_local"], markers, stream and markers is not None)
+            params.source, o, kinds[o["name"]], params.storage_options, cache_dir, disc["is_local"], markers,
+            stream and markers is not None)
 
     # markers first: they say which byte ranges the other objects are needed for
-    fetches = {o["name"]: fetch(o) for o in objects if is_marker(o["name"])}
+    fetches = {o["name"]: fetch(o) for o in objects if kinds[o["name"]]["marker"]}
     markers = dict(fetches)
     fetches.update({o["name"]: fetch(o, markers) for o in objects if o["name"] not in markers})
-    names = [o["name"] for o in objects]
     checks = {o["name"]: check_shard.submit(fetches[o["name"]], _identity(o), params.module_key, o["url"],
-                                            *shard_role(o["name"], names),
+                                            kinds[o["name"]]["checker"], kinds[o["name"]]["role"],
                                             None if disc["is_local"] else {"source": params.source, "obj": o,
+                                                                           "kind": kinds[o["name"]],
                                                                            "storage_options": params.storage_options,
                                                                            "cache_dir": cache_dir})
               for o in objects}
 
     cid = conversion_id(objects, options)
-    metadata = {name: fut.result() for name, fut in fetches.items() if is_marker(name)}
+    metadata = {name: fut.result() for name, fut in fetches.items() if kinds[name]["marker"]}
     located = locate_source(base, disc, metadata, cid)
     headers = located["headers"]
     _raise_first_failure([fetches[h] for h in headers] + [checks[h] for h in headers], wait_all=False)

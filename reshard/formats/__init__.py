@@ -9,8 +9,10 @@ be refused). Add one with :func:`register_format` or the ``reshard.formats`` ent
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,8 @@ from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
 from reshard.formats.output import weights_read
 
-__all__ = ["CheckpointFormat", "available", "check_file", "descriptor_entries", "get_format", "is_marker",
-           "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",
+__all__ = ["CheckpointFormat", "ObjectClass", "available", "check_file", "classify", "descriptor_entries",
+           "get_format", "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",
            "unregister_format", "writable"]
 
 
@@ -74,23 +76,56 @@ def descriptor_entries(raw: bytes, where: str) -> list[str]:
                                 culprit=where, hint="point at the folder that holds the checkpoint's files")
 
 
-def is_marker(name: str) -> bool:
-    """Is ``name`` a small file that tells where the weights are (not weights itself)?"""
+@dataclass(frozen=True)
+class ObjectClass:
+    """What one listed object is to a conversion, decided once, at discovery, by the registered
+    formats; every later step (fetch order, byte ranges, streaming, per-shard checks) reads this
+    record instead of asking the formats again.
+
+    ===========  ==================================================================================
+    field        meaning
+    ===========  ==================================================================================
+    ``marker``   a small file that tells where the weights are (``latest_checkpointed_iteration.txt``,
+                 ``.metadata``, ``config.json``): fetched first and whole; the others' ranges need it
+    ``reader``   the format whose ``patterns`` name it as weights (its :meth:`~CheckpointFormat.skeleton`
+                 decides whether it streams); None for markers and files no format reads as weights
+    ``checker``  the format that checks it on its own once fetched (:meth:`~CheckpointFormat.shard_role`);
+                 None: read by the locator, not checked one by one
+    ``role``     its role for ``checker`` (``rank``, ``pipe-rank``, ``layer``), or ``metadata``
+    ===========  ==================================================================================
+    """
+
+    marker: bool
+    reader: str | None
+    checker: str | None
+    role: str
+
+    def to_record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> ObjectClass:
+        return cls(**rec)
+
+
+def classify(names: Sequence[str]) -> dict[str, ObjectClass]:
+    """Every name of a source's listing (relative to its root) classified once, in one pass over
+    the registered formats in priority order (see :class:`ObjectClass`)."""
     formats = available()
-    return (any(p.search(name) for fmt in formats for p in fmt.markers)
-            and not any(p.search(name) for fmt in formats for p in fmt.patterns))
-
-
-def shard_role(name: str, listing: Sequence[str]) -> tuple[str | None, str]:
-    """(format, role) of the object ``name`` among the source's ``listing`` (names relative to
-    its root): the first registered format, in priority order, that claims it; markers and
-    unclaimed files are ``(None, "metadata")`` (read by the locator, not checked one by one)."""
-    if not is_marker(name):
-        for fmt in available():
-            role = fmt.shard_role(name, listing)
-            if role is not None:
-                return fmt.name, role
-    return None, METADATA
+    out: dict[str, ObjectClass] = {}
+    for name in names:
+        weights = [f for f in formats if any(p.search(name) for p in f.patterns)]
+        marker = not weights and any(p.search(name) for f in formats for p in f.markers)
+        checker, role = None, METADATA
+        if not marker:
+            for fmt in formats:
+                claimed = fmt.shard_role(name, names)
+                if claimed is not None:
+                    checker, role = fmt.name, claimed
+                    break
+        out[name] = ObjectClass(marker=marker, reader=None if marker or not weights else weights[0].name,
+                                checker=checker, role=role)
+    return out
 
 
 def needed_ranges(name: str, markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
@@ -103,21 +138,18 @@ def needed_ranges(name: str, markers: Mapping[str, Path]) -> list[tuple[int, int
     return None
 
 
-def skeleton_ranges(name: str, size: int, pread: Callable[[int, int], bytes],
+def skeleton_ranges(name: str, kind: ObjectClass, size: int, pread: Callable[[int, int], bytes],
                     markers: Mapping[str, Path]) -> list[tuple[int, int]] | None:
-    """The ranges of the weight file ``name`` to fetch when the rest is read while converting,
-    as the format whose ``patterns`` name it decides (:meth:`CheckpointFormat.skeleton`); None:
-    fetch it whole (a marker, an unclaimed file, a format that cannot stream it)."""
-    if is_marker(name):
+    """The ranges of the weight file ``name`` (classified as ``kind``) to fetch when the rest is
+    read while converting, as its reader decides (:meth:`CheckpointFormat.skeleton`); None: fetch
+    it whole (a marker, an unclaimed file, a format that cannot stream it)."""
+    if kind.reader is None:
         return None
-    for fmt in available():
-        if any(p.search(name) for p in fmt.patterns):
-            return fmt.skeleton(name, size, pread, markers)
-    return None
+    return get_format(kind.reader).skeleton(name, size, pread, markers)
 
 
 def check_file(path: str, fmt: str | None, role: str, module_key: str, where: str) -> dict[str, Any]:
-    """The per-shard check of one fetched file, by its format (see :func:`shard_role`)."""
+    """The per-shard check of one fetched file by its checker (see :class:`ObjectClass`)."""
     if fmt is None or role == METADATA:
         return {"kind": METADATA}
     return get_format(fmt).check_file(path, role, module_key, where)

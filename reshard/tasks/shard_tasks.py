@@ -5,8 +5,6 @@ Tasks exchange URLs, paths and small dict records — never tensors (Prefect pic
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from reshard.core.options import ReshardOptions
-from reshard.formats import check_file
+from reshard.formats import ObjectClass, check_file
 from reshard.crashpoints import crash_point
 from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import open_location
@@ -30,23 +28,20 @@ TRANSIENT_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(back
 def discover_shards(source: str, storage_options: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """List the source's model-state objects (and what ``options`` need besides) with size and ETag
     (never cached: this *is* the freshness check that every other cache key depends on)."""
-    disc = discover(source, storage_options, ReshardOptions.from_fields(options))
-    return {"url": disc.url, "is_local": disc.is_local,
-            "objects": [dataclasses.asdict(o) for o in disc.objects],
-            "descriptor_name": disc.descriptor_name,
-            "descriptor_b64": base64.b64encode(disc.descriptor_bytes).decode() if disc.descriptor_bytes else None}
+    return discover(source, storage_options, ReshardOptions.from_fields(options)).to_record()
 
 
 @task(name="fetch-shard", cache_key_fn=fetch_key, persist_result=True, **TRANSIENT_RETRIES)
-def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any], cache_dir: str,
-                is_local: bool, markers: dict[str, str] | None = None, stream: bool = False) -> str:
+def fetch_shard(source: str, obj: dict[str, Any], kind: dict[str, Any], storage_options: dict[str, Any],
+                cache_dir: str, is_local: bool, markers: dict[str, str] | None = None, stream: bool = False) -> str:
     """Local path of one shard (cache entry, verified size/MD5; in place for local files). With
-    the checkpoint's fetched ``markers`` (name -> path), only the byte ranges the conversion reads;
+    the checkpoint's fetched ``markers`` (name -> path), only the byte ranges the conversion reads
+    (``kind``: the object's class from discovery);
     ``stream``: of a weight file, only its structure (the rest is read while converting)."""
     loc = open_location(source, storage_options)
     cache = None if is_local else ShardCache(cache_dir)
     found = {name: Path(p) for name, p in (markers or {}).items()}
-    path = str(fetch(loc, RemoteObject(**obj), cache, found, stream=stream))
+    path = str(fetch(loc, RemoteObject(**obj), ObjectClass.from_record(kind), cache, found, stream=stream))
     crash_point("fetched")
     return path
 
@@ -54,13 +49,14 @@ def fetch_shard(source: str, obj: dict[str, Any], storage_options: dict[str, Any
 @task(name="check-shard", cache_key_fn=check_key, persist_result=True)
 def check_shard(path: str, identity: str, module_key: str, url: str, fmt: str | None, role: str,
                 refetch: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Per-shard check by the file's format and role (see ``reshard.formats.shard_role``), on every
+    """Per-shard check by the file's checker and role (see ``reshard.formats.ObjectClass``), on every
     fetched shard, local or remote. Cross-shard consistency is checked in the plan step.
-    ``refetch`` (``fetch-shard``'s source, obj, storage_options and cache_dir): where ``path`` is
+    ``refetch`` (``fetch-shard``'s source, obj, kind, storage_options and cache_dir): where ``path`` is
     not on this machine (fetched by a worker on another), the shard is fetched here the same way."""
     if refetch is not None:
         loc, obj = open_location(refetch["source"], refetch["storage_options"]), RemoteObject(**refetch["obj"])
         if not Path(path).is_file():
-            path = str(fetch(loc, obj, ShardCache(refetch["cache_dir"]), {}, stream=is_skeleton(path)))
+            path = str(fetch(loc, obj, ObjectClass.from_record(refetch["kind"]), ShardCache(refetch["cache_dir"]), {},
+                             stream=is_skeleton(path)))
         attach_streamed(Path(path), Path(path), loc, obj)  # a stand-in: its structure is read from the source
     return dict(check_file(path, fmt, role, module_key, url), path=path, role=role)

@@ -10,7 +10,6 @@ found (or fetched again) in *its own* shard cache, by names that are the same ev
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import functools
@@ -32,13 +31,13 @@ from reshard.core.errors import DestinationError, StorageError
 from reshard.core.options import ReshardOptions
 from reshard.execution.planner import build_plan
 from reshard.crashpoints import crash_point
-from reshard.formats import get_format, is_marker, locate
+from reshard.formats import get_format, locate
 from reshard.formats.output import weights_read
 from reshard.core.zero_master import forget_optimizer_files
 from reshard.conversion import (convert_streamed, manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
                                 source_record, urls_in_errors, zero_gate)
 from reshard import progress
-from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
+from reshard.storage.cache import ShardCache, is_skeleton
 from reshard.storage.destination import Destination, LocalDestination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
@@ -102,12 +101,6 @@ def _options(job: dict[str, Any]) -> ReshardOptions:
     return ReshardOptions(**job["options"])
 
 
-def _discovery(record: dict[str, Any]) -> Discovery:
-    return Discovery(record["url"], record["is_local"], [RemoteObject(**o) for o in record["objects"]],
-                     record["descriptor_name"],
-                     base64.b64decode(record["descriptor_b64"]) if record["descriptor_b64"] else None)
-
-
 def _ensure_view(job: dict[str, Any], fetched: dict[str, str]) -> None:
     """Make this process's view of the source hold the ``fetched`` shards (name -> the path a
     fetch task returned) and the checkpoint's markers, replacing placeholders. A path that is not
@@ -117,19 +110,21 @@ def _ensure_view(job: dict[str, Any], fetched: dict[str, str]) -> None:
     if job["is_local"]:
         return
     root = _view_root(job)
-    skeleton_view(_discovery(job["discovery"]), root)  # placeholders where nothing is linked yet
-    by_name = {o["name"]: RemoteObject(**o) for o in job["discovery"]["objects"]}
+    disc = Discovery.from_record(job["discovery"])
+    skeleton_view(disc, root)  # placeholders where nothing is linked yet
+    by_name = {o.name: o for o in disc.objects}
     cache, loc = ShardCache(job["cache_dir"]), open_location(job["source"], job["storage_options"])
     markers: dict[str, Path] = {}
     wanted = {**job.get("markers", {}), **fetched}
-    for name in sorted(wanted, key=lambda n: not is_marker(n)):  # markers first: the others' ranges need them
+    for name in sorted(wanted, key=lambda n: not disc.is_marker(n)):  # markers first: the others' ranges need them
         path = Path(wanted[name])
         try:
             link_into_view(path, root / name)
         except FileNotFoundError:  # not on this machine, or gone from the cache meanwhile: fetch it here
-            path = fetch(loc, by_name[name], cache, None if is_marker(name) else markers, stream=is_skeleton(path))
+            path = fetch(loc, by_name[name], disc.classes[name], cache, None if disc.is_marker(name) else markers,
+                         stream=is_skeleton(path))
             link_into_view(path, root / name)
-        if is_marker(name):
+        if disc.is_marker(name):
             markers[name] = path
         attach_streamed(root / name, path, loc, by_name[name])
 
@@ -151,7 +146,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
                   conversion_id: str) -> dict[str, Any]:
     """Lay out the source as a local view (placeholders for shards not fetched yet) and name
     the *header* files — the first rank file of each pipeline stage — that the layout plan reads."""
-    disc = _discovery(discovery)
+    disc = Discovery.from_record(discovery)
     job = dict(base, conversion_id=conversion_id, is_local=disc.is_local, source=disc.url, discovery=discovery,
                markers=dict(metadata))
     view = skeleton_view(disc, _view_root(job))
@@ -166,7 +161,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     read_too = source.aux + get_format(source.format).companions(source, weights_read(_options(job)))  # read by every target
     aux = _object_names(job, read_too)
     if None in names or None in aux:  # a local descriptor may list files outside its folder: no per-shard early start
-        names = [o.name for o in disc.objects if not is_marker(o.name)]
+        names = [o.name for o in disc.objects if not disc.is_marker(o.name)]
         headers, aux = names, []
     elif source.layer_ids:  # DeepSpeed pipeline layer files: the layout is planned from all of them
         headers = list(names)
@@ -177,7 +172,7 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
 
 def _object_names(job: dict[str, Any], paths: Sequence[Path]) -> list[str | None]:
     """The source object behind each local path of the view (None: a file outside the listing)."""
-    disc = _discovery(job["discovery"])
+    disc = Discovery.from_record(job["discovery"])
     view_root = _view_root(job)
     by_path = {os.path.realpath(o.path if disc.is_local else view_root / o.name): o.name for o in disc.objects}
     return [by_path.get(os.path.realpath(f)) for f in paths]
@@ -213,7 +208,7 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
     destination. No output is published before this succeeds."""
     job = dict(layout)
     _ensure_view(job, fetched)
-    disc = _discovery(job["discovery"])
+    disc = Discovery.from_record(job["discovery"])
     view = _view_path(job)
     local = LocalSource(disc.url, view, disc.objects)
     with urls_in_errors(view, disc.url):
