@@ -89,7 +89,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
             module_key: str = "auto", version: float | None = None) -> dict[str, Any]:
     """Describe the checkpoint at ``src``: its format, degrees (TP, PP, EP), dtypes, parameter
     count, bytes, model facts, files, and the ZeRO optimizer state beside it."""
-    from reshard.core.experts import experts_per_layer
+    from reshard.models.megatron_gpt import experts_per_layer
     from reshard.core.options import ReshardOptions
     from reshard.execution.planner import build_plan
     from reshard.formats import locate
@@ -99,7 +99,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
         built = build_plan(source, ReshardOptions.checked(target_tp=source.tp, version=version, module_key=module_key))
         total_bytes = sum(f.stat().st_size for f in source.distinct_files)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in built.params})
-    n_params = sum(_numel(p.shape) * (built.degrees.of(p.key)[0] if p.spec is not None else 1) for p in built.params)
+    n_params = sum(_numel(p.shape) * (built.degrees.of(p.rule)[0] if p.spec is not None else 1) for p in built.params)
     zero = (built.ds_config or {}).get("zero_optimization")
     return {"format": "descriptor" if source.descriptor is not None else "folder",
             "source": src, "tp": source.tp, "version": built.version, "module_key": built.module_key,

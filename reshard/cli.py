@@ -390,6 +390,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
 def cmd_formats(ns: argparse.Namespace) -> int:
     """The registered formats and model families (built-ins and plug-ins), what each reads and writes."""
     from reshard.formats import available
+    from reshard.models.hf_registry import hf_architectures
     from reshard.models.registry import families
 
     print("Checkpoint formats (reshard run --to NAME writes those marked 'writes'):")
@@ -402,6 +403,8 @@ def cmd_formats(ns: argparse.Namespace) -> int:
         print(f"  {family.name:26} {_first_line(family)}")
         for line in family.describe():
             print(f"  {'':26} {line}")
+    names = ", ".join(a.name for a in hf_architectures())
+    print(f"Hugging Face architectures (written with --to hf, read from a Hugging Face folder):\n  {names}")
     return 0
 
 

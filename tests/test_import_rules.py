@@ -193,3 +193,38 @@ def test_type_checking_imports_are_not_run_time_edges(tmp_path):
 ])
 def test_the_cycle_check_finds_cycles(graph, expected):
     assert cycles(graph) == expected
+
+
+# -- a model family's parameter names are spelled in its own module ------------------------------------
+#: Fragments of the built-in families' parameter names (Megatron-LM legacy, megatron-core, Hugging Face).
+FAMILY_NAMES = re.compile(r"local_experts|linear_(?:fc[12]|qkv|proj)|self_attention|query_key_value|dense_h_to_4h|"
+                          r"dense_4h_to_h|word_embeddings|output_layer|language_model\.|decoder\.|model\.layers|"
+                          r"shared_experts|q_proj|gate_proj|embed_tokens")
+#: Packages that ask the families and never name a parameter themselves.
+NAME_FREE = ("reshard.core", "reshard.execution")
+
+
+def family_names_in(path: Path) -> list[str]:
+    """The string literals of ``path`` that spell a family's parameter names (docstrings, which
+    describe layouts, are prose and exempt)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [f"{path.name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            and FAMILY_NAMES.search(node.value)]
+
+
+def test_the_core_and_the_planner_spell_no_family_parameter_names():
+    """They ask the family (its rule flags, its ``output_keys`` / ``tied_head_keys``, its expert
+    numbering): a new family then needs no edit below it."""
+    found = [hit for name, path in _modules().items() if name.startswith(NAME_FREE) for hit in family_names_in(path)]
+    assert found == []
+
+
+def test_the_name_check_catches_a_name_in_code_but_not_in_a_docstring(tmp_path):
+    f = tmp_path / "placement.py"
+    f.write_text('"""Places ``output_layer.weight`` last."""\n\ndef f(k):\n    """On ``decoder.layers``."""\n'
+                 '    return k.startswith("output_layer.")\n')
+    assert family_names_in(f) == ["placement.py:5 'output_layer.'"]

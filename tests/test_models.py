@@ -93,6 +93,12 @@ class GPTWithOwnSettings(ModelFamily):
             head_dim = hidden // heads if hidden else None
         return hidden, heads, head_dim
 
+    def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
+                            origin: dict[str, str], where: str) -> dict[str, Any]:
+        """A fact of this family alone, added without editing the core's record."""
+        origin["head_count_arg"] = "args"
+        return {"head_count_arg": "n_head" if hasattr(args, "n_head") else "num_attention_heads"}
+
 
 def test_a_plugin_family_decides_a_model_fact_its_own_way(sample_factory, tmp_path):
     ref = sample_factory(2, 2.0)
@@ -105,11 +111,14 @@ def test_a_plugin_family_decides_a_model_fact_its_own_way(sample_factory, tmp_pa
         torch.save(sd, f)
     with pytest.raises(MissingModelFactError, match="head"):  # the QKV rows move with the heads: needed
         build_plan(str(src), ReshardOptions(target_tp=4))
+    assert "family_facts" not in build_plan(str(ref), ReshardOptions(target_tp=4)).facts.to_record()  # built-in: none
     register_family(GPTWithOwnSettings)
     try:
         plan = build_plan(str(src), ReshardOptions(target_tp=4))
         expected = build_plan(str(ref), ReshardOptions(target_tp=4))
         assert plan.facts.origin["heads"] == "args.n_head" and plan.facts.heads == expected.facts.heads
+        assert plan.facts.family_facts == {"head_count_arg": "n_head"} and plan.facts.origin["head_count_arg"] == "args"
+        assert plan.facts.to_record()["family_facts"] == {"head_count_arg": "n_head"}
         assert [(p.key, p.spec) for p in plan.params] == [(p.key, p.spec) for p in expected.params]
     finally:
         unregister_family(GPTWithOwnSettings.name)

@@ -783,3 +783,23 @@ def test_the_flow_waits_for_the_files_each_target_reads(moe_etp, tmp_path):
     assert {t["name"]: t["sources"] for t in layout["targets"]} == {
         f"iter_0000007/{d}/model_optim_rng.pt": [f"iter_0000007/{d}/model_optim_rng.pt"]
         for d in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001")}
+
+
+@pytest.mark.parametrize("key,expert", [
+    ("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight", 7),
+    ("decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.bias", 0),
+    ("decoder.layers.0.mlp.experts.linear_fc1.weight12", 12),
+    ("decoder.layers.0.mlp.experts.linear_fc2.bias3", 3),
+    ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", None),
+    ("decoder.layers.1.mlp.router.weight", None),
+    ("decoder.layers.1.mlp.linear_fc1.weight", None),
+])
+def test_the_rule_tables_expert_flag_agrees_with_the_familys_expert_numbering(key, expert):
+    """The planner deals out experts and picks the expert TP by the rule's flag; the family renumbers
+    them by name: the two must name the same parameters (a shared expert is split like a dense MLP)."""
+    from reshard.core.rules import resolve
+    from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, expert_index
+
+    rule = resolve([key], MEGATRON_GPT_RULES).by_key[key]
+    assert expert_index(key) == expert
+    assert rule.expert is (expert is not None)

@@ -12,7 +12,6 @@ from reshard.core.errors import InconsistentShardsError
 from reshard.core.lazy import materialized
 from reshard.core.pages import PageDropper
 from reshard.core.plan_types import ParamPlan, SourceStage
-from reshard.core.rules import expert_index
 
 
 def check_same_keys(modules: list[dict[str, Any]], names: list[str]) -> None:
@@ -38,7 +37,7 @@ def check_replicated(params: list[ParamPlan], stages: list[SourceStage], expert_
             continue
         st = stages[p.stage]
         ref = st.modules[0][p.src_key]
-        upto = expert_tp if expert_tp is not None and expert_index(p.key) is not None else len(st.modules)
+        upto = expert_tp if expert_tp is not None and p.rule.expert else len(st.modules)
         for mod, name in zip(st.modules[1:upto], st.names[1:upto]):
             if not bit_equal(ref, mod[p.src_key]):
                 raise InconsistentShardsError(

@@ -13,7 +13,7 @@ import torch
 
 from reshard.core.layouts import PartitionSpec
 from reshard.core.options import ReshardOptions
-from reshard.core.rules import QuantSlot, Rule, expert_index
+from reshard.core.rules import QuantSlot, Rule
 from reshard.core.source import DEEPSPEED, SourceCheckpoint
 
 #: Top-level entries that are wrong after a reshard; dropped with the reason reported.
@@ -32,17 +32,15 @@ DROPPED_ENTRIES: dict[str, str] = {
 }
 
 
-#: Names of the last stage's tied copy of the word embeddings, per naming family.
-TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
-
-
-OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """The model facts the layout depends on, and where each came from (``origin``:
-    fact -> ``args`` / ``--flag`` / ``shapes`` / ``tensors``). None: unknown (and not needed)."""
+    fact -> ``args`` / ``--flag`` / ``shapes`` / ``tensors``). None: unknown (and not needed).
+
+    The fields are what every family shares; a family's own facts (say the low ranks of a
+    multi-latent attention) go in ``family_facts`` (name -> JSON value, decided by its
+    :meth:`~reshard.models.base.ModelFamily.decide_family_facts`), so a family adds facts without
+    editing this record."""
 
     naming: str
     num_layers: int
@@ -59,12 +57,16 @@ class ModelFacts:
     source_pp_layers: tuple[int, ...]
     target_pp_layers: tuple[int, ...]
     origin: Mapping[str, str] = field(default_factory=dict)
+    family_facts: Mapping[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
-        rec = {k: v for k, v in self.__dict__.items() if k != "origin"}
+        """A JSON-able record (``family_facts`` only where the family has any)."""
+        rec = {k: v for k, v in self.__dict__.items() if k not in ("origin", "family_facts")}
         rec["source_pp_layers"] = list(self.source_pp_layers)
         rec["target_pp_layers"] = list(self.target_pp_layers)
         rec["origin"] = dict(self.origin)
+        if self.family_facts:
+            rec["family_facts"] = dict(self.family_facts)
         return rec
 
 
@@ -87,13 +89,14 @@ class TensorDegrees:
     etp: int
     target_etp: int
 
-    def of(self, key: str) -> tuple[int, int]:
-        """(source, output) degree of the parameter named ``key`` (canonical)."""
-        return (self.etp, self.target_etp) if expert_index(key) is not None else (self.tp, self.target_tp)
+    def of(self, rule: Rule) -> tuple[int, int]:
+        """(source, output) degree of a parameter of ``rule`` (a routed expert's: the expert TP)."""
+        return (self.etp, self.target_etp) if rule.expert else (self.tp, self.target_tp)
 
-    def rank(self, key: str, tp_rank: int) -> int:
-        """Which slice of ``key`` an output file at TP rank ``tp_rank`` holds (the expert TP divides the TP)."""
-        return tp_rank % self.of(key)[1]
+    def rank(self, rule: Rule, tp_rank: int) -> int:
+        """Which slice of a parameter of ``rule`` an output file at TP rank ``tp_rank`` holds (the
+        expert TP divides the TP)."""
+        return tp_rank % self.of(rule)[1]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ Columns that refine a kind (all data, read by ``plan``):
 * ``place``: which pipeline stage holds the parameter (its layer's, the first, the last).
 * ``tied_head``: the last stage's copy of the word embeddings when input and output
   embeddings are tied and PP > 1 (dropped when merging to PP = 1, recreated when splitting).
+* ``expert``: one routed expert's weight (MoE), numbered in its name as its family says.
 * ``family``: ``legacy`` or ``core`` naming; ``optional``: present only with some model options
   (untied output, TE fused norms, ...). Unused-rule reports cover the checkpoint's own family,
   non-optional rules only.
@@ -83,6 +84,8 @@ class Rule:
 
     ``head_dim``: the partitioned dim is made of attention heads (a split must not cut one).
     ``mlp``: the weight is an MLP weight (gets 2x groups with extra grouping).
+    ``expert``: the parameter is one routed expert's (numbered in its name, by the family): split
+    over the expert TP, dealt out over the expert-parallel ranks.
     """
 
     name: str
@@ -98,6 +101,7 @@ class Rule:
     tied_head: bool = False
     family: str = "legacy"
     optional: bool = False
+    expert: bool = False
 
     @property
     def dim(self) -> int | None:
@@ -116,38 +120,6 @@ def layer_index(key: str) -> int | None:
 def with_layer(key: str, index: int) -> str:
     """``key`` with its layer number replaced (pipeline stages number their layers locally)."""
     return _LAYER_RE.sub(f".layers.{index}.", key, count=1)
-
-
-#: Where a parameter name carries its expert number (MoE): SequentialMLP's
-#: ``mlp.experts.local_experts.{i}.linear_fc1.weight`` and grouped GEMM's
-#: ``mlp.experts.linear_fc1.weight{i}``. Per-rank files number experts locally (``i`` on EP rank
-#: ``e`` is global expert ``e * E/EP + i``); canonical names carry the global number.
-_EXPERT_RES: tuple[re.Pattern[str], ...] = (
-    re.compile(r"(\.local_experts\.)(\d+)(\.)"),
-    re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)()$"),
-)
-
-
-def expert_index(key: str) -> int | None:
-    """The expert number in a parameter name, or None for a parameter of no single expert."""
-    for rx in _EXPERT_RES:
-        m = rx.search(key)
-        if m:
-            return int(m.group(2))
-    return None
-
-
-def with_expert(key: str, index: int) -> str:
-    """``key`` with its expert number replaced (a local number on an EP rank <-> the global one)."""
-    for rx in _EXPERT_RES:
-        if rx.search(key):
-            return rx.sub(lambda m: f"{m.group(1)}{index}{m.group(3)}", key, count=1)
-    raise ValueError(f"{key} names no expert")
-
-
-def is_megatron_core(keys: Iterable[str]) -> bool:
-    """Whether parameter names follow megatron-core (``decoder.layers.N``) rather than legacy."""
-    return any(k.startswith(("decoder.", "output_layer.")) for k in keys)
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,8 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
     degrees = plan.degrees
     for entry in tp.params:
         p = entry.param
-        pn, pm = degrees.of(p.key)  # a routed expert's at the expert TP
-        pt = degrees.rank(p.key, tp.tp_rank)
+        pn, pm = degrees.of(p.rule)  # a routed expert's at the expert TP
+        pt = degrees.rank(p.rule, tp.tp_rank)
         if p.spec is None:
             base = source_ranks_for_target(pn, pm, pt)[0]
             value = modules[src.index(p.stage, base)][p.src_key]

@@ -13,14 +13,15 @@ from reshard.core.checks import check_head_equals_embeddings
 from reshard.core.errors import LayoutError
 from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_target
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import (OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, SourceStage, TargetParam, TargetPlan,
-                                     TensorDegrees, elems, nbytes)
+from reshard.core.plan_types import ParamPlan, SourceStage, TargetParam, TargetPlan, TensorDegrees, elems, nbytes
 from reshard.core.rules import Place, with_layer
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.registry import get_format
+from reshard.models import ModelFamily
 
 
-def place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_stage: list[int], spp: int,
+def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool | None,
+          layers_per_stage: list[int], spp: int,
           tpp: int, stages: list[SourceStage], warnings: list[str], where: str, ep: int = 1
           ) -> tuple[list[list[TargetParam]], list[int]]:
     """Assign every logical entry to a target stage under its output name (local layer numbers).
@@ -30,7 +31,7 @@ def place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_s
     tied head copy is dropped when PP becomes 1 (after checking it equals the embeddings) and
     recreated on the last stage when PP grows from 1. (``ep``: the source's expert-parallel rows
     per stage; which target EP rank holds an expert is decided per target, see
-    :func:`reshard.core.experts.rank_experts`.)"""
+    :func:`reshard.models.megatron_gpt.rank_experts`.)"""
     placed: list[list[TargetParam]] = [[] for _ in range(tpp)]
     if tpp == spp:
         for p in entries:
@@ -43,7 +44,8 @@ def place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_s
     per = num_layers // tpp
     emb = next((p for p in entries if p.rule.vocab and p.rule.place is Place.FIRST), None)
     for p in entries:
-        is_head = p.rule.tied_head or (tied and spp > 1 and p.key in OUTPUT_KEYS and naming == "megatron-core")
+        is_head = p.rule.tied_head or (tied and spp > 1 and p.key == family.tied_head_keys.get(naming)
+                                       and p.key in family.output_keys)
         if is_head and tpp == 1:
             if emb is not None and p.spec is not None:
                 check_head_equals_embeddings(p, emb, stages)
@@ -57,9 +59,10 @@ def place(entries: list[ParamPlan], naming: str, tied: bool | None, layers_per_s
             layer = p.layer if p.layer is not None else 0
             placed[layer // per].append(TargetParam(out_key=with_layer(p.key, layer % per), param=p))
     if tied and spp == 1 and tpp > 1 and emb is not None:
-        head_key = TIED_HEAD_KEYS[naming]
+        head_key = family.tied_head_keys[naming]
         last = placed[tpp - 1]
-        at = next((i for i, tp in enumerate(last) if tp.out_key.startswith("output_layer.")), len(last))
+        module = head_key.rsplit(".", 1)[0] + "."  # before the entries of the head's module (its extra state)
+        at = next((i for i, tp in enumerate(last) if tp.out_key.startswith(module)), len(last))
         last.insert(at, TargetParam(out_key=head_key, param=emb))
     return placed, [per] * tpp
 
@@ -96,15 +99,15 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
     files: set[int] = set()
     for tp in params:
         p = tp.param
-        n, m = degrees.of(p.key)
-        slice_ = degrees.rank(p.key, t)
+        n, m = degrees.of(p.rule)
+        slice_ = degrees.rank(p.rule, t)
         files.add(source.index(p.stage, source_ranks_for_target(n, m, slice_)[0]))
         files.update(source.index(p.stage, r) for r in target_ranks_needed(p, n, m, slice_))
     if not files:
         files.add(source.index(0, base))
     srcs = tuple(sorted(files))
     read = sum(f.stat().st_size for f in {source.files[i] for i in srcs}) + sum(f.stat().st_size for f in source.aux)
-    written = sum(target_size(tp.param, *degrees.of(tp.param.key), options.quantize) for tp in params)
+    written = sum(target_size(tp.param, *degrees.of(tp.param.rule), options.quantize) for tp in params)
     if name is None:
         experts = {"ep_rank": ep_rank, "ep": ep} if ep > 1 else {}
         name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
@@ -128,7 +131,7 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
         params = list(target.params) if dtypes is None else [
             replace(tp, param=replace(tp.param, dtype=dtypes[at])) for tp in target.params
             if (at := (tp.param.stage, tp.param.src_key)) in dtypes]
-        sizes = [target_size(tp.param, *degrees.of(tp.param.key), options.quantize) for tp in params]
+        sizes = [target_size(tp.param, *degrees.of(tp.param.rule), options.quantize) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
         if len(held) == 1 and dtypes is None and files == [(target.name, 0, len(params))]:
             return (target,)

@@ -21,25 +21,26 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from reshard.core.checks import check_replicated
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
-from reshard.core.experts import check_expert_ranks, check_expert_tp, experts_per_layer, rank_experts, rank_files
+from reshard.core.experts import check_expert_ranks, check_expert_tp, rank_files
 from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions
 from reshard.execution.placement import place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
                                      SourceStage, TensorDegrees, dropped_warning)
-from reshard.core.rules import Kind, Resolution, Rule, expert_index, layer_index, with_expert, with_layer
+from reshard.core.rules import Kind, Resolution, Rule, layer_index, with_layer
 from reshard.core.source import SourceCheckpoint
 from reshard.execution.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
 from reshard.formats.output import output_format
 from reshard.models import ModelFamily, resolve_family
+from reshard.models.megatron_gpt import expert_index, experts_per_layer, rank_experts, with_expert
 
 if TYPE_CHECKING:
     from reshard.formats.base import CheckpointFormat
@@ -75,7 +76,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     warnings: list[str] = [d.vocab.warning] if d.vocab.warning else []
     order = {r.key: i for i, r in enumerate(sorted(d.raw + d.carried_raw, key=lambda r: r.order))}
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
-    placed, target_layers = place(entries, d.naming, tied, d.layers_per_stage, source.pp, tpp, stages,
+    placed, target_layers = place(entries, d.family, d.naming, tied, d.layers_per_stage, source.pp, tpp, stages,
                                   warnings, source.origin, source.ep)
     if options.quantize:
         check_quantization(params, options, n, m)
@@ -188,6 +189,7 @@ class DecidedParams:
     swiglu: bool | None
     vocab: Vocab
     params: list[ParamPlan]
+    family_facts: dict[str, Any]
 
     @property
     def carried(self) -> list[ParamPlan]:
@@ -201,7 +203,8 @@ class DecidedParams:
                           heads=self.heads, query_groups=self.groups, head_dim=self.head_dim, swiglu=self.swiglu,
                           tied_embeddings=tied, vocab_size=v.true, padded_vocab_source=v.source_rows,
                           padded_vocab_target=v.target_rows, make_vocab_size_divisible_by=v.divisible_by,
-                          source_pp_layers=source_layers, target_pp_layers=target_layers, origin=dict(self.origin))
+                          source_pp_layers=source_layers, target_pp_layers=target_layers, origin=dict(self.origin),
+                          family_facts=dict(self.family_facts))
 
 
 def decide_parameters(read: SourceRead, options: ReshardOptions, version: float, source: SourceCheckpoint,
@@ -225,13 +228,15 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
     origin: dict[str, str] = {}
     hidden, heads, head_dim = family.decide_heads(options, args, raw, origin, source.origin)
     groups = family.decide_groups(options, args, heads, raw, head_dim, n, origin, source.origin)
+    own = family.decide_family_facts(options, args, raw, origin, source.origin)
     swiglu, vocab, params = target_specs(raw, options, args, version, heads, groups, head_dim, n, m, origin,
                                          source.origin, family, fmt.padding_tp(args, source), fmt.vocab_divisor,
                                          experts=(source.expert_tp, target_etp))
     check_replicated(params, read.stages, source.expert_tp)
     return DecidedParams(family=family, naming=family.naming(all_keys), resolution=resolution, raw=raw,
                          carried_raw=carried_raw, layers_per_stage=layers_per_stage, origin=origin, hidden=hidden,
-                         heads=heads, head_dim=head_dim, groups=groups, swiglu=swiglu, vocab=vocab, params=params)
+                         heads=heads, head_dim=head_dim, groups=groups, swiglu=swiglu, vocab=vocab, params=params,
+                         family_facts=own)
 
 
 def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: SourceCheckpoint

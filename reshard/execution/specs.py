@@ -12,7 +12,7 @@ from reshard.models.facts import Vocab
 from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import ParamPlan, CanonicalParam, elems
-from reshard.core.rules import Kind, QKVLayout, Rule, expert_index
+from reshard.core.rules import Kind, QKVLayout, Rule
 
 if TYPE_CHECKING:
     from reshard.models.base import ModelFamily
@@ -38,7 +38,7 @@ def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, 
         vocab = family.decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
         ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
         expert_ctx = _SpecContext(version, heads, groups, head_dim, swiglu, ne, me or tm)
-        return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab) if expert_index(r.key) is None else
+        return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab) if not r.rule.expert else
                                          _expert_spec(r, expert_ctx, vocab, me is not None)) for r in raw]
 
     try:

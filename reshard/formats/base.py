@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from reshard.core.checks import check_same_keys
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
-from reshard.core.experts import expert_rows
 from reshard.core.plan_types import SourceRead, SourceStage
 from reshard.core.safe_load import load_shard
 from reshard.core.shard_check import RANK, check_shard_file
 from reshard.core.source import SourceCheckpoint, choose_module_key
+from reshard.models.megatron_gpt import expert_rows
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions

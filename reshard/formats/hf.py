@@ -243,7 +243,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
     split_rows = {}  # the whole model's size of every split tensor along its split dim
     for key, p in written.items():
         if p.spec is not None:
-            split = plan.degrees.of(key)[0]  # the source TP (expert TP) it is split over
+            split = plan.degrees.of(p.rule)[0]  # the source TP (expert TP) it is split over
             split_rows[key] = p.shape[p.spec.dim] * split if p.spec.total is None else p.spec.total * p.spec.parts
     widths = ffn_widths(split_rows, bool(plan.facts.swiglu))
     if len(dtypes) > 1:

@@ -70,10 +70,9 @@ from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.core.rules import expert_index, is_megatron_core
 from reshard.formats.megatron import iteration_folder
 from reshard.models.megatron_gpt import (EXPERTS, LAYERS, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MIN_CORE_COMPATIBLE_VERSION,
-                                         PER_RANK_ONLY, as_megatron_core, core_module)
+                                         PER_RANK_ONLY, as_megatron_core, core_module, expert_index, is_megatron_core)
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions

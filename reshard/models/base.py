@@ -5,7 +5,8 @@ layout (it never imports :mod:`reshard.formats`) and no storage."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import reshard.models.facts as facts
@@ -24,6 +25,11 @@ class ModelFamily(ABC):
     rules: ClassVar[tuple[Rule, ...]]
     #: Lower first; a catch-all family (claims every checkpoint) goes last.
     priority: ClassVar[int] = 100
+    #: Its names of an untied output layer (what the tied-embeddings decider looks for), and, per
+    #: naming, the name under which the last pipeline stage holds its copy of tied word embeddings
+    #: (what a pipeline split recreates). Empty: the family has no such parameter.
+    output_keys: ClassVar[tuple[str, ...]] = ()
+    tied_head_keys: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abstractmethod
     def claims(self, keys: Sequence[str]) -> bool:
@@ -64,10 +70,17 @@ class ModelFamily(ABC):
         """The vocabulary rows at source and target TP (padding)."""
         return facts.decide_vocab(options, args, params, n, m, origin, where, padded_for, default_divisor)
 
+    def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
+                            origin: dict[str, str], where: str) -> dict[str, Any]:
+        """The family's own facts, beyond those every family has (name -> JSON value; recorded in
+        :attr:`~reshard.core.plan_types.ModelFacts.family_facts`, each with its ``origin``). Default:
+        none."""
+        return {}
+
     def decide_tied(self, args: Any, naming: str, params: list[ParamPlan], stages: list[SourceStage],
                     origin: dict[str, str], source: SourceCheckpoint) -> bool | None:
         """Whether the output layer is the word embeddings (tied)."""
-        return facts.decide_tied(args, naming, params, stages, origin, source)
+        return facts.decide_tied(args, naming, params, stages, origin, source, self.output_keys)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

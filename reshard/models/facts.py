@@ -13,7 +13,7 @@ from typing import Any
 from reshard.core.checks import bit_equal
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError, MissingModelFactError
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import OUTPUT_KEYS, TIED_HEAD_KEYS, ParamPlan, CanonicalParam, SourceStage
+from reshard.core.plan_types import ParamPlan, CanonicalParam, SourceStage
 from reshard.core.rules import Kind, Place, QuantSlot
 from reshard.core.source import SourceCheckpoint, parse_version
 
@@ -282,15 +282,15 @@ def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name
 
 
 def decide_tied(args: Any, naming: str, params: list[ParamPlan], stages: list[SourceStage],
-                origin: dict[str, str], source: SourceCheckpoint) -> bool | None:
+                origin: dict[str, str], source: SourceCheckpoint, output_keys: tuple[str, ...]) -> bool | None:
     """Whether output and input embeddings are one tensor: ``args.untie_embeddings_and_output_weights``,
     else the structure (PP = 1: an output layer exists only when untied; legacy PP > 1: the head
     copy is named ``word_embeddings_for_head``), else a megatron-core last-stage ``output_layer``
     bit-identical to the word embeddings on every rank (tied weights are kept identical)."""
     keys = {p.key: p for p in params}
     emb = next((p for p in params if p.rule.vocab and p.rule.place is Place.FIRST), None)
-    out = next((keys[k] for k in OUTPUT_KEYS if k in keys), None)
-    head = keys.get(TIED_HEAD_KEYS["legacy"])
+    out = next((keys[k] for k in output_keys if k in keys), None)
+    head = next((p for p in params if p.rule.tied_head), None)
     untie = bool_arg(args, "untie_embeddings_and_output_weights")
     if emb is None:
         return None

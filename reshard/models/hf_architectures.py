@@ -67,8 +67,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
-from reshard.core.experts import experts_per_layer
-from reshard.core.rules import expert_index, layer_index
+from reshard.core.rules import layer_index
+from reshard.models.megatron_gpt import expert_index, experts_per_layer
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
 ROPE_BASE_DEFAULT = 10000.0

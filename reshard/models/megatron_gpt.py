@@ -10,11 +10,14 @@ embeddings) with the default, Megatron-LM deciders of :class:`~reshard.models.ba
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
-from reshard.core.errors import LayoutError
-from reshard.core.rules import Kind, Place, QKVLayout, QuantSlot, Rule, expert_index, is_megatron_core
+from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
+from reshard.core.plan_types import SourceStage, TargetParam
+from reshard.core.rules import Kind, Place, QKVLayout, QuantSlot, Rule, layer_index
 from reshard.models.base import ModelFamily
 
 # --- legacy Megatron / DeepSpeed names (transformer.* / language_model.encoder.*) ---------------
@@ -76,17 +79,17 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
     _core("linear_fc2.weight", _D + r"mlp\.linear_fc2\.weight$", Kind.ROW, QuantSlot.FOUR_H_TO_H, mlp=True),
     _core("linear_fc2.bias", _D + r"mlp\.linear_fc2\.bias$", Kind.REPLICATED, optional=True),
     # megatron-core MoE layers: the router, routed experts (SequentialMLP's local_experts.{i}.linear_fc*
-    # or grouped GEMM's linear_fc*.weight{i}; numbered globally here, see rules.expert_index) and
+    # or grouped GEMM's linear_fc*.weight{i}; numbered globally here, see expert_index) and
     # shared experts; expert weights split over TP like a dense MLP's (expert TP = TP)
     _core("router", _D + r"mlp\.router\.(?:weight|bias|expert_bias)$", Kind.REPLICATED, optional=True),
     _core("experts.linear_fc1.weight", _D + _EXPERT + r"1\.weight|linear_fc1\.weight\d+)$", Kind.COLUMN,
-          mlp=True, gated=True, optional=True),
+          mlp=True, gated=True, optional=True, expert=True),
     _core("experts.linear_fc1.bias", _D + _EXPERT + r"1\.bias|linear_fc1\.bias\d+)$", Kind.COLUMN, gated=True,
-          optional=True),
+          optional=True, expert=True),
     _core("experts.linear_fc2.weight", _D + _EXPERT + r"2\.weight|linear_fc2\.weight\d+)$", Kind.ROW, mlp=True,
-          optional=True),
+          optional=True, expert=True),
     _core("experts.linear_fc2.bias", _D + _EXPERT + r"2\.bias|linear_fc2\.bias\d+)$", Kind.REPLICATED,
-          optional=True),
+          optional=True, expert=True),
     _core("shared_experts.linear_fc1.weight", _D + r"mlp\.shared_experts\.linear_fc1\.weight$", Kind.COLUMN,
           mlp=True, gated=True, optional=True),
     _core("shared_experts.linear_fc1.bias", _D + r"mlp\.shared_experts\.linear_fc1\.bias$", Kind.COLUMN,
@@ -107,6 +110,129 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
           place=_LAST, optional=True),
     _core("first_extra_state", r"^embedding\.(?:.+\.)?_extra_state$", Kind.CARRIED, place=_FIRST, optional=True),
 )
+
+
+# -- megatron-core's expert numbering (MoE) ----------------------------------------------------------
+#: Where a parameter name carries its expert number: SequentialMLP's
+#: ``mlp.experts.local_experts.{i}.linear_fc1.weight`` and grouped GEMM's
+#: ``mlp.experts.linear_fc1.weight{i}``. Every EP rank of a stage holds the same dense weights and
+#: its own ``E / EP`` experts, numbered locally in its files; canonical names (what the planner
+#: sees: one parameter per global expert) carry the global number:
+#:
+#: =============  ==============================  ======================================
+#: EP rank ``e``  file key (local number ``i``)    canonical key (global number)
+#: =============  ==============================  ======================================
+#: ``0 .. EP-1``  ``...local_experts.{i}.<rest>``  ``...local_experts.{e*E/EP+i}.<rest>``
+#: ``0 .. EP-1``  ``...linear_fc1.weight{i}``      ``...linear_fc1.weight{e*E/EP+i}``
+#: =============  ==============================  ======================================
+_EXPERT_RES: tuple[re.Pattern[str], ...] = (
+    re.compile(r"(\.local_experts\.)(\d+)(\.)"),
+    re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)()$"),
+)
+
+
+def expert_index(key: str) -> int | None:
+    """The expert number in a parameter name, or None for a parameter of no single expert."""
+    for rx in _EXPERT_RES:
+        m = rx.search(key)
+        if m:
+            return int(m.group(2))
+    return None
+
+
+def with_expert(key: str, index: int) -> str:
+    """``key`` with its expert number replaced (a local number on an EP rank <-> the global one)."""
+    for rx in _EXPERT_RES:
+        if rx.search(key):
+            return rx.sub(lambda m: f"{m.group(1)}{index}{m.group(3)}", key, count=1)
+    raise ValueError(f"{key} names no expert")
+
+
+def is_megatron_core(keys: Iterable[str]) -> bool:
+    """Whether parameter names follow megatron-core (``decoder.layers.N``) rather than legacy."""
+    return any(k.startswith(("decoder.", "output_layer.")) for k in keys)
+
+
+def local_experts(keys: Sequence[str], where: str) -> int:
+    """Experts per MoE layer in one rank file (0: no MoE layer), numbered locally 0..L-1."""
+    counts = experts_per_layer(keys, where, hint="each rank file must number its experts locally, from 0")
+    return next(iter(counts.values()), 0)
+
+
+def expert_rows(stages: list[SourceStage]) -> list[SourceStage]:
+    """The grid's rows with their experts under global numbers: the EP ranks of a stage must hold
+    the same keys (same dense weights, same count of local experts); the rows after a stage's first
+    keep only their experts (the dense weights are taken from EP rank 0)."""
+    first: dict[int, SourceStage] = {}
+    out = []
+    for st in stages:
+        keys = list(st.modules[0])
+        head = first.setdefault(st.stage, st)
+        if set(keys) != set(head.modules[0]):
+            diff = sorted(set(keys) ^ set(head.modules[0]))
+            raise InconsistentShardsError(
+                f"expert-parallel rank {st.expert_rank} holds other parameters than rank {head.expert_rank} "
+                f"({len(diff)} differ, e.g. {diff[0]})", culprit=st.names[0],
+                hint="all expert-parallel rank folders must come from one checkpoint (same experts per rank)")
+        per_rank = local_experts(keys, st.names[0])
+        base = st.expert_rank * per_rank
+        canonical = dict(st.canonical)
+        for key in keys:
+            i = expert_index(key)
+            if i is not None:
+                canonical[key] = with_expert(st.canonical_name(key), base + i)
+        modules = st.modules if st is head else [
+            {k: v for k, v in mod.items() if expert_index(k) is not None} for mod in st.modules]
+        out.append(replace(st, canonical=canonical, modules=modules))
+    return out
+
+
+def experts_per_layer(keys: Iterable[str], where: str, saved: int | None = None,
+                      hint: str = "supply every expert (every expert-parallel rank folder)") -> dict[int | None, int]:
+    """Experts per MoE layer (layer -> count) among parameter names ``keys``: numbered 0..E-1, as
+    many in every MoE layer, and as many as the saved ``args.num_experts`` (``saved``) says — a
+    target EP rank's share is a run of numbers, so a gap would silently lose an expert."""
+    found: dict[int | None, set[int]] = {}
+    for key in keys:
+        g = expert_index(key)
+        if g is not None:
+            found.setdefault(layer_index(key), set()).add(g)
+    for layer, gs in found.items():
+        if sorted(gs) != list(range(len(gs))):
+            missing = sorted(set(range(max(gs) + 1)) - gs)
+            raise CheckpointFormatError(f"layer {layer} holds experts numbered {sorted(gs)[:8]}..., missing "
+                                        f"{missing[:8]}", culprit=where, hint=hint)
+    counts = {layer: len(gs) for layer, gs in found.items()}
+    if len(set(counts.values())) > 1 or (counts and saved is not None and saved not in counts.values()):
+        what = ", ".join(f"layer {layer}: {n}" for layer, n in sorted(counts.items(), key=lambda kv: kv[0] or 0))
+        raise CheckpointFormatError(f"MoE layers hold different numbers of experts ({what})" if saved is None else
+                                    f"args.num_experts is {saved} but the MoE layers hold {what}", culprit=where,
+                                    hint=hint)
+    return counts
+
+
+def rank_experts(entries: Sequence[TargetParam], rank: int, ep: int, counts: dict[int | None, int]
+                 ) -> list[TargetParam]:
+    """What target expert-parallel rank ``rank`` of ``ep`` holds of a stage's ``entries``: every
+    entry of no single expert, and its own experts renumbered from 0 under their output names."""
+    out = []
+    for tp in entries:
+        g = expert_index(tp.param.key)
+        if g is None:
+            out.append(tp)
+            continue
+        per_rank = counts[tp.param.layer] // ep
+        if g // per_rank == rank:
+            out.append(replace(tp, out_key=with_expert(tp.out_key, g % per_rank)))
+    return out
+
+
+
+# -- the output layer and the last stage's tied head, per naming --------------------------------------
+#: Names of the last stage's tied copy of the word embeddings, per naming.
+TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
+#: Names of an untied output layer (megatron-core, legacy).
+OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
 
 
 # --- legacy names as megatron-core's: writing a megatron-core format from a legacy checkpoint ------
@@ -211,14 +337,11 @@ class MegatronGPT(ModelFamily):
 
     name = "megatron-gpt"
     rules = MEGATRON_GPT_RULES
+    output_keys = OUTPUT_KEYS
+    tied_head_keys = MappingProxyType(TIED_HEAD_KEYS)
 
     def claims(self, keys: Sequence[str]) -> bool:
         return True  # the fallback family: a key none of its rules matches is refused by resolve
 
     def naming(self, keys: Sequence[str]) -> str:
         return "megatron-core" if is_megatron_core(keys) else "legacy"
-
-    def describe(self) -> list[str]:
-        from reshard.models.hf_architectures import NAME_TABLES
-
-        return [f"Hugging Face (export with --to hf, import from a folder): {', '.join(NAME_TABLES)}"]
