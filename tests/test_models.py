@@ -59,8 +59,9 @@ def test_a_plugin_family_makes_a_new_parameter_name_plannable(sample_factory, tm
         sd = torch.load(f, weights_only=False)
         sd["module"]["lm_head.weight"] = torch.full((64, 64), float(r))  # 128 vocab rows over 2 ranks
         torch.save(sd, f)
-    with pytest.raises(UnknownParameterError, match="lm_head.weight"):
+    with pytest.raises(UnknownParameterError, match="lm_head.weight") as refused:
         build_plan(str(src), ReshardOptions(target_tp=1))
+    assert "megatron-core GPT names" in refused.value.hint  # the claiming family says what it reads
     register_family(GPTWithLMHead)
     try:
         plan = build_plan(str(src), ReshardOptions(target_tp=1))

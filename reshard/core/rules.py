@@ -130,8 +130,9 @@ class Resolution:
     unused_rules: tuple[str, ...]
 
 
-def resolve(keys: Iterable[str], rules: tuple[Rule, ...], source: str = "checkpoint") -> Resolution:
-    """Assign the first matching rule to every key; raise listing all unmatched keys."""
+def resolve(keys: Iterable[str], rules: tuple[Rule, ...], source: str = "checkpoint", supported: str = "") -> Resolution:
+    """Assign the first matching rule to every key; raise listing all unmatched keys (``supported``:
+    what the table's family reads, for the hint)."""
     compiled = [(r, re.compile(r.pattern)) for r in rules]
     by_key: dict[str, Rule] = {}
     unmatched: list[str] = []
@@ -148,8 +149,8 @@ def resolve(keys: Iterable[str], rules: tuple[Rule, ...], source: str = "checkpo
         shown = ", ".join(unmatched[:20]) + (f" ... (+{len(unmatched) - 20} more)" if len(unmatched) > 20 else "")
         raise UnknownParameterError(
             f"{len(unmatched)} parameter(s) match no rule: {shown}", culprit=source,
-            hint="reshard does not guess how unknown parameters are partitioned; supported are legacy "
-                 "Megatron GPT names and megatron-core GPT names (dense or MoE MLP; no MLA)")
+            hint="reshard does not guess how unknown parameters are partitioned"
+                 + (f"; supported are {supported}" if supported else ""))
     families = {r.family for r in rules if r.name in used} - {"shared"}
     unused = tuple(r.name for r in rules
                    if r.name not in used and not r.optional and r.family in families)

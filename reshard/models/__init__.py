@@ -20,6 +20,6 @@ def resolve_family(keys: Sequence[str], source: str = "checkpoint") -> tuple[Mod
     :class:`~reshard.core.errors.UnknownParameterError` listing them all)."""
     for family in families():
         if family.claims(keys):
-            return family, resolve(keys, family.rules, source=source)
+            return family, resolve(keys, family.rules, source=source, supported=family.supported)
     raise UnknownParameterError(f"no model family claims these parameters ({', '.join(list(keys)[:5])}, ...)",
                                 culprit=source, hint=f"registered families: {sorted(registry)}")

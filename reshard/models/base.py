@@ -25,6 +25,8 @@ class ModelFamily(ABC):
     rules: ClassVar[tuple[Rule, ...]]
     #: Lower first; a catch-all family (claims every checkpoint) goes last.
     priority: ClassVar[int] = 100
+    #: What its table reads, in words (the hint when a name matches no rule).
+    supported: ClassVar[str] = ""
     #: Its names of an untied output layer (what the tied-embeddings decider looks for), and, per
     #: naming, the name under which the last pipeline stage holds its copy of tied word embeddings
     #: (what a pipeline split recreates). Empty: the family has no such parameter.

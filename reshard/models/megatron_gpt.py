@@ -338,6 +338,7 @@ class MegatronGPT(ModelFamily):
     name = "megatron-gpt"
     rules = MEGATRON_GPT_RULES
     output_keys = OUTPUT_KEYS
+    supported = "legacy Megatron GPT names and megatron-core GPT names (dense or MoE MLP; no MLA)"
     tied_head_keys = MappingProxyType(TIED_HEAD_KEYS)
 
     def claims(self, keys: Sequence[str]) -> bool:
