@@ -1,0 +1,201 @@
+"""FP8 block-scaled weights (DeepSeek-V3's format, which transformers and vLLM load): the codec.
+
+A weight ``W`` of shape ``[M, N]`` is stored as ``float8_e4m3fn`` values ``Q`` and a float32
+``<name>_scale_inv`` (for ``x.weight``: ``x.weight_scale_inv``) of shape ``[ceil(M/b0),
+ceil(N/b1)]``, one scale per block of ``b0 x b1`` elements; blocks on the last rows and columns
+are partial when ``b0`` does not divide ``M`` or ``b1`` does not divide ``N``. The checkpoint's
+``config.json`` says so in ``quantization_config``: ``{"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [b0, b1]}``.
+
+==============  ========================================================================
+direction       per block ``B`` (rows ``i*b0 ..``, columns ``j*b1 ..``; partial at the edges)
+==============  ========================================================================
+dequantize      ``W[B] = (Q[B].float() * S[i, j]).to(dtype)`` (DeepSeek's ``weight_dequant``:
+                float32 product, one rounding to the model dtype, round-to-nearest-even)
+quantize        ``S[i, j] = amax|W[B]| / 448`` (e4m3's largest finite value; 1.0 for an all-zero
+                block, so it stays zero), ``Q[B] = clamp(W[B].float() / S[i, j], -448, 448)``
+                cast to e4m3 (round-to-nearest-even)
+==============  ========================================================================
+
+Both work one band of ``b0`` rows at a time, so memory is the output plus one band in float32;
+:class:`Fp8BlockDequantized` reads any box of a stored weight from the box of ``Q`` and the
+scales covering it, so a converter never holds more than the box it writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from reshard.core.errors import CheckpointFormatError
+from reshard.core.lazy import LazyTensor
+
+E4M3 = torch.float8_e4m3fn
+#: e4m3's largest finite value: a block's largest magnitude maps onto it.
+E4M3_MAX = 448.0
+#: ``weight_block_size`` when none is asked for (DeepSeek-V3's, vLLM's default).
+DEFAULT_BLOCK = (128, 128)
+#: The suffix of a weight's scale tensor: ``x.weight`` -> ``x.weight_scale_inv``.
+SCALE_SUFFIX = "_scale_inv"
+
+
+def scale_name(weight: str) -> str:
+    """The name of the scale tensor of ``weight`` (``x.weight`` -> ``x.weight_scale_inv``)."""
+    return weight + SCALE_SUFFIX
+
+
+def scale_shape(shape: Sequence[int], block: tuple[int, int]) -> tuple[int, int]:
+    """``[ceil(M/b0), ceil(N/b1)]``: one scale per (possibly partial) block of a ``[M, N]`` weight."""
+    m, n = shape
+    return math.ceil(m / block[0]), math.ceil(n / block[1])
+
+
+def read_quantization_config(config: Mapping[str, Any], where: str) -> tuple[int, int] | None:
+    """The block size of an FP8 block-scaled checkpoint from its ``config.json``; None when the
+    checkpoint is not quantized. Any other scheme is refused, named: its weights are not the
+    model's weights until its own kernels unpack them."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, Mapping) else None
+    if method != "fp8":
+        named = f"quant_method {method!r}" if method else "a quantization_config without quant_method"
+        raise CheckpointFormatError(
+            f"holds {named}, which reshard does not read", culprit=where,
+            hint="reshard reads FP8 block-scaled checkpoints (quant_method 'fp8' with weight_block_size); "
+                 "dequantize others with their own tools first")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointFormatError(f"quantization_config.fmt is {fmt!r}", culprit=where,
+                                    hint="reshard reads FP8 e4m3 (float8_e4m3fn) weights only")
+    if qc.get("scale_fmt") not in (None, "float32", "fp32"):
+        raise CheckpointFormatError(f"quantization_config.scale_fmt is {qc.get('scale_fmt')!r}", culprit=where,
+                                    hint="reshard reads float32 block scales (weight_scale_inv) only")
+    block = qc.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointFormatError(f"quantization_config.weight_block_size is {block!r}", culprit=where,
+                                    hint="an FP8 block-scaled checkpoint names its block as [rows, columns], "
+                                         "e.g. [128, 128] (per-tensor FP8 is not read)")
+    return int(block[0]), int(block[1])
+
+
+def quantization_config(block: tuple[int, int]) -> dict[str, Any]:
+    """The ``config.json`` entry of weights quantized by :func:`quantize` (what transformers and
+    vLLM read)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def check_scale(name: str, weight_shape: Sequence[int], weight_dtype: torch.dtype, scale_shape_: Sequence[int] | None,
+                scale_dtype: torch.dtype | None, block: tuple[int, int], where: str) -> None:
+    """Refuse, before any byte is converted, an FP8 weight whose scale is missing, of the wrong
+    shape (a transposed or mis-edged grid) or not float32."""
+    if weight_dtype != E4M3:
+        raise CheckpointFormatError(f"{name} is {weight_dtype}, not float8_e4m3fn, in an FP8 checkpoint",
+                                    culprit=where, hint="quantized weights must be stored as float8_e4m3fn")
+    if len(weight_shape) != 2:
+        raise CheckpointFormatError(f"{name} is an FP8 weight of shape {list(weight_shape)}", culprit=where,
+                                    hint="block scales are defined for 2-D weights only")
+    if scale_shape_ is None:
+        raise CheckpointFormatError(f"{name} is float8_e4m3fn but {scale_name(name)} is missing", culprit=where,
+                                    hint="supply the scale tensors (weight_scale_inv) written with the weights")
+    want = scale_shape(weight_shape, block)
+    if tuple(scale_shape_) != want:
+        raise CheckpointFormatError(
+            f"{scale_name(name)} has shape {list(scale_shape_)}, not {list(want)} (ceil of {list(weight_shape)} "
+            f"over the {list(block)} blocks)", culprit=where,
+            hint="the scales do not belong to this weight or to this weight_block_size")
+    if scale_dtype != torch.float32:
+        raise CheckpointFormatError(f"{scale_name(name)} is {scale_dtype}, not float32", culprit=where,
+                                    hint="reshard reads float32 block scales only")
+
+
+def _expand(scale: torch.Tensor, block: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """The per-element scales of the box rows ``[r0, r1)`` x columns ``[c0, c1)`` from the scale
+    rows/columns covering it (``scale``'s first row/column is block ``r0 // b0`` / ``c0 // b1``)."""
+    (r0, r1), (c0, c1) = rows, cols
+    b0, b1 = block
+    ri = torch.arange(r0, r1) // b0 - r0 // b0
+    ci = torch.arange(c0, c1) // b1 - c0 // b1
+    return scale[ri][:, ci]
+
+
+def dequantize_box(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offsets: tuple[int, int],
+                   dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The box ``q`` (at ``offsets`` of the whole weight) dequantized by ``scale`` (the scale rows
+    and columns covering the box), one band of rows at a time into ``out`` (or a new tensor)."""
+    m, n = q.shape
+    r0, c0 = offsets
+    out = torch.empty((m, n), dtype=dtype) if out is None else out
+    b0 = block[0]
+    first = r0 // b0
+    r = 0
+    while r < m:
+        band = min(m - r, b0 - (r0 + r) % b0)  # to the end of this block row
+        s = _expand(scale[(r0 + r) // b0 - first:], block, (r0 + r, r0 + r + band), (c0, c0 + n))
+        out[r:r + band].copy_(q[r:r + band].float() * s)
+        r += band
+    return out
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A whole FP8 weight as ``dtype`` (see the module table)."""
+    return dequantize_box(q, scale_inv, block, (0, 0), dtype)
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q float8_e4m3fn [M, N], S float32 [ceil(M/b0), ceil(N/b1)])`` of a 2-D weight (see the
+    module table), one band of ``b0`` rows at a time."""
+    if w.dim() != 2:
+        raise ValueError(f"FP8 block quantization takes a 2-D weight, not {list(w.shape)}")
+    m, n = w.shape
+    b0, b1 = block
+    gm, gn = scale_shape(w.shape, block)
+    q = torch.empty((m, n), dtype=E4M3)
+    s = torch.empty((gm, gn), dtype=torch.float32)
+    pad = gn * b1 - n
+    for i in range(gm):
+        x = w[i * b0:(i + 1) * b0].float()
+        rows = x.shape[0]
+        wide = torch.nn.functional.pad(x.abs(), (0, pad)) if pad else x.abs()
+        amax = wide.reshape(rows, gn, b1).amax(dim=(0, 2))
+        si = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        s[i] = si
+        per = si.repeat_interleave(b1)[:n]
+        q[i * b0:(i + 1) * b0] = (x / per).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, s
+
+
+class Fp8BlockDequantized(LazyTensor):
+    """A stored FP8 weight read as the model's ``dtype``: each box is dequantized from the box of
+    ``q`` and the scales covering it (memory: the box, never the whole weight)."""
+
+    def __init__(self, q: torch.Tensor | LazyTensor, scale: torch.Tensor | LazyTensor, block: tuple[int, int],
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.q, self.scale, self.block = q, scale, block
+        self.shape, self.dtype = tuple(q.shape), dtype
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        (r0, c0), (m, n) = offsets, sizes
+        b0, b1 = self.block
+        s_off = (r0 // b0, c0 // b1)
+        s_size = ((r0 + m - 1) // b0 - s_off[0] + 1, (c0 + n - 1) // b1 - s_off[1] + 1) if m and n else (0, 0)
+        q = _box(self.q, (r0, c0), (m, n))
+        scale = _box(self.scale, s_off, s_size)
+        if out is not None and out.dtype != self.dtype:
+            raise ValueError(f"out is {out.dtype}, the dequantized weight {self.dtype}")
+        return dequantize_box(q, scale, self.block, (r0, c0), self.dtype, out)
+
+    def __repr__(self) -> str:
+        return f"Fp8BlockDequantized({self.q!r}, block={list(self.block)}, dtype={self.dtype})"
+
+
+def _box(t: torch.Tensor | LazyTensor, offsets: tuple[int, int], sizes: tuple[int, int]) -> torch.Tensor:
+    if isinstance(t, LazyTensor):
+        return t.read_box(offsets, sizes)
+    return t[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]

@@ -1,0 +1,114 @@
+"""The FP8 block-scaled codec (reshard.core.fp8_block), bit for bit against DeepSeek's formula
+written out block by block here, partial edge blocks in both dimensions included, and the wrong
+answers a converter could plausibly give (a transposed scale grid, floor instead of ceil at the
+edges, a missing scale, another quantization scheme) caught."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from reshard.core.errors import CheckpointFormatError
+from reshard.core.fp8_block import (E4M3, E4M3_MAX, Fp8BlockDequantized, check_scale, dequantize, quantization_config,
+                                    quantize, read_quantization_config, scale_shape)
+
+#: (weight shape, block): whole blocks, partial edges in rows, columns and both.
+CASES = [((256, 256), (128, 128)), ((192, 96), (128, 128)), ((320, 256), (128, 128)), ((300, 200), (64, 48)),
+         ((7, 5), (4, 3))]
+
+
+def _stored(shape: tuple[int, int], block: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight with varied magnitudes and its float32 scales, as a checkpoint holds them."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(shape, generator=g) * 100).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    s = torch.rand(scale_shape(shape, block), generator=g) * 1e-2 + 1e-4
+    return q, s
+
+
+def deepseek_reference(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """DeepSeek's ``weight_dequant``, block by block: the float32 product, then one cast."""
+    out = torch.empty(q.shape, dtype=dtype)
+    b0, b1 = block
+    for i in range(math.ceil(q.shape[0] / b0)):
+        for j in range(math.ceil(q.shape[1] / b1)):
+            blk = (slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1))
+            out[blk] = (q[blk].to(torch.float32) * s[i, j]).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("shape,block", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_is_deepseeks_formula_bit_for_bit(shape, block, dtype):
+    q, s = _stored(shape, block)
+    assert torch.equal(dequantize(q, s, block, dtype), deepseek_reference(q, s, block, dtype))
+
+
+@pytest.mark.parametrize("shape,block", CASES)
+def test_any_box_of_a_lazy_fp8_weight_is_that_box_of_the_whole(shape, block):
+    q, s = _stored(shape, block, seed=1)
+    whole = deepseek_reference(q, s, block, torch.bfloat16)
+    lazy = Fp8BlockDequantized(q, s, block)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        r0, c0 = (int(torch.randint(0, d, (1,), generator=g)) for d in shape)
+        m = int(torch.randint(1, shape[0] - r0 + 1, (1,), generator=g))
+        n = int(torch.randint(1, shape[1] - c0 + 1, (1,), generator=g))
+        assert torch.equal(lazy.read_box((r0, c0), (m, n)), whole[r0:r0 + m, c0:c0 + n])
+    assert torch.equal(lazy.materialize(), whole)
+    assert torch.equal(lazy.read(0, 3, 2), whole[3:5])
+
+
+def test_a_transposed_or_floor_edged_scale_grid_is_refused_and_would_change_the_weights():
+    q, s = _stored((192, 96), (128, 128))
+    good = (192, 96), E4M3, tuple(s.shape), torch.float32, (128, 128), "model.safetensors"
+    check_scale("w.weight", *good)
+    with pytest.raises(CheckpointFormatError, match=r"w.weight_scale_inv has shape \[1, 2\], not \[2, 1\]"):
+        check_scale("w.weight", (192, 96), E4M3, (1, 2), torch.float32, (128, 128), "f")  # transposed
+    with pytest.raises(CheckpointFormatError, match=r"not \[2, 1\]"):
+        check_scale("w.weight", (192, 96), E4M3, (1, 0), torch.float32, (128, 128), "f")  # floor at the edges
+    with pytest.raises(CheckpointFormatError, match="w.weight_scale_inv is missing"):
+        check_scale("w.weight", (192, 96), E4M3, None, None, (128, 128), "f")
+    with pytest.raises(CheckpointFormatError, match="not float32"):
+        check_scale("w.weight", (192, 96), E4M3, (2, 1), torch.bfloat16, (128, 128), "f")
+    # where the grid is square a transposed scale has the right shape: only the values tell
+    q, s = _stored((256, 256), (128, 128))
+    assert not torch.equal(dequantize(q, s.T.contiguous(), (128, 128)), dequantize(q, s, (128, 128)))
+
+
+@pytest.mark.parametrize("shape,block", CASES)
+def test_quantize_takes_block_amax_over_448_and_rounds_within_e4m3s_bound(shape, block):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(torch.bfloat16)
+    w[: min(block[0], shape[0]), : min(block[1], shape[1])] = 0  # an all-zero block stays zero
+    q, s = quantize(w, block)
+    assert q.dtype == E4M3 and tuple(s.shape) == scale_shape(shape, block) and s.dtype == torch.float32
+    b0, b1 = block
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = (slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1))
+            amax = w[blk].float().abs().max()
+            want = amax / E4M3_MAX if amax > 0 else torch.tensor(1.0)
+            assert s[i, j] == want
+            assert torch.equal(q[blk], (w[blk].float() / want).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
+    back = dequantize(q, s, block, torch.float32)
+    per = s.repeat_interleave(b0, 0)[: shape[0]].repeat_interleave(b1, 1)[:, : shape[1]]
+    # e4m3 keeps 3 mantissa bits (relative error <= 2**-4); below 2**-6 it is subnormal (step 2**-9)
+    bound = torch.maximum(w.float().abs() * 2.0 ** -4, per * 2.0 ** -10)
+    assert bool(((back - w.float()).abs() <= bound).all())
+    assert not back[: min(b0, shape[0]), : min(b1, shape[1])].any()
+
+
+def test_quantization_config_reads_fp8_and_refuses_every_other_scheme_by_name():
+    assert read_quantization_config({}, "config.json") is None
+    qc = quantization_config((128, 64))
+    assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}
+    assert read_quantization_config({"quantization_config": qc}, "config.json") == (128, 64)
+    for method in ("gptq", "awq", "mxfp4", "compressed-tensors"):
+        with pytest.raises(CheckpointFormatError, match=f"quant_method '{method}'"):
+            read_quantization_config({"quantization_config": {"quant_method": method}}, "config.json")
+    with pytest.raises(CheckpointFormatError, match="weight_block_size"):  # per-tensor FP8
+        read_quantization_config({"quantization_config": {"quant_method": "fp8"}}, "config.json")
+    with pytest.raises(CheckpointFormatError, match="fmt"):
+        read_quantization_config({"quantization_config": dict(qc, fmt="e5m2")}, "config.json")
