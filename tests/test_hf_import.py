@@ -68,6 +68,68 @@ def make_hf_model(name: str, folder: Path) -> torch.Tensor:
         return model(torch.tensor([TOKENS])).logits[0]
 
 
+#: FP8 blocks that leave partial blocks in both dimensions of the small models' projections
+#: (q_proj [64, 64], k_proj [16, 64], gate_proj [96, 64], down_proj [64, 96]).
+FP8_BLOCK = (32, 48)
+
+
+def fp8_reference(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSeek's dequantization of one weight, written out block by block (independent of reshard)."""
+    out = torch.empty(q.shape, dtype=dtype)
+    b0, b1 = FP8_BLOCK
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = (slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1))
+            out[blk] = (q[blk].to(torch.float32) * s[i, j]).to(dtype)
+    return out
+
+
+def make_fp8_folder(src: Path, dst: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``src`` as an FP8 block-scaled checkpoint (DeepSeek's layout: every projection of attention and
+    MLP float8_e4m3fn with a float32 ``weight_scale_inv`` per block, the rest in ``dtype``, one file,
+    ``quantization_config`` in config.json); returns the tensors the model computes with (each FP8
+    weight dequantized by :func:`fp8_reference`)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    stored, model = {}, {}
+    b0, b1 = FP8_BLOCK
+    for key, w in sorted(tensors.items()):
+        if not key.endswith("_proj.weight"):
+            stored[key] = model[key] = w.to(dtype)
+            continue
+        rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
+        s = torch.empty(rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                s[i, j] = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].abs().max() / 448
+        per = s.repeat_interleave(b0, 0)[:w.shape[0]].repeat_interleave(b1, 1)[:, :w.shape[1]]
+        q = (w.float() / per).clamp(-448, 448).to(torch.float8_e4m3fn)
+        stored[key], stored[key + "_scale_inv"] = q, s
+        model[key] = fp8_reference(q, s, dtype)
+    save_file(stored, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.update(dtype=str(dtype).removeprefix("torch."), quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)})
+    (dst / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def transformers_logits(folder: Path, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' logits for the test tokens of the model in ``folder``'s config with ``tensors``."""
+    import transformers
+
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([TOKENS])).logits[0]
+
+
 def _import(src: Path, out: Path, *extra: str) -> Path:
     assert main(["run", "--direct", str(src), str(out), *extra]) == 0
     return out
@@ -116,6 +178,9 @@ def imported(tmp_path_factory):
         for tp in (1, 2):
             runs[(name, tp)] = _import(hf[name], root / f"{name}_tp{tp}", "--target-tp", str(tp))
     dist = _import(hf["llama"], root / "llama_dist", "--to", "torch_dist")
+    hf["llama_fp8"] = root / "hf" / "llama_fp8"  # FP8 block-scaled, read as the float32 model it encodes
+    want["llama_fp8"] = transformers_logits(hf["llama"], make_fp8_folder(hf["llama"], hf["llama_fp8"], torch.float32))
+    runs[("llama_fp8", 2)] = _import(hf["llama_fp8"], root / "llama_fp8_tp2", "--target-tp", "2")
     for what, wrong in WRONG.items():
         out, src = root / f"wrong_{len(runs)}", hf[_model_of(what)]
         if isinstance(wrong, dict):
@@ -333,3 +398,55 @@ def test_hf_architecture_choices_that_cannot_be_written_are_refused(imported, tm
              "--to", "hf", "--hf-architecture", "NopeForCausalLM", tp=())
     _refused(capsys, llama, tmp_path / "o3", "--hf-architecture: names the class of a Hugging Face export",
              "--hf-architecture", "MistralForCausalLM")
+
+
+def test_an_fp8_block_scaled_folder_imports_with_the_logits_of_the_model_it_encodes(imported):
+    """Partial FP8 blocks in both dimensions, dequantized as DeepSeek does, fused into megatron-core's
+    QKV and fc1 at TP 2: megatron-core computes what transformers computes from those weights."""
+    assert _diff(imported["logits"][("llama_fp8", 2)], imported["want"]["llama_fp8"]) < TOL
+
+
+def test_fp8_to_hf_is_deepseeks_cast_bit_for_bit(imported, tmp_path):
+    """``reshard run FP8_DIR DST --to hf`` is DeepSeek's fp8_cast_bf16: every weight the block
+    formula's bf16 (partial edge blocks included), no scale left, no quantization_config, the index
+    consistent; a transposed scale grid would change the weights (and is refused: below)."""
+    src = tmp_path / "fp8"
+    want = make_fp8_folder(imported["hf"]["llama"], src, torch.bfloat16)
+    out = tmp_path / "bf16"
+    assert main(["run", "--direct", str(src), str(out), "--to", "hf", "--max-shard-size", "100KB"]) == 0
+    got = _st_tensors(out)
+    assert sorted(got) == sorted(want) and all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k])
+                                               for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(index) == sorted(want) and set(index.values()) == {f.name for f in out.glob("*.safetensors")}
+
+
+def test_fp8_folders_that_cannot_be_read_exactly_are_refused(imported, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "fp8"
+    make_fp8_folder(imported["hf"]["llama"], src, torch.bfloat16)
+    tensors = load_file(src / "model.safetensors")
+    key = "model.layers.0.self_attn.k_proj.weight"  # [16, 64]: scales [1, 2]
+
+    def variant(name: str, **change: torch.Tensor | None) -> Path:
+        dst = _edited(src, tmp_path / name)
+        edited = {k: v for k, v in {**tensors, **change}.items() if v is not None}
+        save_file(edited, dst / "model.safetensors", metadata={"format": "pt"})
+        return dst
+
+    _refused(capsys, variant("noscale", **{key + "_scale_inv": None}), tmp_path / "o1",
+             f"{key} is float8_e4m3fn but {key}_scale_inv is missing")
+    _refused(capsys, variant("transposed", **{key + "_scale_inv": tensors[key + "_scale_inv"].T.contiguous()}),
+             tmp_path / "o2", f"{key}_scale_inv has shape [2, 1], not [1, 2]")
+    _refused(capsys, variant("orphan", **{"model.norm.weight_scale_inv": torch.ones(1, 1)}), tmp_path / "o3",
+             "model.norm.weight is bfloat16 but has a block scale")
+    _refused(capsys, _edited(src, tmp_path / "gptq", config={"quantization_config": {"quant_method": "gptq"}}),
+             tmp_path / "o4", "holds quant_method 'gptq', which reshard does not read")
+    bare = _edited(src, tmp_path / "bare")
+    cfg = json.loads((bare / "config.json").read_text())
+    del cfg["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(cfg))
+    _refused(capsys, bare, tmp_path / "o5", "is float8_e4m3fn but config.json declares no quantization_config")

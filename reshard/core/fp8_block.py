@@ -42,6 +42,10 @@ DEFAULT_BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 
 
+def _named(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def scale_name(weight: str) -> str:
     """The name of the scale tensor of ``weight`` (``x.weight`` -> ``x.weight_scale_inv``)."""
     return weight + SCALE_SUFFIX
@@ -94,7 +98,7 @@ def check_scale(name: str, weight_shape: Sequence[int], weight_dtype: torch.dtyp
     """Refuse, before any byte is converted, an FP8 weight whose scale is missing, of the wrong
     shape (a transposed or mis-edged grid) or not float32."""
     if weight_dtype != E4M3:
-        raise CheckpointFormatError(f"{name} is {weight_dtype}, not float8_e4m3fn, in an FP8 checkpoint",
+        raise CheckpointFormatError(f"{name} is {_named(weight_dtype)}, not float8_e4m3fn, in an FP8 checkpoint",
                                     culprit=where, hint="quantized weights must be stored as float8_e4m3fn")
     if len(weight_shape) != 2:
         raise CheckpointFormatError(f"{name} is an FP8 weight of shape {list(weight_shape)}", culprit=where,
@@ -109,7 +113,7 @@ def check_scale(name: str, weight_shape: Sequence[int], weight_dtype: torch.dtyp
             f"over the {list(block)} blocks)", culprit=where,
             hint="the scales do not belong to this weight or to this weight_block_size")
     if scale_dtype != torch.float32:
-        raise CheckpointFormatError(f"{scale_name(name)} is {scale_dtype}, not float32", culprit=where,
+        raise CheckpointFormatError(f"{scale_name(name)} is {_named(scale_dtype)}, not float32", culprit=where,
                                     hint="reshard reads float32 block scales only")
 
 
@@ -168,6 +172,38 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
         per = si.repeat_interleave(b1)[:n]
         q[i * b0:(i + 1) * b0] = (x / per).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, s
+
+
+def dequantized_tensors(tensors: Mapping[str, Any], block: tuple[int, int] | None, dtype: torch.dtype,
+                        where: str) -> dict[str, Any]:
+    """A checkpoint's tensors with every FP8 weight read as ``dtype`` (lazily, box by box) and its
+    scale gone: what the model computes with. ``block``: the checkpoint's ``weight_block_size``
+    (None: it declares no quantization, so an FP8 tensor in it is refused — a bare cast would give
+    a model that computes something else). Every FP8 weight and every scale is checked
+    (:func:`check_scale`) before anything is read; a scale without its weight is refused too."""
+    scales = {k for k in tensors if k.endswith(SCALE_SUFFIX)}
+    out: dict[str, Any] = {}
+    for key, t in tensors.items():
+        if key in scales:
+            if key[:-len(SCALE_SUFFIX)] not in tensors:
+                raise CheckpointFormatError(f"{key} scales no weight ({key[:-len(SCALE_SUFFIX)]} is absent)",
+                                            culprit=where, hint="the files do not belong together; re-copy the folder")
+            continue
+        if t.dtype != E4M3:
+            if scale_name(key) in scales:
+                raise CheckpointFormatError(f"{key} is {_named(t.dtype)} but has a block scale ({scale_name(key)})",
+                                            culprit=where, hint="a scaled weight must be stored as float8_e4m3fn")
+            out[key] = t
+            continue
+        if block is None:
+            raise CheckpointFormatError(f"{key} is float8_e4m3fn but config.json declares no quantization_config",
+                                        culprit=where, hint="an FP8 checkpoint names its block scaling in "
+                                        "quantization_config (quant_method 'fp8', weight_block_size)")
+        scale = tensors.get(scale_name(key))
+        check_scale(key, t.shape, t.dtype, None if scale is None else scale.shape,
+                    None if scale is None else scale.dtype, block, where)
+        out[key] = Fp8BlockDequantized(t, scale, block, dtype)
+    return out
 
 
 class Fp8BlockDequantized(LazyTensor):

@@ -30,7 +30,7 @@ from reshard.core.pages import PageDropper
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
+from reshard.core.fp8_block import dequantized_tensors, read_quantization_config
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
@@ -61,6 +62,13 @@ def _json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
         raise CorruptCheckpointError("is not valid JSON", culprit=str(path), hint="re-copy the file") from None
+
+
+def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype FP8 weights are read as: the model's own (``torch_dtype``, transformers 5's
+    ``dtype``) — FP8 is the weights' encoding, not the model's dtype — else bfloat16."""
+    named = config.get("dtype") or config.get("torch_dtype")
+    return {"float16": torch.float16, "float32": torch.float32}.get(named, torch.bfloat16)
 
 
 def _weight_map(folder: Path) -> dict[str, str]:
@@ -121,7 +129,9 @@ class HFFormat(CheckpointFormat):
         every tensor a lazy view of the mapped safetensors files, after every file's header (validated by
         the ``safetensors`` library) has been checked against the index."""
         folder = Path(path).parent
-        model = read_config(_json(folder / CONFIG), str(folder / CONFIG))
+        config = _json(folder / CONFIG)
+        model = read_config(config, str(folder / CONFIG))
+        block = read_quantization_config(config, str(folder / CONFIG))
         indexed = _weight_map(folder) if (folder / INDEX).is_file() else None
         tensors: dict[str, Any] = {}
         for name in sorted(set(indexed.values())) if indexed is not None else [WEIGHTS]:
@@ -138,7 +148,7 @@ class HFFormat(CheckpointFormat):
             raise CheckpointFormatError(f"the index lists {absent[0]} in {indexed[absent[0]]}, which does not hold "
                                         "it", culprit=str(folder / INDEX),
                                         hint="the index does not belong to these files; re-copy the folder")
-        return megatron_state(tensors, model)
+        return megatron_state(dequantized_tensors(tensors, block, _model_dtype(config), str(folder)), model)
 
     # -- writing ------------------------------------------------------------------------------
     per_rank = False
