@@ -225,7 +225,11 @@ class Fp8BlockDequantized(LazyTensor):
         scale = _box(self.scale, s_off, s_size)
         if out is not None and out.dtype != self.dtype:
             raise ValueError(f"out is {out.dtype}, the dequantized weight {self.dtype}")
-        return dequantize_box(q, scale, self.block, (r0, c0), self.dtype, out)
+        got = dequantize_box(q, scale, self.block, (r0, c0), self.dtype, out)
+        for src, box in ((self.q, q), (self.scale, scale)):
+            if isinstance(src, LazyTensor):
+                src.release(box)  # read: give back the mapped pages (memory stays a few boxes)
+        return got
 
     def __repr__(self) -> str:
         return f"Fp8BlockDequantized({self.q!r}, block={list(self.block)}, dtype={self.dtype})"
