@@ -33,7 +33,7 @@ def test_flow_output_equals_direct_and_rerun_is_all_cached(sample_factory, tmp_p
     first = run_flow(_params(src, tmp_path / "flow", tmp_path, target_tp=2))
     assert not first["up_to_date"]
     assert _files(tmp_path / "flow") == _files(tmp_path / "direct")
-    states = task_states(first["flow_run_id"])
+    states = task_states(first["flow_run_id"], expect={"convert-target": 2})
     assert set(states["convert-target"]) == {"Completed"}
 
     manifest = tmp_path / "flow" / MANIFEST_NAME
@@ -53,7 +53,7 @@ def test_changed_options_are_not_served_from_cache(sample_factory, tmp_path):
     src = sample_factory(8, 2.0)
     run_flow(_params(src, tmp_path / "a", tmp_path, target_tp=2))
     out = run_flow(_params(src, tmp_path / "b", tmp_path, target_tp=2, quantize=True, groups=4))
-    states = task_states(out["flow_run_id"])
+    states = task_states(out["flow_run_id"], expect={"convert-target": 2, "fetch-shard": 8})
     assert set(states["convert-target"]) == {"Completed"}
     assert set(states["fetch-shard"]) == {"Cached"}  # same shards, same identity
 
@@ -164,7 +164,7 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     with pytest.raises(CorruptCheckpointError):
         run_flow(_params(src, tmp_path / "dst", tmp_path, target_tp=2))
-    states = task_states(_latest_flow_run_id())
+    states = task_states(_latest_flow_run_id(), expect={"check-shard": 8, "convert-target": 1})
     assert states["check-shard"].count("Failed") == 1, states
     assert states["convert-target"].count("Completed") == 1, states
     assert "Completed" not in states.get("upload-target", []), states
