@@ -441,8 +441,10 @@ def test_fp8_folders_that_cannot_be_read_exactly_are_refused(imported, tmp_path,
              f"{key} is float8_e4m3fn but {key}_scale_inv is missing")
     _refused(capsys, variant("transposed", **{key + "_scale_inv": tensors[key + "_scale_inv"].T.contiguous()}),
              tmp_path / "o2", f"{key}_scale_inv has shape [2, 1], not [1, 2]")
-    _refused(capsys, variant("orphan", **{"model.norm.weight_scale_inv": torch.ones(1, 1)}), tmp_path / "o3",
+    _refused(capsys, variant("unscaled", **{"model.norm.weight_scale_inv": torch.ones(1, 1)}), tmp_path / "o3",
              "model.norm.weight is bfloat16 but has a block scale")
+    _refused(capsys, variant("orphan", **{"model.layers.0.mlp.extra.weight_scale_inv": torch.ones(1, 1)}),
+             tmp_path / "o6", "model.layers.0.mlp.extra.weight_scale_inv scales no weight")
     _refused(capsys, _edited(src, tmp_path / "gptq", config={"quantization_config": {"quant_method": "gptq"}}),
              tmp_path / "o4", "holds quant_method 'gptq', which reshard does not read")
     bare = _edited(src, tmp_path / "bare")

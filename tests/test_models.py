@@ -21,7 +21,7 @@ from reshard.execution.planner import build_plan
 from reshard.core.plan_types import CanonicalParam
 from reshard.core.rules import Kind, Place, Rule
 from reshard.models import ModelFamily, families, register_family, registry, resolve_family, unregister_family
-from reshard.models.megatron_gpt import MEGATRON_GPT_RULES
+from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, MegatronGPT
 
 
 class GPTWithLMHead(ModelFamily):
@@ -120,6 +120,11 @@ def test_a_plugin_family_decides_a_model_fact_its_own_way(sample_factory, tmp_pa
         assert plan.facts.origin["heads"] == "args.n_head" and plan.facts.heads == expected.facts.heads
         assert plan.facts.family_facts == {"head_count_arg": "n_head"} and plan.facts.origin["head_count_arg"] == "args"
         assert plan.facts.to_record()["family_facts"] == {"head_count_arg": "n_head"}
+        # the Megatron-LM names the tied decider and a pipeline split look for are every family's defaults
+        assert GPTWithOwnSettings.output_keys == MegatronGPT.output_keys == ("output_layer.weight",
+                                                                             "language_model.output_layer.weight")
+        assert GPTWithOwnSettings.tied_head_keys["legacy"] == "word_embeddings_for_head.weight"
+        assert plan.facts.tied_embeddings == expected.facts.tied_embeddings
         assert [(p.key, p.spec) for p in plan.params] == [(p.key, p.spec) for p in expected.params]
     finally:
         unregister_family(GPTWithOwnSettings.name)

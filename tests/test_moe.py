@@ -792,6 +792,9 @@ def test_the_flow_waits_for_the_files_each_target_reads(moe_etp, tmp_path):
     ("decoder.layers.0.mlp.experts.linear_fc2.bias3", 3),
     ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", None),
     ("decoder.layers.1.mlp.router.weight", None),
+    ("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1._extra_state", 5),
+    ("decoder.layers.2.mlp.shared_experts.linear_fc1._extra_state", None),
+    ("decoder.layers.2.self_attention.linear_qkv._extra_state", None),
     ("decoder.layers.1.mlp.linear_fc1.weight", None),
 ])
 def test_the_rule_tables_expert_flag_agrees_with_the_familys_expert_numbering(key, expert):

@@ -134,6 +134,8 @@ def dequantize_box(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     m, n = q.shape
     r0, c0 = offsets
     out = torch.empty((m, n), dtype=dtype) if out is None else out
+    if not m or not n:
+        return out
     b0 = block[0]
     first = r0 // b0
     r = 0
@@ -225,17 +227,15 @@ class Fp8BlockDequantized(LazyTensor):
         scale = _box(self.scale, s_off, s_size)
         if out is not None and out.dtype != self.dtype:
             raise ValueError(f"out is {out.dtype}, the dequantized weight {self.dtype}")
-        got = dequantize_box(q, scale, self.block, (r0, c0), self.dtype, out)
-        for src, box in ((self.q, q), (self.scale, scale)):
-            if isinstance(src, LazyTensor):
-                src.release(box)  # read: give back the mapped pages (memory stays a few boxes)
-        return got
+        return dequantize_box(q, scale, self.block, (r0, c0), self.dtype, out)
 
     def __repr__(self) -> str:
         return f"Fp8BlockDequantized({self.q!r}, block={list(self.block)}, dtype={self.dtype})"
 
 
 def _box(t: torch.Tensor | LazyTensor, offsets: tuple[int, int], sizes: tuple[int, int]) -> torch.Tensor:
+    """A box of ``t``; from a lazy (mapped or remote) tensor copied into a buffer of its own, so the
+    source gives back the pages it read (a box narrower than a row is no view to give back later)."""
     if isinstance(t, LazyTensor):
-        return t.read_box(offsets, sizes)
+        return t.read_box(offsets, sizes, out=torch.empty(sizes, dtype=t.dtype))
     return t[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]

@@ -59,7 +59,11 @@ def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool
             layer = p.layer if p.layer is not None else 0
             placed[layer // per].append(TargetParam(out_key=with_layer(p.key, layer % per), param=p))
     if tied and spp == 1 and tpp > 1 and emb is not None:
-        head_key = family.tied_head_keys[naming]
+        head_key = family.tied_head_keys.get(naming)
+        if head_key is None:
+            raise LayoutError(f"the {family.name} family names no copy of tied embeddings for the last pipeline "
+                              f"stage under {naming} names", culprit=where,
+                              hint="keep the pipeline stages (drop --target-pp), or give the family tied_head_keys")
         last = placed[tpp - 1]
         module = head_key.rsplit(".", 1)[0] + "."  # before the entries of the head's module (its extra state)
         at = next((i for i, tp in enumerate(last) if tp.out_key.startswith(module)), len(last))

@@ -107,7 +107,9 @@ class HFFormat(CheckpointFormat):
         """The folder as a TP 1 grid of one "file", its ``config.json`` (what every target reads
         first); the weight files are ``aux``. Only names are read here (in a pipeline the weights
         may not be fetched yet): their headers are checked by :meth:`load`."""
-        read_config(_json(path / CONFIG), str(path / CONFIG))  # refuse an architecture before anything is fetched
+        config = _json(path / CONFIG)  # refuse an architecture or a quantization before anything is fetched
+        read_config(config, str(path / CONFIG))
+        read_quantization_config(config, str(path / CONFIG))
         indexed = (path / INDEX).is_file()
         files = sorted(set(_weight_map(path).values())) if indexed else [WEIGHTS] if (path / WEIGHTS).is_file() else []
         if not files:

@@ -29,9 +29,9 @@ class ModelFamily(ABC):
     supported: ClassVar[str] = ""
     #: Its names of an untied output layer (what the tied-embeddings decider looks for), and, per
     #: naming, the name under which the last pipeline stage holds its copy of tied word embeddings
-    #: (what a pipeline split recreates). Empty: the family has no such parameter.
-    output_keys: ClassVar[tuple[str, ...]] = ()
-    tied_head_keys: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: (what a pipeline split recreates). Defaults: Megatron-LM's, as for the deciders.
+    output_keys: ClassVar[tuple[str, ...]] = facts.OUTPUT_KEYS
+    tied_head_keys: ClassVar[Mapping[str, str]] = MappingProxyType(facts.TIED_HEAD_KEYS)
 
     @abstractmethod
     def claims(self, keys: Sequence[str]) -> bool:

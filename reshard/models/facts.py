@@ -281,11 +281,17 @@ def _flag_or_arg(flag: int | None, flag_name: str, saved: int | None, saved_name
     return saved
 
 
+#: Megatron-LM's names of an untied output layer (megatron-core, legacy) and, per naming, of the last
+#: pipeline stage's copy of tied word embeddings (the defaults of :class:`~reshard.models.base.ModelFamily`).
+OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
+TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
+
+
 def decide_tied(args: Any, naming: str, params: list[ParamPlan], stages: list[SourceStage],
                 origin: dict[str, str], source: SourceCheckpoint, output_keys: tuple[str, ...]) -> bool | None:
     """Whether output and input embeddings are one tensor: ``args.untie_embeddings_and_output_weights``,
-    else the structure (PP = 1: an output layer exists only when untied; legacy PP > 1: the head
-    copy is named ``word_embeddings_for_head``), else a megatron-core last-stage ``output_layer``
+    else the structure (PP = 1: an output layer (one of ``output_keys``) exists only when untied;
+    legacy PP > 1: a head copy exists, its rule's ``tied_head``), else a megatron-core last-stage ``output_layer``
     bit-identical to the word embeddings on every rank (tied weights are kept identical)."""
     keys = {p.key: p for p in params}
     emb = next((p for p in params if p.rule.vocab and p.rule.place is Place.FIRST), None)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from types import MappingProxyType
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
@@ -103,6 +102,9 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
           Kind.REPLICATED, optional=True),
     _core("qk_layernorms", _D + r"self_attention\.(?:q_layernorm|k_layernorm)\." + _LN, Kind.REPLICATED,
           optional=True),
+    # a routed expert's own extra state (SequentialMLP's local_experts.{i}.linear_fc*): its expert's file
+    _core("experts.extra_state", _D + r"mlp\.experts\.local_experts\.\d+\.(?:.+\.)?_extra_state$", Kind.CARRIED,
+          optional=True, expert=True),
     _core("layer_extra_state", _D + r"(?:.+\.)?_extra_state$", Kind.CARRIED, optional=True),
     _core("final_layernorm", r"^decoder\.final_layernorm\." + _LN, Kind.REPLICATED, place=_LAST),
     _core("output_layer", r"^output_layer\.weight$", Kind.COLUMN, vocab=True, place=_LAST, optional=True),
@@ -228,12 +230,6 @@ def rank_experts(entries: Sequence[TargetParam], rank: int, ep: int, counts: dic
 
 
 
-# -- the output layer and the last stage's tied head, per naming --------------------------------------
-#: Names of the last stage's tied copy of the word embeddings, per naming.
-TIED_HEAD_KEYS: dict[str, str] = {"megatron-core": "output_layer.weight", "legacy": "word_embeddings_for_head.weight"}
-#: Names of an untied output layer (megatron-core, legacy).
-OUTPUT_KEYS = ("output_layer.weight", "language_model.output_layer.weight")
-
 
 # --- legacy names as megatron-core's: writing a megatron-core format from a legacy checkpoint ------
 _LEG_LAYER = r"^(?:transformer|language_model\.encoder)\.layers\.(\d+)\."
@@ -337,9 +333,7 @@ class MegatronGPT(ModelFamily):
 
     name = "megatron-gpt"
     rules = MEGATRON_GPT_RULES
-    output_keys = OUTPUT_KEYS
     supported = "legacy Megatron GPT names and megatron-core GPT names (dense or MoE MLP; no MLA)"
-    tied_head_keys = MappingProxyType(TIED_HEAD_KEYS)
 
     def claims(self, keys: Sequence[str]) -> bool:
         return True  # the fallback family: a key none of its rules matches is refused by resolve
