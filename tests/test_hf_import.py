@@ -421,6 +421,12 @@ def test_fp8_to_hf_is_deepseeks_cast_bit_for_bit(imported, tmp_path):
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(index) == sorted(want) and set(index.values()) == {f.name for f in out.glob("*.safetensors")}
+    import transformers  # the export as transformers loads it (from_pretrained's own checks): the model it encodes
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKENS])).logits[0]
+    assert torch.equal(logits, transformers_logits(imported["hf"]["llama"], want))
 
 
 def test_fp8_folders_that_cannot_be_read_exactly_are_refused(imported, tmp_path, capsys):
