@@ -37,7 +37,8 @@ from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.models.hf_architectures import Export, HFArchitecture, decide_architecture, export_of, ffn_widths
+from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, decide_architecture, export_of,
+                                             ffn_widths)
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import export_as, read_config
@@ -68,7 +69,7 @@ def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
     """The dtype FP8 weights are read as: the model's own (``torch_dtype``, transformers 5's
     ``dtype``) — FP8 is the weights' encoding, not the model's dtype — else bfloat16."""
     named = config.get("dtype") or config.get("torch_dtype")
-    return {"float16": torch.float16, "float32": torch.float32}.get(named, torch.bfloat16)
+    return next((dtype for dtype, name in HF_DTYPES.items() if name == named), torch.bfloat16)
 
 
 def _weight_map(folder: Path) -> dict[str, str]:

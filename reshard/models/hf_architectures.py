@@ -490,7 +490,8 @@ class HFArchitectureFamily(abc.ABC):
         return f"<{type(self).__name__} {self.name}>"
 
 
-_HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: The dtype names of config.json (transformers' ``dtype`` / ``torch_dtype``), both directions.
+HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _arg(args: Any, *names: str, default: Any = None) -> Any:
@@ -578,7 +579,7 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
         "num_hidden_layers": facts.num_layers, "num_attention_heads": facts.heads,
         "num_key_value_heads": facts.query_groups, "head_dim": facts.head_dim, "hidden_act": "silu",
         "rms_norm_eps": eps, "rope_theta": base, "rope_parameters": {"rope_type": "default", "rope_theta": base},
-        "tie_word_embeddings": bool(facts.tied_embeddings), "dtype": _HF_DTYPES.get(dtype, str(dtype)),
+        "tie_word_embeddings": bool(facts.tied_embeddings), "dtype": HF_DTYPES.get(dtype, str(dtype)),
         "bos_token_id": None, "eos_token_id": None, "use_cache": True,
     }
     max_pos = _arg(args, "max_position_embeddings", "seq_length")
@@ -644,7 +645,7 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
         "n_layer": facts.num_layers, "n_head": facts.heads, "n_inner": ffn, "activation_function": gelu,
         "layer_norm_epsilon": eps, "tie_word_embeddings": bool(facts.tied_embeddings),
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
-        "dtype": _HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
+        "dtype": HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
     }
     max_pos = _arg(args, "max_position_embeddings", "seq_length")
     if isinstance(max_pos, int):
