@@ -20,13 +20,13 @@ from reshard.core.errors import ReshardError
 
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
-          "quantization": "quantization (int8, per-rank outputs)",
+          "quantization": "quantization (int8 per-rank, fp8 with --to hf)",
           "model facts": "model facts (only when the checkpoint's saved args lack them)"}
 #: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
 #: placed where they are added).
 OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_ep": "layout", "target_etp": "layout",
                  "to": "output", "hf_architecture": "output", "max_shard_size": "output", "weights": "output",
-                 "quantize": "quantization", "bits": "quantization", "groups": "quantization",
+                 "quantize": "quantization", "fp8_block": "quantization", "bits": "quantization", "groups": "quantization",
                  "mlp_extra_grouping": "quantization", "version": "model facts", "module_key": "model facts",
                  "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",
                  "vocab_size": "model facts", "make_vocab_size_divisible_by": "model facts",
@@ -66,7 +66,8 @@ def _add_layout_options(groups: dict[str, Any], *, target_required: bool) -> Non
                                help=str(extra["negative_help"]))
             continue
         kind = types[0] if types[0] in (int, float, str) else str  # a file's contents: its path here
-        p.add_argument(flag_of(name), dest=name, type=kind, metavar=extra.get("metavar"),
+        alone = {"nargs": "?", "const": extra["alone"]} if "alone" in extra else {}  # the flag without a value
+        p.add_argument(flag_of(name), dest=name, type=kind, metavar=extra.get("metavar"), **alone,
                        default=None if field.is_required() else field.default, help=field.description,
                        required=field.is_required() and target_required)
 

@@ -23,6 +23,11 @@ class OutputFile(BaseModel):
     sha256: str = Field(description="hex digest of the file's bytes")
 
 
+def _quantization(recorded: Any) -> str | None:
+    """A manifest's ``quantize`` (``true`` in manifests written before the option took a value: int8)."""
+    return "int8" if recorded is True else recorded or None
+
+
 class ConversionResult(BaseModel):
     """A committed conversion (or one found already committed: ``up_to_date``)."""
 
@@ -34,7 +39,7 @@ class ConversionResult(BaseModel):
     target_tp: int | None = Field(description="of the output; None for a layout of global tensors (hf, torch_dist)")
     target_format: str | None = Field(description="the output's format (registry name)")
     version: float | None = Field(default=None, description="the source's checkpoint_version")
-    quantized: bool = False
+    quantized: str | None = Field(default=None, description="the quantization written (int8, fp8), else None")
     up_to_date: bool = Field(description="the destination already held this exact conversion: nothing was written")
     conversion_id: str | None = Field(default=None, description="identity of sources + options + code")
     files: list[OutputFile] = Field(default_factory=list)
@@ -56,7 +61,7 @@ class ConversionResult(BaseModel):
             "source": manifest["source"]["url"], "destination": destination, "source_tp": manifest["source"]["tp"],
             "target_tp": manifest["target"]["tp"], "target_format": manifest["target"]["format"],
             "version": manifest["source"].get("version"),
-            "quantized": bool(manifest.get("options", {}).get("quantize")), "up_to_date": up_to_date,
+            "quantized": _quantization(manifest.get("options", {}).get("quantize")), "up_to_date": up_to_date,
             "conversion_id": manifest.get("conversion_id"),
             "files": [OutputFile(**{k: f[k] for k in ("path", "size", "sha256")}) for f in manifest["files"]],
             "warnings": list(manifest.get("warnings", [])), "manifest": manifest}

@@ -161,8 +161,8 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     m, n = w.shape
     b0, b1 = block
     gm, gn = scale_shape(w.shape, block)
-    q = torch.empty((m, n), dtype=E4M3)
-    s = torch.empty((gm, gn), dtype=torch.float32)
+    q = torch.empty((m, n), dtype=E4M3, device=w.device)
+    s = torch.empty((gm, gn), dtype=torch.float32, device=w.device)
     pad = gn * b1 - n
     for i in range(gm):
         x = w[i * b0:(i + 1) * b0].float()

@@ -24,10 +24,13 @@ from reshard.core.source import AUTO
 
 
 def _opt(default: Any = None, description: str = "", *, metavar: str | None = None, minimum: int | None = None,
-         negative: tuple[str, str] | None = None, flag: str | None = None) -> Any:
+         negative: tuple[str, str] | None = None, flag: str | None = None, alone: str | None = None) -> Any:
     """A field with what the CLI needs to make its flag (``metavar``; ``negative``: the flag that
-    sets a bool False, and its help) and the JSON-schema bounds a deployment's form shows."""
+    sets a bool False, and its help; ``alone``: the value of the flag given without one) and the
+    JSON-schema bounds a deployment's form shows."""
     extra: dict[str, Any] = {}
+    if alone:
+        extra["alone"] = alone
     if metavar:
         extra["metavar"] = metavar
     if negative:
@@ -42,6 +45,10 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
 #: ``--weights``: the module's own tensors, or one of the optimizer's per-parameter states (the fp32
 #: master weights, Adam's first and second moments), each read from the ZeRO optimizer files.
 WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
+
+#: ``--quantize`` values: DeepSpeed's group-wise int8 (per-rank outputs; ``--quantize`` alone, as
+#: before it took a value) and DeepSeek's FP8 block scaling (Hugging Face outputs).
+QUANTIZATIONS = ("int8", "fp8")
 
 #: ``--normalization`` and ``--position-embedding-type``: Megatron-LM's choices.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -86,7 +93,12 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: bool = _opt(False, "int8-quantize qkv, dense, h_to_4h, 4h_to_h weights")
+    quantize: str | None = _opt(None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h "
+                                      "weights (per-rank outputs; the flag alone); fp8: e4m3 block-scaled linear "
+                                      "weights (--to hf; DeepSeek's format, which vLLM and transformers load)",
+                                metavar="{int8,fp8}", alone="int8")
+    fp8_block: tuple[int, int] | None = _opt(None, "with --quantize fp8: the scale blocks, rows x columns "
+                                                   "(default 128x128)", metavar="ROWSxCOLS")
     bits: int = _opt(8, "quantization bits (1..8, default 8)", minimum=1)
     groups: int = _opt(64, "quantization groups per weight piece (default 64)", minimum=1)
     mlp_extra_grouping: bool = _opt(True, "double the quantization groups for MLP weights (DeepSpeed's default)",
@@ -130,6 +142,43 @@ class ReshardOptions(BaseModel):
     max_shard_size: str | int | None = _opt(None, "largest file of an output written in shards, e.g. 2GB, 500MB, "
                                                   "1GiB or bytes (hf, torch_dist; default 5GB, as Hugging Face)",
                                             metavar="SIZE")
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _read_quantize(cls, value: Any) -> Any:
+        """``True`` (the flag and the API before it took a value, a deployment's ``quantize=true``)
+        is int8; ``False`` none."""
+        if isinstance(value, bool):
+            return "int8" if value else None
+        if value is not None and value not in QUANTIZATIONS:
+            raise LayoutError(f"{value!r} is not one of {', '.join(QUANTIZATIONS)}", culprit="--quantize")
+        return value
+
+    @field_validator("fp8_block", mode="before")
+    @classmethod
+    def _read_block(cls, value: Any) -> Any:
+        """``128x128``, ``128,128``, ``[128, 128]`` or one number for a square block."""
+        if value is None:
+            return None
+        parts: Any = value
+        if isinstance(value, str):
+            parts = [p for p in re.split(r"[x,\s]+", value.strip().lower()) if p]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            parts = [value, value]
+        try:
+            block = tuple(int(p) for p in parts)
+        except (TypeError, ValueError):
+            block = ()
+        if len(block) == 1:
+            block = block * 2
+        if len(block) != 2 or min(block) < 1:
+            raise LayoutError(f"{value!r} is not a block size", culprit="--fp8-block", hint="write e.g. 128x128")
+        return block
+
+    @property
+    def int8(self) -> bool:
+        """DeepSpeed's int8 quantization (the per-rank formats' record of scales) is asked for."""
+        return self.quantize == "int8"
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -191,6 +240,9 @@ class ReshardOptions(BaseModel):
                 raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name))
         if not 1 <= self.bits <= 8:
             raise LayoutError(f"{self.bits} does not fit int8", culprit="--bits", hint="use 1..8")
+        if self.fp8_block is not None and self.quantize != "fp8":
+            raise LayoutError("sets the blocks of FP8 quantization", culprit="--fp8-block",
+                              hint="add --quantize fp8, or drop it")
         if self.hf_architecture is not None and self.to != "hf":  # the hf format's own choice of class
             raise LayoutError("names the class of a Hugging Face export", culprit=flag_of("hf_architecture"),
                               hint="add --to hf, or drop it")

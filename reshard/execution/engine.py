@@ -94,7 +94,7 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
         if isinstance(v, PendingTensor):
             module[k] = v.materialize()
     rec = out.get(QUANT_KEY)
-    if plan.options.quantize and isinstance(rec, dict) and isinstance(rec.get("scales"), PendingTensor):
+    if plan.options.int8 and isinstance(rec, dict) and isinstance(rec.get("scales"), PendingTensor):
         rec["scales"] = rec["scales"].materialize()
     return out
 
@@ -144,7 +144,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
 
     module: "OrderedDict[str, Any]" = OrderedDict()
     scratch = _thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
-    quant = _QuantState(plan, tp) if opts.quantize else None
+    quant = _QuantState(plan, tp) if opts.int8 else None
     degrees = plan.degrees
     for entry in tp.params:
         p = entry.param

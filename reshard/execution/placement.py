@@ -111,7 +111,7 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
         files.add(source.index(0, base))
     srcs = tuple(sorted(files))
     read = sum(f.stat().st_size for f in {source.files[i] for i in srcs}) + sum(f.stat().st_size for f in source.aux)
-    written = sum(target_size(tp.param, *degrees.of(tp.param.rule), options.quantize) for tp in params)
+    written = sum(target_size(tp.param, *degrees.of(tp.param.rule), options.int8) for tp in params)
     if name is None:
         experts = {"ep_rank": ep_rank, "ep": ep} if ep > 1 else {}
         name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
@@ -135,7 +135,7 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
         params = list(target.params) if dtypes is None else [
             replace(tp, param=replace(tp.param, dtype=dtypes[at])) for tp in target.params
             if (at := (tp.param.stage, tp.param.src_key)) in dtypes]
-        sizes = [target_size(tp.param, *degrees.of(tp.param.rule), options.quantize) for tp in params]
+        sizes = [target_size(tp.param, *degrees.of(tp.param.rule), options.int8) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
         if len(held) == 1 and dtypes is None and files == [(target.name, 0, len(params))]:
             return (target,)

@@ -78,7 +78,10 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
     placed, target_layers = place(entries, d.family, d.naming, tied, d.layers_per_stage, source.pp, tpp, stages,
                                   warnings, source.origin, source.ep)
-    if options.quantize:
+    if options.quantize == "fp8" and not out_fmt.holds_fp8:
+        raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for FP8 block-scaled weights",
+                          culprit="--quantize fp8", hint="write a Hugging Face folder (--to hf)")
+    if options.int8:
         check_quantization(params, options, n, m)
     experts = experts_per_layer([p.key for p in params], source.origin, int_arg(read.args, "num_experts"))
     tep = _target_ep(experts, source, options, out_fmt)
@@ -120,7 +123,7 @@ def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options
         raise LayoutError(f"this is a mixture-of-experts model; the {out_fmt.title or out_fmt.name} layout cannot "
                           f"hold its experts here", culprit=source.origin,
                           hint="write Megatron-LM per-rank files (--to megatron)")
-    if experts and options.quantize:
+    if experts and options.int8:
         raise LayoutError("int8 quantization covers a dense layer's four weights (DeepSpeed's scheme); it has no "
                           "place for experts", culprit="--quantize",
                           hint="drop --quantize for a mixture-of-experts model")

@@ -224,6 +224,8 @@ class Writing:
     #: Can this layout hold MoE experts? A per-rank one then also has an expert-parallel axis
     #: (``target_name``'s ``ep_rank``/``ep``).
     holds_experts: ClassVar[bool] = False
+    #: Can this layout hold FP8 block-scaled weights (``--quantize fp8``)?
+    holds_fp8: ClassVar[bool] = False
     #: Top-level entries of the source that this output keeps although a reshard drops them
     #: elsewhere (:data:`~reshard.core.plan_types.DROPPED_ENTRIES`): a universal checkpoint resumes
     #: training, so it keeps the LR scheduler.

@@ -265,8 +265,8 @@ def _locate_descriptor(path: Path) -> SourceCheckpoint:
 def descriptor_for(plan: Plan, names: list[str]) -> dict[str, Any]:
     """DeepSpeed checkpoint descriptor of the new layout (loadable by DeepSpeed's factory)."""
     d: dict[str, Any] = {"type": "Megatron", "version": plan.version, "checkpoints": names,
-                         "parallelization": "tp", "mp_size": plan.target_tp, "quantized": plan.options.quantize}
-    if plan.options.quantize:
+                         "parallelization": "tp", "mp_size": plan.target_tp, "quantized": plan.options.int8}
+    if plan.options.int8:
         d["quantization"] = {"bits": plan.options.bits, "groups": plan.options.groups,
                              "mlp_extra_grouping": plan.options.mlp_extra_grouping,
                              "key": "reshard_quantization"}

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
-from reshard.core.fp8_block import dequantized_tensors, read_quantization_config
+from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, dequantized_tensors, quantization_config, quantize,
+                                    read_quantization_config, scale_name, scale_shape)
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
@@ -157,15 +158,20 @@ class HFFormat(CheckpointFormat):
     per_rank = False
     holds_experts = True  # Mixtral and Qwen2-MoE (global expert numbers)
 
+    holds_fp8 = True
+
     def check_plan(self, plan: Plan) -> None:
-        if plan.options.quantize:
+        if plan.options.int8:
             raise LayoutError("Hugging Face safetensors has no place for reshard's int8 quantization record",
-                              culprit="--quantize", hint="quantize into a per-rank layout (drop --to hf)")
+                              culprit="--quantize", hint="quantize into a per-rank layout (drop --to hf), or "
+                                                         "--quantize fp8 for FP8 block-scaled weights")
         if plan.facts.naming != "megatron-core" and plan.version < MIN_CORE_COMPATIBLE_VERSION:
             raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
                               "megatron-core", culprit=plan.source.origin,
                               hint="convert it to its own per-rank layout instead (drop --to hf)")
-        architecture(plan)  # refuses what no architecture computes exactly, before any byte is written
+        arch = architecture(plan)  # refuses what no architecture computes exactly, before any byte is written
+        if plan.options.quantize == "fp8":
+            _check_fp8(plan, arch)
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return WEIGHTS
@@ -179,7 +185,13 @@ class HFFormat(CheckpointFormat):
 
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
         arch = architecture(plan)
-        out: dict[str, str | bytes] = {CONFIG: json.dumps(arch.config, indent=2, sort_keys=True) + "\n"}
+        config = dict(arch.config)
+        block = _fp8_block(plan)
+        if block is not None:  # the linear layers that stay in the model's dtype, named for transformers and vLLM
+            kept = sorted(e.name.removesuffix(".weight") for tgt in range(len(names)) for e in _file_entries(plan, tgt)
+                          if e.dtype != E4M3 and len(e.shape) == 2 and e.name.endswith(".weight"))
+            config["quantization_config"] = {**quantization_config(block), "modules_to_not_convert": kept}
+        out: dict[str, str | bytes] = {CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
         if len(names) > 1:
             weight_map, total = {}, 0
             for tgt, name in enumerate(names):
@@ -293,7 +305,28 @@ class _PerPlan:
 _PER_PLAN = _PerPlan()
 
 
-def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype]]:
+def _fp8_block(plan: Plan) -> tuple[int, int] | None:
+    """The FP8 scale blocks of the output (``--quantize fp8``), else None."""
+    if plan.options.quantize != "fp8":
+        return None
+    return plan.options.fp8_block or DEFAULT_BLOCK
+
+
+def _check_fp8(plan: Plan, arch: HFArchitecture) -> None:
+    """``--quantize fp8`` encodes floating-point linear weights in an architecture that has them."""
+    if not any(row.linear for row in arch.names):
+        raise LayoutError(f"{arch.name} has no linear layer vLLM or transformers reads FP8 block scales for "
+                          "(its weights are not [out, in])", culprit="--quantize fp8",
+                          hint="drop --quantize, or export a Llama, Qwen, Mixtral or DeepSeek model")
+    dtypes = {tp.param.dtype for t in plan.targets for tp in t.params if tp.param.dtype is not None}
+    if not all(d.is_floating_point and d.itemsize >= 2 for d in dtypes):
+        raise LayoutError(f"the weights are {', '.join(sorted(map(str, dtypes)))}: FP8 encodes float16, bfloat16 "
+                          "or float32 weights", culprit="--quantize fp8", hint="drop --quantize")
+
+
+def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype, Any]]:
+    """Each exported megatron-core tensor, its value, its dtype and its FP8 block (None: written as it is)."""
+    block = _fp8_block(plan)
     out = []
     for key, value in module.items():
         if not isinstance(value, (PendingTensor, torch.Tensor)):
@@ -302,7 +335,7 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
             continue
         exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts, architecture(plan))
         if exp.outputs:
-            out.append((exp, value, value.dtype))
+            out.append((exp, value, value.dtype, block if exp.linear else None))
     return out
 
 
@@ -312,21 +345,27 @@ def _file_entries(plan: Plan, tgt: int) -> list[FileEntry]:
 
 
 class SafetensorsFile:
-    """The layout of one safetensors file (header from the shapes) and its streamed writing."""
+    """The layout of one safetensors file (header from the shapes) and its streamed writing. An
+    FP8-encoded output is two entries, the e4m3 weight and its float32 scales right after it."""
 
-    def __init__(self, exports: list[tuple[Export, Any, torch.dtype]]) -> None:
+    def __init__(self, exports: list[tuple[Export, Any, torch.dtype, Any]]) -> None:
         self.exports = exports
         self.entries: list[FileEntry] = []
-        self.first: list[int] = []  # index of each export's first entry
+        self.spans: list[tuple[int, int]] = []  # each export's entries: [first, stop)
         start = 0
-        for exp, _value, dtype in exports:
+        for exp, _value, dtype, block in exports:
             if dtype not in ST_DTYPES:
                 raise LayoutError(f"{exp.key} is {dtype}, which safetensors cannot hold", culprit=exp.key)
-            self.first.append(len(self.entries))
+            first = len(self.entries)
             for o in exp.outputs:
-                e = FileEntry(o.name, dtype, o.shape, start)
-                self.entries.append(e)
-                start += e.nbytes
+                made = ([FileEntry(o.name, dtype, o.shape, start)] if block is None else
+                        [FileEntry(o.name, E4M3, o.shape, start)])
+                if block is not None:
+                    made.append(FileEntry(scale_name(o.name), torch.float32, scale_shape(o.shape, block),
+                                          start + made[0].nbytes))
+                self.entries += made
+                start = made[-1].start + made[-1].nbytes
+            self.spans.append((first, len(self.entries)))
         self.data_size = start
         self.header = header_bytes(self.entries)
 
@@ -350,9 +389,12 @@ class SafetensorsFile:
                 writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=None if digest is None else _InOrderHasher(fd, digest))
             try:
                 writer.put((memoryview(self.header), 0, None, None))
-                for i, (exp, value, _dtype) in enumerate(self.exports):
-                    entries = self.entries[self.first[i]:self.first[i] + len(exp.outputs)]
-                    _write_export(writer, exp, value, entries, base)
+                for (exp, value, _dtype, block), (first, stop) in zip(self.exports, self.spans):
+                    entries = self.entries[first:stop]
+                    if block is None:
+                        _write_export(writer, exp, value, entries, base)
+                    else:
+                        _write_fp8_export(writer, exp, value, entries, base, block)
                     hi = base + entries[-1].start + entries[-1].nbytes
                     writer.put((memoryview(b""), hi, None, None))  # the file is complete up to hi
                     if on_bytes is not None:
@@ -387,6 +429,33 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
         t = value.detach().contiguous()
         sink.write(t)
         sink.finish(t.numel() * t.element_size())
+
+
+def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
+                      block: tuple[int, int]) -> None:
+    """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
+    (:func:`~reshard.core.fp8_block.quantize`: a block's scale is its own largest magnitude, so each
+    output is made whole first — this one tensor in memory, as a transpose is), then its scales."""
+    whole = value.materialize() if isinstance(value, PendingTensor) else value.detach()
+    outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
+    for i, out in enumerate(outs):
+        q, s = quantize(out, block)
+        for entry, t in zip(entries[2 * i:2 * i + 2], (q, s)):
+            if tuple(t.shape) != entry.shape:
+                raise WriterError(f"{exp.key}: made {tuple(t.shape)} for {entry.name} {entry.shape}")
+            writer.put((tensor_bytes(t), base + entry.start, None, t))
+
+
+def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
+    """A whole megatron-core tensor's Hugging Face tensors, made in memory from its byte runs."""
+    data = whole.contiguous().view(-1).view(torch.uint8)
+    outs = [torch.empty(o.shape, dtype=whole.dtype) for o in exp.outputs]
+    flat = [o.view(-1).view(torch.uint8) for o in outs]
+    if sum(r.length for r in exp.runs) != sum(f.numel() for f in flat):
+        raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
+    for r in exp.runs:
+        flat[r.out][r.dst:r.dst + r.length] = data[r.src:r.src + r.length]
+    return outs
 
 
 class _InOrderHasher:

@@ -192,8 +192,9 @@ class TorchDistFormat(CheckpointFormat):
                               "megatron-core, which torch_dist holds", culprit=plan.source.origin,
                               hint="convert it to its own per-rank layout instead (drop --to torch_dist)")
         if plan.options.quantize:
-            raise LayoutError("torch_dist has no place for reshard's int8 quantization record", culprit="--quantize",
-                              hint="quantize into a per-rank layout (drop --to torch_dist)")
+            raise LayoutError("torch_dist has no place for quantized weights (int8 scales, FP8 block scales)",
+                              culprit="--quantize", hint="quantize int8 into a per-rank layout or fp8 into a "
+                                                          "Hugging Face folder (drop --to torch_dist)")
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return f"{source.iteration or 'release'}/{DISTCP_NAME}"

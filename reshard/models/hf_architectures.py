@@ -285,6 +285,10 @@ class NameRow:
     core: tuple[str, ...]
     transform: ByteTransform | WholeTensorTransform | None
     hf: tuple[str, ...]
+    #: A linear layer's weight (attention, dense MLP, routed and shared experts): what ``--quantize
+    #: fp8`` encodes. Not embeddings, the output layer, norms, routers or a shared expert's gate,
+    #: which vLLM and transformers keep in the model's dtype.
+    linear: bool = False
 
     @functools.cached_property
     def core_patterns(self) -> tuple[re.Pattern[str], ...]:
@@ -298,9 +302,14 @@ class NameRow:
 NameTable = tuple[NameRow, ...]
 
 
-def _table(*rows: tuple[str | tuple[str, ...], ByteTransform | WholeTensorTransform | None, tuple[str, ...]]
-           ) -> NameTable:
-    return tuple(NameRow(core if isinstance(core, tuple) else (core,), transform, hf) for core, transform, hf in rows)
+#: The last element of a :func:`_table` row whose weights are a linear layer's (:attr:`NameRow.linear`).
+LINEAR = "linear"
+
+
+def _table(*rows: tuple[Any, ...]) -> NameTable:
+    """Rows ``(core, transform, hf)``, or ``(core, transform, hf, LINEAR)`` for a linear layer."""
+    return tuple(NameRow(core if isinstance(core, tuple) else (core,), transform, hf, rest == [LINEAR])
+                 for core, transform, hf, *rest in map(tuple, rows))
 
 
 _L = "decoder.layers.{layer}."
@@ -313,12 +322,12 @@ LLAMA_NAMES: NameTable = _table(
     ((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"), Same(),
      (_H + "input_layernorm.weight",)),
     (_L + "self_attention.linear_qkv.{p}", QKVSplit(),
-     (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}")),
-    (_L + "self_attention.linear_proj.{p}", Same(), (_H + "self_attn.o_proj.{p}",)),
+     (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}"), LINEAR),
+    (_L + "self_attention.linear_proj.{p}", Same(), (_H + "self_attn.o_proj.{p}",), LINEAR),
     ((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"), Same(),
      (_H + "post_attention_layernorm.weight",)),
-    (_L + "mlp.linear_fc1.{p}", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}")),
-    (_L + "mlp.linear_fc2.{p}", Same(), (_H + "mlp.down_proj.{p}",)),
+    (_L + "mlp.linear_fc1.{p}", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}"), LINEAR),
+    (_L + "mlp.linear_fc2.{p}", Same(), (_H + "mlp.down_proj.{p}",), LINEAR),
     ("decoder.final_layernorm.weight", Same(), ("model.norm.weight",)),
     ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
     (_EXTRA_STATE, None, ()),
@@ -353,22 +362,23 @@ _FC2 = (_L + _E + "local_experts.{expert}.linear_fc2.weight", _L + _E + "linear_
 MIXTRAL_NAMES: NameTable = LLAMA_NAMES + _table(
     (_L + "mlp.router.weight", Same(), (_H + "block_sparse_moe.gate.weight",)),
     (_FC1, GatedSplit(), (_H + "block_sparse_moe.experts.{expert}.w1.weight",
-                          _H + "block_sparse_moe.experts.{expert}.w3.weight")),
-    (_FC2, Same(), (_H + "block_sparse_moe.experts.{expert}.w2.weight",)),
+                          _H + "block_sparse_moe.experts.{expert}.w3.weight"), LINEAR),
+    (_FC2, Same(), (_H + "block_sparse_moe.experts.{expert}.w2.weight",), LINEAR),
 )
 #: A megatron-core MoE layer's router and routed experts <-> Qwen-MoE's (router ``mlp.gate``,
 #: ``mlp.experts.{e}.*_proj``).
 _QWEN_ROUTED: NameTable = _table(
     (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
-    (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")),
-    (_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",)),
+    (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
+     LINEAR),
+    (_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",), LINEAR),
 )
 #: megatron-core MoE layers <-> Qwen2-MoE's: the routed experts, one shared expert and its sigmoid
 #: gate, on top of Llama's names (its dense layers).
 QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _QWEN_ROUTED + _table(
     (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
-     (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight")),
-    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",)),
+     (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",), LINEAR),
     (_L + "mlp.shared_experts.gate_weight", Same(), (_H + "mlp.shared_expert_gate.weight",)),
 )
 #: Qwen3's query/key layer norms (RMSNorm over each head's dims, before the rotary embedding), on
@@ -396,6 +406,8 @@ class Export:
     runs: tuple[Run, ...] = ()
     #: whole-tensor transforms (a transpose): the outputs from the tensor itself, else None
     convert: Any = None
+    #: the outputs are a linear layer's weights (:attr:`NameRow.linear`), each ``[out, in]``
+    linear: bool = False
 
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts,
@@ -411,9 +423,10 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
             return Export(key)
         filled = tuple(n.format(**m.groupdict()) for n in row.hf)
         outputs = tuple(transform.outputs(filled, shape, facts))
+        linear = row.linear and all(o.name.endswith(".weight") and len(o.shape) == 2 for o in outputs)  # not biases
         if isinstance(transform, WholeTensorTransform):
-            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts))
-        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)))
+            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts), linear)
+        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)), linear=linear)
     raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture.name}", culprit=key,
                       hint="export a model whose every tensor that architecture holds")
 
