@@ -1,0 +1,266 @@
+"""FP8 block-scaled benchmark on DeepSeek-V3's real tensor sizes (hidden 7168, routed experts of
+2048, attention of 56 x 128 heads), in a Mixtral-shaped Hugging Face folder (layers, experts and
+vocabulary cut to fit the disk; DeepSeek's multi-latent attention is not modelled: its tensors are
+no larger than these):
+
+* bf16 HF -> FP8 HF (``--to hf --quantize fp8``, blocks 128 x 128);
+* FP8 HF -> bf16 HF (``--to hf``: DeepSeek's ``fp8_cast_bf16``);
+* FP8 HF -> megatron-core per-rank TP 8 x EP 8;
+
+each against the byte-copy floor of the bytes it reads and writes (read the source once, write as
+many bytes as the output holds) and, for the first two, the naive script a user would write (load
+every tensor, encode or decode each weight whole, ``save_file``), which must give the same tensors.
+``--deep`` repeats reshard with twice the layers and twice the experts: peak RSS must stay flat.
+
+    python bench/bench_fp8.py             # full run
+    python bench/bench_fp8.py --quick     # smoke test of the benchmark itself (tiny model)
+
+Not part of the tests. Each command is its own process (wall time around it, peak RSS its
+``ru_maxrss``); methods interleaved, medians of ``--runs``; the source warm before each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_hf import agree, report, timed  # noqa: E402
+from bench_torch_dist import SETTLE, log, reshard, size  # noqa: E402
+
+#: The floor: read every source byte once, write as many bytes as the output holds (``argv[3]``).
+FLOOR = [sys.executable, "-c", """
+import sys, torch  # the floor pays the same interpreter + torch start-up
+from pathlib import Path
+src, dst, left = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+dst.mkdir(parents=True, exist_ok=True)
+buf = bytearray(1 << 20); mv = memoryview(buf)
+with open(dst / 'out.bin', 'wb', buffering=0) as fo:
+    for f in sorted(p for p in src.rglob('*') if p.is_file()):
+        with open(f, 'rb', buffering=0) as fi:
+            while n := fi.readinto(buf):
+                if left > 0:
+                    v = mv[:min(n, left)]; left -= len(v)
+                    while v:
+                        v = v[fo.write(v):]
+    while left > 0:
+        v = mv[:min(len(buf), left)]; left -= len(v)
+        while v:
+            v = v[fo.write(v):]
+"""]
+
+#: The naive peers: every tensor in memory, each weight encoded (or decoded) whole, one save_file.
+NAIVE_QUANT = [sys.executable, "-c", """
+import json, re, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+src, dst = Path(sys.argv[1]), Path(sys.argv[2]); dst.mkdir(parents=True)
+sd = {}
+for f in sorted(src.glob('*.safetensors')):
+    sd.update(load_file(f))
+linear = re.compile(r'\\.(q_proj|k_proj|v_proj|o_proj|w1|w2|w3)\\.weight$')
+out = {}
+for k, w in sd.items():
+    if not linear.search(k):
+        out[k] = w; continue
+    m, n = w.shape
+    x = w.float().reshape(m // 128, 128, n // 128, 128)
+    amax = x.abs().amax(dim=(1, 3), keepdim=True)
+    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    out[k] = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, n)
+    out[k + '_scale_inv'] = s.reshape(m // 128, n // 128)
+save_file(out, dst / 'model.safetensors', metadata={'format': 'pt'})
+cfg = json.loads((src / 'config.json').read_text())
+cfg['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
+                              'weight_block_size': [128, 128]}
+(dst / 'config.json').write_text(json.dumps(cfg))
+"""]
+NAIVE_DEQUANT = [sys.executable, "-c", """
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+src, dst = Path(sys.argv[1]), Path(sys.argv[2]); dst.mkdir(parents=True)
+sd = {}
+for f in sorted(src.glob('*.safetensors')):
+    sd.update(load_file(f))
+out = {}
+for k, w in sd.items():
+    if k.endswith('_scale_inv'):
+        continue
+    if w.dtype == torch.float8_e4m3fn:
+        s = sd[k + '_scale_inv']
+        m, n = w.shape
+        x = w.float().reshape(m // 128, 128, n // 128, 128) * s.reshape(m // 128, 1, n // 128, 1)
+        w = x.reshape(m, n).to(torch.bfloat16)
+    out[k] = w
+save_file(out, dst / 'model.safetensors', metadata={'format': 'pt'})
+cfg = json.loads((src / 'config.json').read_text()); cfg.pop('quantization_config')
+(dst / 'config.json').write_text(json.dumps(cfg))
+"""]
+
+
+def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) -> None:
+    """A bf16 Mixtral folder, one shard per layer (memory: one layer), random weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, heads, kv, ffn, vocab = (shape[k] for k in ("hidden", "heads", "kv_heads", "moe_ffn", "vocab"))
+    d = h // heads
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def w(*s: int) -> torch.Tensor:
+        return (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
+
+    shards: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": w(vocab, h)}]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd = {p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+              p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+              p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv * d, h),
+              p + "self_attn.v_proj.weight": w(kv * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
+              p + "block_sparse_moe.gate.weight": w(experts, h)}
+        for e in range(experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            sd |= {q + "w1.weight": w(ffn, h), q + "w3.weight": w(ffn, h), q + "w2.weight": w(h, ffn)}
+        shards.append(sd)
+    shards.append({"model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "lm_head.weight": w(vocab, h)})
+    weight_map, total = {}, 0
+    for j, sd in enumerate(shards):
+        name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sd, str(folder / name), metadata={"format": "pt"})
+        for k, t in sd.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                      "weight_map": weight_map}))
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": h,
+              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "head_dim": d, "num_local_experts": experts, "num_experts_per_tok": 2,
+              "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+              "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16", "sliding_window": None,
+              "router_aux_loss_coef": 0.0}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """The same names and bytes (an FP8 tensor compared as its bits)."""
+    from safetensors import safe_open
+
+    def load(folder: Path) -> dict[str, Any]:
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                out |= {k: st.get_tensor(k) for k in st.keys()}
+        return out
+
+    x, y = load(a), load(b)
+    if sorted(x) != sorted(y):
+        print("names differ:", sorted(set(x) ^ set(y))[:5])
+        return False
+    bad = [k for k in x if x[k].dtype != y[k].dtype or not (x[k].view(-1).view(dtype=__import__("torch").uint8)
+                                                            == y[k].view(-1).view(dtype=__import__("torch").uint8)).all()]
+    print("differ:", bad[:5]) if bad else None
+    return not bad
+
+
+def sources(ns: argparse.Namespace, layers: int, experts: int, shape: dict[str, int]) -> tuple[Path, Path]:
+    """The bf16 folder and its FP8 form (made by reshard, checked against the naive script), once."""
+    tag = "quick" if ns.quick else "dsv3"
+    bf16 = ns.data_dir / f"mixtral_{tag}_l{layers}_e{experts}_bf16"
+    fp8 = ns.data_dir / f"mixtral_{tag}_l{layers}_e{experts}_fp8"
+    if not (bf16 / "config.json").is_file():
+        shutil.rmtree(bf16, ignore_errors=True)
+        subprocess.run([sys.executable, __file__, "--make-source", str(bf16), str(layers), str(experts),
+                        json.dumps(shape)], check=True)
+    if not (fp8 / "config.json").is_file():
+        shutil.rmtree(fp8, ignore_errors=True)
+        subprocess.run([c.replace("{out}", str(fp8)) for c in reshard(str(bf16), "{out}", "--to", "hf",
+                                                                      "--quantize", "fp8")],
+                       check=True, capture_output=True)
+    return bf16, fp8
+
+
+QUANT, DEQUANT, TO_RANKS = "reshard bf16 -> FP8 hf", "reshard FP8 -> bf16 hf", "reshard FP8 -> TP 8 x EP 8"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--make-source"]:
+        make_source(Path(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4]))
+        return 0
+    if argv[:1] == ["--compare"]:
+        return 0 if same_tensors(Path(argv[1]), Path(argv[2])) else 1
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--deep", action="store_true", help="also twice the layers, then twice the experts")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--settle", type=float, default=SETTLE)
+    ap.add_argument("--data-dir", type=Path, default=HERE / "data")
+    ap.add_argument("--work-dir", type=Path, default=HERE / "out")
+    ns = ap.parse_args(argv)
+    shape = dict(hidden=7168, heads=56, kv_heads=8, moe_ffn=2048, vocab=16384)
+    if ns.quick:
+        shape, ns.runs, ns.settle = dict(hidden=256, heads=8, kv_heads=8, moe_ffn=128, vocab=1024), 1, 0.5
+    work = ns.work_dir / "fp8"
+    shutil.rmtree(work, ignore_errors=True)
+    results: dict[str, Any] = {}
+    sizes = [(ns.layers, ns.experts)] + ([(2 * ns.layers, ns.experts), (ns.layers, 2 * ns.experts)] if ns.deep else [])
+    for layers, experts in sizes:
+        bf16, fp8 = sources(ns, layers, experts, shape)
+        # the bytes of the per-rank output, from reshard's own plan (what the floor must write)
+        ranks_out = work / "ranks_size"
+        subprocess.run([c.replace("{out}", str(ranks_out)) for c in reshard(str(fp8), "{out}", "--target-tp", "8",
+                                                                            "--target-ep", "8")],
+                       check=True, capture_output=True)
+        ranks_bytes = size(ranks_out)
+        shutil.rmtree(ranks_out)
+        quant = {"floor (read bf16, write FP8 bytes)": FLOOR + [str(bf16), "{out}", str(size(fp8))],
+                 QUANT: reshard(str(bf16), "{out}", "--to", "hf", "--quantize", "fp8"),
+                 "naive: load all, quantize, save_file": NAIVE_QUANT + [str(bf16), "{out}"]}
+        dequant = {"floor (read FP8, write bf16 bytes)": FLOOR + [str(fp8), "{out}", str(size(bf16))],
+                   DEQUANT: reshard(str(fp8), "{out}", "--to", "hf"),
+                   "naive: load all, dequantize, save_file": NAIVE_DEQUANT + [str(fp8), "{out}"]}
+        ranks = {"floor (read FP8, write the rank files' bytes)": FLOOR + [str(fp8), "{out}", str(ranks_bytes)],
+                 TO_RANKS: reshard(str(fp8), "{out}", "--target-tp", "8", "--target-ep", "8")}
+        first = (layers, experts) == sizes[0]
+        if not first:  # memory scaling: reshard only
+            quant, dequant, ranks = {QUANT: quant[QUANT]}, {DEQUANT: dequant[DEQUANT]}, {TO_RANKS: ranks[TO_RANKS]}
+        key = f"layers={layers} experts={experts}"
+        results[key] = {"bf16 GB": round(size(bf16) / 1e9, 2), "fp8 GB": round(size(fp8) / 1e9, 2),
+                        "ranks GB": round(ranks_bytes / 1e9, 2),
+                        "quantize": timed(quant, bf16, work, ns.runs, f"{key} quantize", ns.settle),
+                        "dequantize": timed(dequant, fp8, work, ns.runs, f"{key} dequantize", ns.settle),
+                        "to ranks": timed(ranks, fp8, work, ns.runs, f"{key} to ranks", ns.settle)}
+        if first:
+            results["quantize: same tensors as the naive script"] = agree(
+                quant[QUANT], quant["naive: load all, quantize, save_file"], work, "--compare", __file__)
+            results["dequantize: same tensors as the naive script"] = agree(
+                dequant[DEQUANT], dequant["naive: load all, dequantize, save_file"], work, "--compare", __file__)
+    base = results[f"layers={ns.layers} experts={ns.experts}"]
+    print(f"sizes: bf16 {base['bf16 GB']} GB, FP8 {base['fp8 GB']} GB, TP 8 x EP 8 rank files {base['ranks GB']} GB")
+    report("bf16 -> FP8", base["quantize"], "floor (read bf16, write FP8 bytes)")
+    report("FP8 -> bf16", base["dequantize"], "floor (read FP8, write bf16 bytes)")
+    report("FP8 -> TP 8 x EP 8", base["to ranks"], "floor (read FP8, write the rank files' bytes)")
+    for layers, experts in sizes[1:]:
+        rec = results[f"layers={layers} experts={experts}"]
+        for what, name in (("quantize", QUANT), ("dequantize", DEQUANT), ("to ranks", TO_RANKS)):
+            print(f"peak RSS {name}: {base[what][name]['peak_rss_mib']} MiB at {ns.layers} layers x {ns.experts} "
+                  f"experts, {rec[what][name]['peak_rss_mib']} MiB at {layers} x {experts}")
+    for k in ("quantize: same tensors as the naive script", "dequantize: same tensors as the naive script"):
+        print(f"{k}: {results[k]}")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
