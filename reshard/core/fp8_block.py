@@ -117,32 +117,26 @@ def check_scale(name: str, weight_shape: Sequence[int], weight_dtype: torch.dtyp
                                     hint="reshard reads float32 block scales only")
 
 
-def _expand(scale: torch.Tensor, block: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-    """The per-element scales of the box rows ``[r0, r1)`` x columns ``[c0, c1)`` from the scale
-    rows/columns covering it (``scale``'s first row/column is block ``r0 // b0`` / ``c0 // b1``)."""
-    (r0, r1), (c0, c1) = rows, cols
-    b0, b1 = block
-    ri = torch.arange(r0, r1) // b0 - r0 // b0
-    ci = torch.arange(c0, c1) // b1 - c0 // b1
-    return scale[ri][:, ci]
-
-
 def dequantize_box(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offsets: tuple[int, int],
                    dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The box ``q`` (at ``offsets`` of the whole weight) dequantized by ``scale`` (the scale rows
-    and columns covering the box), one band of rows at a time into ``out`` (or a new tensor)."""
+    and columns covering the box; its first row/column is block ``r0 // b0`` / ``c0 // b1``), one
+    band of rows within one block row at a time into ``out`` (or a new tensor): the band's scales
+    are one row, spread over the columns once, and the float32 product is rounded to ``dtype`` as
+    it is stored (one rounding, as ``(q.float() * s).to(dtype)``)."""
     m, n = q.shape
     r0, c0 = offsets
-    out = torch.empty((m, n), dtype=dtype) if out is None else out
+    out = torch.empty((m, n), dtype=dtype, device=q.device) if out is None else out
     if not m or not n:
         return out
-    b0 = block[0]
+    b0, b1 = block
     first = r0 // b0
     r = 0
     while r < m:
         band = min(m - r, b0 - (r0 + r) % b0)  # to the end of this block row
-        s = _expand(scale[(r0 + r) // b0 - first:], block, (r0 + r, r0 + r + band), (c0, c0 + n))
-        out[r:r + band].copy_(q[r:r + band].float() * s)
+        row = scale[(r0 + r) // b0 - first].float()
+        per_column = row.repeat_interleave(b1)[c0 % b1:c0 % b1 + n]
+        torch.mul(q[r:r + band].float(), per_column, out=out[r:r + band])
         r += band
     return out
 
@@ -155,7 +149,9 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q float8_e4m3fn [M, N], S float32 [ceil(M/b0), ceil(N/b1)])`` of a 2-D weight (see the
-    module table), one band of ``b0`` rows at a time."""
+    module table), one band of ``b0`` rows at a time. The largest magnitude is taken in ``w``'s own
+    dtype (exact: no rounding), and ``w / s`` computed in float32 straight from it, so a band is
+    widened to float32 once."""
     if w.dim() != 2:
         raise ValueError(f"FP8 block quantization takes a 2-D weight, not {list(w.shape)}")
     m, n = w.shape
@@ -165,14 +161,14 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     s = torch.empty((gm, gn), dtype=torch.float32, device=w.device)
     pad = gn * b1 - n
     for i in range(gm):
-        x = w[i * b0:(i + 1) * b0].float()
+        x = w[i * b0:(i + 1) * b0]
         rows = x.shape[0]
         wide = torch.nn.functional.pad(x.abs(), (0, pad)) if pad else x.abs()
-        amax = wide.reshape(rows, gn, b1).amax(dim=(0, 2))
+        amax = wide.reshape(rows, gn, b1).amax(dim=(0, 2)).float()
         si = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         s[i] = si
         per = si.repeat_interleave(b1)[:n]
-        q[i * b0:(i + 1) * b0] = (x / per).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        q[i * b0:(i + 1) * b0] = torch.div(x, per).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, s
 
 

@@ -627,8 +627,9 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     fmt = get_format(plan.output_format)
     obj = fmt.prepare(plan, tgt, sd)
     pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(obj) else None
-    # quantizing is compute: it keeps torch's threads
-    threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
+    # quantizing and dequantizing are compute: they keep torch's threads
+    computes = plan.options.quantize or get_format(plan.source.format).decodes(plan.source)
+    threads = contextlib.nullcontext() if computes else _one_intra_op_thread()
     streaming = {} if stream is None else {"stream": stream}
     if stream is not None and not fmt.writes_streams():
         raise WriterError(f"the {fmt.name} format's writer takes no stream")

@@ -128,6 +128,10 @@ class HFFormat(CheckpointFormat):
         return SourceCheckpoint((path / CONFIG,), origin=str(path), format=HF, pp=1, iteration="release",
                                 aux=tuple(aux))
 
+    def decodes(self, source: SourceCheckpoint) -> bool:
+        """An FP8 block-scaled folder's weights are dequantized while they are read."""
+        return read_quantization_config(_json(source.files[0]), str(source.files[0])) is not None
+
     def load(self, path: Any) -> dict[str, Any]:
         """Megatron-LM's TP 1 per-rank state of the folder (:func:`~reshard.models.hf_import.megatron_state`),
         every tensor a lazy view of the mapped safetensors files, after every file's header (validated by
@@ -204,7 +208,9 @@ class HFFormat(CheckpointFormat):
 
     def describe(self, plan: Plan) -> list[str]:
         arch = architecture(plan)
-        return [f"architecture {arch.name}: {arch.reason}", *arch.notes]
+        block = _fp8_block(plan)
+        fp8 = [] if block is None else [f"linear weights FP8 e4m3, scales float32 per {block[0]} x {block[1]} block"]
+        return [f"architecture {arch.name}: {arch.reason}", *arch.notes, *fp8]
 
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
         return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)))
