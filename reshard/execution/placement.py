@@ -111,10 +111,12 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
         files.add(source.index(0, base))
     srcs = tuple(sorted(files))
     read = sum(f.stat().st_size for f in {source.files[i] for i in srcs}) + sum(f.stat().st_size for f in source.aux)
-    written = sum(target_size(tp.param, *degrees.of(tp.param.rule), options.int8) for tp in params)
+    fmt = get_format(output_format)
+    written = sum(fmt.stored_bytes(tp.out_key, target_size(tp.param, *degrees.of(tp.param.rule), options.int8),
+                                   tp.param.dtype, options) for tp in params)
     if name is None:
         experts = {"ep_rank": ep_rank, "ep": ep} if ep > 1 else {}
-        name = get_format(output_format).target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
+        name = fmt.target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
     return TargetPlan(rank=stage * degrees.target_tp + t if rank is None else rank, name=name, sources=srcs,
                       bytes_read=read, bytes_written=written, tp_rank=t, pp_rank=stage, ep_rank=ep_rank,
                       base_rank=base, params=tuple(params), weights=weights)
@@ -135,7 +137,8 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
         params = list(target.params) if dtypes is None else [
             replace(tp, param=replace(tp.param, dtype=dtypes[at])) for tp in target.params
             if (at := (tp.param.stage, tp.param.src_key)) in dtypes]
-        sizes = [target_size(tp.param, *degrees.of(tp.param.rule), options.int8) for tp in params]
+        sizes = [fmt.stored_bytes(tp.out_key, target_size(tp.param, *degrees.of(tp.param.rule), options.int8),
+                                  tp.param.dtype, options) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
         if len(held) == 1 and dtypes is None and files == [(target.name, 0, len(params))]:
             return (target,)

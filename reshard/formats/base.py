@@ -25,6 +25,8 @@ from reshard.core.source import SourceCheckpoint, choose_module_key
 from reshard.models.megatron_gpt import expert_rows
 
 if TYPE_CHECKING:
+    import torch
+
     from reshard.core.options import ReshardOptions
     from reshard.core.plan_types import Plan
     from reshard.core.torch_writer import SaveStats
@@ -303,6 +305,12 @@ class Writing:
         """Whether a target may be cut into several files (``--max-shard-size`` means something for
         this output): exactly when the format brings its own :meth:`file_groups`."""
         return type(self).file_groups is not Writing.file_groups
+
+    def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions) -> int:
+        """The bytes parameter ``key`` (planned as ``size`` bytes of ``dtype``) takes in this
+        format's files, where the format encodes it otherwise (FP8): what cuts files and estimates
+        the output. Default: ``size``."""
+        return size
 
     def part_name(self, name: str, part: int, parts: int) -> str:
         """The name of file ``part`` of ``parts`` of target ``name`` (see :meth:`file_groups`)."""

@@ -39,7 +39,7 @@ from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, 
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, decide_architecture, export_of,
-                                             ffn_widths)
+                                             ffn_widths, linear_weight)
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import export_as, read_config
@@ -186,6 +186,15 @@ class HFFormat(CheckpointFormat):
 
     def part_name(self, name: str, part: int, parts: int) -> str:
         return name if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
+
+    def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions) -> int:
+        """A linear weight under ``--quantize fp8``: a byte per element and a float32 scale per block
+        (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving does)."""
+        if options.quantize != "fp8" or dtype is None or not linear_weight(key):
+            return size
+        b0, b1 = options.fp8_block or DEFAULT_BLOCK
+        elements = size // dtype.itemsize
+        return elements + 4 * -(-elements // (b0 * b1))
 
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
         arch = architecture(plan)

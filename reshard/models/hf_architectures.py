@@ -68,7 +68,7 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
 from reshard.core.rules import layer_index
-from reshard.models.megatron_gpt import expert_index, experts_per_layer
+from reshard.models.megatron_gpt import core_name, expert_index, experts_per_layer
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
 ROPE_BASE_DEFAULT = 10000.0
@@ -395,6 +395,20 @@ NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES,
                "GPT2LMHeadModel": GPT2_NAMES,
                "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES,
                "Qwen3ForCausalLM": QWEN3_NAMES, "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES}
+
+
+def linear_weight(key: str) -> bool:
+    """Whether megatron-core (or legacy Megatron) parameter ``key`` is a linear layer's weight in the
+    built-in name tables (:attr:`NameRow.linear`): the bytes ``--quantize fp8`` encodes, known before
+    the architecture is decided."""
+    if not re.search(r"\.weight\d*$", key):
+        return False
+    try:
+        key = core_name(key)
+    except LayoutError:
+        pass  # already megatron-core's
+    return any(row.linear and any(p.match(key) for p in row.core_patterns)
+               for table in NAME_TABLES.values() for row in table)
 
 
 @dataclass(frozen=True)
