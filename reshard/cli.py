@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -467,9 +469,31 @@ COMMANDS = {"run": cmd_run, "plan": cmd_plan, "inspect": cmd_inspect, "verify": 
 COMMANDS.update({"deploy": cmd_deploy, "serve": cmd_serve, "emit-training-completed": cmd_emit_training_completed})
 
 
+def _alone_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each flag that also stands alone (``--quantize``: int8) given its value when the
+    next word is none of its own: argparse would take ``SRC`` in ``--quantize SRC DST`` as the
+    value. A bare word that is no path is left to be refused as a value (``--quantize fp4``)."""
+    from reshard.core.options import ReshardOptions, flag_of
+
+    alone = {}
+    for name, field in ReshardOptions.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "alone" in extra:
+            alone[flag_of(name)] = str(extra["alone"])
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word not in alone:
+            continue
+        nxt = out[i + 1] if i + 1 < len(out) else None
+        is_value = nxt is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", nxt) and not os.path.exists(nxt)
+        if not is_value:
+            out[i] = f"{word}={alone[word]}"
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reshard`` console script; returns the exit code."""
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(_alone_values(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[ns.command](ns)
     except ReshardError as err:

@@ -65,9 +65,9 @@ class PhiQKV(ByteTransform):
 def _phi3_names() -> tuple[NameRow, ...]:
     """Llama's table with the two fused projections in place of their split rows."""
     fused = {_L + "self_attention.linear_qkv.{p}": NameRow((_L + "self_attention.linear_qkv.weight",), PhiQKV(),
-                                                           (_H + "self_attn.qkv_proj.weight",)),
+                                                           (_H + "self_attn.qkv_proj.weight",), linear=True),
              _L + "mlp.linear_fc1.{p}": NameRow((_L + "mlp.linear_fc1.weight",), Same(),
-                                                (_H + "mlp.gate_up_proj.weight",))}
+                                                (_H + "mlp.gate_up_proj.weight",), linear=True)}
     return tuple(fused.get(row.core[0], row) for row in LLAMA_NAMES)
 
 

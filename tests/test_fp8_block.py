@@ -77,10 +77,11 @@ def test_a_transposed_or_floor_edged_scale_grid_is_refused_and_would_change_the_
     assert not torch.equal(dequantize(q, s.T.contiguous(), (128, 128)), dequantize(q, s, (128, 128)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,block", CASES)
-def test_quantize_takes_block_amax_over_448_and_rounds_within_e4m3s_bound(shape, block):
+def test_quantize_takes_block_amax_over_448_and_rounds_within_e4m3s_bound(shape, block, dtype):
     g = torch.Generator().manual_seed(3)
-    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(torch.bfloat16)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(dtype)
     w[: min(block[0], shape[0]), : min(block[1], shape[1])] = 0  # an all-zero block stays zero
     q, s = quantize(w, block)
     assert q.dtype == E4M3 and tuple(s.shape) == scale_shape(shape, block) and s.dtype == torch.float32
@@ -91,13 +92,25 @@ def test_quantize_takes_block_amax_over_448_and_rounds_within_e4m3s_bound(shape,
             amax = w[blk].float().abs().max()
             want = amax / E4M3_MAX if amax > 0 else torch.tensor(1.0)
             assert s[i, j] == want
-            assert torch.equal(q[blk], (w[blk].float() / want).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
+            want_q = (w[blk].float() / want).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            assert torch.equal(q[blk].view(torch.uint8), want_q.view(torch.uint8))  # the sign of zero too
     back = dequantize(q, s, block, torch.float32)
     per = s.repeat_interleave(b0, 0)[: shape[0]].repeat_interleave(b1, 1)[:, : shape[1]]
     # e4m3 keeps 3 mantissa bits (relative error <= 2**-4); below 2**-6 it is subnormal (step 2**-9)
     bound = torch.maximum(w.float().abs() * 2.0 ** -4, per * 2.0 ** -10)
     assert bool(((back - w.float()).abs() <= bound).all())
     assert not back[: min(b0, shape[0]), : min(b1, shape[1])].any()
+
+
+def test_quantize_refuses_what_fp8_cannot_scale_and_keeps_tiny_blocks_finite():
+    w = torch.zeros(4, 8)
+    for bad in (float("nan"), float("inf")):
+        w[2, 5] = bad
+        with pytest.raises(ValueError, match="rows 0..3 hold a NaN or an infinity"):
+            quantize(w, (4, 4))
+    tiny = torch.full((4, 4), 1e-43)  # amax / 448 underflows to 0 in float32: scale 1, values 0, no NaN
+    q, s = quantize(tiny, (4, 4))
+    assert s.item() == 1.0 and not dequantize(q, s, (4, 4), torch.float32).isnan().any()
 
 
 def test_quantization_config_reads_fp8_and_refuses_every_other_scheme_by_name():

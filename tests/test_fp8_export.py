@@ -169,13 +169,18 @@ def test_fp8_where_it_cannot_be_held_is_refused(sources, tmp_path, capsys):
     _refused(capsys, [str(sources["mha"]), str(tmp_path / "c"), "--to", "hf", "--quantize", "fp8"], tmp_path / "c",
              "--quantize fp8: GPT2LMHeadModel has no linear layer")
     _refused(capsys, [llama, str(tmp_path / "d"), "--to", "hf", "--fp8-block", "64"], tmp_path / "d",
-             "--fp8-block: sets the blocks of FP8 quantization")
+             "--fp8-block: applies only with --quantize fp8")
+    _refused(capsys, [llama, str(tmp_path / "h"), "--to", "hf", "--quantize", "fp8", "--groups", "4"], tmp_path / "h",
+             "--groups: sets int8 quantization, not FP8's")
     _refused(capsys, [llama, str(tmp_path / "e"), "--to", "hf", "--quantize", "fp8", "--fp8-block", "0x8"],
              tmp_path / "e", "--fp8-block: '0x8' is not a block size")
     _refused(capsys, [llama, str(tmp_path / "f"), "--to", "hf", "--quantize", "fp4"], tmp_path / "f",
              "--quantize: 'fp4' is not one of int8, fp8")
     _refused(capsys, [llama, str(tmp_path / "g"), "--to", "hf", "--quantize", "int8"], tmp_path / "g",
              "--quantize fp8 for FP8 block-scaled weights")
+    # the flag alone is int8, as before it took a value, wherever it stands
+    _refused(capsys, ["--quantize", llama, str(tmp_path / "i"), "--to", "hf"], tmp_path / "i",
+             "--quantize: Hugging Face safetensors has no place for reshard's int8")
 
 
 def test_fp8_through_the_flow_to_and_from_s3_equals_direct(sources, tmp_path, s3_server, s3_bucket, monkeypatch,

@@ -67,6 +67,8 @@ def phi3(tmp_path_factory):
         assert main(["run", "--direct", str(root / "hf"), str(root / "tp2"), "--target-tp", "2"]) == 0
         assert main(["run", "--direct", str(root / "tp2"), str(root / "back"), "--to", "hf",
                      "--hf-architecture", "Phi3ForCausalLM"]) == 0
+        assert main(["run", "--direct", str(root / "tp2"), str(root / "fp8"), "--to", "hf", "--hf-architecture",
+                     "Phi3ForCausalLM", "--quantize", "fp8", "--fp8-block", "16", "--max-shard-size", "40KB"]) == 0
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(PhiQKV, "gather", _misread_qkv)
             assert main(["run", "--direct", str(root / "hf"), str(root / "wrong"), "--target-tp", "2"]) == 0
@@ -93,6 +95,19 @@ def test_the_export_gives_back_every_phi3_tensor_bit_for_bit(phi3):
     config = json.loads((root / "back" / "config.json").read_text())
     assert config["architectures"] == ["Phi3ForCausalLM"] and config["model_type"] == "phi3"
     assert torch.equal(_logits(root / "back"), _logits(root / "hf"))
+
+
+def test_a_plugins_linear_rows_are_written_in_fp8(phi3):
+    """The plug-in marks its fused rows linear: they are encoded like every built-in linear weight."""
+    from test_fp8_export import block_reference
+
+    plain, fp8 = _tensors(phi3["root"] / "back"), _tensors(phi3["root"] / "fp8")
+    linear = sorted(k for k in plain if k.endswith(("qkv_proj.weight", "gate_up_proj.weight", "o_proj.weight",
+                                                      "down_proj.weight")))
+    assert sorted(fp8) == sorted([*plain, *(k + "_scale_inv" for k in linear)])
+    for key in linear:
+        q, s = block_reference(plain[key], (16, 16))
+        assert torch.equal(fp8[key].view(torch.uint8), q.view(torch.uint8)) and torch.equal(fp8[key + "_scale_inv"], s)
 
 
 def test_the_plugin_was_unregistered_after_use(phi3):

@@ -12,9 +12,9 @@ direction       per block ``B`` (rows ``i*b0 ..``, columns ``j*b1 ..``; partial 
 ==============  ========================================================================
 dequantize      ``W[B] = (Q[B].float() * S[i, j]).to(dtype)`` (DeepSeek's ``weight_dequant``:
                 float32 product, one rounding to the model dtype, round-to-nearest-even)
-quantize        ``S[i, j] = amax|W[B]| / 448`` (e4m3's largest finite value; 1.0 for an all-zero
-                block, so it stays zero), ``Q[B] = clamp(W[B].float() / S[i, j], -448, 448)``
-                cast to e4m3 (round-to-nearest-even)
+quantize        ``S[i, j] = amax|W[B]| / 448`` (e4m3's largest finite value; 1.0 where that is
+                0: an all-zero block stays zero), ``Q[B] = clamp(W[B].float() / S[i, j], -448,
+                448)`` cast to e4m3 (round-to-nearest-even); a NaN or an infinity is refused
 ==============  ========================================================================
 
 Both work one band of ``b0`` rows at a time, so memory is the output plus one band in float32;
@@ -165,7 +165,10 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
         rows = x.shape[0]
         wide = torch.nn.functional.pad(x.abs(), (0, pad)) if pad else x.abs()
         amax = wide.reshape(rows, gn, b1).amax(dim=(0, 2)).float()
-        si = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        if not torch.isfinite(amax).all():
+            raise ValueError(f"rows {i * b0}..{i * b0 + rows - 1} hold a NaN or an infinity, which FP8 cannot scale")
+        si = amax / E4M3_MAX
+        si = torch.where(si > 0, si, torch.ones_like(si))  # an all-zero block (or one too small to scale) keeps 1
         s[i] = si
         per = si.repeat_interleave(b1)[:n]
         q[i * b0:(i + 1) * b0] = torch.div(x, per).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)

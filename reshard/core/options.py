@@ -13,7 +13,7 @@ Values are checked here, once, into the error type every front end reports as on
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import re
 
@@ -93,7 +93,7 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: str | None = _opt(None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h "
+    quantize: Literal["int8", "fp8"] | None = _opt(None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h "
                                       "weights (per-rank outputs; the flag alone); fp8: e4m3 block-scaled linear "
                                       "weights (--to hf; DeepSeek's format, which vLLM and transformers load)",
                                 metavar="{int8,fp8}", alone="int8")
@@ -241,8 +241,13 @@ class ReshardOptions(BaseModel):
         if not 1 <= self.bits <= 8:
             raise LayoutError(f"{self.bits} does not fit int8", culprit="--bits", hint="use 1..8")
         if self.fp8_block is not None and self.quantize != "fp8":
-            raise LayoutError("sets the blocks of FP8 quantization", culprit="--fp8-block",
+            raise LayoutError("applies only with --quantize fp8", culprit="--fp8-block",
                               hint="add --quantize fp8, or drop it")
+        if self.quantize == "fp8":  # the int8 settings would be ignored
+            for name in ("bits", "groups", "mlp_extra_grouping"):
+                if getattr(self, name) != ReshardOptions.model_fields[name].default:
+                    raise LayoutError("sets int8 quantization, not FP8's (whose blocks are --fp8-block)",
+                                      culprit=flag_of(name), hint="drop it, or --quantize int8")
         if self.hf_architecture is not None and self.to != "hf":  # the hf format's own choice of class
             raise LayoutError("names the class of a Hugging Face export", culprit=flag_of("hf_architecture"),
                               hint="add --to hf, or drop it")

@@ -630,7 +630,9 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     # quantizing and dequantizing are compute: they keep torch's threads
     computes = plan.options.quantize or get_format(plan.source.format).decodes(plan.source)
     threads = contextlib.nullcontext() if computes else _one_intra_op_thread()
-    streaming = {} if stream is None else {"stream": stream}
+    streaming: dict[str, Any] = {} if stream is None else {"stream": stream}
+    if fmt.encodes_on_device():
+        streaming["device"] = device
     if stream is not None and not fmt.writes_streams():
         raise WriterError(f"the {fmt.name} format's writer takes no stream")
     try:

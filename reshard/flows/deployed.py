@@ -17,7 +17,7 @@ graph, caching, retries, artifact and return value are exactly those of ``reshar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -56,8 +56,8 @@ def reshard_deployment(
     target_pp: int | None = None,
     target_ep: int | None = None,
     target_etp: int | None = None,
-    quantize: bool | str | None = None,
-    fp8_block: tuple[int, int] | None = None,
+    quantize: bool | Literal["int8", "fp8"] | None = None,
+    fp8_block: str | list[int] | None = None,
     bits: int = 8,
     groups: int = 64,
     mlp_extra_grouping: bool = True,

@@ -351,6 +351,11 @@ class Writing:
         that brings its own ``write`` says so itself)."""
         return type(self).write is Writing.write
 
+    def encodes_on_device(self) -> bool:
+        """Does :meth:`write` take a ``device`` (``--device``) to encode tensors on (FP8 block
+        quantization), falling back to nothing but the CPU when it is the CPU? Default: no (the
+        engine's own int8 quantization runs on the device before the writer)."""
+        return False
 
 
 class CheckpointFormat(Locating, Reading, Writing):

@@ -39,10 +39,10 @@ from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, 
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, decide_architecture, export_of,
-                                             ffn_widths, linear_weight)
+                                             NAME_TABLES, ffn_widths, linear_weight)
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
-from reshard.models.hf_registry import export_as, read_config
+from reshard.models.hf_registry import export_as, hf_architecture, read_config
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
 if TYPE_CHECKING:
@@ -190,7 +190,12 @@ class HFFormat(CheckpointFormat):
     def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions) -> int:
         """A linear weight under ``--quantize fp8``: a byte per element and a float32 scale per block
         (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving does)."""
-        if options.quantize != "fp8" or dtype is None or not linear_weight(key):
+        if options.quantize != "fp8" or dtype is None:
+            return size
+        # the class written: --hf-architecture's (a plug-in's own table), else one of the built-ins
+        tables = ([hf_architecture(options.hf_architecture).names] if options.hf_architecture
+                  else list(NAME_TABLES.values()))
+        if not linear_weight(key, tables):
             return size
         b0, b1 = options.fp8_block or DEFAULT_BLOCK
         elements = size // dtype.itemsize
@@ -225,12 +230,16 @@ class HFFormat(CheckpointFormat):
         return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)))
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
-              on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> SaveStats:
+              on_bytes: Callable[[int], None] | None = None, stream: Any = None,
+              device: torch.device | None = None) -> SaveStats:
         if not isinstance(obj, SafetensorsFile):
             raise WriterError("the hf format writes what its prepare() returns")
-        return obj.write(os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream)
+        return obj.write(os.fspath(path), sha256=sha256, on_bytes=on_bytes, stream=stream, device=device)
 
     def writes_streams(self) -> bool:
+        return True
+
+    def encodes_on_device(self) -> bool:
         return True
 
     def skeleton(self, name: str, size: int, pread: Callable[[int, int], bytes],
@@ -332,9 +341,9 @@ def _check_fp8(plan: Plan, arch: HFArchitecture) -> None:
     if not any(row.linear for row in arch.names):
         raise LayoutError(f"{arch.name} has no linear layer vLLM or transformers reads FP8 block scales for "
                           "(its weights are not [out, in])", culprit="--quantize fp8",
-                          hint="drop --quantize, or export a Llama, Qwen, Mixtral or DeepSeek model")
+                          hint="drop --quantize, or export a Llama, Mistral, Qwen2/3, Qwen-MoE or Mixtral model")
     dtypes = {tp.param.dtype for t in plan.targets for tp in t.params if tp.param.dtype is not None}
-    if not all(d.is_floating_point and d.itemsize >= 2 for d in dtypes):
+    if not dtypes <= {torch.float16, torch.bfloat16, torch.float32}:
         raise LayoutError(f"the weights are {', '.join(sorted(map(str, dtypes)))}: FP8 encodes float16, bfloat16 "
                           "or float32 weights", culprit="--quantize fp8", hint="drop --quantize")
 
@@ -384,8 +393,8 @@ class SafetensorsFile:
         self.data_size = start
         self.header = header_bytes(self.entries)
 
-    def write(self, path: str, *, sha256: bool = False,
-              on_bytes: Callable[[int], None] | None = None, stream: Any = None) -> SaveStats:
+    def write(self, path: str, *, sha256: bool = False, on_bytes: Callable[[int], None] | None = None,
+              stream: Any = None, device: torch.device | None = None) -> SaveStats:
         """Header first, then each megatron-core tensor streamed into its Hugging Face tensors:
         ``pwrite`` on the writer thread (as :func:`reshard.core.torch_writer.save` does) and
         hashed, in file order, on a hashing thread (:class:`_InOrderHasher`). With a ``stream``
@@ -409,7 +418,7 @@ class SafetensorsFile:
                     if block is None:
                         _write_export(writer, exp, value, entries, base)
                     else:
-                        _write_fp8_export(writer, exp, value, entries, base, block)
+                        _write_fp8_export(writer, exp, value, entries, base, block, device)
                     hi = base + entries[-1].start + entries[-1].nbytes
                     writer.put((memoryview(b""), hi, None, None))  # the file is complete up to hi
                     if on_bytes is not None:
@@ -447,14 +456,20 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
 
 
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
-                      block: tuple[int, int]) -> None:
+                      block: tuple[int, int], device: torch.device | None = None) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
-    (:func:`~reshard.core.fp8_block.quantize`: a block's scale is its own largest magnitude, so each
-    output is made whole first — this one tensor in memory, as a transpose is), then its scales."""
+    (:func:`~reshard.core.fp8_block.quantize`, on ``device`` when one is given: a block's scale is
+    its own largest magnitude, so each output is made whole first — this one tensor in memory, as a
+    transpose is), then its scales."""
     whole = value.materialize() if isinstance(value, PendingTensor) else value.detach()
     outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
     for i, out in enumerate(outs):
-        q, s = quantize(out, block)
+        try:
+            q, s = quantize(out if device is None else out.to(device), block)
+        except ValueError as exc:
+            raise LayoutError(f"{entries[2 * i].name}: {exc}", culprit="--quantize fp8",
+                              hint="the checkpoint's weights are not finite; convert it without --quantize") from None
+        q, s = q.cpu(), s.cpu()
         for entry, t in zip(entries[2 * i:2 * i + 2], (q, s)):
             if tuple(t.shape) != entry.shape:
                 raise WriterError(f"{exp.key}: made {tuple(t.shape)} for {entry.name} {entry.shape}")

@@ -397,18 +397,17 @@ NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES,
                "Qwen3ForCausalLM": QWEN3_NAMES, "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES}
 
 
-def linear_weight(key: str) -> bool:
-    """Whether megatron-core (or legacy Megatron) parameter ``key`` is a linear layer's weight in the
-    built-in name tables (:attr:`NameRow.linear`): the bytes ``--quantize fp8`` encodes, known before
-    the architecture is decided."""
+def linear_weight(key: str, tables: Sequence[NameTable]) -> bool:
+    """Whether megatron-core (or legacy Megatron) parameter ``key`` is a linear layer's weight in
+    ``tables`` (:attr:`NameRow.linear`): the bytes ``--quantize fp8`` encodes, known before the
+    architecture is decided (the built-in tables agree on every row they share)."""
     if not re.search(r"\.weight\d*$", key):
         return False
     try:
         key = core_name(key)
     except LayoutError:
         pass  # already megatron-core's
-    return any(row.linear and any(p.match(key) for p in row.core_patterns)
-               for table in NAME_TABLES.values() for row in table)
+    return any(row.linear and any(p.match(key) for p in row.core_patterns) for table in tables for row in table)
 
 
 @dataclass(frozen=True)
