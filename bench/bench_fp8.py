@@ -106,6 +106,17 @@ cfg = json.loads((src / 'config.json').read_text()); cfg.pop('quantization_confi
 """]
 
 
+#: llm-compressor's model-free FP8 block quantization (compressed-tensors output: ``weight_scale`` in the
+#: model's dtype, so about 3% of the e4m3 values round otherwise); run by ``--llmcompressor-python``,
+#: an interpreter with llmcompressor installed (it pins transformers <= 5.17: its own environment).
+LLMCOMPRESSOR = """
+import sys
+from llmcompressor import model_free_ptq
+model_free_ptq(model_stub=sys.argv[1], save_directory=sys.argv[2], scheme='FP8_BLOCK',
+               ignore=['re:.*gate$', 'lm_head', 'model.embed_tokens'], max_workers=2, device='cpu')
+"""
+
+
 def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) -> None:
     """A bf16 Mixtral folder, one shard per layer (memory: one layer), random weights."""
     import torch
@@ -205,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--settle", type=float, default=SETTLE)
+    ap.add_argument("--llmcompressor-python", default=None, metavar="PYTHON",
+                    help="a Python with llmcompressor installed: its model_free_ptq FP8_BLOCK joins the peers")
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ns = ap.parse_args(argv)
@@ -227,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         quant = {"floor (read bf16, write FP8 bytes)": FLOOR + [str(bf16), "{out}", str(size(fp8))],
                  QUANT: reshard(str(bf16), "{out}", "--to", "hf", "--quantize", "fp8"),
                  "naive: load all, quantize, save_file": NAIVE_QUANT + [str(bf16), "{out}"]}
+        if ns.llmcompressor_python:
+            quant["llm-compressor model_free_ptq (2 workers)"] = [ns.llmcompressor_python, "-c", LLMCOMPRESSOR,
+                                                                   str(bf16), "{out}"]
         dequant = {"floor (read FP8, write bf16 bytes)": FLOOR + [str(fp8), "{out}", str(size(bf16))],
                    DEQUANT: reshard(str(fp8), "{out}", "--to", "hf"),
                    "naive: load all, dequantize, save_file": NAIVE_DEQUANT + [str(fp8), "{out}"]}
