@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_fixtures import TOKENS, mcore_checkpoints, mcore_moe_checkpoints, needs_mcore
+from mcore_fixtures import mcore_checkpoints, mcore_moe_checkpoints, needs_mcore
 from reshard.cli import main
-from test_hf_export import _tensors
+from test_hf_export import _tensors, hf_logits
 
 pytestmark = needs_mcore
 
@@ -109,18 +109,6 @@ def test_fp8_export_is_the_block_formula_of_the_plain_export(sources, tmp_path, 
     assert 1 < files < 1.5 * math.ceil(total / 60_000), (files, total)
 
 
-def _hf_logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
-    model.eval()
-    with torch.no_grad():
-        return model(torch.tensor([TOKENS])).logits[0].float()
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen_moe"])
 def test_transformers_loads_the_fp8_export_as_the_model_it_encodes(sources, tmp_path, name):
     """transformers (which reads FP8 on a CPU by dequantizing whole blocks: the blocks must divide
@@ -136,10 +124,10 @@ def test_transformers_loads_the_fp8_export_as_the_model_it_encodes(sources, tmp_
     (encoded / "config.json").write_text((plain_dir / "config.json").read_text())
     save_file({k: dequantized(fp8[k], fp8[k + "_scale_inv"], (16, 16)) if LINEAR.search(k) else v
                for k, v in plain.items()}, str(encoded / "model.safetensors"), metadata={"format": "pt"})
-    got = _hf_logits(fp8_dir)
-    want = _hf_logits(encoded)
+    got = hf_logits(fp8_dir)
+    want = hf_logits(encoded)
     assert (got - want).abs().max() < 1e-2 * want.abs().max()  # transformers runs FP8 models in bf16 on a CPU
-    assert (_hf_logits(plain_dir) - want).abs().max() > 0  # the encoding is not the identity
+    assert (hf_logits(plain_dir) - want).abs().max() > 0  # the encoding is not the identity
 
 
 def test_reshard_reads_its_fp8_export_back_as_the_model_it_encodes(sources, tmp_path):

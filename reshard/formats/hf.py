@@ -477,8 +477,12 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
 
 
 def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
-    """A whole megatron-core tensor's Hugging Face tensors, made in memory from its byte runs."""
+    """A whole megatron-core tensor's Hugging Face tensors, made in memory from its byte runs (the
+    tensor itself where one run is all of it: a routed expert's down projection, ``o_proj``)."""
     data = whole.contiguous().view(-1).view(torch.uint8)
+    if (len(exp.outputs) == 1 and len(exp.runs) == 1 and exp.runs[0].src == exp.runs[0].dst == 0
+            and exp.runs[0].length == data.numel()):
+        return [whole.contiguous().view(exp.outputs[0].shape)]
     outs = [torch.empty(o.shape, dtype=whole.dtype) for o in exp.outputs]
     flat = [o.view(-1).view(torch.uint8) for o in outs]
     if sum(r.length for r in exp.runs) != sum(f.numel() for f in flat):
