@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import dataclasses
 import functools
 import re
@@ -403,10 +404,8 @@ def linear_weight(key: str, tables: Sequence[NameTable]) -> bool:
     architecture is decided (the built-in tables agree on every row they share)."""
     if not re.search(r"\.weight\d*$", key):
         return False
-    try:
+    with contextlib.suppress(LayoutError):  # a legacy name; a megatron-core name has no legacy pattern
         key = core_name(key)
-    except LayoutError:
-        pass  # already megatron-core's
     return any(row.linear and any(p.match(key) for p in row.core_patterns) for table in tables for row in table)
 
 
