@@ -80,14 +80,23 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
                   moe_router_enable_expert_bias=m.get("expert_bias", False),
                   moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
                   moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
+        kw.update({k: v for k, v in m.get("router", {}).items() if v is not None})  # DeepSeek's group routing
         spec_kw.update(num_experts=m["experts"])
+    config_class: Any = TransformerConfig
+    if m.get("mla"):  # multi-latent attention (DeepSeek): its config class, on the CPU through _mla_shims
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        _mla_shims()
+        config_class = MLATransformerConfig
+        kw.update(m["mla"], apply_rope_fusion=False, bias_activation_fusion=False)
+        spec_kw.update(multi_latent_attention=True)
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     elif m.get("openai_gelu"):
         from megatron.core.transformer.utils import openai_gelu
 
         kw.update(activation_func=openai_gelu)
-    cfg = TransformerConfig(
+    cfg = config_class(
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
         num_query_groups=m.get("groups"), ffn_hidden_size=m["ffn"], normalization=norm,
         add_bias_linear=m.get("bias", True), add_qkv_bias=m.get("qkv_bias", False),
@@ -95,13 +104,14 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
         qk_layernorm=m.get("qk_norm", False), kv_channels=m.get("kv_channels"),
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32 if pp > 1 else None, **kw)
-    if spec_kw:  # dense and MoE layers as moe_layer_freq says: the decoder block spec
+    if spec_kw.get("num_experts"):  # dense and MoE layers as moe_layer_freq says: the decoder block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=norm,
                                           pp_rank=ps.get_pipeline_model_parallel_rank())
     else:
-        spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.get("qk_norm", False))
+        spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.get("qk_norm", False),
+                                        multi_latent_attention=bool(m.get("mla")))
     model = GPTModel(cfg, spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -114,6 +124,31 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
                     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
                     p.add_(torch.rand(p.shape, generator=g))
     return model
+
+
+def _mla_shims() -> None:
+    """megatron-core 0.16.1's MLA on a CPU without Transformer Engine: its local core attention takes
+    no ``k_channels``/``v_channels`` (dropped; ``kv_channels`` is the value head dim, which sizes
+    the output), and ``multi_latent_attention.HAVE_TE`` is True even then (TE is a mock whose
+    ``isinstance`` raises)."""
+    from megatron.core.models import backends
+    from megatron.core.transformer import dot_product_attention as dpa
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    class LocalMLAAttention(dpa.DotProductAttention):
+        def __init__(self, *a: Any, k_channels: Any = None, v_channels: Any = None, **k: Any) -> None:
+            super().__init__(*a, **k)
+
+    backends.LocalSpecProvider.core_attention = lambda self: LocalMLAAttention
+    mla.HAVE_TE = False
+
+
+#: Megatron-LM's MLA and DeepSeek-router args <-> the harness's model options (same names).
+MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+            "rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "mscale", "mscale_all_dim")
+ROUTER_ARGS = ("moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_topk_scaling_factor", "moe_router_dtype")
 
 
 def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
@@ -166,7 +201,10 @@ def options_from_args(a: Any) -> dict[str, Any]:
             **({"experts": a.num_experts, "topk": a.moe_router_topk, "moe_ffn": a.moe_ffn_hidden_size,
                 "shared_ffn": a.moe_shared_expert_intermediate_size, "moe_layer_freq": a.moe_layer_freq,
                 "expert_bias": a.moe_router_enable_expert_bias, "pre_softmax": a.moe_router_pre_softmax,
-                "shared_gate": a.moe_shared_expert_gate} if getattr(a, "num_experts", None) else {})}
+                "shared_gate": a.moe_shared_expert_gate,
+                "router": {k: getattr(a, k, None) for k in ROUTER_ARGS}} if getattr(a, "num_experts", None) else {}),
+            **({"mla": {k: getattr(a, k) for k in MLA_ARGS if getattr(a, k, None) is not None or k == "q_lora_rank"}}
+               if getattr(a, "multi_latent_attention", False) else {})}
 
 
 def _iteration(ckpt: Path) -> Path:

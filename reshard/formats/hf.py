@@ -38,11 +38,11 @@ from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, decide_architecture, export_of,
-                                             NAME_TABLES, ffn_widths, linear_weight)
+from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, export_of,
+                                             ffn_widths, linear_weight)
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
-from reshard.models.hf_registry import export_as, hf_architecture, read_config
+from reshard.models.hf_registry import decide_export, export_as, hf_architecture, hf_architectures, read_config
 from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class HFFormat(CheckpointFormat):
             return size
         # the class written: --hf-architecture's (a plug-in's own table), else one of the built-ins
         tables = ([hf_architecture(options.hf_architecture).names] if options.hf_architecture
-                  else list(NAME_TABLES.values()))
+                  else [a.names for a in hf_architectures()])
         if not linear_weight(key, tables):
             return size
         b0, b1 = options.fp8_block or DEFAULT_BLOCK
@@ -299,8 +299,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
         raise LayoutError(f"the weights mix dtypes {sorted(map(str, dtypes))}", culprit="--to hf",
                           hint="Hugging Face's config.json records one dtype")
     args = with_flags(plan.target_state(0).get("args"), plan.options, "--to hf")
-    decided = decide_architecture(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32,
-                                  widths.get("dense"), widths.get("expert"), widths.get("shared"))
+    decided = decide_export(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32, widths)
     return export_as(decided, plan.options.hf_architecture)
 
 

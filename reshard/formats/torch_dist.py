@@ -640,10 +640,12 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
               if not k.endswith("._extra_state") or k in given or k in layout.made_up}
     layers, stacked = layout.layers, layout.stacked
     items = []
+    # megatron-core's keys map belongs to the layer spec with fused QKV; MLA's local spec has none
+    renames = LOCAL_SPEC_NAMES if any(".self_attention.linear_qkv." in k for k in module) else {}
     for name, value in module.items():
         if name in PER_RANK_ONLY:
             continue
-        for fused, local in LOCAL_SPEC_NAMES.items():
+        for fused, local in renames.items():
             name = name.replace(local, fused)
         m = _LAYER_KEY_RE.match(name)
         lead: tuple[int, ...] = ()

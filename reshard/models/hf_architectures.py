@@ -487,6 +487,13 @@ class HFArchitectureFamily(abc.ABC):
         raise LayoutError(f"{self.name} is written by reshard but not read", culprit=where,
                           hint="import a folder of an architecture reshard reads")
 
+    def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
+               widths: Mapping[str, int]) -> HFArchitecture | None:
+        """Export: this class's version of a megatron-core model that only it computes (DeepSeek's
+        multi-latent attention), asked before the built-in decision; None (the default) for a model
+        this class does not claim. ``widths``: :func:`ffn_widths`."""
+        return None
+
     def export(self, decided: HFArchitecture) -> HFArchitecture:
         """Export under ``--hf-architecture``: this class's ``config.json`` for the model reshard
         decided ``decided`` computes (a built-in architecture, whose ``config`` and ``reason`` say

@@ -17,12 +17,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from reshard.core.errors import LayoutError
-from reshard.models.hf_architectures import HFArchitecture, HFArchitectureFamily, HFModel
+import torch
+
+from reshard.core.plan_types import ModelFacts
+from reshard.models.hf_architectures import HFArchitecture, HFArchitectureFamily, HFModel, decide_architecture
 from reshard.plugins import PluginRegistry
 
 #: Built-in architectures, as "module:instance" (imported on first use).
 BUILTIN: tuple[str, ...] = tuple(f"reshard.models.hf_import:{name}" for name in (
-    "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "GPT2"))
+    "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "GPT2")) + (
+    "reshard.models.deepseek:DEEPSEEK_V3",)
 ENTRY_POINT_GROUP = "reshard.hf_architectures"
 
 _ARCHITECTURES: PluginRegistry[HFArchitectureFamily] = PluginRegistry(
@@ -69,6 +73,19 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
         raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
                           hint=f"reshard imports {', '.join(sorted(a.name for a in importable))}")
     return found.read_config(config, where)
+
+
+def decide_export(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
+                  widths: Mapping[str, int]) -> HFArchitecture:
+    """The architecture that computes a megatron-core model exactly: the one registered class that
+    claims it (:meth:`~HFArchitectureFamily.decide`: DeepSeek's multi-latent attention), else the
+    built-in decision (:func:`~reshard.models.hf_architectures.decide_architecture`)."""
+    for arch in hf_architectures():
+        decided = arch.decide(args, facts, keys, dtype, widths)
+        if decided is not None:
+            return decided
+    return decide_architecture(args, facts, keys, dtype, widths.get("dense"), widths.get("expert"),
+                               widths.get("shared"))
 
 
 def export_as(decided: HFArchitecture, name: str | None) -> HFArchitecture:

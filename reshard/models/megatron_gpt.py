@@ -271,12 +271,16 @@ EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}.
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
              "decoder.final_layernorm.", "output_layer.")
 _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-                    "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
-                    "mlp.shared_experts.")
+                    "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
+                    "self_attention.linear_q_proj.", "self_attention.linear_kv_down_proj.",
+                    "self_attention.linear_kv_up_proj.", "self_attention.q_layernorm.", "self_attention.k_layernorm.",
+                    "self_attention.kv_layernorm.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.",
+                    "mlp.router.", "mlp.experts.", "mlp.shared_experts.")
 _CORE_INNER = ("gate_weight", "linear_fc1.", "linear_fc2.")
 _CORE_ENTRIES = ("weight", "bias", "_extra_state")
 #: megatron-core's local-spec linear layers carry an ``_extra_state`` entry (None); legacy ones none.
-_CORE_LINEAR_WEIGHT = re.compile(r"^(decoder\.layers\.\d+\.(?:.+\.)?linear_(?:proj|qkv|fc1|fc2))\.weight$")
+_CORE_LINEAR_WEIGHT = re.compile(r"^(decoder\.layers\.\d+\.(?:.+\.)?linear_(?:proj|qkv|fc1|fc2|q_down_proj|q_up_proj|q_proj"
+                                 r"|kv_down_proj|kv_up_proj))\.weight$")
 _CORE_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 

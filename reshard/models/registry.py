@@ -9,7 +9,7 @@ from reshard.models.base import ModelFamily
 from reshard.plugins import PluginRegistry
 
 #: Built-in families, as "module:class" (imported on first use).
-BUILTIN: tuple[str, ...] = ("reshard.models.megatron_gpt:MegatronGPT",)
+BUILTIN: tuple[str, ...] = ("reshard.models.megatron_gpt:MegatronGPT", "reshard.models.deepseek:DeepSeek")
 ENTRY_POINT_GROUP = "reshard.models"
 
 _FAMILIES: PluginRegistry[ModelFamily] = PluginRegistry("model family", ModelFamily, BUILTIN, ENTRY_POINT_GROUP)

@@ -1,0 +1,393 @@
+"""DeepSeek-V3-class models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V2-Lite's attention): multi-latent
+attention (MLA) and DeepSeek MoE, in one module — the megatron-core rule table (how each tensor
+splits over TP), the family that claims MLA checkpoints, and the Hugging Face architecture
+``DeepseekV3ForCausalLM`` both ways (name table, ``config.json`` <-> Megatron-LM ``args``, and
+every setting the two libraries compute differently, refused by name). The facts it rests on, with
+the code lines they were read from, are in ``docs/deepseek-v3-notes.md``.
+
+megatron-core's MLA tensors (local spec; ``n`` heads, ``qk``/``r``/``v`` the no-rope, rope and value
+head dims, ``Lq``/``Lkv`` the query and key-value latent ranks) and how reshard splits them:
+
+==============================  ==============  ================  ===================================
+megatron-core (``self_attention.``)  shape        split over TP     Hugging Face (``self_attn.``)
+==============================  ==============  ================  ===================================
+``linear_q_down_proj``          ``[Lq, h]``     rows (gathered    ``q_a_proj``
+                                                in the forward)
+``q_layernorm``                 ``[Lq]``        replicated        ``q_a_layernorm``
+``linear_q_up_proj``            ``[n(qk+r), Lq]``  rows, by head   ``q_b_proj``
+``linear_q_proj`` (no ``Lq``)   ``[n(qk+r), h]``   rows, by head   ``q_proj``
+``linear_kv_down_proj``         ``[Lkv+r, h]``  rows (gathered)   ``kv_a_proj_with_mqa``
+``kv_layernorm``                ``[Lkv]``       replicated        ``kv_a_layernorm``
+``linear_kv_up_proj``           ``[n(qk+v), Lkv]`` rows, by head   ``kv_b_proj`` (per head ``[nope|v]``)
+``linear_proj``                 ``[h, n v]``    columns           ``o_proj``
+==============================  ==============  ================  ===================================
+
+Rows are head-major in both libraries (``[head0: nope, rope | head1: ...]``), so every tensor is
+the same bytes under another name: no transform but renaming. The down projections are written
+split by rows, as megatron-core's local spec holds them (its Transformer-Engine spec keeps a full
+copy on every rank and fuses the latent norms into the up projections as ``layer_norm_weight``;
+such checkpoints are refused by name, not guessed). megatron-core's MLA de-interleaves the rope
+dims, which is transformers' ``rope_interleave=True``: the default, and the only one read.
+
+DeepSeek MoE: a sigmoid router with ``expert_bias`` (HF ``e_score_correction_bias``), routed and
+shared experts, group-limited routing, the first ``first_k_dense_replace`` layers dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.options import ReshardOptions
+from reshard.core.plan_types import CanonicalParam, ModelFacts
+from reshard.core.rules import Kind, Rule, layer_index
+from reshard.models.base import ModelFamily
+from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, GatedSplit, HFArchitecture, HFArchitectureFamily,
+                                             HFModel, NameTable, Same, VocabRows, _arg, _table)
+from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, experts_per_layer
+
+_D = r"^decoder\.layers\.\d+\.self_attention\."
+_MLA_LINEAR = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj",
+               "linear_kv_up_proj")
+
+
+def _mla(name: str, pattern: str, kind: Kind, **kw: Any) -> Rule:
+    return Rule("mla." + name, _D + pattern, kind, family="core", optional=True, **kw)
+
+
+#: megatron-core's MLA tensors (local spec), then every megatron-core GPT rule (the MoE layers,
+#: norms, embeddings and output layer are the same modules).
+DEEPSEEK_RULES: tuple[Rule, ...] = (
+    _mla("q_kv_projections", r"(?:" + "|".join(_MLA_LINEAR) + r")\.weight$", Kind.COLUMN),
+    _mla("latent_norms", r"(?:q_layernorm|kv_layernorm)\.weight$", Kind.REPLICATED),
+    # linear_proj (the output projection, split by columns) is megatron-core's GPT rule
+) + MEGATRON_GPT_RULES
+
+#: A key of an MLA checkpoint (what the family claims by).
+_MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|q|kv_down)_proj\.")
+#: Transformer Engine's MLA names (down projections copied on every rank, latent norms fused).
+_TE_MLA_KEY = re.compile(r"\.self_attention\.linear_(?:q|kv)_up_proj\.layer_norm_weight$")
+
+
+class DeepSeek(ModelFamily):
+    """megatron-core GPT models with multi-latent attention (DeepSeek-V2/V3, Kimi-K2): MLA tensors
+    by :data:`DEEPSEEK_RULES`, everything else as :class:`~reshard.models.megatron_gpt.MegatronGPT`."""
+
+    name = "deepseek"
+    rules = DEEPSEEK_RULES
+    priority = 50
+    supported = ("megatron-core GPT names with multi-latent attention (local spec: q/kv down and up projections, "
+                 "q_layernorm, kv_layernorm), dense or MoE MLP")
+
+    def claims(self, keys: Sequence[str]) -> bool:
+        return any(_MLA_KEY.match(k) for k in keys)
+
+    def naming(self, keys: Sequence[str]) -> str:
+        return "megatron-core"
+
+    def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
+                            origin: dict[str, str], where: str) -> dict[str, Any]:
+        """Refuses what megatron-core's MLA cannot load: Transformer Engine's fused names (their
+        down projections are full copies, not row splits) and a target TP that cuts a head."""
+        te = next((p.key for p in params if _TE_MLA_KEY.search(p.key)), None)
+        if te is not None:
+            raise LayoutError(f"{te}: a Transformer Engine MLA checkpoint (latent norms fused, down projections "
+                              "copied on every rank) is not read", culprit=where,
+                              hint="save it with megatron-core's local spec (--transformer-impl local)")
+        heads = _arg(args, "num_attention_heads")
+        if isinstance(heads, int) and options.target_tp and heads % options.target_tp:
+            raise LayoutError(f"{heads} attention heads do not divide over target TP {options.target_tp}",
+                              culprit="--target-tp", hint="choose a TP that divides the heads (MLA splits by head)")
+        return {}
+
+
+# -- Hugging Face's DeepseekV3ForCausalLM ----------------------------------------------------------
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+_A, _HA = _L + "self_attention.", _H + "self_attn."
+_FC1 = (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}")
+_FC2 = (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}")
+#: megatron-core (local spec) <-> transformers' DeepseekV3ForCausalLM; every linear weight is FP8
+#: in DeepSeek's own release (``LINEAR``), the router, norms, embeddings and head are not.
+DEEPSEEK_V3_NAMES: NameTable = _table(
+    ("embedding.word_embeddings.weight", VocabRows(), ("model.embed_tokens.weight",)),
+    (_L + "input_layernorm.weight", Same(), (_H + "input_layernorm.weight",)),
+    (_A + "linear_q_down_proj.weight", Same(), (_HA + "q_a_proj.weight",), LINEAR),
+    (_A + "q_layernorm.weight", Same(), (_HA + "q_a_layernorm.weight",)),
+    (_A + "linear_q_up_proj.weight", Same(), (_HA + "q_b_proj.weight",), LINEAR),
+    (_A + "linear_q_proj.weight", Same(), (_HA + "q_proj.weight",), LINEAR),
+    (_A + "linear_kv_down_proj.weight", Same(), (_HA + "kv_a_proj_with_mqa.weight",), LINEAR),
+    (_A + "kv_layernorm.weight", Same(), (_HA + "kv_a_layernorm.weight",)),
+    (_A + "linear_kv_up_proj.weight", Same(), (_HA + "kv_b_proj.weight",), LINEAR),
+    (_A + "linear_proj.weight", Same(), (_HA + "o_proj.weight",), LINEAR),
+    (_L + "pre_mlp_layernorm.weight", Same(), (_H + "post_attention_layernorm.weight",)),
+    (_L + "mlp.linear_fc1.weight", GatedSplit(), (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), LINEAR),
+    (_L + "mlp.linear_fc2.weight", Same(), (_H + "mlp.down_proj.weight",), LINEAR),
+    (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
+    (_L + "mlp.router.expert_bias", Same(), (_H + "mlp.gate.e_score_correction_bias",)),
+    (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
+     LINEAR),
+    (_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
+     (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_experts.down_proj.weight",), LINEAR),
+    ("decoder.final_layernorm.weight", Same(), ("model.norm.weight",)),
+    ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
+    ("{prefix}_extra_state", None, ()),
+)
+
+#: transformers' DeepseekV3Config defaults for what a config.json may leave out.
+_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "rope_interleave": True, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "max_position_embeddings": 4096, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_nextn_predict_layers": 1,
+}
+#: The epsilon transformers fixes for the two latent norms (``q_a_layernorm``, ``kv_a_layernorm``);
+#: megatron-core has one epsilon for every norm, so only models whose ``rms_norm_eps`` is this are exact.
+LATENT_NORM_EPS = 1e-6
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention scaling, as both libraries compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_from_hf(c: Mapping[str, Any], refuse: Any) -> dict[str, Any]:
+    """Megatron-LM's rope ``args`` for a DeepseekV3 ``config.json`` (either layout: transformers 5's
+    ``rope_parameters``, 4's ``rope_theta`` + ``rope_scaling``). YaRN's cos/sin factor and softmax
+    scale must come out the same: transformers uses ``mscale / mscale_all_dim`` when both are set,
+    else ``mscale`` 1 (and no softmax scaling without ``mscale_all_dim``); megatron-core always uses
+    the ratio, so ``mscale_all_dim`` 0 reads as mscale 1."""
+    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else c.get("rope_scaling")
+    params = dict(params or {})
+    base = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return dict(rope_type="rope", rotary_base=base, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if rope_type != "yarn":
+        raise refuse(f"rotary scaling {rope_type} (megatron-core's MLA has YaRN or none)")
+    for key in ("attention_factor", "partial_rotary_factor"):
+        if params.get(key) is not None:
+            raise refuse(f"rope {key} {params[key]}")
+    if params.get("truncate") is False:
+        raise refuse("YaRN without truncation (truncate false)")
+    original = params.get("original_max_position_embeddings") or c["max_position_embeddings"]
+    factor = float(params.get("factor") or c["max_position_embeddings"] / original)
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not all_dim:
+        mscale, all_dim = 1.0, 0.0
+    elif not mscale:
+        raise refuse("YaRN mscale_all_dim without mscale (megatron-core scales cos/sin by their ratio)")
+    return dict(rope_type="yarn", rotary_base=base, rotary_scaling_factor=factor,
+                original_max_position_embeddings=int(original), beta_fast=float(params.get("beta_fast") or 32),
+                beta_slow=float(params.get("beta_slow") or 1), mscale=float(mscale), mscale_all_dim=float(all_dim))
+
+
+def rope_to_hf(args: Any, refuse: Any) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` for megatron-core's MLA rope ``args`` (megatron-core's
+    defaults where the args are silent; Megatron-LM's own defaults are YaRN with factor 1: plain rope)."""
+    base = float(_arg(args, "rotary_base", default=10000.0))
+    rope_type = _arg(args, "rope_type", default="yarn")
+    factor = float(_arg(args, "rotary_scaling_factor", default=1.0))
+    mscale, all_dim = float(_arg(args, "mscale", default=1.0)), float(_arg(args, "mscale_all_dim", default=0.0))
+    if factor <= 1.0:  # YaRN at factor 1 is plain rope, and no mscale applies
+        return {"rope_type": "default", "rope_theta": base}
+    if rope_type != "yarn":
+        if all_dim:
+            raise refuse(f"plain rope with rotary_scaling_factor {factor:g} and mscale_all_dim {all_dim:g} "
+                         "(megatron-core scales the softmax; transformers does not)")
+        return {"rope_type": "default", "rope_theta": base}
+    if not all_dim and mscale != 1.0:
+        raise refuse(f"YaRN mscale {mscale:g} without mscale_all_dim (transformers then uses mscale 1)")
+    if all_dim and not mscale:
+        raise refuse("YaRN mscale 0 with mscale_all_dim set (transformers then uses mscale 1)")
+    return {"rope_type": "yarn", "rope_theta": base, "factor": factor,
+            "original_max_position_embeddings": int(_arg(args, "original_max_position_embeddings", default=4096)),
+            "beta_fast": float(_arg(args, "beta_fast", default=32)), "beta_slow": float(_arg(args, "beta_slow",
+                                                                                              default=1)),
+            "mscale": mscale, "mscale_all_dim": all_dim}
+
+
+class DeepseekV3(HFArchitectureFamily):
+    """transformers' ``DeepseekV3ForCausalLM`` (also Kimi-K2's folders): megatron-core MLA + DeepSeek
+    MoE, both ways, exactly or refused naming the setting."""
+
+    name = "DeepseekV3ForCausalLM"
+    priority = 0
+    model_types = ("deepseek_v3", "kimi_k2")
+    names = DEEPSEEK_V3_NAMES
+
+    # -- import ---------------------------------------------------------------------------------
+    def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
+        c = {**_DEFAULTS, **config}
+
+        def refuse(what: str) -> LayoutError:
+            return LayoutError(f"megatron-core does not compute this {self.name} exactly: {what}", culprit=where,
+                               hint="only models Megatron-LM reproduces exactly are imported")
+
+        def need(key: str) -> int:
+            if not isinstance(c.get(key), int) or isinstance(c.get(key), bool):
+                raise CheckpointFormatError(f"has no integer {key}", culprit=where, hint="check config.json")
+            return int(c[key])
+
+        if c["hidden_act"] != "silu":
+            raise refuse(f"activation {c['hidden_act']} (Megatron's SwiGLU is silu)")
+        if c["attention_bias"]:
+            raise refuse("attention_bias (megatron-core's MLA projections have no biases)")
+        if not c["rope_interleave"]:
+            raise refuse("rope_interleave false (megatron-core's MLA rotates interleaved rope dims)")
+        eps = float(c["rms_norm_eps"])
+        if eps != LATENT_NORM_EPS:
+            raise refuse(f"rms_norm_eps {eps:g} (transformers' latent norms use {LATENT_NORM_EPS:g} whatever it "
+                         "says; megatron-core has one epsilon)")
+        if c.get("scoring_func", "sigmoid") != "sigmoid":
+            raise refuse(f"scoring_func {c['scoring_func']} (transformers' DeepseekV3 routes on sigmoid scores)")
+        layers, heads, hidden = need("num_hidden_layers"), need("num_attention_heads"), need("hidden_size")
+        topk, experts = need("num_experts_per_tok"), need("n_routed_experts")
+        groups, topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
+        if groups > 1 and topk // topk_group != 2:
+            raise refuse(f"group routing with num_experts_per_tok {topk} and topk_group {topk_group} (transformers "
+                         "scores a group by its top 2 experts, megatron-core by its top k / topk_group)")
+        if experts % groups:
+            raise refuse(f"{experts} experts in {groups} groups")
+        if topk > 1 and not c["norm_topk_prob"]:
+            raise refuse("norm_topk_prob false with more than one expert per token (megatron-core renormalizes)")
+        if topk == 1 and c["norm_topk_prob"]:
+            raise refuse("norm_topk_prob with one expert per token (megatron-core keeps the raw sigmoid score)")
+        shared = int(c["n_shared_experts"] or 0)
+        if shared < 1:
+            raise refuse("no shared expert")
+        dense = int(c["first_k_dense_replace"] or 0)
+        if not 0 <= dense < layers:
+            raise refuse(f"first_k_dense_replace {dense} of {layers} layers")
+        moe_ffn = need("moe_intermediate_size")
+        q_lora = c.get("q_lora_rank")
+        v_dim = need("v_head_dim")
+        rope = rope_from_hf(c, refuse)
+        max_pos = need("max_position_embeddings")
+        vocab = need("vocab_size")
+        tied = bool(c["tie_word_embeddings"])
+        scaling = float(c["routed_scaling_factor"] or 1.0)
+        args = argparse.Namespace(
+            num_layers=layers, hidden_size=hidden, ffn_hidden_size=need("intermediate_size"),
+            num_attention_heads=heads, kv_channels=v_dim, group_query_attention=False, num_query_groups=heads,
+            multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=need("kv_lora_rank"),
+            qk_head_dim=need("qk_nope_head_dim"), qk_pos_emb_head_dim=need("qk_rope_head_dim"), v_head_dim=v_dim,
+            qk_layernorm=True, normalization="RMSNorm", norm_epsilon=eps, swiglu=True,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_interleaved=False, apply_rope_fusion=False,
+            **rope, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=not tied,
+            vocab_size=vocab, padded_vocab_size=vocab, max_position_embeddings=max_pos, seq_length=max_pos,
+            num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+            moe_shared_expert_intermediate_size=moe_ffn * shared, moe_shared_expert_gate=False,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+            moe_router_num_groups=groups if groups > 1 else None,
+            moe_router_group_topk=topk_group if groups > 1 else None,
+            moe_router_topk_scaling_factor=scaling, moe_router_pre_softmax=False,
+            moe_router_load_balancing_type="none", moe_layer_freq=[0] * dense + [1] * (layers - dense),
+            expert_model_parallel_size=1, expert_tensor_parallel_size=1, moe_grouped_gemm=False,
+            mtp_num_layers=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+            transformer_impl="local", use_legacy_models=False, ckpt_format="torch")
+        facts = ModelFacts(naming="megatron-core", num_layers=layers, hidden=hidden, heads=heads, query_groups=heads,
+                           head_dim=v_dim, swiglu=True, tied_embeddings=tied, vocab_size=vocab,
+                           padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
+                           source_pp_layers=(layers,), target_pp_layers=(layers,))
+        return HFModel(self.name, args, facts, self.names)
+
+    # -- export ---------------------------------------------------------------------------------
+    def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
+               widths: Mapping[str, int]) -> HFArchitecture | None:
+        if not any(_MLA_KEY.match(k) for k in keys):
+            return None
+
+        def refuse(what: str) -> LayoutError:
+            return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
+                               hint="keep it in a Megatron layout (DeepseekV3ForCausalLM needs DeepSeek's settings)")
+
+        def has(pattern: str) -> bool:
+            return any(re.search(pattern, k) for k in keys)
+
+        for flag, what in (("squared_relu", "squared ReLU"), ("apply_layernorm_1p", "norm weights stored as w - 1"),
+                           ("layernorm_zero_centered_gamma", "norm weights stored as w - 1"),
+                           ("add_bias_linear", "linear biases"), ("moe_shared_expert_gate", "a gated shared expert"),
+                           ("moe_expert_capacity_factor", "token dropping (expert capacity)"),
+                           ("moe_input_jitter_eps", "router input jitter"), ("mtp_num_layers",
+                                                                            "multi-token prediction layers")):
+            if _arg(args, flag, default=False):
+                raise refuse(f"{what} ({flag})")
+        if _arg(args, "normalization") != "RMSNorm":
+            raise refuse(f"normalization {_arg(args, 'normalization')} (DeepseekV3 uses RMSNorm)")
+        if not facts.swiglu:
+            raise refuse("the MLP is not SwiGLU")
+        eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5))
+        if eps != LATENT_NORM_EPS:
+            raise refuse(f"norm epsilon {eps:g} (transformers fixes the latent norms' at {LATENT_NORM_EPS:g})")
+        if not has(r"\.self_attention\.kv_layernorm\.weight$"):
+            raise refuse("MLA without latent norms (qk_layernorm false)")
+        if not has(r"\.mlp\.router\.weight$"):
+            raise refuse("no MoE layer (DeepseekV3's layers after first_k_dense_replace are MoE)")
+        if _arg(args, "moe_router_score_function", default="softmax") != "sigmoid":
+            raise refuse("router scores by softmax (DeepseekV3 routes on sigmoid scores)")
+        if not has(r"\.mlp\.router\.expert_bias$"):
+            raise refuse("a router without expert bias (DeepseekV3 has e_score_correction_bias)")
+        if has(r"\.mlp\.router\.bias$"):
+            raise refuse("a router bias")
+        if not has(r"\.mlp\.shared_experts\.linear_fc1\.weight$"):
+            raise refuse("MoE layers without a shared expert")
+        topk = _arg(args, "moe_router_topk")
+        if not isinstance(topk, int):
+            raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
+        groups, group_topk = _arg(args, "moe_router_num_groups"), _arg(args, "moe_router_group_topk")
+        if groups and groups > 1 and topk // (group_topk or 1) != 2:
+            raise refuse(f"group routing with top-k {topk} and group top-k {group_topk} (transformers scores a "
+                         "group by its top 2 experts)")
+        moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
+        dense = sorted(set(range(facts.num_layers)) - moe_layers)
+        if dense != list(range(len(dense))):
+            raise refuse(f"dense layers {dense} (DeepseekV3's dense layers are the first ones)")
+        moe_ffn, shared_ffn = widths.get("expert"), widths.get("shared")
+        if not moe_ffn or not shared_ffn or shared_ffn % moe_ffn:
+            raise refuse(f"a shared expert of width {shared_ffn}, not a multiple of the experts' {moe_ffn}")
+        experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
+        q_lora = _arg(args, "q_lora_rank") if has(r"\.linear_q_down_proj\.weight$") else None
+        heads, v_dim = facts.heads, _arg(args, "v_head_dim")
+        vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
+        max_pos = _arg(args, "max_position_embeddings", "seq_length")
+        scaling = _arg(args, "moe_router_topk_scaling_factor")
+        config: dict[str, Any] = {
+            "architectures": [self.name], "model_type": "deepseek_v3", "vocab_size": vocab,
+            "hidden_size": facts.hidden, "intermediate_size": widths.get("dense") or moe_ffn,
+            "moe_intermediate_size": moe_ffn, "num_hidden_layers": facts.num_layers, "num_attention_heads": heads,
+            "num_key_value_heads": heads, "n_shared_experts": shared_ffn // moe_ffn, "n_routed_experts": experts,
+            "routed_scaling_factor": float(scaling) if scaling else 1.0, "kv_lora_rank": _arg(args, "kv_lora_rank"),
+            "q_lora_rank": q_lora, "qk_rope_head_dim": _arg(args, "qk_pos_emb_head_dim"), "v_head_dim": v_dim,
+            "qk_nope_head_dim": _arg(args, "qk_head_dim"), "n_group": groups or 1,
+            "topk_group": group_topk if groups else 1, "num_experts_per_tok": topk,
+            "first_k_dense_replace": len(dense), "norm_topk_prob": topk > 1, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc", "hidden_act": "silu", "rms_norm_eps": eps,
+            "rope_parameters": rope_to_hf(args, refuse), "rope_interleave": True, "attention_bias": False,
+            "tie_word_embeddings": bool(facts.tied_embeddings), "num_nextn_predict_layers": 0,
+            "dtype": HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
+        }
+        if isinstance(max_pos, int):
+            config["max_position_embeddings"] = max_pos
+        missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim")
+                   if not isinstance(config[k], int)]
+        if missing or (has(r"\.linear_q_down_proj\.weight$") and not isinstance(q_lora, int)):
+            raise refuse(f"the MLA dims are unknown (the saved args lack {', '.join(missing) or 'q_lora_rank'})")
+        notes = ("router logits in float32 (transformers' DeepseekV3 keeps its gate in float32)",)
+        return HFArchitecture(name=self.name, config=config, names=self.names, notes=notes,
+                              reason=f"multi-latent attention, RMSNorm, SwiGLU, {experts} sigmoid-routed experts with "
+                                     f"expert bias and a shared expert, top-{topk}"
+                                     + (f" in {group_topk} of {groups} groups" if groups else ""))
+
+
+DEEPSEEK_V3 = DeepseekV3()

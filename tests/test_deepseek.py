@@ -1,0 +1,280 @@
+"""DeepSeek-V3-class models (multi-latent attention, DeepSeek MoE) between transformers'
+``DeepseekV3ForCausalLM`` and megatron-core's MLA + MoE GPT model, checked against both libraries.
+
+Sources are tiny random models made by transformers (fixed seed, float32, norms and expert biases
+made distinct): ``v3`` has DeepSeek-V3's settings at toy sizes — query and key-value latent
+ranks, YaRN (factor 40, mscale and mscale_all_dim 1), a dense first layer, 4 sigmoid-routed
+experts with an expert bias in 2 groups of which one is kept (top-2: group routing changes the
+chosen experts, checked), a shared expert, routed scaling 2.5; ``v2_lite`` has no query latent
+(``q_lora_rank`` null: ``linear_q_proj``), plain rope, no groups, two shared experts. Each is
+imported into megatron-core per-rank files at (TP, EP) (1, 1) and (2, 2) (``v3`` also from an FP8
+block-scaled copy, and into torch_dist); megatron-core 0.16.1 builds the model from the saved
+``args`` (local spec, gloo, on the CPU), loads each strictly and must give transformers' logits.
+The export back gives every tensor bit for bit and a ``config.json`` transformers computes the
+same logits from. Each plausible wrong answer moves the logits far above the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_fixtures import TOKENS, edit_saved_args, mcore_forward_moe, needs_mcore
+from reshard.cli import main
+from reshard.core.lazy import RowConcat
+from reshard.models import deepseek
+from test_hf_export import _tensors
+from test_hf_import import make_fp8_folder
+
+pytestmark = needs_mcore
+TOL = 5e-5
+_V3 = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=12, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+           routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=6,
+           qk_nope_head_dim=8, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+           norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=160, tie_word_embeddings=False,
+           num_mtp_layers=0, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                              "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                              "original_max_position_embeddings": 4})
+MODELS = {
+    "v3": _V3,
+    "v2_lite": {**_V3, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
+                "routed_scaling_factor": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
+}
+
+
+def make_deepseek(config: dict, folder: Path, seed: int = 0, edit=None) -> torch.Tensor:
+    """Save a random DeepseekV3ForCausalLM of ``config`` to ``folder``; its logits for the test tokens
+    (``edit(model)`` changes the model after saving: what a wrong conversion would compute)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    if folder is not None:
+        model.save_pretrained(folder)
+    if edit is not None:
+        edit(model)
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+def hf_folder_logits(folder: Path) -> torch.Tensor:
+    """transformers' logits for the test tokens of the model saved in ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+def dequantized_logits(src: Path, tensors: dict[str, torch.Tensor], folder: Path) -> torch.Tensor:
+    """transformers' logits of ``src``'s model with ``tensors`` (an FP8 folder's weights dequantized by
+    DeepSeek's formula), saved as a plain folder in transformers' own per-expert names."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text((src / "config.json").read_text())
+    return hf_folder_logits(folder)
+
+
+def _run(src: Path, out: Path, *extra: str) -> Path:
+    assert main(["run", "--direct", str(src), str(out), *extra]) == 0
+    return out
+
+
+def _kv_b_not_per_head(self, names, parts, facts):
+    """kv_b_proj read as all heads' no-rope key rows, then all value rows (not ``[nope | v]`` per head)."""
+    w = parts[0]
+    heads, per = facts.heads, w.shape[0] // facts.heads
+    nope = per - facts.head_dim
+    return RowConcat([(w, h * per, nope) for h in range(heads)] + [(w, h * per + nope, facts.head_dim)
+                                                                    for h in range(heads)])
+
+
+class _WrongSame(deepseek.Same):
+    gather = _kv_b_not_per_head
+
+
+def _table_with(row_hf: str, transform) -> tuple:
+    return tuple(dataclasses.replace(r, transform=transform) if r.hf and r.hf[0].endswith(row_hf) else r
+                 for r in deepseek.DEEPSEEK_V3_NAMES)
+
+
+#: plausible wrong imports (megatron-core side): an edit of the saved args, or a misread tensor
+WRONG = {
+    "group routing ignored": {"moe_router_num_groups": None, "moe_router_group_topk": None},
+    "routed scaling factor dropped": {"moe_router_topk_scaling_factor": None},
+    "YaRN read as plain rope": {"rope_type": "rope"},
+    "kv_b rows not [nope | v] per head": "kv_b_proj.weight",
+}
+
+
+@pytest.fixture(scope="session")
+def deepseek_runs(tmp_path_factory):
+    """Both models imported at (TP, EP) (1, 1) and (2, 2), v3 also from FP8 and into torch_dist and
+    wrongly in each way of :data:`WRONG`; megatron-core's logits and routing for each, one harness run."""
+    root = tmp_path_factory.mktemp("deepseek")
+    hf, want, runs = {}, {}, {}
+    for name, config in MODELS.items():
+        hf[name] = root / "hf" / name
+        want[name] = make_deepseek(config, hf[name])
+        for tp, ep in ((1, 1), (2, 2)):
+            runs[(name, tp, ep)] = _run(hf[name], root / f"{name}_tp{tp}_ep{ep}", "--target-tp", str(tp),
+                                        "--target-ep", str(ep))
+    hf["v3_fp8"] = root / "hf" / "v3_fp8"
+    want["v3_fp8"] = dequantized_logits(hf["v3"], make_fp8_folder(hf["v3"], hf["v3_fp8"], torch.float32),
+                                        root / "hf" / "v3_fp8_dequantized")
+    runs[("v3_fp8", 2, 2)] = _run(hf["v3_fp8"], root / "v3_fp8_tp2_ep2", "--target-tp", "2", "--target-ep", "2")
+    for what, wrong in WRONG.items():
+        out = root / f"wrong_{len(runs)}"
+        if isinstance(wrong, dict):
+            edit_saved_args(_run(hf["v3"], out, "--target-tp", "2", "--target-ep", "2"), **wrong)
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(deepseek.DEEPSEEK_V3, "names", _table_with(wrong, _WrongSame()))
+                _run(hf["v3"], out, "--target-tp", "2", "--target-ep", "2")
+        runs[what] = out
+    cases = [(None, run, *(key[1:] if isinstance(key, tuple) else (2, 2))) for key, run in runs.items()]
+    got = dict(zip(runs, mcore_forward_moe(cases, root / "forward")))
+    dist = _run(hf["v3"], root / "v3_dist", "--to", "torch_dist")
+    got["dist"] = mcore_forward_moe([(None, dist, 2, 2)], root / "forward", dist=True)[0]
+    return {"hf": hf, "want": want, "runs": runs, "got": got, "root": root}
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (2, 2)], ids=["tp1_ep1", "tp2_ep2"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_megatron_core_mla_runs_the_import_with_transformers_logits(deepseek_runs, name, layout):
+    logits, routing = deepseek_runs["got"][(name, *layout)]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"][name], rtol=0, atol=TOL)
+    assert routing  # the MoE layer routed (its router ran)
+
+
+def test_an_fp8_deepseek_folder_is_imported_as_the_model_it_encodes(deepseek_runs):
+    logits, _ = deepseek_runs["got"][("v3_fp8", 2, 2)]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_fp8"], rtol=0, atol=TOL)
+    assert (deepseek_runs["want"]["v3_fp8"] - deepseek_runs["want"]["v3"]).abs().max() > 1e-3  # FP8 did round
+
+
+def test_megatron_core_loads_the_torch_dist_import_with_transformers_logits(deepseek_runs):
+    logits, _ = deepseek_runs["got"]["dist"]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3"], rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("what", list(WRONG))
+def test_the_logits_comparison_catches_each_plausible_wrong_import(deepseek_runs, what):
+    logits, _ = deepseek_runs["got"][what]
+    assert (logits[:, :128] - deepseek_runs["want"]["v3"]).abs().max() > 100 * TOL, what
+
+
+def _zero_bias(model):
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.zero_()
+
+
+def _no_shared_expert(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".shared_experts." in name:
+                p.zero_()
+
+
+@pytest.mark.parametrize("what,edit", [("expert bias dropped", _zero_bias),
+                                       ("shared expert dropped", _no_shared_expert),
+                                       ("group routing ignored", None), ("softmax instead of sigmoid", "softmax")])
+def test_the_transformers_logits_move_under_each_wrong_router(deepseek_runs, what, edit, monkeypatch):
+    """The reference itself is sensitive: a conversion that lost any of these would be caught."""
+    config = {**_V3, "n_group": 1, "topk_group": 1} if edit is None else _V3
+    if edit == "softmax":
+        monkeypatch.setattr(torch.Tensor, "sigmoid", lambda self: self.softmax(-1))
+        edit = None
+    wrong = make_deepseek(config, None, edit=edit)
+    assert (wrong - deepseek_runs["want"]["v3"]).abs().max() > 100 * TOL, what
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_export_gives_back_every_tensor_bit_for_bit_and_transformers_logits(deepseek_runs, name, tmp_path):
+    out = _run(deepseek_runs["runs"][(name, 2, 2)], tmp_path / "hf", "--to", "hf")
+    want, got = _tensors(deepseek_runs["hf"][name]), _tensors(out)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((deepseek_runs["hf"][name] / "config.json").read_text())
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "rms_norm_eps"):
+        assert config[key] == source[key], key
+    assert config["num_nextn_predict_layers"] == 0 and config["topk_method"] == "noaux_tc"
+    torch.testing.assert_close(hf_folder_logits(out), deepseek_runs["want"][name], rtol=0, atol=1e-6)
+
+
+def test_the_fp8_export_of_a_deepseek_model_encodes_every_linear_weight(deepseek_runs, tmp_path):
+    out = _run(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "fp8", "--to", "hf", "--quantize", "fp8")
+    got = _tensors(out)
+    fp8 = sorted(k for k, v in got.items() if v.dtype == torch.float8_e4m3fn)
+    assert {k.split(".")[-2] for k in fp8} == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"}
+    assert all(k + "_scale_inv" in got for k in fp8)
+    for k in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+              "model.layers.0.self_attn.kv_a_layernorm.weight", "lm_head.weight", "model.embed_tokens.weight"):
+        assert got[k].dtype == torch.float32, k
+    config = json.loads((out / "config.json").read_text())
+    assert "model.layers.1.mlp.gate" in config["quantization_config"]["modules_to_not_convert"]
+
+
+def _refused(src: Path, dst: Path, capsys, *extra: str) -> str:
+    assert main(["run", "--direct", str(src), str(dst), *extra]) == 2
+    assert not dst.exists()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
+    ({"rope_interleave": False}, "rope_interleave false"),
+    ({"num_experts_per_tok": 4, "n_routed_experts": 8, "n_group": 2, "topk_group": 1}, "group routing"),
+    ({"norm_topk_prob": False}, "norm_topk_prob false"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.2}},
+     "attention_factor"),
+])
+def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(deepseek_runs, tmp_path, capsys, change,
+                                                                      words):
+    src = tmp_path / "src"
+    src.mkdir()
+    config = json.loads((deepseek_runs["hf"]["v3"] / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    shutil.copy(deepseek_runs["hf"]["v3"] / "model.safetensors", src)
+    assert words in _refused(src, tmp_path / "out", capsys, "--target-tp", "1")
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"norm_epsilon": 1e-5}, "norm epsilon 1e-05"),
+    ({"moe_router_group_topk": 2}, "group routing"),
+    ({"moe_router_score_function": "softmax"}, "softmax"),
+    ({"mtp_num_layers": 1}, "multi-token prediction"),
+])
+def test_an_export_transformers_would_compute_otherwise_is_refused_in_one_line(deepseek_runs, tmp_path, capsys,
+                                                                               change, words):
+    from mcore_fixtures import copy_with_args
+
+    src = copy_with_args(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "src", **change)
+    assert words in _refused(src, tmp_path / "out", capsys, "--to", "hf")
+
+
+def test_a_target_tp_that_cuts_an_attention_head_is_refused(deepseek_runs, tmp_path, capsys):
+    assert "--target-tp" in _refused(deepseek_runs["hf"]["v3"], tmp_path / "out", capsys, "--target-tp", "8")
