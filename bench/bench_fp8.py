@@ -1,7 +1,7 @@
-"""FP8 block-scaled benchmark on DeepSeek-V3's real tensor sizes (hidden 7168, routed experts of
-2048, attention of 56 x 128 heads), in a Mixtral-shaped Hugging Face folder (layers, experts and
-vocabulary cut to fit the disk; DeepSeek's multi-latent attention is not modelled: its tensors are
-no larger than these):
+"""FP8 block-scaled benchmark on DeepSeek-V3's real tensor sizes, in a ``DeepseekV3ForCausalLM``
+folder: hidden 7168, multi-latent attention of 128 heads (query latent 1536, key-value latent 512,
+head dims 128 + 64 rope, value 128), routed experts of 2048 and one shared expert, layers, experts
+and vocabulary cut to fit the disk (every layer MoE):
 
 * bf16 HF -> FP8 HF (``--to hf --quantize fp8``, blocks 128 x 128);
 * FP8 HF -> bf16 HF (``--to hf``: DeepSeek's ``fp8_cast_bf16``);
@@ -65,17 +65,20 @@ src, dst = Path(sys.argv[1]), Path(sys.argv[2]); dst.mkdir(parents=True)
 sd = {}
 for f in sorted(src.glob('*.safetensors')):
     sd.update(load_file(f))
-linear = re.compile(r'\\.(q_proj|k_proj|v_proj|o_proj|w1|w2|w3)\\.weight$')
+linear = re.compile(r'\\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\\.weight$')
 out = {}
 for k, w in sd.items():
     if not linear.search(k):
         out[k] = w; continue
     m, n = w.shape
-    x = w.float().reshape(m // 128, 128, n // 128, 128)
+    r, c = -(-m // 128), -(-n // 128)  # partial edge blocks (kv_a_proj_with_mqa's 576 rows): zero padding
+    x = torch.zeros(r * 128, c * 128)
+    x[:m, :n] = w.float()
+    x = x.reshape(r, 128, c, 128)
     amax = x.abs().amax(dim=(1, 3), keepdim=True)
     s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    out[k] = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, n)
-    out[k + '_scale_inv'] = s.reshape(m // 128, n // 128)
+    out[k] = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(r * 128, c * 128)[:m, :n].contiguous()
+    out[k + '_scale_inv'] = s.reshape(r, c)
 save_file(out, dst / 'model.safetensors', metadata={'format': 'pt'})
 cfg = json.loads((src / 'config.json').read_text())
 cfg['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
@@ -97,8 +100,11 @@ for k, w in sd.items():
     if w.dtype == torch.float8_e4m3fn:
         s = sd[k + '_scale_inv']
         m, n = w.shape
-        x = w.float().reshape(m // 128, 128, n // 128, 128) * s.reshape(m // 128, 1, n // 128, 1)
-        w = x.reshape(m, n).to(torch.bfloat16)
+        r, c = s.shape
+        x = torch.zeros(r * 128, c * 128)
+        x[:m, :n] = w.float()
+        x = x.reshape(r, 128, c, 128) * s.reshape(r, 1, c, 1)
+        w = x.reshape(r * 128, c * 128)[:m, :n].to(torch.bfloat16)
     out[k] = w
 save_file(out, dst / 'model.safetensors', metadata={'format': 'pt'})
 cfg = json.loads((src / 'config.json').read_text()); cfg.pop('quantization_config')
@@ -118,31 +124,35 @@ model_free_ptq(model_stub=sys.argv[1], save_directory=sys.argv[2], scheme='FP8_B
 
 
 def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) -> None:
-    """A bf16 Mixtral folder, one shard per layer (memory: one layer), random weights."""
+    """A bf16 DeepseekV3 folder, one shard per layer (memory: one layer), random weights; the
+    router's expert bias in float32, as DeepSeek publishes it."""
     import torch
     from safetensors.torch import save_file
 
-    h, heads, kv, ffn, vocab = (shape[k] for k in ("hidden", "heads", "kv_heads", "moe_ffn", "vocab"))
-    d = h // heads
+    h, heads, ffn, vocab = (shape[k] for k in ("hidden", "heads", "moe_ffn", "vocab"))
+    q_lora, kv_lora, nope, rope, v = (shape[k] for k in ("q_lora", "kv_lora", "nope", "rope", "v"))
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
 
     def w(*s: int) -> torch.Tensor:
         return (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
 
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
     shards: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": w(vocab, h)}]
     for i in range(layers):
-        p = f"model.layers.{i}."
-        sd = {p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-              p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-              p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv * d, h),
-              p + "self_attn.v_proj.weight": w(kv * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
-              p + "block_sparse_moe.gate.weight": w(experts, h)}
-        for e in range(experts):
-            q = f"{p}block_sparse_moe.experts.{e}."
-            sd |= {q + "w1.weight": w(ffn, h), q + "w3.weight": w(ffn, h), q + "w2.weight": w(h, ffn)}
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        sd = {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+              a + "q_a_proj.weight": w(q_lora, h), a + "q_a_layernorm.weight": ones(q_lora),
+              a + "q_b_proj.weight": w(heads * (nope + rope), q_lora),
+              a + "kv_a_proj_with_mqa.weight": w(kv_lora + rope, h), a + "kv_a_layernorm.weight": ones(kv_lora),
+              a + "kv_b_proj.weight": w(heads * (nope + v), kv_lora), a + "o_proj.weight": w(h, heads * v),
+              p + "mlp.gate.weight": w(experts, h), p + "mlp.gate.e_score_correction_bias": torch.zeros(experts)}
+        for q in [f"{p}mlp.experts.{e}." for e in range(experts)] + [f"{p}mlp.shared_experts."]:
+            sd |= {q + "gate_proj.weight": w(ffn, h), q + "up_proj.weight": w(ffn, h), q + "down_proj.weight": w(h, ffn)}
         shards.append(sd)
-    shards.append({"model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "lm_head.weight": w(vocab, h)})
+    shards.append({"model.norm.weight": ones(h), "lm_head.weight": w(vocab, h)})
     weight_map, total = {}, 0
     for j, sd in enumerate(shards):
         name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -152,12 +162,18 @@ def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) 
             total += t.numel() * t.element_size()
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                       "weight_map": weight_map}))
-    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": h,
-              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "head_dim": d, "num_local_experts": experts, "num_experts_per_tok": 2,
-              "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-              "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16", "sliding_window": None,
-              "router_aux_loss_coef": 0.0}
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": h,
+              "intermediate_size": 18432, "moe_intermediate_size": ffn, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": q_lora,
+              "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
+              "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+              "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 0,
+              "scoring_func": "sigmoid", "topk_method": "noaux_tc", "vocab_size": vocab, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                                      "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                      "original_max_position_embeddings": 4096},
+              "max_position_embeddings": 163840, "hidden_act": "silu", "tie_word_embeddings": False,
+              "dtype": "bfloat16", "num_nextn_predict_layers": 0}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -185,8 +201,8 @@ def same_tensors(a: Path, b: Path) -> bool:
 def sources(ns: argparse.Namespace, layers: int, experts: int, shape: dict[str, int]) -> tuple[Path, Path]:
     """The bf16 folder and its FP8 form (made by reshard, checked against the naive script), once."""
     tag = "quick" if ns.quick else "dsv3"
-    bf16 = ns.data_dir / f"mixtral_{tag}_l{layers}_e{experts}_bf16"
-    fp8 = ns.data_dir / f"mixtral_{tag}_l{layers}_e{experts}_fp8"
+    bf16 = ns.data_dir / f"deepseek_{tag}_l{layers}_e{experts}_bf16"
+    fp8 = ns.data_dir / f"deepseek_{tag}_l{layers}_e{experts}_fp8"
     if not (bf16 / "config.json").is_file():
         shutil.rmtree(bf16, ignore_errors=True)
         subprocess.run([sys.executable, __file__, "--make-source", str(bf16), str(layers), str(experts),
@@ -221,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ns = ap.parse_args(argv)
-    shape = dict(hidden=7168, heads=56, kv_heads=8, moe_ffn=2048, vocab=16384)
+    shape = dict(hidden=7168, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, moe_ffn=2048,
+                 vocab=16384)
     if ns.quick:
-        shape, ns.runs, ns.settle = dict(hidden=256, heads=8, kv_heads=8, moe_ffn=128, vocab=1024), 1, 0.5
+        shape = dict(hidden=256, heads=8, q_lora=192, kv_lora=64, nope=32, rope=16, v=32, moe_ffn=128, vocab=1024)
+        ns.runs, ns.settle = 1, 0.5
     work = ns.work_dir / "fp8"
     shutil.rmtree(work, ignore_errors=True)
     results: dict[str, Any] = {}

@@ -88,7 +88,7 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
 
         _mla_shims()
         config_class = MLATransformerConfig
-        kw.update(m["mla"], apply_rope_fusion=False, bias_activation_fusion=False)
+        kw.update(m["mla"], apply_rope_fusion=False, bias_activation_fusion=False, mtp_num_layers=m.get("mtp"))
         spec_kw.update(multi_latent_attention=True)
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
@@ -112,7 +112,12 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
     else:
         spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.get("qk_norm", False),
                                         multi_latent_attention=bool(m.get("mla")))
-    model = GPTModel(cfg, spec,
+    mtp_spec = None
+    if m.get("mtp"):  # multi-token prediction layers, after the decoder (megatron-core's spec of its last layer)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+    model = GPTModel(cfg, spec, mtp_block_spec=mtp_spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=m.get("tied", True),
@@ -164,6 +169,9 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
                    moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
                    moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
 
+    if m.get("mla"):  # Megatron-LM's MLA and DeepSeek-router args (its CLI names are the config's)
+        moe |= dict(multi_latent_attention=True, **m["mla"], **{k: v for k, v in m.get("router", {}).items()},
+                    mtp_num_layers=m.get("mtp"), apply_rope_fusion=False)
     groups = m.get("groups")
     # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
     recorded = {arg: m[key] for key, arg in (("qkv_bias", "add_qkv_bias"), ("eps", "norm_epsilon"),
@@ -203,6 +211,7 @@ def options_from_args(a: Any) -> dict[str, Any]:
                 "expert_bias": a.moe_router_enable_expert_bias, "pre_softmax": a.moe_router_pre_softmax,
                 "shared_gate": a.moe_shared_expert_gate,
                 "router": {k: getattr(a, k, None) for k in ROUTER_ARGS}} if getattr(a, "num_experts", None) else {}),
+            **({"mtp": a.mtp_num_layers} if getattr(a, "mtp_num_layers", None) else {}),
             **({"mla": {k: getattr(a, k) for k in MLA_ARGS if getattr(a, k, None) is not None or k == "q_lora_rank"}}
                if getattr(a, "multi_latent_attention", False) else {})}
 
@@ -231,13 +240,32 @@ def _record_routing(model: GPTModel) -> None:
             mod.register_forward_hook(lambda _m, _i, out, name=name: ROUTING.__setitem__(name, out[1].clone()))
 
 
+#: The multi-token prediction layers' logits of the last forward (a model with MTP layers), in order.
+MTP_LOGITS: list[torch.Tensor] = []
+
+
 def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
     s = len(tokens)
     mask = torch.triu(torch.ones(s, s), diagonal=1).bool().view(1, 1, s, s)
     model.eval()
     _record_routing(model)
+    ids = torch.tensor([tokens])
     with torch.no_grad():
-        out = model(torch.tensor([tokens]), torch.arange(s).unsqueeze(0), attention_mask=mask)
+        if model.config.mtp_num_layers:  # megatron-core then wants labels and returns losses: the output layer's calls
+            calls: list[torch.Tensor] = []  # are each MTP layer's logits, then the model's (copied: the loss
+            #                                   # computation then works on them in place)
+            hook = model.output_layer.register_forward_hook(
+                lambda _m, _i, o: calls.append(o[0].transpose(0, 1).clone()))
+            model(ids, torch.arange(s).unsqueeze(0), attention_mask=mask, labels=ids)
+            hook.remove()
+            MTP_LOGITS[:] = [_gather_vocab(c) for c in calls[:-1]]
+            out = calls[-1]
+        else:
+            out = model(ids, torch.arange(s).unsqueeze(0), attention_mask=mask)
+    return _gather_vocab(out)
+
+
+def _gather_vocab(out: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)[0]
@@ -298,6 +326,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                 if rank == 0:
                     torch.save(logits, out / "logits.pt")
                     torch.save(ROUTING, out / "routing.pt")
+                    torch.save(MTP_LOGITS, out / "mtp_logits.pt")
         elif job["kind"] == "write_dist":
             _write_dist(job, model, tp, pp)
         elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
@@ -310,6 +339,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             if rank == 0:
                 torch.save(logits, job["out"])
                 torch.save(ROUTING, job["out"] + ".routing")
+                torch.save(MTP_LOGITS, job["out"] + ".mtp")
         elif job["kind"] == "forward":
             backend = getattr(state["args"], "attention_backend", AttnBackend.auto)  # absent: an import's args
             if backend is not AttnBackend.auto:  # carried args keep real enums
@@ -319,6 +349,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             if rank == 0:
                 torch.save(logits, job["out"])
                 torch.save(ROUTING, job["out"] + ".routing")
+                torch.save(MTP_LOGITS, job["out"] + ".mtp")
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -371,6 +402,7 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
         if dist.get_rank() == 0:
             torch.save(logits, out / "logits.pt")
             torch.save(ROUTING, out / "routing.pt")
+            torch.save(MTP_LOGITS, out / "mtp_logits.pt")
 
 
 def _free_port() -> int:

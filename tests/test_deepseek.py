@@ -71,6 +71,63 @@ def make_deepseek(config: dict, folder: Path, seed: int = 0, edit=None) -> torch
         return model(torch.tensor([TOKENS])).logits[0]
 
 
+def add_mtp_layer(folder: Path, seed: int = 5) -> None:
+    """Give the saved model in ``folder`` one multi-token prediction layer as DeepSeek publishes it:
+    ``model.layers.{L}`` with ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the last layer's
+    kind, ``shared_head.norm`` and copies of the embeddings and head (``embed_tokens``,
+    ``shared_head.head``); ``num_nextn_predict_layers`` 1. transformers makes no MTP weights itself."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    for key, w in list(tensors.items()):
+        if key.startswith(last):
+            scale = 0.1 if key.endswith("e_score_correction_bias") else 0.3
+            tensors[mtp + key[len(last):]] = torch.randn(w.shape, generator=g) * scale + (1.0 if "norm" in key else 0.0)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{norm}.weight"] = 1 + 0.3 * torch.randn(hidden, generator=g)
+    tensors[mtp + "eh_proj.weight"] = 0.3 * torch.randn(hidden, 2 * hidden, generator=g)
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+
+
+def mtp_reference(folder: Path) -> torch.Tensor:
+    """transformers' own multi-token prediction (``MtpModel``, what ``generate(use_mtp=True)`` drafts
+    with) for the test tokens: the MTP layer of ``folder`` on the main model's last hidden states and
+    the next tokens' embeddings, through the shared head. Positions 0..s-2 (the last has no next token)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    main = AutoModelForCausalLM.from_pretrained(folder).eval()
+    layers = main.config.num_hidden_layers
+    prefix = f"model.layers.{layers}."
+    own = {k[len(prefix):]: v for k, v in load_file(folder / "model.safetensors").items() if k.startswith(prefix)}
+    experts = main.config.n_routed_experts
+    state = {f"layers.0.{k.replace('shared_head.norm', 'post_norm')}": own.pop(k)
+             for k in list(own) if k.split(".")[0] in ("enorm", "hnorm", "eh_proj") or k.startswith("shared_head.norm")}
+    state["layers.0.mtp_block.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([own.pop(f"mlp.experts.{e}.gate_proj.weight"), own.pop(f"mlp.experts.{e}.up_proj.weight")])
+         for e in range(experts)])
+    state["layers.0.mtp_block.mlp.experts.down_proj"] = torch.stack(
+        [own.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(experts)])
+    state.update({f"layers.0.mtp_block.{k}": v for k, v in own.items()
+                  if k not in ("embed_tokens.weight", "shared_head.head.weight")})
+    mtp = MtpModel(main, 1).eval()
+    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
+    ids = torch.tensor([TOKENS])
+    with torch.no_grad():
+        hidden = main(ids, output_hidden_states=True).hidden_states[-1]
+        out = mtp.forward_layer(0, hidden, torch.arange(len(TOKENS))[None], None, input_ids=torch.roll(ids, -1, 1))
+        return mtp._project_to_logits(out)[0, :-1]
+
+
 def hf_folder_logits(folder: Path) -> torch.Tensor:
     """transformers' logits for the test tokens of the model saved in ``folder``."""
     from transformers import AutoModelForCausalLM
@@ -123,6 +180,47 @@ WRONG = {
 }
 
 
+#: A DeepSeek-V3-like model as megatron-core builds it (the harness's model options): MLA with YaRN,
+#: a dense first layer, sigmoid routing with expert bias in 2 groups, a shared expert, one MTP layer.
+MCORE_MODEL = {
+    "layers": 2, "hidden": 32, "heads": 4, "ffn": 48, "swiglu": True, "norm": "RMSNorm", "bias": False, "eps": 1e-6,
+    "pos": "rope", "qk_norm": True, "kv_channels": 6, "tied": False, "vocab": 128, "divisible_by": 32,
+    "saved_vocab_size": 128, "seq": 160, "experts": 4, "topk": 2, "moe_ffn": 12, "shared_ffn": 12,
+    "moe_layer_freq": [0, 1], "expert_bias": True, "norm_noise": True, "mtp": 1,
+    "router": {"moe_router_score_function": "sigmoid", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+               "moe_router_topk_scaling_factor": 2.5, "moe_router_dtype": "fp32"},
+    "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 6,
+            "rope_type": "yarn", "rotary_base": 10000.0, "rotary_scaling_factor": 40.0,
+            "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0},
+}
+
+
+@pytest.fixture(scope="session")
+def mcore_written(tmp_path_factory):
+    """:data:`MCORE_MODEL` written by megatron-core itself at TP 2 x EP 2, per-rank files and torch_dist
+    (same seed), with its logits and its MTP layer's logits."""
+    from mcore_fixtures import _run_harness
+
+    root = tmp_path_factory.mktemp("deepseek_mcore")
+    jobs = [{"kind": kind, "out": str(root / kind), "tp": 2, "ep": 2, "model": MCORE_MODEL, "tokens": TOKENS}
+            for kind in ("write", "write_dist")]
+    _run_harness(jobs, root)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["write", "write_dist"], ids=["per_rank", "torch_dist"])
+def test_transformers_runs_the_export_of_megatron_cores_own_checkpoint_with_its_logits(mcore_written, kind,
+                                                                                      tmp_path):
+    src = mcore_written / kind
+    out = _run(src, tmp_path / "hf", "--to", "hf")
+    torch.testing.assert_close(hf_folder_logits(out), torch.load(src / "logits.pt")[:, :128], rtol=0, atol=TOL)
+    (mtp,) = torch.load(src / "mtp_logits.pt")
+    torch.testing.assert_close(mtp_reference(out), mtp[:-1, :128], rtol=0, atol=TOL)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["n_group"] == 2 and config["routed_scaling_factor"] == 2.5
+
+
 @pytest.fixture(scope="session")
 def deepseek_runs(tmp_path_factory):
     """Both models imported at (TP, EP) (1, 1) and (2, 2), v3 also from FP8 and into torch_dist and
@@ -135,6 +233,11 @@ def deepseek_runs(tmp_path_factory):
         for tp, ep in ((1, 1), (2, 2)):
             runs[(name, tp, ep)] = _run(hf[name], root / f"{name}_tp{tp}_ep{ep}", "--target-tp", str(tp),
                                         "--target-ep", str(ep))
+    hf["v3_mtp"] = root / "hf" / "v3_mtp"
+    want["v3_mtp"] = make_deepseek(_V3, hf["v3_mtp"])
+    add_mtp_layer(hf["v3_mtp"])
+    want["v3_mtp.mtp"] = mtp_reference(hf["v3_mtp"])
+    runs[("v3_mtp", 2, 2)] = _run(hf["v3_mtp"], root / "v3_mtp_tp2_ep2", "--target-tp", "2", "--target-ep", "2")
     hf["v3_fp8"] = root / "hf" / "v3_fp8"
     want["v3_fp8"] = dequantized_logits(hf["v3"], make_fp8_folder(hf["v3"], hf["v3_fp8"], torch.float32),
                                         root / "hf" / "v3_fp8_dequantized")
@@ -150,8 +253,17 @@ def deepseek_runs(tmp_path_factory):
         runs[what] = out
     cases = [(None, run, *(key[1:] if isinstance(key, tuple) else (2, 2))) for key, run in runs.items()]
     got = dict(zip(runs, mcore_forward_moe(cases, root / "forward")))
+    got["v3_mtp.mtp"] = torch.load(root / "forward" / f"logits_moe_{list(runs).index(('v3_mtp', 2, 2))}.pt.mtp")
     dist = _run(hf["v3"], root / "v3_dist", "--to", "torch_dist")
-    got["dist"] = mcore_forward_moe([(None, dist, 2, 2)], root / "forward", dist=True)[0]
+    mtp_dist = _run(runs[("v3_mtp", 2, 2)], root / "v3_mtp_dist", "--to", "torch_dist")
+    runs[("v3_mtp_from_dist", 1, 2)] = _run(mtp_dist, root / "v3_mtp_from_dist", "--target-tp", "1", "--target-ep",
+                                            "2")
+    got["dist"], got["mtp_dist"] = mcore_forward_moe([(None, dist, 2, 2), (None, mtp_dist, 2, 2)], root / "forward",
+                                                     dist=True)
+    n = len(list((root / "forward").glob("logits_moe_*.pt")))
+    got["mtp_dist.mtp"] = torch.load(root / "forward" / f"logits_moe_{n - 1}.pt.mtp")
+    got["v3_mtp_from_dist"] = mcore_forward_moe([(None, runs[("v3_mtp_from_dist", 1, 2)], 1, 2)], root / "forward")[0]
+    got["v3_mtp_from_dist.mtp"] = torch.load(root / "forward" / f"logits_moe_{n}.pt.mtp")
     return {"hf": hf, "want": want, "runs": runs, "got": got, "root": root}
 
 
@@ -161,6 +273,22 @@ def test_megatron_core_mla_runs_the_import_with_transformers_logits(deepseek_run
     logits, routing = deepseek_runs["got"][(name, *layout)]
     torch.testing.assert_close(logits[:, :128], deepseek_runs["want"][name], rtol=0, atol=TOL)
     assert routing  # the MoE layer routed (its router ran)
+
+
+def test_megatron_core_runs_the_imported_mtp_layer_with_transformers_mtp_logits(deepseek_runs):
+    logits, _ = deepseek_runs["got"][("v3_mtp", 2, 2)]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_mtp"], rtol=0, atol=TOL)
+    (mtp,) = deepseek_runs["got"]["v3_mtp.mtp"]  # one MTP layer: its logits for positions 0..s-2
+    torch.testing.assert_close(mtp[:-1, :128], deepseek_runs["want"]["v3_mtp.mtp"], rtol=0, atol=TOL)
+    assert (mtp[:-1, :128] - logits[:-1, :128]).abs().max() > 1e-2  # not the main head's logits again
+
+
+@pytest.mark.parametrize("case", ["mtp_dist", "v3_mtp_from_dist"], ids=["torch_dist_out", "torch_dist_in"])
+def test_the_mtp_layer_goes_through_torch_dist_both_ways(deepseek_runs, case):
+    logits, _ = deepseek_runs["got"][case]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_mtp"], rtol=0, atol=TOL)
+    (mtp,) = deepseek_runs["got"][case + ".mtp"]
+    torch.testing.assert_close(mtp[:-1, :128], deepseek_runs["want"]["v3_mtp.mtp"], rtol=0, atol=TOL)
 
 
 def test_an_fp8_deepseek_folder_is_imported_as_the_model_it_encodes(deepseek_runs):
@@ -206,7 +334,7 @@ def test_the_transformers_logits_move_under_each_wrong_router(deepseek_runs, wha
     assert (wrong - deepseek_runs["want"]["v3"]).abs().max() > 100 * TOL, what
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [*MODELS, "v3_mtp"])
 def test_the_export_gives_back_every_tensor_bit_for_bit_and_transformers_logits(deepseek_runs, name, tmp_path):
     out = _run(deepseek_runs["runs"][(name, 2, 2)], tmp_path / "hf", "--to", "hf")
     want, got = _tensors(deepseek_runs["hf"][name]), _tensors(out)
@@ -217,7 +345,7 @@ def test_the_export_gives_back_every_tensor_bit_for_bit_and_transformers_logits(
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                 "topk_group", "n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "rms_norm_eps"):
         assert config[key] == source[key], key
-    assert config["num_nextn_predict_layers"] == 0 and config["topk_method"] == "noaux_tc"
+    assert config["num_nextn_predict_layers"] == (name == "v3_mtp") and config["topk_method"] == "noaux_tc"
     torch.testing.assert_close(hf_folder_logits(out), deepseek_runs["want"][name], rtol=0, atol=1e-6)
 
 
@@ -266,7 +394,8 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(deepseek_r
     ({"norm_epsilon": 1e-5}, "norm epsilon 1e-05"),
     ({"moe_router_group_topk": 2}, "group routing"),
     ({"moe_router_score_function": "softmax"}, "softmax"),
-    ({"mtp_num_layers": 1}, "multi-token prediction"),
+    ({"rotary_scaling_factor": 4.0, "mscale": 2.0, "mscale_all_dim": 0.0}, "YaRN mscale 2 without mscale_all_dim"),
+    ({"moe_shared_expert_gate": True}, "gated shared expert"),
 ])
 def test_an_export_transformers_would_compute_otherwise_is_refused_in_one_line(deepseek_runs, tmp_path, capsys,
                                                                                change, words):
@@ -278,3 +407,26 @@ def test_an_export_transformers_would_compute_otherwise_is_refused_in_one_line(d
 
 def test_a_target_tp_that_cuts_an_attention_head_is_refused(deepseek_runs, tmp_path, capsys):
     assert "--target-tp" in _refused(deepseek_runs["hf"]["v3"], tmp_path / "out", capsys, "--target-tp", "8")
+
+
+def test_a_bf16_model_keeps_its_float32_expert_bias_both_ways(deepseek_runs, tmp_path):
+    """DeepSeek publishes ``e_score_correction_bias`` in float32 beside bf16 weights, and megatron-core
+    keeps ``expert_bias`` in float32: neither is a model of mixed dtypes."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "bf16"
+    src.mkdir()
+    tensors = load_file(deepseek_runs["hf"]["v3"] / "model.safetensors")
+    save_file({k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16) for k, v in tensors.items()},
+              src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((deepseek_runs["hf"]["v3"] / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    ranks = _run(src, tmp_path / "ranks", "--target-tp", "2", "--target-ep", "2")
+    module = torch.load(ranks / "release" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert module["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert module["decoder.layers.1.self_attention.linear_kv_up_proj.weight"].dtype == torch.bfloat16
+    out = _run(ranks, tmp_path / "hf", "--to", "hf")
+    want, got = _tensors(src), _tensors(out)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
+                                               for k in want)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

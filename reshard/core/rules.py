@@ -108,7 +108,9 @@ class Rule:
         return {Kind.COLUMN: 0, Kind.QKV: 0, Kind.ROW: 1}.get(self.kind)
 
 
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+#: A transformer layer of the decoder's stack; megatron-core's multi-token prediction layers
+#: (``mtp.layers.N``) sit after the stack, on the last pipeline stage, and are no layer of it.
+_LAYER_RE = re.compile(r"(?<!^mtp)\.layers\.(\d+)\.")
 
 
 def layer_index(key: str) -> int | None:

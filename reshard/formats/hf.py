@@ -43,7 +43,7 @@ from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, 
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import decide_export, export_as, hf_architecture, hf_architectures, read_config
-from reshard.models.megatron_gpt import MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
+from reshard.models.megatron_gpt import FLOAT32_BUFFER, MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -288,7 +288,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
     legacy = plan.facts.naming != "megatron-core"
     written = {core_name(tp.out_key) if legacy else tp.out_key: tp.param for t in plan.targets for tp in t.params}
     keys = set(written)
-    dtypes = {p.dtype for p in written.values() if p.dtype is not None}
+    dtypes = {p.dtype for key, p in written.items() if p.dtype is not None and not FLOAT32_BUFFER.search(key)}
     split_rows = {}  # the whole model's size of every split tensor along its split dim
     for key, p in written.items():
         if p.spec is not None:

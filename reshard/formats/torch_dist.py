@@ -43,6 +43,8 @@ whole index, follow from the shapes alone (:func:`index_bytes`, :func:`write_dis
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import functools
 import io
@@ -559,6 +561,8 @@ def _load_blob(path: Path, offset: int, length: int, where: str, *, allowlist: b
 #: into several (``--max-shard-size``) names file ``i`` ``__i_0.distcp`` (see ``part_name``).
 DISTCP_NAME = "__0_0.distcp"
 _LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: A multi-token prediction layer's entry: never stacked; its experts under one key, expert axis leading.
+_MTP_KEY_RE = re.compile(r"^(mtp\.layers\.\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -575,6 +579,11 @@ class ModelLayout:
     #: ``_extra_state`` entries megatron-core's model asks for that no file of the source holds
     #: (a legacy model's, or a megatron-core-named one saved without them): made up as None
     made_up: frozenset[str] = frozenset()
+    #: the layer spec stores its norms under Transformer Engine's fused names (``LOCAL_SPEC_NAMES``):
+    #: megatron-core's local spec with fused QKV does; its multi-latent attention spec has no keys map
+    fused_norm_names: bool = True
+    #: multi-token prediction layer (``mtp.layers.N``) -> its experts
+    mtp_experts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def model_layout(names: Sequence[str]) -> ModelLayout:
@@ -585,6 +594,7 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
     made_up = frozenset(n for n in names if n not in given and n.endswith("._extra_state"))
     per_layer: dict[int, set[str]] = {}
     experts: dict[int, set[int]] = {}
+    mtp_experts: dict[str, set[int]] = {}
     for name in names:
         m = _LAYER_KEY_RE.match(name)
         if m:
@@ -592,8 +602,13 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
             per_layer.setdefault(int(m.group(1)), set()).add(rest)
             if g is not None:
                 experts.setdefault(int(m.group(1)), set()).add(g)
+        m = _MTP_KEY_RE.match(name)
+        if m and _dist_name(m.group(2))[1] is not None:
+            mtp_experts.setdefault(m.group(1), set()).add(_dist_name(m.group(2))[1])
+    mla = any(".self_attention.linear_kv_down_proj." in n for n in names)
     return ModelLayout(core, 1 + max(per_layer, default=-1), len({frozenset(v) for v in per_layer.values()}) <= 1,
-                       {i: len(e) for i, e in experts.items()}, made_up)
+                       {i: len(e) for i, e in experts.items()}, made_up, fused_norm_names=not mla,
+                       mtp_experts={k: len(e) for k, e in mtp_experts.items()})
 
 
 def plan_layout(plan: "Plan") -> ModelLayout:
@@ -640,8 +655,7 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
               if not k.endswith("._extra_state") or k in given or k in layout.made_up}
     layers, stacked = layout.layers, layout.stacked
     items = []
-    # megatron-core's keys map belongs to the layer spec with fused QKV; MLA's local spec has none
-    renames = LOCAL_SPEC_NAMES if any(".self_attention.linear_qkv." in k for k in module) else {}
+    renames = LOCAL_SPEC_NAMES if layout.fused_norm_names else {}
     for name, value in module.items():
         if name in PER_RANK_ONLY:
             continue
@@ -658,6 +672,9 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
             lead, axes = ((i,), (layers,)) if stacked else ((), ())
             if g is not None:
                 lead, axes = (*lead, g), (*axes, layout.experts[i])
+        elif (mtp := _MTP_KEY_RE.match(name)) and _dist_name(mtp.group(2))[1] is not None:
+            rest, g = _dist_name(mtp.group(2))
+            key, lead, axes = f"{mtp.group(1)}.{rest}", (g,), (layout.mtp_experts[mtp.group(1)],)
         if name.endswith("._extra_state"):
             shard = f"shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, axes))}" if lead else "shard_0_1"
             items.append(GlobalItem(f"{key}/{shard}", (), (), (), None, value))

@@ -36,6 +36,7 @@ shared experts, group-limited routing, the first ``first_k_dense_replace`` layer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -46,10 +47,11 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ModelFacts
-from reshard.core.rules import Kind, Rule, layer_index
+from reshard.core.rules import Kind, Place, Rule, layer_index
 from reshard.models.base import ModelFamily
-from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, GatedSplit, HFArchitecture, HFArchitectureFamily,
-                                             HFModel, NameTable, Same, VocabRows, _arg, _table)
+from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, GatedSplit, HFArchitecture, HFArchitectureFamily,
+                                             HFModel, NameTable, OutTensor, Run, Same, VocabRows, _arg, _table,
+                                             mtp_to_hf)
 from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, experts_per_layer
 
 _D = r"^decoder\.layers\.\d+\.self_attention\."
@@ -68,6 +70,30 @@ DEEPSEEK_RULES: tuple[Rule, ...] = (
     _mla("latent_norms", r"(?:q_layernorm|kv_layernorm)\.weight$", Kind.REPLICATED),
     # linear_proj (the output projection, split by columns) is megatron-core's GPT rule
 ) + MEGATRON_GPT_RULES
+
+_LAYER_PREFIX = r"^decoder\.layers\.\d+\."
+_MTP = r"^mtp\.layers\.\d+\."
+
+
+def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """megatron-core's multi-token prediction layers (``mtp.layers.{i}``, on the last pipeline stage):
+    the input norms ``enorm`` (of the next token's embedding) and ``hnorm`` (of the hidden state),
+    ``eh_proj`` ``[h, 2h]`` (column-parallel: rows split, gathered in the forward), a whole decoder
+    layer as ``transformer_layer`` (split as a decoder layer is) and the ``final_layernorm`` before
+    the shared output layer."""
+    own = (Rule("mtp.norms", _MTP + r"(?:enorm|hnorm|final_layernorm)\.weight$", Kind.REPLICATED, family="core",
+                optional=True, place=Place.LAST),
+           Rule("mtp.eh_proj", _MTP + r"eh_proj\.weight$", Kind.COLUMN, family="core", optional=True,
+                place=Place.LAST),
+           Rule("mtp.eh_proj_extra_state", _MTP + r"eh_proj\._extra_state$", Kind.CARRIED, family="core",
+                optional=True, place=Place.LAST))
+    layer = tuple(dataclasses.replace(r, name="mtp." + r.name, optional=True, place=Place.LAST,
+                                      pattern=_MTP + r"transformer_layer\." + r.pattern[len(_LAYER_PREFIX):])
+                  for r in decoder if r.pattern.startswith(_LAYER_PREFIX))
+    return own + layer
+
+
+DEEPSEEK_RULES = DEEPSEEK_RULES + _mtp_rules(DEEPSEEK_RULES)
 
 #: A key of an MLA checkpoint (what the family claims by).
 _MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|q|kv_down)_proj\.")
@@ -100,11 +126,18 @@ class DeepSeek(ModelFamily):
             raise LayoutError(f"{te}: a Transformer Engine MLA checkpoint (latent norms fused, down projections "
                               "copied on every rank) is not read", culprit=where,
                               hint="save it with megatron-core's local spec (--transformer-impl local)")
+        if any(p.key.startswith("mtp.") for p in params) and (options.target_pp or 1) > 1:
+            raise LayoutError("multi-token prediction layers are written at pipeline parallelism 1 only (megatron-core "
+                              "keeps a copy of the embedding on their stage)", culprit="--target-pp",
+                              hint="write PP 1 (drop --target-pp)")
         heads = _arg(args, "num_attention_heads")
         if isinstance(heads, int) and options.target_tp and heads % options.target_tp:
             raise LayoutError(f"{heads} attention heads do not divide over target TP {options.target_tp}",
                               culprit="--target-tp", hint="choose a TP that divides the heads (MLA splits by head)")
-        return {}
+        mtp = {p.key.split(".")[2] for p in params if p.key.startswith("mtp.layers.")}
+        if mtp:
+            origin["mtp_layers"] = "parameter names"
+        return {"mtp_layers": len(mtp)} if mtp else {}
 
 
 # -- Hugging Face's DeepseekV3ForCausalLM ----------------------------------------------------------
@@ -113,10 +146,29 @@ _H = "model.layers.{layer}."
 _A, _HA = _L + "self_attention.", _H + "self_attn."
 _FC1 = (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}")
 _FC2 = (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}")
+class SharedCopies(VocabRows):
+    """The word embeddings or the output layer, and DeepSeek's copy of it in every multi-token
+    prediction layer (``model.layers.{L + i}.embed_tokens`` / ``shared_head.head``, which vLLM's
+    MTP reads): the same rows, written once per copy. Import reads the first; the copies are the
+    same tensor (:data:`~reshard.models.hf_architectures.MTP_SHARED_COPIES`)."""
+
+    def __init__(self, copy: str) -> None:
+        self.copy = copy
+
+    def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
+        first = super().outputs(names, shape, facts)[0]
+        return [first] + [OutTensor(mtp_to_hf(f"{MTP_HF}{i}.{self.copy}", facts.num_layers), first.shape)
+                          for i in range(int(facts.family_facts.get("mtp_layers", 0)))]
+
+    def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
+        run = super().runs(shape, itemsize, facts)[0]
+        return [dataclasses.replace(run, out=i) for i in range(1 + int(facts.family_facts.get("mtp_layers", 0)))]
+
+
 #: megatron-core (local spec) <-> transformers' DeepseekV3ForCausalLM; every linear weight is FP8
 #: in DeepSeek's own release (``LINEAR``), the router, norms, embeddings and head are not.
 DEEPSEEK_V3_NAMES: NameTable = _table(
-    ("embedding.word_embeddings.weight", VocabRows(), ("model.embed_tokens.weight",)),
+    ("embedding.word_embeddings.weight", SharedCopies("embed_tokens.weight"), ("model.embed_tokens.weight",)),
     (_L + "input_layernorm.weight", Same(), (_H + "input_layernorm.weight",)),
     (_A + "linear_q_down_proj.weight", Same(), (_HA + "q_a_proj.weight",), LINEAR),
     (_A + "q_layernorm.weight", Same(), (_HA + "q_a_layernorm.weight",)),
@@ -138,9 +190,29 @@ DEEPSEEK_V3_NAMES: NameTable = _table(
      (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), LINEAR),
     (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_experts.down_proj.weight",), LINEAR),
     ("decoder.final_layernorm.weight", Same(), ("model.norm.weight",)),
-    ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
+    ("output_layer.weight", SharedCopies("shared_head.head.weight"), ("lm_head.weight",)),
     ("{prefix}_extra_state", None, ()),
 )
+
+_M, _HM = "mtp.layers.{layer}.", MTP_HF + "{layer}."
+
+
+def _mtp_names(table: NameTable) -> NameTable:
+    """Multi-token prediction layer ``i``: megatron-core's ``mtp.layers.{i}`` <-> the folder's
+    ``model.layers.{num_hidden_layers + i}`` (in the table as ``model.mtp_layers.{i}``, see
+    :data:`~reshard.models.hf_architectures.MTP_HF`): its norms, ``eh_proj`` and a decoder layer
+    under the decoder layer's own names; ``final_layernorm`` is ``shared_head.norm``."""
+    own = _table((_M + "enorm.weight", Same(), (_HM + "enorm.weight",)),
+                 (_M + "hnorm.weight", Same(), (_HM + "hnorm.weight",)),
+                 (_M + "eh_proj.weight", Same(), (_HM + "eh_proj.weight",)),
+                 (_M + "final_layernorm.weight", Same(), (_HM + "shared_head.norm.weight",)))
+    layer = tuple(dataclasses.replace(
+        row, core=tuple(_M + "transformer_layer." + c[len(_L):] for c in row.core),
+        hf=tuple(_HM + h[len(_H):] for h in row.hf)) for row in table if row.core[0].startswith(_L))
+    return own + layer
+
+
+DEEPSEEK_V3_NAMES = _mtp_names(DEEPSEEK_V3_NAMES) + DEEPSEEK_V3_NAMES
 
 #: transformers' DeepseekV3Config defaults for what a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -319,8 +391,7 @@ class DeepseekV3(HFArchitectureFamily):
                            ("layernorm_zero_centered_gamma", "norm weights stored as w - 1"),
                            ("add_bias_linear", "linear biases"), ("moe_shared_expert_gate", "a gated shared expert"),
                            ("moe_expert_capacity_factor", "token dropping (expert capacity)"),
-                           ("moe_input_jitter_eps", "router input jitter"), ("mtp_num_layers",
-                                                                            "multi-token prediction layers")):
+                           ("moe_input_jitter_eps", "router input jitter")):
             if _arg(args, flag, default=False):
                 raise refuse(f"{what} ({flag})")
         if _arg(args, "normalization") != "RMSNorm":
@@ -374,7 +445,8 @@ class DeepseekV3(HFArchitectureFamily):
             "first_k_dense_replace": len(dense), "norm_topk_prob": topk > 1, "scoring_func": "sigmoid",
             "topk_method": "noaux_tc", "hidden_act": "silu", "rms_norm_eps": eps,
             "rope_parameters": rope_to_hf(args, refuse), "rope_interleave": True, "attention_bias": False,
-            "tie_word_embeddings": bool(facts.tied_embeddings), "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": bool(facts.tied_embeddings),
+            "num_nextn_predict_layers": len({k.split(".")[2] for k in keys if k.startswith("mtp.layers.")}),
             "dtype": HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
         }
         if isinstance(max_pos, int):

@@ -398,6 +398,29 @@ NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES,
                "Qwen3ForCausalLM": QWEN3_NAMES, "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES}
 
 
+#: Multi-token prediction layers in a name table: Hugging Face folders hold them as decoder layers
+#: after the model's own (DeepSeek's ``model.layers.{num_hidden_layers + i}``), which a table's
+#: templates cannot count; its rows name them ``model.mtp_layers.{i}`` instead, renamed both ways
+#: here. Each also holds copies of the shared embedding and output layer (not imported).
+MTP_HF = "model.mtp_layers."
+MTP_SHARED_COPIES = re.compile(r"^model\.mtp_layers\.\d+\.(?:embed_tokens|shared_head\.head)\.weight$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_NAME = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+
+
+def mtp_to_hf(name: str, num_layers: int) -> str:
+    """A table's ``model.mtp_layers.{i}.`` name as the folder's ``model.layers.{num_layers + i}.``."""
+    return _MTP_NAME.sub(lambda m: f"model.layers.{num_layers + int(m.group(1))}.", name, count=1)
+
+
+def hf_to_mtp(name: str, num_layers: int) -> str:
+    """A folder's layer beyond the model's ``num_layers`` under the table's ``model.mtp_layers.`` name."""
+    m = _HF_LAYER.match(name)
+    if m is None or int(m.group(1)) < num_layers:
+        return name
+    return f"{MTP_HF}{int(m.group(1)) - num_layers}.{name[m.end():]}"
+
+
 def linear_weight(key: str, tables: Sequence[NameTable]) -> bool:
     """Whether megatron-core (or legacy Megatron) parameter ``key`` is a linear layer's weight in
     ``tables`` (:attr:`NameRow.linear`): the bytes ``--quantize fp8`` encodes, known before the
@@ -433,7 +456,7 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         transform = row.transform
         if transform is None:
             return Export(key)
-        filled = tuple(n.format(**m.groupdict()) for n in row.hf)
+        filled = tuple(mtp_to_hf(n.format(**m.groupdict()), facts.num_layers) for n in row.hf)
         outputs = tuple(transform.outputs(filled, shape, facts))
         linear = row.linear and all(o.name.endswith(".weight") and len(o.shape) == 2 for o in outputs)  # not biases
         if isinstance(transform, WholeTensorTransform):

@@ -34,8 +34,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import LazyTensor
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (NAME_TABLES, ROPE_BASE_DEFAULT, HFArchitecture, HFArchitectureFamily,
-                                             HFModel, NameTable)
+from reshard.models.hf_architectures import (MTP_HF, MTP_SHARED_COPIES, NAME_TABLES, ROPE_BASE_DEFAULT, HFArchitecture,
+                                             HFArchitectureFamily, HFModel, NameTable, hf_to_mtp, mtp_to_hf)
 from reshard.models.megatron_gpt import core_module
 
 #: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
@@ -257,9 +257,11 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
     prefix = model.base_prefix
     if prefix and not any(k.startswith(prefix) for k in tensors):
         tensors = {(k if k.startswith("lm_head.") else prefix + k): v for k, v in tensors.items()}
+    if any(row.hf and row.hf[0].startswith(MTP_HF) for row in table):  # multi-token prediction layers
+        tensors = {hf_to_mtp(k, model.facts.num_layers): v for k, v in tensors.items()}
     found: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
     for name in tensors:
-        if any(p.search(name) for p in BUFFERS):
+        if any(p.search(name) for p in BUFFERS) or MTP_SHARED_COPIES.match(name):
             continue
         hit = next(((i, j, m) for i, row in enumerate(table) if row.transform is not None
                     for j, m in enumerate(p.match(name) for p in row.hf_patterns) if m), None)
@@ -274,6 +276,7 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
         names = tuple(t.format(**dict(fields)) for t in row.hf)
         missing = [n for j, n in enumerate(names) if j not in parts]
         if missing:
+            missing = [mtp_to_hf(n, model.facts.num_layers) for n in missing]
             raise CheckpointFormatError(f"{missing[0]} is missing (beside {parts[min(parts)]})", culprit=missing[0],
                                         hint="the weights are incomplete; re-copy the folder")
         key = row.core[0].format(**dict(fields))
@@ -305,4 +308,7 @@ def megatron_state(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[st
     dtype = module["embedding.word_embeddings.weight"].dtype
     args = argparse.Namespace(**vars(model.args), params_dtype=dtype, bf16=dtype == torch.bfloat16,
                               fp16=dtype == torch.float16)
+    mtp = {k.split(".")[2] for k in module if k.startswith("mtp.layers.")}
+    if mtp:  # the multi-token prediction layers the folder holds (its config's count may be a default)
+        args.mtp_num_layers = len(mtp)
     return {"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": module}

@@ -114,6 +114,11 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
 )
 
 
+#: megatron-core keeps the router's expert bias in float32 whatever the model's dtype (as DeepSeek
+#: publishes ``e_score_correction_bias``): no sign of a model of mixed dtypes.
+FLOAT32_BUFFER = re.compile(r"\.mlp\.router\.expert_bias$")
+
+
 # -- megatron-core's expert numbering (MoE) ----------------------------------------------------------
 #: Where a parameter name carries its expert number: SequentialMLP's
 #: ``mlp.experts.local_experts.{i}.linear_fc1.weight`` and grouped GEMM's
@@ -279,8 +284,10 @@ _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_att
 _CORE_INNER = ("gate_weight", "linear_fc1.", "linear_fc2.")
 _CORE_ENTRIES = ("weight", "bias", "_extra_state")
 #: megatron-core's local-spec linear layers carry an ``_extra_state`` entry (None); legacy ones none.
-_CORE_LINEAR_WEIGHT = re.compile(r"^(decoder\.layers\.\d+\.(?:.+\.)?linear_(?:proj|qkv|fc1|fc2|q_down_proj|q_up_proj|q_proj"
-                                 r"|kv_down_proj|kv_up_proj))\.weight$")
+#: (a multi-token prediction layer's decoder layer and its ``eh_proj`` likewise).
+_CORE_LINEAR_WEIGHT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(?:.+\.)?linear_(?:proj|qkv|"
+                                 r"fc1|fc2|q_down_proj|q_up_proj|q_proj|kv_down_proj|kv_up_proj)|mtp\.layers\.\d+\.eh_proj)"
+                                 r"\.weight$")
 _CORE_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
