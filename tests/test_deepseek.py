@@ -430,3 +430,39 @@ def test_a_bf16_model_keeps_its_float32_expert_bias_both_ways(deepseek_runs, tmp
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
                                                for k in want)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_transformer_engine_mla_checkpoint_is_refused_by_name(deepseek_runs, tmp_path, capsys):
+    """Transformer Engine's MLA spec keeps a full copy of the down projections on every rank and fuses
+    the latent norms into the up projections: not read as the local spec's row splits."""
+    src = shutil.copytree(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "te")
+    for f in src.rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["model"] = {k.replace("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj."
+                                 "layer_norm_weight"): v for k, v in sd["model"].items()}
+        torch.save(sd, f)
+    err = _refused(src, tmp_path / "out", capsys, "--target-tp", "1", "--target-ep", "1")
+    assert "linear_kv_up_proj.layer_norm_weight" in err and "Transformer Engine" in err
+
+
+def test_a_kimi_k2_config_is_read_as_deepseek_v3(deepseek_runs, tmp_path):
+    """Kimi-K2 publishes DeepSeek-V3's architecture under ``model_type`` kimi_k2 (no group routing,
+    its own scaling factor, the rope settings in transformers 4's ``rope_scaling``)."""
+    src = tmp_path / "kimi"
+    src.mkdir()
+    config = json.loads((deepseek_runs["hf"]["v3"] / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(model_type="kimi_k2", n_group=1, topk_group=1, routed_scaling_factor=2.827,
+                  rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")})
+    del config["architectures"]
+    (src / "config.json").write_text(json.dumps(config))
+    shutil.copy(deepseek_runs["hf"]["v3"] / "model.safetensors", src)
+    ranks = _run(src, tmp_path / "ranks", "--target-tp", "2", "--target-ep", "2")
+    args = torch.load(ranks / "release" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)["args"]
+    assert (args.moe_router_num_groups, args.moe_router_topk_scaling_factor, args.rope_type,
+            args.rotary_scaling_factor) == (None, 2.827, "yarn", 40.0)
+    out = _run(ranks, tmp_path / "hf", "--to", "hf")
+    got, want = _tensors(out), _tensors(src)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    back = json.loads((out / "config.json").read_text())
+    assert (back["n_group"], back["routed_scaling_factor"], back["rope_parameters"]["factor"]) == (1, 2.827, 40.0)

@@ -68,6 +68,8 @@ def _mla(name: str, pattern: str, kind: Kind, **kw: Any) -> Rule:
 DEEPSEEK_RULES: tuple[Rule, ...] = (
     _mla("q_kv_projections", r"(?:" + "|".join(_MLA_LINEAR) + r")\.weight$", Kind.COLUMN),
     _mla("latent_norms", r"(?:q_layernorm|kv_layernorm)\.weight$", Kind.REPLICATED),
+    # Transformer Engine's spec fuses them into the up projections: matched to be refused by name
+    _mla("te_latent_norms", r"linear_(?:q|kv)_up_proj\.layer_norm_weight$", Kind.REPLICATED),
     # linear_proj (the output projection, split by columns) is megatron-core's GPT rule
 ) + MEGATRON_GPT_RULES
 
