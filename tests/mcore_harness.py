@@ -326,7 +326,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                 if rank == 0:
                     torch.save(logits, out / "logits.pt")
                     torch.save(ROUTING, out / "routing.pt")
-                    torch.save(MTP_LOGITS, out / "mtp_logits.pt")
+                    if MTP_LOGITS:
+                        torch.save(MTP_LOGITS, out / "mtp_logits.pt")
         elif job["kind"] == "write_dist":
             _write_dist(job, model, tp, pp)
         elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
@@ -402,7 +403,8 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
         if dist.get_rank() == 0:
             torch.save(logits, out / "logits.pt")
             torch.save(ROUTING, out / "routing.pt")
-            torch.save(MTP_LOGITS, out / "mtp_logits.pt")
+            if MTP_LOGITS:
+                torch.save(MTP_LOGITS, out / "mtp_logits.pt")
 
 
 def _free_port() -> int:

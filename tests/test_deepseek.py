@@ -466,3 +466,24 @@ def test_a_kimi_k2_config_is_read_as_deepseek_v3(deepseek_runs, tmp_path):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     back = json.loads((out / "config.json").read_text())
     assert (back["n_group"], back["routed_scaling_factor"], back["rope_parameters"]["factor"]) == (1, 2.827, 40.0)
+
+
+def test_transformers_loads_the_fp8_export_of_a_deepseek_model_as_the_model_it_encodes(deepseek_runs, tmp_path):
+    """transformers reads FP8 on a CPU by dequantizing whole blocks (4 x 4 divides every weight here):
+    it loads the export, MLA's projections and the experts' included, and computes what the model
+    computes with the formula's dequantized weights in place of its linear weights."""
+    from safetensors.torch import save_file
+
+    from test_fp8_export import dequantized
+
+    out = _run(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "fp8", "--to", "hf", "--quantize", "fp8",
+               "--fp8-block", "4")
+    fp8, plain = _tensors(out), _tensors(deepseek_runs["hf"]["v3"])
+    encoded = tmp_path / "encoded"
+    encoded.mkdir()
+    (encoded / "config.json").write_text((deepseek_runs["hf"]["v3"] / "config.json").read_text())
+    save_file({k: dequantized(fp8[k], fp8[k + "_scale_inv"], (4, 4)) if k + "_scale_inv" in fp8 else v
+               for k, v in plain.items()}, str(encoded / "model.safetensors"), metadata={"format": "pt"})
+    want = hf_folder_logits(encoded)
+    assert (hf_folder_logits(out) - want).abs().max() < 1e-2 * want.abs().max()  # bf16 on a CPU
+    assert (deepseek_runs["want"]["v3"] - want).abs().max() > 0  # the encoding is not the identity

@@ -63,9 +63,9 @@ def _mla(name: str, pattern: str, kind: Kind, **kw: Any) -> Rule:
     return Rule("mla." + name, _D + pattern, kind, family="core", optional=True, **kw)
 
 
-#: megatron-core's MLA tensors (local spec), then every megatron-core GPT rule (the MoE layers,
+#: A decoder layer's MLA tensors (local spec), then every megatron-core GPT rule (the MoE layers,
 #: norms, embeddings and output layer are the same modules).
-DEEPSEEK_RULES: tuple[Rule, ...] = (
+_DECODER_RULES: tuple[Rule, ...] = (
     _mla("q_kv_projections", r"(?:" + "|".join(_MLA_LINEAR) + r")\.weight$", Kind.COLUMN),
     _mla("latent_norms", r"(?:q_layernorm|kv_layernorm)\.weight$", Kind.REPLICATED),
     # Transformer Engine's spec fuses them into the up projections: matched to be refused by name
@@ -95,7 +95,8 @@ def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
     return own + layer
 
 
-DEEPSEEK_RULES = DEEPSEEK_RULES + _mtp_rules(DEEPSEEK_RULES)
+#: The family's table: the decoder's rules and the multi-token prediction layers'.
+DEEPSEEK_RULES: tuple[Rule, ...] = _DECODER_RULES + _mtp_rules(_DECODER_RULES)
 
 #: A key of an MLA checkpoint (what the family claims by).
 _MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|q|kv_down)_proj\.")
@@ -121,8 +122,10 @@ class DeepSeek(ModelFamily):
 
     def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
                             origin: dict[str, str], where: str) -> dict[str, Any]:
-        """Refuses what megatron-core's MLA cannot load: Transformer Engine's fused names (their
-        down projections are full copies, not row splits) and a target TP that cuts a head."""
+        """``mtp_layers``: the multi-token prediction layers (what the export writes copies of the
+        embeddings and head for). Refuses what megatron-core's MLA cannot load: Transformer Engine's
+        fused names (their down projections are full copies, not row splits), a target TP that cuts
+        a head, MTP layers beyond PP 1."""
         te = next((p.key for p in params if _TE_MLA_KEY.search(p.key)), None)
         if te is not None:
             raise LayoutError(f"{te}: a Transformer Engine MLA checkpoint (latent norms fused, down projections "
