@@ -166,7 +166,7 @@ def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) 
               "intermediate_size": 18432, "moe_intermediate_size": ffn, "num_hidden_layers": layers,
               "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": q_lora,
               "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
-              "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+              "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 4,
               "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 0,
               "scoring_func": "sigmoid", "topk_method": "noaux_tc", "vocab_size": vocab, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,

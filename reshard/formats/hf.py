@@ -192,7 +192,7 @@ class HFFormat(CheckpointFormat):
         (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving does)."""
         if options.quantize != "fp8" or dtype is None:
             return size
-        # the class written: --hf-architecture's (a plug-in's own table), else one of the built-ins
+        # the class written: --hf-architecture's, else any registered one (their linear rows agree)
         tables = ([hf_architecture(options.hf_architecture).names] if options.hf_architecture
                   else [a.names for a in hf_architectures()])
         if not linear_weight(key, tables):

@@ -43,7 +43,6 @@ whole index, follow from the shapes alone (:func:`index_bytes`, :func:`write_dis
 
 from __future__ import annotations
 
-import dataclasses
 
 import copy
 import functools
@@ -55,7 +54,7 @@ import pickle
 import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -583,7 +582,7 @@ class ModelLayout:
     #: megatron-core's local spec with fused QKV does; its multi-latent attention spec has no keys map
     fused_norm_names: bool = True
     #: multi-token prediction layer (``mtp.layers.N``) -> its experts
-    mtp_experts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    mtp_experts: Mapping[str, int] = field(default_factory=dict)
 
 
 def model_layout(names: Sequence[str]) -> ModelLayout:

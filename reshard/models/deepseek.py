@@ -26,8 +26,9 @@ Rows are head-major in both libraries (``[head0: nope, rope | head1: ...]``), so
 the same bytes under another name: no transform but renaming. The down projections are written
 split by rows, as megatron-core's local spec holds them (its Transformer-Engine spec keeps a full
 copy on every rank and fuses the latent norms into the up projections as ``layer_norm_weight``;
-such checkpoints are refused by name, not guessed). megatron-core's MLA de-interleaves the rope
-dims, which is transformers' ``rope_interleave=True``: the default, and the only one read.
+such checkpoints are refused — by those names, or by whole down projections on every rank — not
+guessed). megatron-core's MLA de-interleaves the rope dims, which is transformers'
+``rope_interleave=True``: the default, and the only one read.
 
 DeepSeek MoE: a sigmoid router with ``expert_bias`` (HF ``e_score_correction_bias``), routed and
 shared experts, group-limited routing, the first ``first_k_dense_replace`` layers dense.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,7 +49,7 @@ from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ModelFacts
 from reshard.core.rules import Kind, Place, Rule, layer_index
 from reshard.models.base import ModelFamily
-from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, GatedSplit, HFArchitecture, HFArchitectureFamily,
+from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, NOT_EXPORTED_FLAGS, GatedSplit, HFArchitecture, HFArchitectureFamily,
                                              HFModel, NameTable, OutTensor, Run, Same, VocabRows, _arg, _table,
                                              mtp_to_hf)
 from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, experts_per_layer
@@ -120,6 +120,21 @@ class DeepSeek(ModelFamily):
     def naming(self, keys: Sequence[str]) -> str:
         return "megatron-core"
 
+    def decide_groups(self, options: ReshardOptions, args: Any, heads: int | None, params: list[CanonicalParam],
+                      head_dim: int | None, n: int, origin: dict[str, str], where: str) -> int | None:
+        """MLA has no query groups (every head its own keys and values). Also refuses Transformer
+        Engine's MLA files without latent norms, whose down projections are whole on each of the ``n``
+        source TP ranks (the local spec splits their rows)."""
+        full = {"linear_q_down_proj": _arg(args, "q_lora_rank"),
+                "linear_kv_down_proj": (_arg(args, "kv_lora_rank") or 0) + (_arg(args, "qk_pos_emb_head_dim") or 0)}
+        for p in params:
+            rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
+            if n > 1 and rows and p.shape and p.shape[0] == rows:
+                raise LayoutError(f"{p.key} holds all {rows} rows on each of {n} TP ranks: a Transformer Engine MLA "
+                                  "checkpoint (down projections copied on every rank) is not read", culprit=where,
+                                  hint="save it with megatron-core's local spec (--transformer-impl local)")
+        return super().decide_groups(options, args, heads, params, head_dim, n, origin, where)
+
     def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
                             origin: dict[str, str], where: str) -> dict[str, Any]:
         """``mtp_layers``: the multi-token prediction layers (what the export writes copies of the
@@ -131,10 +146,13 @@ class DeepSeek(ModelFamily):
             raise LayoutError(f"{te}: a Transformer Engine MLA checkpoint (latent norms fused, down projections "
                               "copied on every rank) is not read", culprit=where,
                               hint="save it with megatron-core's local spec (--transformer-impl local)")
-        if any(p.key.startswith("mtp.") for p in params) and (options.target_pp or 1) > 1:
-            raise LayoutError("multi-token prediction layers are written at pipeline parallelism 1 only (megatron-core "
-                              "keeps a copy of the embedding on their stage)", culprit="--target-pp",
-                              hint="write PP 1 (drop --target-pp)")
+        source_pp = int(_arg(args, "pipeline_model_parallel_size", default=1))
+        if any(p.key.startswith("mtp.") for p in params) and max(source_pp, options.target_pp or source_pp) > 1:
+            raise LayoutError(f"multi-token prediction layers at pipeline parallelism {source_pp} -> "
+                              f"{options.target_pp or source_pp}: only PP 1 is read and written (megatron-core keeps "
+                              "a copy of the embedding on the MTP stage)", culprit="--target-pp",
+                              hint="convert MTP models at PP 1 (--target-pp 1, from a PP 1 checkpoint)")
+
         heads = _arg(args, "num_attention_heads")
         if isinstance(heads, int) and options.target_tp and heads % options.target_tp:
             raise LayoutError(f"{heads} attention heads do not divide over target TP {options.target_tp}",
@@ -172,7 +190,7 @@ class SharedCopies(VocabRows):
 
 #: megatron-core (local spec) <-> transformers' DeepseekV3ForCausalLM; every linear weight is FP8
 #: in DeepSeek's own release (``LINEAR``), the router, norms, embeddings and head are not.
-DEEPSEEK_V3_NAMES: NameTable = _table(
+_DECODER_NAMES: NameTable = _table(
     ("embedding.word_embeddings.weight", SharedCopies("embed_tokens.weight"), ("model.embed_tokens.weight",)),
     (_L + "input_layernorm.weight", Same(), (_H + "input_layernorm.weight",)),
     (_A + "linear_q_down_proj.weight", Same(), (_HA + "q_a_proj.weight",), LINEAR),
@@ -217,7 +235,8 @@ def _mtp_names(table: NameTable) -> NameTable:
     return own + layer
 
 
-DEEPSEEK_V3_NAMES = _mtp_names(DEEPSEEK_V3_NAMES) + DEEPSEEK_V3_NAMES
+#: The whole table: the multi-token prediction layers', then the decoder's.
+DEEPSEEK_V3_NAMES: NameTable = _mtp_names(_DECODER_NAMES) + _DECODER_NAMES
 
 #: transformers' DeepseekV3Config defaults for what a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -226,16 +245,10 @@ _DEFAULTS: dict[str, Any] = {
     "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
     "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
     "max_position_embeddings": 4096, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_nextn_predict_layers": 1,
 }
 #: The epsilon transformers fixes for the two latent norms (``q_a_layernorm``, ``kv_a_layernorm``);
 #: megatron-core has one epsilon for every norm, so only models whose ``rms_norm_eps`` is this are exact.
 LATENT_NORM_EPS = 1e-6
-
-
-def _mscale(factor: float, mscale: float) -> float:
-    """YaRN's attention scaling, as both libraries compute it."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_from_hf(c: Mapping[str, Any], refuse: Any) -> dict[str, Any]:
@@ -270,8 +283,8 @@ def rope_from_hf(c: Mapping[str, Any], refuse: Any) -> dict[str, Any]:
 
 
 def rope_to_hf(args: Any, refuse: Any) -> dict[str, Any]:
-    """transformers' ``rope_parameters`` for megatron-core's MLA rope ``args`` (megatron-core's
-    defaults where the args are silent; Megatron-LM's own defaults are YaRN with factor 1: plain rope)."""
+    """transformers' ``rope_parameters`` for megatron-core's MLA rope ``args`` (Megatron-LM's CLI
+    defaults where the args are silent: YaRN with factor 1, which is plain rope)."""
     base = float(_arg(args, "rotary_base", default=10000.0))
     rope_type = _arg(args, "rope_type", default="yarn")
     factor = float(_arg(args, "rotary_scaling_factor", default=1.0))
@@ -334,8 +347,12 @@ class DeepseekV3(HFArchitectureFamily):
         if groups > 1 and topk // topk_group != 2:
             raise refuse(f"group routing with num_experts_per_tok {topk} and topk_group {topk_group} (transformers "
                          "scores a group by its top 2 experts, megatron-core by its top k / topk_group)")
-        if experts % groups:
-            raise refuse(f"{experts} experts in {groups} groups")
+        if experts % groups or (groups > 1 and experts // groups < 2):
+            raise CheckpointFormatError(f"{experts} experts in {groups} groups (transformers scores a group by its top "
+                                        "2 experts)", culprit=where, hint="check n_routed_experts and n_group")
+        if topk > topk_group * experts // groups:
+            raise CheckpointFormatError(f"num_experts_per_tok {topk} exceeds the experts of {topk_group} groups",
+                                        culprit=where, hint="check num_experts_per_tok, n_group and topk_group")
         if topk > 1 and not c["norm_topk_prob"]:
             raise refuse("norm_topk_prob false with more than one expert per token (megatron-core renormalizes)")
         if topk == 1 and c["norm_topk_prob"]:
@@ -345,7 +362,7 @@ class DeepseekV3(HFArchitectureFamily):
             raise refuse("no shared expert")
         dense = int(c["first_k_dense_replace"] or 0)
         if not 0 <= dense < layers:
-            raise refuse(f"first_k_dense_replace {dense} of {layers} layers")
+            raise refuse(f"first_k_dense_replace {dense} of {layers} layers (no MoE layer left)")
         moe_ffn = need("moe_intermediate_size")
         q_lora = c.get("q_lora_rank")
         v_dim = need("v_head_dim")
@@ -392,13 +409,16 @@ class DeepseekV3(HFArchitectureFamily):
         def has(pattern: str) -> bool:
             return any(re.search(pattern, k) for k in keys)
 
-        for flag, what in (("squared_relu", "squared ReLU"), ("apply_layernorm_1p", "norm weights stored as w - 1"),
-                           ("layernorm_zero_centered_gamma", "norm weights stored as w - 1"),
-                           ("add_bias_linear", "linear biases"), ("moe_shared_expert_gate", "a gated shared expert"),
+        for flag, what in (*NOT_EXPORTED_FLAGS, ("add_bias_linear", "linear biases"),
+                           ("moe_shared_expert_gate", "a gated shared expert"),
                            ("moe_expert_capacity_factor", "token dropping (expert capacity)"),
                            ("moe_input_jitter_eps", "router input jitter")):
             if _arg(args, flag, default=False):
                 raise refuse(f"{what} ({flag})")
+        if _arg(args, "position_embedding_type", default="rope") not in ("rope", "none"):
+            raise refuse(f"position embedding {_arg(args, 'position_embedding_type')} (MLA rotates its own rope dims)")
+        if float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
+            raise refuse(f"rotary_percent {_arg(args, 'rotary_percent')} (the whole rope head must rotate)")
         if _arg(args, "normalization") != "RMSNorm":
             raise refuse(f"normalization {_arg(args, 'normalization')} (DeepseekV3 uses RMSNorm)")
         if not facts.swiglu:
@@ -422,7 +442,9 @@ class DeepseekV3(HFArchitectureFamily):
         if not isinstance(topk, int):
             raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
         groups, group_topk = _arg(args, "moe_router_num_groups"), _arg(args, "moe_router_group_topk")
-        if groups and groups > 1 and topk // (group_topk or 1) != 2:
+        if not (groups and groups > 1 and group_topk):  # megatron-core routes over every expert then
+            groups = group_topk = None
+        if groups and topk // group_topk != 2:
             raise refuse(f"group routing with top-k {topk} and group top-k {group_topk} (transformers scores a "
                          "group by its top 2 experts)")
         moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
@@ -431,8 +453,14 @@ class DeepseekV3(HFArchitectureFamily):
             raise refuse(f"dense layers {dense} (DeepseekV3's dense layers are the first ones)")
         moe_ffn, shared_ffn = widths.get("expert"), widths.get("shared")
         if not moe_ffn or not shared_ffn or shared_ffn % moe_ffn:
-            raise refuse(f"a shared expert of width {shared_ffn}, not a multiple of the experts' {moe_ffn}")
+            raise refuse(f"a shared expert of width {shared_ffn}, not a multiple of the routed experts' {moe_ffn} "
+                         "(DeepseekV3's is n_shared_experts x moe_intermediate_size)")
+        mtp = int(facts.family_facts.get("mtp_layers", 0))
+        if mtp and facts.tied_embeddings:
+            raise refuse("tied embeddings with multi-token prediction layers (DeepSeek's MTP layers hold a copy of "
+                         "an untied head)")
         experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
+        rope = rope_to_hf(args, refuse)
         q_lora = _arg(args, "q_lora_rank") if has(r"\.linear_q_down_proj\.weight$") else None
         heads, v_dim = facts.heads, _arg(args, "v_head_dim")
         vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
@@ -446,16 +474,18 @@ class DeepseekV3(HFArchitectureFamily):
             "routed_scaling_factor": float(scaling) if scaling else 1.0, "kv_lora_rank": _arg(args, "kv_lora_rank"),
             "q_lora_rank": q_lora, "qk_rope_head_dim": _arg(args, "qk_pos_emb_head_dim"), "v_head_dim": v_dim,
             "qk_nope_head_dim": _arg(args, "qk_head_dim"), "n_group": groups or 1,
-            "topk_group": group_topk if groups else 1, "num_experts_per_tok": topk,
+            "topk_group": group_topk or 1, "num_experts_per_tok": topk,
             "first_k_dense_replace": len(dense), "norm_topk_prob": topk > 1, "scoring_func": "sigmoid",
             "topk_method": "noaux_tc", "hidden_act": "silu", "rms_norm_eps": eps,
-            "rope_parameters": rope_to_hf(args, refuse), "rope_interleave": True, "attention_bias": False,
+            "rope_parameters": rope, "rope_theta": rope["rope_theta"], "rope_interleave": True, "attention_bias": False,
             "tie_word_embeddings": bool(facts.tied_embeddings),
-            "num_nextn_predict_layers": len({k.split(".")[2] for k in keys if k.startswith("mtp.layers.")}),
+            "num_nextn_predict_layers": mtp,
             "dtype": HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
         }
         if isinstance(max_pos, int):
             config["max_position_embeddings"] = max_pos
+        if rope["rope_type"] == "yarn":  # also as transformers 4 and DeepSeek's own config.json say it
+            config["rope_scaling"] = {"type": "yarn", **{k: v for k, v in rope.items() if k != "rope_theta"}}
         missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim")
                    if not isinstance(config[k], int)]
         if missing or (has(r"\.linear_q_down_proj\.weight$") and not isinstance(q_lora, int)):

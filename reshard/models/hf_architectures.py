@@ -569,6 +569,14 @@ def ffn_widths(split_rows: Mapping[str, int], swiglu: bool) -> dict[str, int]:
     return widths
 
 
+#: Megatron-LM ``args`` flags no exported architecture computes (each refused by name, with what it does).
+NOT_EXPORTED_FLAGS: tuple[tuple[str, str], ...] = (
+    ("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
+    ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
+    ("use_rope_scaling", "rotary scaling"), ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"),
+    ("layernorm_zero_centered_gamma", "norm weights stored as w - 1 (zero-centered gamma)"))
+
+
 def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                         ffn: int | None, moe_ffn: int | None = None, shared_ffn: int | None = None) -> HFArchitecture:
     """The Hugging Face architecture that computes this megatron-core model exactly (see the module
@@ -589,12 +597,7 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
     def has(pattern: str) -> bool:
         return any(re.search(pattern, k) for k in keys)
 
-    for flag, what in (("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm",
-                                                          "residual taken after the layer norm"),
-                       ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
-                       ("use_rope_scaling", "rotary scaling"), ("multi_latent_attention", "multi-latent attention"),
-                       ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"),
-                       ("layernorm_zero_centered_gamma", "norm weights stored as w - 1 (zero-centered gamma)")):
+    for flag, what in (*NOT_EXPORTED_FLAGS, ("multi_latent_attention", "multi-latent attention")):
         if _arg(args, flag, default=False):
             raise refuse(f"{what} ({flag})")
     qk_norm = has(r"\.(q_layernorm|k_layernorm)\.weight$")

@@ -266,6 +266,7 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
         hit = next(((i, j, m) for i, row in enumerate(table) if row.transform is not None
                     for j, m in enumerate(p.match(name) for p in row.hf_patterns) if m), None)
         if hit is None:
+            name = mtp_to_hf(name, model.facts.num_layers)
             raise CheckpointFormatError(f"{name} has no counterpart in megatron-core's {model.architecture}",
                                         culprit=name, hint="import a model of the architecture config.json names")
         i, j, m = hit
@@ -308,7 +309,13 @@ def megatron_state(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[st
     dtype = module["embedding.word_embeddings.weight"].dtype
     args = argparse.Namespace(**vars(model.args), params_dtype=dtype, bf16=dtype == torch.bfloat16,
                               fp16=dtype == torch.float16)
-    mtp = {k.split(".")[2] for k in module if k.startswith("mtp.layers.")}
+    mtp = {int(k.split(".")[2]) for k in module if k.startswith("mtp.layers.")}
+    for i in sorted(mtp):  # a layer beyond num_hidden_layers is one only with its own modules
+        if f"mtp.layers.{i}.eh_proj.weight" not in module or i >= len(mtp):
+            where = f"model.layers.{model.facts.num_layers + i}"
+            raise CheckpointFormatError(f"{where} is beyond num_hidden_layers {model.facts.num_layers} but no "
+                                        "multi-token prediction layer (no eh_proj, or one missing before it)",
+                                        culprit=where, hint="check num_hidden_layers in config.json")
     if mtp:  # the multi-token prediction layers the folder holds (its config's count may be a default)
         args.mtp_num_layers = len(mtp)
     return {"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": module}

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from reshard.core.errors import LayoutError
 import torch
 
+from reshard.core.errors import LayoutError
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import HFArchitecture, HFArchitectureFamily, HFModel, decide_architecture
 from reshard.plugins import PluginRegistry

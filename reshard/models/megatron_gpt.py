@@ -274,7 +274,7 @@ EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}.
 #: megatron-core's module order: top-level modules, then a layer's submodules (an MoE layer's router,
 #: experts by number, shared experts), then their entries.
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
-             "decoder.final_layernorm.", "output_layer.")
+             "decoder.final_layernorm.", "mtp.layers.", "output_layer.")
 _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
                     "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
                     "self_attention.linear_q_proj.", "self_attention.linear_kv_down_proj.",
