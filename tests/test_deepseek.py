@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_fixtures import TOKENS, _run_harness, edit_saved_args, needs_mcore
+from mcore_fixtures import TOKENS, _run_harness, edit_saved_args, iteration_folder, needs_mcore
 from reshard.cli import main
 from reshard.core.lazy import RowConcat
 from reshard.models import deepseek
@@ -207,11 +207,12 @@ def mcore_written(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("kind", ["write", "write_dist"], ids=["per_rank", "torch_dist"])
-def test_transformers_runs_the_export_of_megatron_cores_own_checkpoint_with_its_logits(mcore_written, kind,
+@pytest.mark.parametrize("kind,folder", [("write", "run"), ("write", "iteration"), ("write_dist", "run")],
+                         ids=["per_rank", "per_rank_iteration_folder", "torch_dist"])
+def test_transformers_runs_the_export_of_megatron_cores_own_checkpoint_with_its_logits(mcore_written, kind, folder,
                                                                                       tmp_path):
     src = mcore_written / kind
-    out = _run(src, tmp_path / "hf", "--to", "hf")
+    out = _run(src if folder == "run" else iteration_folder(src), tmp_path / "hf", "--to", "hf")
     torch.testing.assert_close(hf_folder_logits(out), torch.load(src / "logits.pt")[:, :128], rtol=0, atol=TOL)
     (mtp,) = torch.load(src / "mtp_logits.pt")
     torch.testing.assert_close(mtp_reference(out), mtp[:-1, :128], rtol=0, atol=TOL)
@@ -382,6 +383,8 @@ def _refused(src: Path, dst: Path, capsys, *extra: str) -> str:
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.2}},
      "attention_factor"),
+    ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 4}, "4 experts in 4 groups"),
+    ({"hidden_act": "gelu"}, "activation gelu"),
 ])
 def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(deepseek_runs, tmp_path, capsys, change,
                                                                       words):
@@ -399,6 +402,8 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(deepseek_r
     ({"moe_router_score_function": "softmax"}, "softmax"),
     ({"rotary_scaling_factor": 4.0, "mscale": 2.0, "mscale_all_dim": 0.0}, "YaRN mscale 2 without mscale_all_dim"),
     ({"moe_shared_expert_gate": True}, "gated shared expert"),
+    ({"rotary_percent": 0.5}, "rotary_percent 0.5"),
+    ({"rotary_interleaved": True}, "interleaved rotary"),
 ])
 def test_an_export_transformers_would_compute_otherwise_is_refused_in_one_line(deepseek_runs, tmp_path, capsys,
                                                                                change, words):

@@ -73,7 +73,8 @@ from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.formats.megatron import iteration_folder
 from reshard.models.megatron_gpt import (EXPERTS, LAYERS, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MIN_CORE_COMPATIBLE_VERSION,
-                                         PER_RANK_ONLY, as_megatron_core, core_module, expert_index, is_megatron_core)
+                                         PER_RANK_ONLY, as_megatron_core, core_module, expert_index, has_spec_keys_map,
+                                         is_megatron_core)
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -578,8 +579,7 @@ class ModelLayout:
     #: ``_extra_state`` entries megatron-core's model asks for that no file of the source holds
     #: (a legacy model's, or a megatron-core-named one saved without them): made up as None
     made_up: frozenset[str] = frozenset()
-    #: the layer spec stores its norms under Transformer Engine's fused names (``LOCAL_SPEC_NAMES``):
-    #: megatron-core's local spec with fused QKV does; its multi-latent attention spec has no keys map
+    #: the norms are stored under Transformer Engine's fused names (``has_spec_keys_map``)
     fused_norm_names: bool = True
     #: multi-token prediction layer (``mtp.layers.N``) -> its experts
     mtp_experts: Mapping[str, int] = field(default_factory=dict)
@@ -604,9 +604,8 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
         m = _MTP_KEY_RE.match(name)
         if m and _dist_name(m.group(2))[1] is not None:
             mtp_experts.setdefault(m.group(1), set()).add(_dist_name(m.group(2))[1])
-    mla = any(".self_attention.linear_kv_down_proj." in n for n in names)
     return ModelLayout(core, 1 + max(per_layer, default=-1), len({frozenset(v) for v in per_layer.values()}) <= 1,
-                       {i: len(e) for i, e in experts.items()}, made_up, fused_norm_names=not mla,
+                       {i: len(e) for i, e in experts.items()}, made_up, fused_norm_names=has_spec_keys_map(names),
                        mtp_experts={k: len(e) for k, e in mtp_experts.items()})
 
 

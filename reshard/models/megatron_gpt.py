@@ -264,6 +264,14 @@ MIN_CORE_COMPATIBLE_VERSION = 2.0
 #: stores them under Transformer Engine's fused names.
 LOCAL_SPEC_NAMES: dict[str, str] = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
                                     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+
+
+def has_spec_keys_map(names: Iterable[str]) -> bool:
+    """Whether torch_dist stores a model's norms under :data:`LOCAL_SPEC_NAMES`: the local layer spec
+    with fused QKV has that keys map; multi-latent attention's spec has none."""
+    return not any(".self_attention.linear_kv_down_proj." in n for n in names)
+
+
 #: Entries megatron-core's per-rank state dict holds that torch_dist does not store.
 PER_RANK_ONLY: dict[str, Any] = {"output_layer._extra_state": None}
 #: The prefix of the per-layer keys, stacked along a leading layer axis in torch_dist.
