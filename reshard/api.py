@@ -87,8 +87,9 @@ def plan(src: str, *, storage_options: Mapping[str, Any] | None = None, cache_di
 
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
             module_key: str = "auto", version: float | None = None) -> dict[str, Any]:
-    """Describe the checkpoint at ``src``: its format, degrees (TP, PP, EP), dtypes, parameter
-    count, bytes, model facts, files, and the ZeRO optimizer state beside it."""
+    """Describe the checkpoint at ``src``: its format, degrees (TP, PP, virtual stages, EP), its
+    pipeline's layers per model chunk, dtypes, parameter count, bytes, model facts, files, and the
+    ZeRO optimizer state beside it."""
     from reshard.models.megatron_gpt import experts_per_layer
     from reshard.core.options import ReshardOptions
     from reshard.execution.planner import build_plan
@@ -106,7 +107,9 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
             "dtypes": dtypes, "parameters": n_params, "tensors": len(built.params),
             "bytes": total_bytes, "num_heads": built.facts.heads,
             "hidden": built.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-            "layout": source.format, "pp": built.source.pp, "ep": built.source.ep, "etp": built.source.expert_tp,
+            "layout": source.format, "pp": built.source_pp, "vpp": built.source.chunks,
+            "stages": built.source_stages.describe() if built.source_stages is not None else None,
+            "ep": built.source.ep, "etp": built.source.expert_tp,
             "experts": max(experts_per_layer([p.key for p in built.params], src).values(), default=0),
             "skipped": sorted(built.dropped), "optimizer": _optimizer(source), "facts": built.facts.to_record(),
             "files": list(source.relative_distinct_files)}
@@ -168,6 +171,9 @@ def plan_record(built: Any) -> dict[str, Any]:
     return {
         "source": built.source.origin, "layout": built.source.format, "source_tp": built.source_tp,
         "target_tp": built.target_tp, "source_pp": built.source_pp, "target_pp": built.target_pp,
+        "source_vpp": built.source.chunks, "target_vpp": built.target_vpp,
+        "source_stages": built.source_stages.describe() if built.source_stages is not None else None,
+        "target_stages": built.target_stages.describe() if built.target_stages is not None else None,
         "version": built.version, "module_key": built.module_key, "num_heads": built.facts.heads,
         "hidden": built.facts.hidden,
         "output_format": built.output_format,

@@ -26,7 +26,9 @@ GROUPS = {"layout": "target layout", "output": "output", "execution": "execution
           "model facts": "model facts (only when the checkpoint's saved args lack them)"}
 #: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
 #: placed where they are added).
-OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_ep": "layout", "target_etp": "layout",
+OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_vpp": "layout",
+                 "target_first_stage_layers": "layout", "target_last_stage_layers": "layout",
+                 "target_pipeline_layout": "layout", "target_ep": "layout", "target_etp": "layout",
                  "to": "output", "hf_architecture": "output", "max_shard_size": "output", "weights": "output",
                  "quantize": "quantization", "fp8_block": "quantization", "bits": "quantization", "groups": "quantization",
                  "mlp_extra_grouping": "quantization", "version": "model facts", "module_key": "model facts",
@@ -340,6 +342,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     else:  # global tensors: no degrees on the output side
         print(f"{rec['source']}: TP {rec['source_tp']}, PP {rec['source_pp']} ({rec['layout']} layout, checkpoint "
               f"version {rec['version']}) -> {rec['output_format']}")
+    if rec["source_stages"] and (rec["source_pp"] > 1 or rec["target_pp"] > 1):
+        print(f"  stages: {rec['source_stages']} -> {rec['target_stages']}")
     for t in rec["targets"]:
         print(f"  {t['name']}: reads source ranks {t['sources']} "
               f"({fmt_bytes(t['bytes_read'])}), writes ~{fmt_bytes(t['bytes_written'])}")
@@ -377,6 +381,8 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
                     print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
             elif k in ("ep", "etp", "experts") and not rec["experts"]:
                 continue  # a dense model: no expert axis to show
+            elif k in ("vpp", "stages") and rec["pp"] == 1:
+                continue  # no pipeline: no stages to show
             elif k != "files":
                 print(f"{k:12} {v}")
     return 0

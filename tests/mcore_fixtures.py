@@ -262,3 +262,53 @@ def rank_module(run: Path, tp_rank: int, pp_rank: int | None = None) -> dict[str
 
     return load_shard(iteration_folder(run) / sub / "model_optim_rng.pt", mmap=False)["model"]
 
+
+
+#: Pipelines written as Megatron-LM's interleaved and uneven stages (Llama-shaped, 8-12 layers; the
+#: logits are the pipeline's own forward, chunk by chunk): name -> (model options, tp, pp, ep).
+_PIPE_BASE = {**_BASE, "groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
+              "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "eps": 1e-5}
+PIPELINES: dict[str, tuple[dict[str, Any], int, int, int]] = {
+    # even interleaved: 2 layers per chunk, tied embeddings (the last chunk holds the head's copy)
+    "vpp": ({**_PIPE_BASE, "layers": 8, "tied": True, "stages": {"vpp": 2}}, 2, 2, 1),
+    # uneven first/last ranks (2 layers each, so 1 per chunk) around a middle rank of 8 (4 per chunk)
+    "uneven_vpp": ({**_PIPE_BASE, "layers": 12, "tied": False, "stages": {"vpp": 2, "first": 2, "last": 2}}, 1, 3, 1),
+    # the embedding and the loss counted as layers: the first and last chunks hold one layer fewer
+    "account": ({**_PIPE_BASE, "layers": 6, "tied": True,
+                 "stages": {"vpp": 2, "account_embedding": True, "account_loss": True}}, 1, 2, 1),
+    # a layout string: the first and last chunks hold one layer, the middle ones two
+    "layout": ({**_PIPE_BASE, "layers": 6, "tied": False, "stages": {"layout": "Et|tt|tt|tL"}}, 1, 2, 1),
+    # MoE at EP 2 with a dense first layer: each chunk's spec picks dense or MoE by the global layer number
+    "moe_vpp": ({**_PIPE_BASE, "layers": 4, "tied": False, "experts": 4, "moe_ffn": 48, "moe_layer_freq": [0, 1, 1, 1],
+                 "stages": {"vpp": 2}}, 1, 2, 2),
+}
+
+
+def mcore_pipeline_checkpoints(root: Path) -> dict[str, Path]:
+    """Every run folder of :data:`PIPELINES` (with ``logits.pt``), written once under ``root``."""
+    return _written_once("pipelines", root, {name: root / name for name in PIPELINES},
+                         lambda name, folder: {"kind": "write", "out": str(folder), "tp": PIPELINES[name][1],
+                                               "pp": PIPELINES[name][2], "ep": PIPELINES[name][3],
+                                               "model": PIPELINES[name][0], "tokens": TOKENS})
+
+
+def mcore_pipeline_forward(cases: list[tuple[str, Path, int, int, int]], workdir: Path) -> dict[str, Any]:
+    """megatron-core's logits of each ``(label, Megatron-LM run folder, tp, pp, ep)``, the model built
+    from the folder's own saved args at that layout (model chunks as they say) and loaded strictly
+    chunk by chunk, the pipeline run in order (a label starting with ``dist:``: a torch_dist folder,
+    through ``dist_checkpointing.load``). A label starting with ``fails:`` is a twin that must not
+    load: its value is each rank's load error ("" where the rank loaded). One harness run."""
+    jobs = [{"kind": "forward_dist" if label.startswith("dist:") else "forward", "ckpt": str(ckpt), "tp": tp, "pp": pp, "ep": ep, "from_args": True, "model": {},
+             "expect_failure": label.startswith("fails:"), "tokens": TOKENS,
+             "out": str(workdir / f"pipe_logits_{i}.pt")} for i, (label, ckpt, tp, pp, ep) in enumerate(cases)]
+    _run_harness(jobs, workdir)
+    return {label: json.loads(Path(j["out"]).read_text()) if j["expect_failure"] else torch.load(j["out"])
+            for (label, *_), j in zip(cases, jobs)}
+
+
+def mcore_stage_table(configs: list[dict[str, Any]], workdir: Path) -> list[Any]:
+    """megatron-core's ``[offset, count]`` per chunk (or its error) for each stage config (see the
+    harness's ``stage_table`` job)."""
+    out = workdir / "stage_table.json"
+    _run_harness([{"kind": "stage_table", "configs": configs, "tp": 1, "out": str(out)}], workdir)
+    return json.loads(out.read_text())

@@ -67,10 +67,25 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab / unit) * unit
 
 
-def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp: int | None = None) -> GPTModel:
-    torch.manual_seed(seed)
+def stage_config(st: dict[str, Any]) -> dict[str, Any]:
+    """TransformerConfig's pipeline-stage fields from a job's ``stages`` (``vpp``, ``first``, ``last``,
+    ``account_embedding``, ``account_loss``, ``layout``)."""
+    return dict(virtual_pipeline_model_parallel_size=st.get("vpp"),
+                num_layers_in_first_pipeline_stage=st.get("first"), num_layers_in_last_pipeline_stage=st.get("last"),
+                account_for_embedding_in_pipeline_split=bool(st.get("account_embedding")),
+                account_for_loss_in_pipeline_split=bool(st.get("account_loss")),
+                pipeline_model_parallel_layout=st.get("layout"))
+
+
+def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int = 1, etp: int | None = None,
+                vp_stage: int | None = None) -> GPTModel:
+    """One model (with ``vp_stage``: model chunk ``vp_stage`` of this pipeline rank, as Megatron-LM's
+    ``get_model`` builds it for the interleaved schedule; ``seed`` None: go on drawing from the
+    generator, so the chunks of a rank differ)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     norm = m.get("norm", "LayerNorm")
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = stage_config(m.get("stages", {}))
     spec_kw: dict[str, Any] = {}
     if m.get("experts"):  # MoE: SequentialMLP experts, the allgather dispatcher (runs without GPUs)
         kw.update(num_moe_experts=m["experts"], moe_router_topk=m.get("topk", 2), moe_ffn_hidden_size=m["moe_ffn"],
@@ -108,7 +123,7 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=norm,
-                                          pp_rank=ps.get_pipeline_model_parallel_rank())
+                                          pp_rank=ps.get_pipeline_model_parallel_rank(), vp_stage=vp_stage)
     else:
         spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.get("qk_norm", False),
                                         multi_latent_attention=bool(m.get("mla")))
@@ -119,8 +134,9 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int, ep: int = 1, etp
         mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
     model = GPTModel(cfg, spec, mtp_block_spec=mtp_spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=m.get("tied", True),
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    share_embeddings_and_output_weights=m.get("tied", True), vp_stage=vp_stage,
                     position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000))
     if m.get("norm_noise"):  # norms distinct from ones (a swapped norm must show), alike at every layout
         with torch.no_grad():
@@ -185,10 +201,29 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
         vocab_size=m.get("saved_vocab_size"), padded_vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp),
         make_vocab_size_divisible_by=m["divisible_by"], max_position_embeddings=m["seq"], seq_length=m["seq"],
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world_size(tp, pp, ep, etp),
-        decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-        num_layers_per_virtual_pipeline_stage=None, attention_backend=AttnBackend.auto,
+        **stage_args(m, pp), attention_backend=AttnBackend.auto,
         params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt",
         transformer_impl="local")
+
+
+def stage_args(m: dict[str, Any], pp: int) -> dict[str, Any]:
+    """The pipeline-stage fields of Megatron-LM's saved ``args`` after its ``validate_args``, as a user
+    asks for the stages: ``--num-layers-per-virtual-pipeline-stage`` for an even interleaved split,
+    ``--num-virtual-stages-per-pipeline-rank`` beside uneven stages, a layout string on its own
+    (its virtual stages derived); ``virtual_pipeline_model_parallel_size`` derived in each case."""
+    st = m.get("stages", {})
+    vpp, layout = st.get("vpp"), st.get("layout")
+    if layout:
+        vpp = len(layout.split("|")) // pp  # the harness's layout strings spell every stage out
+    uneven = st.get("first") is not None or st.get("last") is not None
+    n = m["layers"] + bool(st.get("account_embedding")) + bool(st.get("account_loss"))
+    return dict(virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+                num_layers_per_virtual_pipeline_stage=n // pp // vpp if vpp and not uneven and not layout else None,
+                num_virtual_stages_per_pipeline_rank=vpp if vpp and uneven else None,
+                decoder_first_pipeline_num_layers=st.get("first"), decoder_last_pipeline_num_layers=st.get("last"),
+                account_for_embedding_in_pipeline_split=bool(st.get("account_embedding")),
+                account_for_loss_in_pipeline_split=bool(st.get("account_loss")),
+                pipeline_model_parallel_layout=layout, transformer_pipeline_model_parallel_size=pp)
 
 
 def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
@@ -211,6 +246,12 @@ def options_from_args(a: Any) -> dict[str, Any]:
                 "expert_bias": a.moe_router_enable_expert_bias, "pre_softmax": a.moe_router_pre_softmax,
                 "shared_gate": a.moe_shared_expert_gate,
                 "router": {k: getattr(a, k, None) for k in ROUTER_ARGS}} if getattr(a, "num_experts", None) else {}),
+            "stages": {"vpp": getattr(a, "virtual_pipeline_model_parallel_size", None),
+                       "first": getattr(a, "decoder_first_pipeline_num_layers", None),
+                       "last": getattr(a, "decoder_last_pipeline_num_layers", None),
+                       "account_embedding": getattr(a, "account_for_embedding_in_pipeline_split", False),
+                       "account_loss": getattr(a, "account_for_loss_in_pipeline_split", False),
+                       "layout": getattr(a, "pipeline_model_parallel_layout", None)},
             **({"mtp": a.mtp_num_layers} if getattr(a, "mtp_num_layers", None) else {}),
             **({"mla": {k: getattr(a, k) for k in MLA_ARGS if getattr(a, k, None) is not None or k == "q_lora_rank"}}
                if getattr(a, "multi_latent_attention", False) else {})}
@@ -276,7 +317,40 @@ def _rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
+def _stage_table(job: dict[str, Any]) -> None:
+    """megatron-core's own layer placement for each config of ``job["configs"]`` (``layers``, ``pp``,
+    and the ``stages`` fields): ``[offset, count]`` of every chunk, virtual stage first, as its
+    ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` give them (parallel_state set as a
+    chunk's rank sees it); or the error its ``TransformerConfig`` raises."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    table: list[Any] = []
+    for c in job["configs"]:
+        try:
+            cfg = TransformerConfig(num_layers=c["layers"], hidden_size=8, num_attention_heads=1,
+                                    pipeline_model_parallel_size=c["pp"], pipeline_dtype=torch.float32,
+                                    **stage_config(c.get("stages", {})))
+            vpp = cfg.virtual_pipeline_model_parallel_size
+            ps.set_pipeline_model_parallel_world_size(c["pp"])
+            ps.set_virtual_pipeline_model_parallel_world_size(vpp)
+            rows = []
+            for v in range(vpp or 1):
+                for p in range(c["pp"]):
+                    ps.set_pipeline_model_parallel_rank(p)
+                    stage = v if vpp else None
+                    rows.append([get_transformer_layer_offset(cfg, stage, p), get_num_layers_to_build(cfg, stage, p)])
+            if sum(count for _, count in rows) != c["layers"]:  # megatron-core would build another model
+                raise ValueError(f"the chunks build {sum(count for _, count in rows)} layers")
+            table.append(rows)
+        except Exception as e:  # noqa: BLE001 - megatron-core refuses the config: recorded
+            table.append(f"error: {type(e).__name__}: {e}")
+    Path(job["out"]).write_text(json.dumps(table))
+
+
 def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
+    if job["kind"] == "stage_table":
+        return _stage_table(job)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]  # dist_checkpointing's preload
@@ -288,27 +362,43 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tp, pp, ep, etp = job["tp"], job.get("pp", 1), job.get("ep", 1), job.get("etp") or job["tp"]
     try:
+        vpp = job.get("model", {}).get("stages", {}).get("vpp")
+        layout = job.get("model", {}).get("stages", {}).get("layout")
+        if layout:
+            vpp = len(layout.split("|")) // pp
+        if job.get("from_args"):
+            saved_args = torch.load(_iteration(Path(job["ckpt"])) / (_rank_dir(0, 0, pp, 0, ep) + "/model_optim_rng.pt"
+                                    if job["kind"] == "forward" else "common.pt"), weights_only=False)["args"]
+            vpp = getattr(saved_args, "virtual_pipeline_model_parallel_size", None)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank()
         state = None
         if job["kind"] == "forward":
-            state = torch.load(_iteration(Path(job["ckpt"])) / _rank_dir(tp_rank, 0, 1, ep_rank, ep) /
+            state = torch.load(_iteration(Path(job["ckpt"])) / _rank_dir(tp_rank, pp_rank, pp, ep_rank, ep) /
                                "model_optim_rng.pt", weights_only=False)
         if job.get("from_args"):  # a torch_dist folder keeps its args in common.pt
             saved = state if state is not None else torch.load(_iteration(Path(job["ckpt"])) / "common.pt",
                                                                weights_only=False)
             job = {**job, "model": options_from_args(saved["args"])}
-        model = build_model(job["model"], tp, pp, job.get("seed", 1234), ep, etp)
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        if vpp:  # the interleaved pipeline: this rank's model chunks, built in order (the tied head's sync pairs them)
+            torch.manual_seed(job.get("seed", 1234) + pp_rank)
+            chunks = [build_model(job["model"], tp, pp, None, ep, etp, vp_stage=v) for v in range(vpp)]
+        else:
+            chunks = [build_model(job["model"], tp, pp, job.get("seed", 1234), ep, etp,
+                                  vp_stage=0 if pp > 1 else None)]
+        model = chunks[0]
         if job["kind"] == "write":
             out = Path(job["out"])
             name = _rank_dir(tp_rank, pp_rank, pp, ep_rank, ep)
             f = out / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt"
             sd = {
                 "args": megatron_args(job["model"], tp, pp, ep, etp), "checkpoint_version": 3.0, "iteration": ITERATION,
-                "model": model.state_dict_for_save_checkpoint(),
+                **_module_entries(chunks),
                 "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]},
                 "opt_param_scheduler": {"num_steps": ITERATION},
                 "rerun_state_machine": None,
@@ -328,6 +418,10 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                     torch.save(ROUTING, out / "routing.pt")
                     if MTP_LOGITS:
                         torch.save(MTP_LOGITS, out / "mtp_logits.pt")
+            else:  # the pipeline's forward, chunk by chunk in megatron-core's order
+                logits = _pipeline_logits(chunks, job["tokens"], job["model"]["hidden"])
+                if logits is not None:
+                    torch.save(logits, out / "logits.pt")
         elif job["kind"] == "write_dist":
             _write_dist(job, model, tp, pp)
         elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
@@ -345,15 +439,76 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             backend = getattr(state["args"], "attention_backend", AttnBackend.auto)  # absent: an import's args
             if backend is not AttnBackend.auto:  # carried args keep real enums
                 raise AssertionError(f"args.attention_backend is {backend!r}")
-            model.load_state_dict(state["model"], strict=True)
-            logits = _logits(model, job["tokens"])
-            if rank == 0:
-                torch.save(logits, job["out"])
-                torch.save(ROUTING, job["out"] + ".routing")
-                torch.save(MTP_LOGITS, job["out"] + ".mtp")
+            if vpp and "model" in state:
+                raise AssertionError(f"{vpp} model chunks expected; the file holds 'model'")
+            failed = ""
+            try:
+                for v, chunk in enumerate(chunks):  # strictly, as megatron-core's load_state_dict(strict=True)
+                    chunk.load_state_dict(state[f"model{v}" if vpp else "model"], strict=True)
+            except (RuntimeError, KeyError) as e:
+                if not job.get("expect_failure"):
+                    raise
+                failed = f"{type(e).__name__}: {e}"
+            if job.get("expect_failure"):  # a twin that must not load: say which rank failed how (no forward)
+                errors: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, failed)
+                if rank == 0:
+                    Path(job["out"]).write_text(json.dumps(errors))
+                return
+            if pp > 1:
+                logits = _pipeline_logits(chunks, job["tokens"], job["model"]["hidden"])
+                if logits is not None:
+                    torch.save(logits, job["out"])
+            else:
+                logits = _logits(model, job["tokens"])
+                if rank == 0:
+                    torch.save(logits, job["out"])
+                    torch.save(ROUTING, job["out"] + ".routing")
+                    torch.save(MTP_LOGITS, job["out"] + ".mtp")
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _module_entries(chunks: list[GPTModel]) -> dict[str, Any]:
+    """Megatron-LM's ``generate_state_dict``: ``model``, or ``model0 .. model{V-1}`` for V chunks."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict_for_save_checkpoint()}
+    return {f"model{v}": c.state_dict_for_save_checkpoint() for v, c in enumerate(chunks)}
+
+
+def _pipeline_logits(chunks: list[GPTModel], tokens: list[int], hidden: int) -> torch.Tensor | None:
+    """The logits of a pipeline-parallel model (gathered over TP): chunk ``(p, v)`` runs after every
+    chunk of virtual stage ``v`` on ranks before ``p`` and all of ``v - 1``, its input the hidden
+    states the previous chunk's rank broadcasts over the pipeline group (``[s, 1, hidden]``).
+    Returned on the first TP/data-parallel rank of the last pipeline rank; None elsewhere."""
+    s = len(tokens)
+    mask = torch.triu(torch.ones(s, s), diagonal=1).bool().view(1, 1, s, s)
+    ids, pos = torch.tensor([tokens]), torch.arange(s).unsqueeze(0)
+    pp, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    h: torch.Tensor | None = None
+    out = None
+    for c in chunks:
+        c.eval()
+    with torch.no_grad():
+        for v in range(len(chunks)):
+            for p in range(pp):
+                last = v == len(chunks) - 1 and p == pp - 1
+                if p == me:
+                    if h is not None:
+                        chunks[v].set_input_tensor(h)
+                    out = chunks[v](ids if h is None else None, pos, attention_mask=mask)
+                if last:
+                    break
+                buf = out.contiguous() if p == me else torch.empty(s, 1, hidden)
+                dist.broadcast(buf, src=ranks[p], group=group)
+                h = buf
+    if me != pp - 1:
+        return None
+    logits = _gather_vocab(out)
+    return logits if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 else None
 
 
 def _writes_file(name: str) -> bool:

@@ -55,7 +55,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 #: Fields that must be positive integers when given.
-_POSITIVE = ("target_tp", "target_pp", "target_ep", "target_etp", "num_heads", "num_query_groups", "vocab_size",
+_POSITIVE = ("target_tp", "target_pp", "target_vpp", "target_ep", "target_etp", "num_heads", "num_query_groups", "vocab_size",
              "make_vocab_size_divisible_by", "groups")
 
 
@@ -105,6 +105,18 @@ class ReshardOptions(BaseModel):
                                     negative=("--no-mlp-extra-grouping", "do not double the groups for MLP weights"))
     target_pp: int | None = _opt(None, "pipeline-parallel stages of the output (default: as the source)",
                                  metavar="P", minimum=1)
+    target_vpp: int | None = _opt(None, "virtual pipeline stages per pipeline rank of the output (Megatron-LM's "
+                                        "interleaved schedule; default: the source's when the target keeps its PP, "
+                                        "else 1)", metavar="V", minimum=1)
+    target_first_stage_layers: int | None = _opt(
+        None, "layers of the output's first pipeline rank (Megatron-LM's --decoder-first-pipeline-num-layers; the "
+              "other ranks split the rest evenly)", metavar="N", minimum=0)
+    target_last_stage_layers: int | None = _opt(
+        None, "layers of the output's last pipeline rank (Megatron-LM's --decoder-last-pipeline-num-layers)",
+        metavar="N", minimum=0)
+    target_pipeline_layout: str | None = _opt(
+        None, "the output's stages as Megatron-LM's --pipeline-model-parallel-layout string (E embedding, t layer, "
+              "L loss, | between stages, virtual stage first), e.g. 'Ett|tt|tt|ttL'", metavar="LAYOUT")
     target_ep: int | None = _opt(None, "expert-parallel ranks of the output, for a mixture-of-experts model "
                                        "(default: as the source)", metavar="E", minimum=1)
     target_etp: int | None = _opt(None, "tensor-parallel degree of the routed experts in the output, dividing the "

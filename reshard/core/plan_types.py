@@ -13,6 +13,7 @@ import torch
 
 from reshard.core.layouts import PartitionSpec
 from reshard.core.options import ReshardOptions
+from reshard.core.pipeline_stages import StageLayout
 from reshard.core.rules import QuantSlot, Rule
 from reshard.core.source import DEEPSPEED, SourceCheckpoint
 
@@ -126,6 +127,9 @@ class TargetParam:
 
     out_key: str
     param: ParamPlan
+    #: The model chunk (virtual pipeline stage) of its file that holds it: ``model{chunk}`` of a
+    #: Megatron-LM rank file of the interleaved pipeline; 0 otherwise.
+    chunk: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +196,10 @@ class Plan:
     extra_files: Mapping[str, str] = field(default_factory=dict)
     #: The output's expert TP (MoE; None: the target TP).
     target_etp: int | None = None
+    #: The source's and the output's pipeline stages: layers per model chunk and the setting they
+    #: come from (None: a plan of DeepSpeed pipeline layer files, which have no chunks).
+    source_stages: StageLayout | None = None
+    target_stages: StageLayout | None = None
     #: How the planning layer reads a target's pending state dict (see :meth:`target_state`); set by
     #: :func:`reshard.execution.planner.build_plan`, so a format gets it with the plan it is handed
     #: and never imports the engine (the layers point one way).
@@ -203,7 +211,13 @@ class Plan:
 
     @property
     def source_pp(self) -> int:
-        return self.source.pp
+        """The source's pipeline-parallel ranks."""
+        return self.source.pipeline_ranks
+
+    @property
+    def target_vpp(self) -> int:
+        """The output's virtual pipeline stages per rank (1: none)."""
+        return self.target_stages.vpp if self.target_stages is not None else 1
 
     @property
     def target_tp(self) -> int:

@@ -6,14 +6,14 @@ checked exactly like the same file on disk.
 Cross-shard consistency (same keys, degrees, versions) is the planner's job; this check only
 catches a file that cannot be what its name says, as early as the file arrives.
 
-=============  ======================================================  =====================================
+=============  ======================================================  ============================================================
 role           files                                                   check
-=============  ======================================================  =====================================
-``rank``       ``mp_rank_XX_model_states.pt``, ``model_optim_rng.pt``  loads safely; one module entry; version
+=============  ======================================================  ============================================================
+``rank``       ``mp_rank_XX_model_states.pt``, ``model_optim_rng.pt``  loads safely; one module (model0..: one per chunk); version
 ``pipe-rank``  ``mp_rank_XX_model_states.pt`` beside layer files       loads safely; its module is empty
 ``layer``      ``layer_LL-model_TT-model_states.pt``                   loads safely; a dict of tensors
 ``metadata``   descriptor JSON, ``latest*`` markers                    none (read by the locator)
-=============  ======================================================  =====================================
+=============  ======================================================  ============================================================
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, ReshardError
 from reshard.core.lazy import LazyTensor
 from reshard.core.safe_load import load_shard
-from reshard.core.source import choose_module_key, parse_version
+from reshard.core.pipeline_stages import chunk_keys
+from reshard.core.source import AUTO, MODULE_KEYS, choose_module_key, parse_version
 
 RANK, PIPE_RANK, LAYER, METADATA = "rank", "pipe-rank", "layer", "metadata"
 
@@ -51,6 +52,13 @@ def check_shard_file(path: str, role: str, module_key: str, where: str,
             raise CheckpointFormatError("rank file of a pipeline checkpoint holds a module", culprit=where,
                                         hint="a folder holds either pipeline layer files or per-rank modules")
         return {"kind": PIPE_RANK, "checkpoint_version": version, "mp_world_size": sd.get("mp_world_size")}
+    chunks = chunk_keys(sd)
+    if chunks and module_key == AUTO and not any(k in sd for k in MODULE_KEYS):  # Megatron-LM's interleaved pipeline
+        bad = [k for k in chunks if not isinstance(sd[k], dict)]
+        if bad:
+            raise CheckpointFormatError(f"{bad[0]!r} is a {type(sd[bad[0]]).__name__}, not a state dict", culprit=where)
+        return {"kind": RANK, "module_key": f"{chunks[0]}..{chunks[-1]}", "tensors": sum(len(sd[k]) for k in chunks),
+                "checkpoint_version": version, "mp_world_size": sd.get("mp_world_size")}
     key = choose_module_key(sd, module_key, where)
     module = sd[key]
     return {"kind": RANK, "module_key": key, "tensors": len(module) if isinstance(module, dict) else 0,

@@ -80,6 +80,21 @@ class SourceCheckpoint:
     #: from the saved args (and fills them with the files holding what the planner reads there) or
     #: refuses the checkpoint as incomplete.
     holes: tuple[int, ...] = ()
+    #: Virtual pipeline stages per rank file (Megatron-LM's interleaved schedule): each file holds
+    #: ``model0 .. model{chunks-1}``. The grid then has a row per *model chunk*: stage ``s`` of
+    #: ``pp`` is chunk ``(s % pipeline_ranks, s // pipeline_ranks)`` (megatron-core's order, see
+    #: :mod:`reshard.core.pipeline_stages`), its files those of its pipeline rank, read through
+    #: their ``model{s // pipeline_ranks}``.
+    chunks: int = 1
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline-parallel ranks (``pp`` counts model chunks: ranks x virtual stages)."""
+        return self.pp // self.chunks
+
+    def chunk_of(self, index: int) -> int:
+        """The virtual stage of the model chunk grid position ``index`` reads."""
+        return index // self.tp // self.ep // self.pipeline_ranks
 
     @property
     def rows(self) -> int:
@@ -180,9 +195,9 @@ def choose_module_key(sd: dict[str, Any], requested: str, where: str) -> str:
         return requested
     present = [k for k in MODULE_KEYS if k in sd]
     if not present and "model0" in sd:
-        raise CheckpointFormatError("holds model0, model1, ...: an interleaved (virtual) pipeline checkpoint",
-                                    culprit=where, hint="virtual pipeline stages are not supported; re-save "
-                                                        "without --num-layers-per-virtual-pipeline-stage")
+        raise CheckpointFormatError("holds model0, model1, ...: a rank file of Megatron-LM's interleaved "
+                                    "(virtual) pipeline", culprit=where,
+                                    hint="point reshard at the Megatron-LM run or iteration folder it belongs to")
     if len(present) != 1:
         what = "both 'module' and 'model'" if present else "neither 'module' nor 'model'"
         raise CheckpointFormatError(f"has {what} entries", culprit=where,

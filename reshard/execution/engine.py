@@ -56,7 +56,6 @@ from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, Rec
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
 #: ``args`` attributes for uneven pipeline stages; cleared when the PP degree changes.
-UNEVEN_PP_ARG_NAMES: tuple[str, ...] = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 #: ``layout`` of the quantization record written into each quantized output shard.
 QUANT_LAYOUT = "reshard.quantize.v1: [layers, 4 (qkv, dense, h_to_4h, 4h_to_h), width], stored 1/s"
 
@@ -89,10 +88,12 @@ def build_target(plan: Plan, tgt: int, device: torch.device | None = None) -> di
     shards = _load_sources(plan, tgt)
     out = _target_layout(plan, tgt, shards, device, PageDropper(()))
     kind = plan.targets[tgt].kind
-    module = out if kind == LAYER_FILE else out[plan.module_key] if kind != PIPE_RANK_FILE else {}
-    for k, v in list(module.items()):
-        if isinstance(v, PendingTensor):
-            module[k] = v.materialize()
+    modules = [out] if kind == LAYER_FILE else [] if kind == PIPE_RANK_FILE else \
+        [out[f"model{i}"] for i in range(plan.target_vpp)] if plan.target_vpp > 1 else [out[plan.module_key]]
+    for module in modules:
+        for k, v in list(module.items()):
+            if isinstance(v, PendingTensor):
+                module[k] = v.materialize()
     rec = out.get(QUANT_KEY)
     if plan.options.int8 and isinstance(rec, dict) and isinstance(rec.get("scales"), PendingTensor):
         rec["scales"] = rec["scales"].materialize()
@@ -142,12 +143,13 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             first = shards[i]
             break
 
-    module: "OrderedDict[str, Any]" = OrderedDict()
+    chunks: list["OrderedDict[str, Any]"] = [OrderedDict() for _ in range(plan.target_vpp)]
     scratch = _thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
     quant = _QuantState(plan, tp) if opts.int8 else None
     degrees = plan.degrees
     for entry in tp.params:
         p = entry.param
+        module = chunks[entry.chunk]  # model{chunk} of an interleaved pipeline's file; else the module
         pn, pm = degrees.of(p.rule)  # a routed expert's at the expert TP
         pt = degrees.rank(p.rule, tp.tp_rank)
         if p.spec is None:
@@ -170,6 +172,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             module[entry.out_key] = _pending_assembled(p.spec, srcs, pn, pm, pt, entry.out_key, culprit,
                                                        pages, scratch)
 
+    module = chunks[0]
     if tp.kind == LAYER_FILE:  # keep the saved module versions (``state_dict()._metadata``) as they were
         meta = getattr(first, "_metadata", None)
         if meta is not None:
@@ -177,7 +180,9 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
         return module
     out: dict[str, Any] = {}
     for k, v in first.items():
-        if k == plan.module_key:
+        if k == plan.module_key and len(chunks) > 1:  # Megatron-LM's interleaved pipeline: a module per chunk
+            out.update((f"model{i}", chunk) for i, chunk in enumerate(chunks))
+        elif k == plan.module_key:
             out[k] = None if tp.kind == PIPE_RANK_FILE else module
         elif k in plan.dropped:
             continue
@@ -548,8 +553,10 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
 
 def retarget_args(args: Any, plan: Plan) -> Any:
     """A copy of the saved Megatron ``args`` describing the output: TP, PP and EP degrees, the padded
-    vocabulary, the checkpoint format; uneven first/last pipeline stage sizes are cleared when PP changes (reshard
-    splits layers evenly)."""
+    vocabulary, the checkpoint format, and where the output's pipeline stages differ from the
+    source's, every stage field (virtual stages, uneven first/last stages, accounting, layout
+    string) as Megatron-LM needs it to build them, stale ones cleared
+    (:meth:`~reshard.core.pipeline_stages.StageLayout.args`)."""
     new = copy.copy(args)
     for name in TP_ARG_NAMES:
         if hasattr(new, name):
@@ -569,10 +576,12 @@ def retarget_args(args: Any, plan: Plan) -> Any:
     ckpt_format = get_format(plan.output_format).ckpt_format
     if ckpt_format is not None and hasattr(new, "ckpt_format"):
         setattr(new, "ckpt_format", ckpt_format)
-    if plan.target_pp != plan.source_pp:
-        for name in UNEVEN_PP_ARG_NAMES:
-            if getattr(new, name, None) is not None:
-                setattr(new, name, None)
+    if hasattr(new, "transformer_pipeline_model_parallel_size"):
+        setattr(new, "transformer_pipeline_model_parallel_size", plan.target_pp)
+    if plan.target_stages is not None and plan.target_stages != plan.source_stages:
+        for name, value in plan.target_stages.args().items():  # the stages megatron-core builds; stale ones cleared
+            if hasattr(new, name) or (value is not None and value is not False):
+                setattr(new, name, value)
     return new
 
 

@@ -1,10 +1,11 @@
-"""Pipeline placement and output files: which target stage holds each parameter (layers
-renumbered per stage, embeddings first, final norm and output layer last, the tied head copy on
-the last stage), which source files each output reads, its bytes, and its name."""
+"""Pipeline placement and output files: which target stage (model chunk) holds each parameter
+(layers renumbered per stage, embeddings first, final norm and output layer last, the tied head
+copy on the last stage), which pipeline rank's files hold each chunk, which source files each
+output reads, its bytes, and its name."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -13,6 +14,7 @@ from reshard.core.checks import check_head_equals_embeddings
 from reshard.core.errors import LayoutError
 from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_target
 from reshard.core.options import ReshardOptions
+from reshard.core.pipeline_stages import StageLayout
 from reshard.core.plan_types import ParamPlan, SourceStage, TargetParam, TargetPlan, TensorDegrees, elems, nbytes
 from reshard.core.rules import Place, with_layer
 from reshard.core.source import SourceCheckpoint
@@ -21,27 +23,24 @@ from reshard.models import ModelFamily
 
 
 def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool | None,
-          layers_per_stage: list[int], spp: int,
-          tpp: int, stages: list[SourceStage], warnings: list[str], where: str, ep: int = 1
-          ) -> tuple[list[list[TargetParam]], list[int]]:
-    """Assign every logical entry to a target stage under its output name (local layer numbers).
+          source_layers: Sequence[int], target: StageLayout, stages: list[SourceStage], warnings: list[str],
+          where: str, ep: int = 1) -> list[list[TargetParam]]:
+    """Assign every logical entry to a target stage (a model chunk, see
+    :mod:`reshard.core.pipeline_stages`) under its output name (local layer numbers).
 
-    Same PP: every entry stays where the source has it, under its source name. Another PP:
-    layers split evenly, embeddings to the first stage, final norm and output to the last; the
-    tied head copy is dropped when PP becomes 1 (after checking it equals the embeddings) and
-    recreated on the last stage when PP grows from 1. (``ep``: the source's expert-parallel rows
-    per stage; which target EP rank holds an expert is decided per target, see
+    Stages of the source's sizes (``source_layers``: layers per source stage): every entry stays
+    where the source has it, under its source name. Else: each layer to the stage ``target``
+    gives it, embeddings to the first stage, final norm and output to the last; the tied head
+    copy is dropped when the target has one stage (after checking it equals the embeddings) and
+    recreated on the last stage when the source had one. (``ep``: the source's expert-parallel
+    rows per stage; which target EP rank holds an expert is decided per target, see
     :func:`reshard.models.megatron_gpt.rank_experts`.)"""
+    spp, tpp = len(source_layers), target.stages
     placed: list[list[TargetParam]] = [[] for _ in range(tpp)]
-    if tpp == spp:
+    if tuple(source_layers) == target.counts:
         for p in entries:
             placed[p.stage // ep].append(TargetParam(out_key=p.src_key, param=p))
-        return placed, list(layers_per_stage)
-    num_layers = sum(layers_per_stage)
-    if num_layers % tpp:
-        raise LayoutError(f"{num_layers} layers cannot be split evenly over {tpp} pipeline stages", culprit=where,
-                          hint=f"choose a target PP that divides {num_layers}")
-    per = num_layers // tpp
+        return placed
     emb = next((p for p in entries if p.rule.vocab and p.rule.place is Place.FIRST), None)
     for p in entries:
         is_head = p.rule.tied_head or (tied and spp > 1 and p.key == family.tied_head_keys.get(naming)
@@ -56,8 +55,8 @@ def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool
         elif p.rule.place is Place.LAST:
             placed[tpp - 1].append(TargetParam(out_key=p.key, param=p))
         else:
-            layer = p.layer if p.layer is not None else 0
-            placed[layer // per].append(TargetParam(out_key=with_layer(p.key, layer % per), param=p))
+            stage, local = target.stage_of(p.layer if p.layer is not None else 0)
+            placed[stage].append(TargetParam(out_key=with_layer(p.key, local), param=p))
     if tied and spp == 1 and tpp > 1 and emb is not None:
         head_key = family.tied_head_keys.get(naming)
         if head_key is None:
@@ -68,7 +67,14 @@ def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool
         module = head_key.rsplit(".", 1)[0] + "."  # before the entries of the head's module (its extra state)
         at = next((i for i, tp in enumerate(last) if tp.out_key.startswith(module)), len(last))
         last.insert(at, TargetParam(out_key=head_key, param=emb))
-    return placed, [per] * tpp
+    return placed
+
+
+def by_pipeline_rank(placed: list[list[TargetParam]], target: StageLayout) -> list[list[TargetParam]]:
+    """The entries of each target pipeline rank's files: its chunks' (``placed``: per stage) in
+    virtual-stage order, each entry marked with its chunk."""
+    return [[replace(tp, chunk=v) if v else tp for v in range(target.vpp) for tp in placed[v * target.pp + p]]
+            for p in range(target.pp)]
 
 
 def target_ranks_needed(p: ParamPlan, n: int, m: int, t: int) -> list[int]:

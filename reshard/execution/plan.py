@@ -30,8 +30,9 @@ from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, 
 from reshard.core.experts import check_expert_ranks, check_expert_tp, rank_files
 from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
-from reshard.core.options import ReshardOptions
-from reshard.execution.placement import place, split_files, target_plan
+from reshard.core.options import ReshardOptions, flag_of
+from reshard.core.pipeline_stages import StageLayout
+from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
                                      SourceStage, TensorDegrees, dropped_warning)
 from reshard.core.rules import Kind, Resolution, Rule, layer_index, with_layer
@@ -66,7 +67,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
         options = options.model_copy(update={"weights": weights})
     read = fmt.read(source, options, headers_only=headers_only)
     source = read.source or source  # rows read as the saved args say (stages or expert-parallel ranks)
-    tpp = (source.pp if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
+    tpp = (source.pipeline_ranks if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
     out_fmt.check_target(tpp)
     version = decide_version(read.shards, read.names, source, options)
     tetp = _target_etp(source, options, out_fmt)
@@ -76,8 +77,10 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     warnings: list[str] = [d.vocab.warning] if d.vocab.warning else []
     order = {r.key: i for i, r in enumerate(sorted(d.raw + d.carried_raw, key=lambda r: r.order))}
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
-    placed, target_layers = place(entries, d.family, d.naming, tied, d.layers_per_stage, source.pp, tpp, stages,
-                                  warnings, source.origin, source.ep)
+    source_stages = _source_stages(read.args, d.layers_per_stage, source)
+    target_stages = _target_stages(source_stages, options, tpp, out_fmt)
+    placed = by_pipeline_rank(place(entries, d.family, d.naming, tied, d.layers_per_stage, target_stages, stages,
+                                    warnings, source.origin, source.ep), target_stages)
     if options.quantize == "fp8" and not out_fmt.holds_fp8:
         raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for FP8 block-scaled weights",
                           culprit="--quantize fp8", hint="write a Hugging Face folder (--to hf)")
@@ -104,14 +107,62 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES and k not in kept}
     ds_config = read.shards[0].get("ds_config")
     warnings = dropped_warning(dropped) + warnings
-    facts = d.model_facts(tied, tuple(d.layers_per_stage), tuple(target_layers))
+    facts = d.model_facts(tied, tuple(d.layers_per_stage), target_stages.counts)
     extra = out_fmt.extra_files(source)
     plan = Plan(source=source, options=options, module_key=read.module_key, version=version, params=tuple(params),
                 targets=targets, unused_rules=d.resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
-                extra_files=extra, target_etp=tetp if experts else None)
+                extra_files=extra, target_etp=tetp if experts else None, source_stages=source_stages,
+                target_stages=target_stages)
     return plan
+
+
+def _source_stages(args: Any, layers: list[int], source: SourceCheckpoint) -> StageLayout:
+    """The source's pipeline stages: the layers its files hold per model chunk, which must be
+    what its saved Megatron-LM ``args`` make megatron-core build (uneven first/last stages, the
+    embedding/loss accounting, a layout string, virtual stages); without such args, as the files
+    hold them."""
+    ranks, chunks = source.pipeline_ranks, source.chunks
+    num_layers = int_arg(args, "num_layers")
+    if args is None or num_layers is None or len(layers) != source.pp:
+        return StageLayout(ranks, chunks, tuple(layers), where=source.origin)
+    saved = StageLayout.from_args(args, num_layers, ranks, f"{source.origin} (saved args)")
+    if saved.vpp != chunks:
+        raise CheckpointFormatError(f"the saved args say {saved.vpp} virtual pipeline stage(s) but the files hold "
+                                    f"{chunks} model chunk(s)", culprit=source.origin,
+                                    hint="the saved args do not describe these files")
+    if saved.counts != tuple(layers):
+        at = next(s for s, (a, b) in enumerate(zip(saved.counts, layers)) if a != b)
+        p, v = saved.chunk(at)
+        chunk = f"model chunk (pipeline rank {p}, virtual stage {v})" if chunks > 1 else f"pipeline stage {p}"
+        raise CheckpointFormatError(f"{chunk} holds {layers[at]} layers; the saved args ({saved.describe()}) give "
+                                    f"it {saved.counts[at]}", culprit=source.origin,
+                                    hint="the saved args do not describe these files (a stage file from another "
+                                         "layout?)")
+    return saved
+
+
+def _target_stages(source: StageLayout, options: ReshardOptions, pp: int, out_fmt: CheckpointFormat
+                   ) -> StageLayout:
+    """The output's pipeline stages: the source's when it keeps the pipeline ranks and nothing else
+    is asked; else from ``--target-vpp`` (default: the source's at the same PP, else 1) and the
+    uneven-stage flags, as megatron-core builds them."""
+    vpp, first, last = options.target_vpp, options.target_first_stage_layers, options.target_last_stage_layers
+    layout = options.target_pipeline_layout
+    asked = {flag_of(n): v for n, v in (("target_vpp", vpp), ("target_first_stage_layers", first),
+                                        ("target_last_stage_layers", last), ("target_pipeline_layout", layout))
+             if v is not None and (n != "target_vpp" or v != 1)}
+    if asked and not out_fmt.writes_pipeline_stages:
+        flag = next(iter(asked))
+        raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no pipeline stages", culprit=flag,
+                          hint=f"drop {flag}")
+    if pp == source.pp and vpp in (None, source.vpp) and first is None and last is None and layout is None:
+        return source
+    if vpp is None and layout is None:
+        vpp = source.vpp if pp == source.pp else 1
+    where = next(iter(asked), "--target-pp")
+    return StageLayout.build(source.num_layers, pp, vpp or 1, first=first, last=last, layout=layout, where=where)
 
 
 def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options: ReshardOptions,

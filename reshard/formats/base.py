@@ -175,13 +175,17 @@ class Reading:
         of its stage (see :func:`reshard.execution.plan.build_grid_plan`)."""
         first = self.opened(source, options, 0)
         source = self.axes(first.get("args"), source)  # the grid as the saved args explain it
+        chunked = self.chunked(first, source)
+        if chunked != source:  # the files hold model chunks: each grid position reads one
+            source, first = chunked, self.opened(chunked, options, 0)
         n = source.tp
-        opened = {source.files[0]: first}
+        opened = {(source.files[0], 0): first}
 
         def at(i: int) -> dict[str, Any]:
-            if source.files[i] not in opened:  # a grid may repeat a file (expert TP): read once
-                opened[source.files[i]] = self.opened(source, options, i)
-            return opened[source.files[i]]
+            at_i = (source.files[i], source.chunk_of(i))
+            if at_i not in opened:  # a grid may repeat a file (expert TP, model chunks): read once per chunk
+                opened[at_i] = self.opened(source, options, i)
+            return opened[at_i]
 
         shards = [at(i // n * n if headers_only else i) for i in range(len(source.files))]
         names = [str(f) for f in source.files]
@@ -198,6 +202,12 @@ class Reading:
     def axes(self, args: Any, source: SourceCheckpoint) -> SourceCheckpoint:
         """``source`` with its grid's rows read as the saved ``args`` say (pipeline stages or
         expert-parallel ranks), when its file names alone cannot tell. Default: as located."""
+        return source
+
+    def chunked(self, first: dict[str, Any], source: SourceCheckpoint) -> SourceCheckpoint:
+        """``source`` as a grid of model chunks when its files hold several (Megatron-LM's
+        interleaved pipeline: ``model0 ..`` per file; see :attr:`SourceCheckpoint.chunks`), from
+        the first file (``first``, as opened) and its saved args. Default: as located."""
         return source
 
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.experts import check_expert_tp, rank_files
+from reshard.core.options import ReshardOptions
+from reshard.core.pipeline_stages import STAGE_ARG_NAMES, StageLayout, chunk_keys
 from reshard.models.facts import int_arg
 from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
                                  iteration_dir, iteration_text, megatron_file_name)
@@ -74,9 +76,48 @@ class MegatronFormat(CheckpointFormat):
                                                        "(--ckpt-format torch_dist)")
         return _expert_grid(replace(source, etp=etp))
 
+    def chunked(self, first: dict[str, Any], source: SourceCheckpoint) -> SourceCheckpoint:
+        """Files of the interleaved pipeline hold ``model0 .. model{V-1}`` (and no ``model``): a grid
+        of V times the pipeline ranks' rows, virtual stage first (megatron-core's chunk order). The
+        saved args must say V virtual stages (a ``model{i}`` they do not explain is refused)."""
+        keys = chunk_keys(first)
+        args = first.get("args")
+        saved = _saved_virtual_stages(args, source)
+        if not keys or "model" in first:
+            if saved > 1:
+                raise CheckpointFormatError(f"args say {saved} virtual pipeline stages but the rank file holds one "
+                                            f"model, not model0..model{saved - 1}", culprit=str(source.files[0]),
+                                            hint="the saved args do not describe these files")
+            return source
+        _check_chunk_keys(keys, len(keys), str(source.files[0]))
+        if args is not None and saved != len(keys):
+            raise CheckpointFormatError(f"holds {len(keys)} model chunks ({keys[0]}..{keys[-1]}) but its args say "
+                                        f"{saved} virtual pipeline stage{'s' if saved > 1 else ''}",
+                                        culprit=str(source.files[0]), hint="the saved args do not describe these files")
+        v = len(keys)
+        return replace(source, files=source.files * v, pp=source.pp * v, chunks=v)
+
+    def open(self, source: SourceCheckpoint, options: ReshardOptions, index: int) -> dict[str, Any]:
+        """A rank file; of the interleaved pipeline, the view of one model chunk: its top-level
+        entries with that chunk's ``model{v}`` as ``model``, where the chunks stood."""
+        sd = super().open(source, options, index)
+        if source.chunks == 1:
+            return sd
+        where = str(source.files[index])
+        keys = chunk_keys(sd)
+        _check_chunk_keys(keys, source.chunks, where)
+        chunk = f"model{source.chunk_of(index)}"
+        view: dict[str, Any] = {}
+        for k, v in sd.items():
+            if k not in keys:
+                view[k] = v
+            elif k == keys[0]:
+                view["model"] = sd[chunk]
+        return view
+
     def check_saved_degrees(self, args: Any, source: SourceCheckpoint) -> None:
         for name, found, what in (("tensor_model_parallel_size", source.tp, "tensor-parallel ranks"),
-                                  ("pipeline_model_parallel_size", source.pp, "pipeline stages"),
+                                  ("pipeline_model_parallel_size", source.pipeline_ranks, "pipeline stages"),
                                   ("expert_model_parallel_size", source.ep, "expert-parallel ranks")):
             saved = int_arg(args, name)
             if saved is not None and saved != found:
@@ -87,6 +128,24 @@ class MegatronFormat(CheckpointFormat):
         if (path / MEGATRON_LATEST).is_file():
             return _locate_run(path)
         return _locate_iteration(path, str(path))
+
+
+def _saved_virtual_stages(args: Any, source: SourceCheckpoint) -> int:
+    """The virtual stages per pipeline rank the saved args describe (1: none, or no args)."""
+    num_layers = int_arg(args, "num_layers")
+    if args is None or num_layers is None or not any(getattr(args, n, None) for n in STAGE_ARG_NAMES):
+        return 1
+    return StageLayout.from_args(args, num_layers, source.pp, f"{source.origin} (saved args)").vpp
+
+
+def _check_chunk_keys(keys: list[str], chunks: int, where: str) -> None:
+    """A rank file of the interleaved pipeline holds exactly ``model0 .. model{chunks-1}``."""
+    want = [f"model{i}" for i in range(chunks)]
+    if keys != want:
+        missing = sorted(set(want) - set(keys), key=len)
+        what = f"lacks {', '.join(missing)}" if missing else f"holds {', '.join(k for k in keys if k not in want)}"
+        raise CheckpointFormatError(f"{what}: a rank file of this interleaved pipeline holds model0..model{chunks - 1}",
+                                    culprit=where, hint="copy the complete rank file (every model chunk)")
 
 
 def _where(source: SourceCheckpoint, row: int) -> str:
