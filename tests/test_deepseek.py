@@ -254,11 +254,13 @@ def deepseek_runs(tmp_path_factory):
              "mtp_dist": _run(runs[("v3_mtp", 2, 2)], root / "v3_mtp_dist", "--to", "torch_dist")}
     runs["v3_mtp_from_dist"] = _run(dists["mtp_dist"], root / "v3_mtp_from_dist", "--target-tp", "1", "--target-ep",
                                     "2")
-    layouts = {"v3_mtp_from_dist": (1, 2)}
-    jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "from_args": True, "model": {}, "tokens": TOKENS,
-             "out": str(root / f"forward_{i}.pt")}
+    # multi-latent attention over two pipeline stages (the dense layer on the first, the MoE layer on the last)
+    runs["v3_pp2"] = _run(hf["v3"], root / "v3_pp2", "--target-tp", "1", "--target-pp", "2")
+    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2)}
+    jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
+             "tokens": TOKENS, "out": str(root / f"forward_{i}.pt")}
             for i, (key, run) in enumerate(runs.items())
-            for tp, ep in [layouts.get(key, key[1:] if isinstance(key, tuple) else (2, 2))]]
+            for tp, ep, pp in [layouts.get(key, (*key[1:], 1) if isinstance(key, tuple) else (2, 2, 1))]]
     jobs += [{"kind": "forward_dist", "ckpt": str(run), "tp": 2, "ep": 2, "from_args": True, "model": {},
               "tokens": TOKENS, "out": str(root / f"forward_{name}.pt")} for name, run in dists.items()]
     _run_harness(jobs, root)  # one megatron-core start-up for every model
@@ -277,6 +279,14 @@ def test_megatron_core_mla_runs_the_import_with_transformers_logits(deepseek_run
     logits, routing = deepseek_runs["got"][(name, *layout)]
     torch.testing.assert_close(logits[:, :128], deepseek_runs["want"][name], rtol=0, atol=TOL)
     assert routing  # the MoE layer routed (its router ran)
+
+
+def test_multi_latent_attention_over_pipeline_stages(deepseek_runs):
+    """Imported at PP 2 (the dense MLA layer on the first stage, the MoE one on the last), megatron-core
+    runs the two stages in turn with transformers' logits; its last stage's router ran."""
+    logits, routing = deepseek_runs["got"]["v3_pp2"]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3"], rtol=0, atol=TOL)
+    assert routing
 
 
 def test_megatron_core_runs_the_imported_mtp_layer_with_transformers_mtp_logits(deepseek_runs):
@@ -451,6 +461,19 @@ def test_a_transformer_engine_mla_checkpoint_is_refused_by_name(deepseek_runs, t
         torch.save(sd, f)
     err = _refused(src, tmp_path / "out", capsys, "--target-tp", "1", "--target-ep", "1")
     assert "linear_kv_up_proj.layer_norm_weight" in err and "Transformer Engine" in err
+
+
+def test_tied_embeddings_with_mtp_are_refused_on_export(deepseek_runs, tmp_path, capsys):
+    """DeepSeek's MTP layers hold a copy of an untied head: a tied model with an MTP layer has no
+    DeepseekV3 folder that computes it."""
+    src = shutil.copytree(deepseek_runs["runs"][("v3_mtp", 2, 2)], tmp_path / "tied")
+    for f in src.rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].untie_embeddings_and_output_weights = False
+        sd["model"] = {k: v for k, v in sd["model"].items() if not k.startswith("output_layer.")}
+        torch.save(sd, f)
+    err = _refused(src, tmp_path / "out", capsys, "--to", "hf")
+    assert "tied embeddings with multi-token prediction layers" in err
 
 
 def test_a_kimi_k2_config_is_read_as_deepseek_v3(deepseek_runs, tmp_path):

@@ -52,9 +52,9 @@ from reshard.models.base import ModelFamily
 from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, NOT_EXPORTED_FLAGS, GatedSplit, HFArchitecture, HFArchitectureFamily,
                                              HFModel, NameTable, OutTensor, Run, Same, VocabRows, _arg, _table,
                                              mtp_to_hf)
-from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, experts_per_layer
+from reshard.models.megatron_gpt import DECODER_LAYER, MEGATRON_GPT_RULES, experts_per_layer
 
-_D = r"^decoder\.layers\.\d+\.self_attention\."
+_D = DECODER_LAYER + r"self_attention\."
 _MLA_LINEAR = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj",
                "linear_kv_up_proj")
 
@@ -73,7 +73,6 @@ _DECODER_RULES: tuple[Rule, ...] = (
     # linear_proj (the output projection, split by columns) is megatron-core's GPT rule
 ) + MEGATRON_GPT_RULES
 
-_LAYER_PREFIX = r"^decoder\.layers\.\d+\."
 _MTP = r"^mtp\.layers\.\d+\."
 
 
@@ -90,8 +89,8 @@ def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
            Rule("mtp.eh_proj_extra_state", _MTP + r"eh_proj\._extra_state$", Kind.CARRIED, family="core",
                 optional=True, place=Place.LAST))
     layer = tuple(dataclasses.replace(r, name="mtp." + r.name, optional=True, place=Place.LAST,
-                                      pattern=_MTP + r"transformer_layer\." + r.pattern[len(_LAYER_PREFIX):])
-                  for r in decoder if r.pattern.startswith(_LAYER_PREFIX))
+                                      pattern=_MTP + r"transformer_layer\." + r.pattern[len(DECODER_LAYER):])
+                  for r in decoder if r.pattern.startswith(DECODER_LAYER))
     return own + layer
 
 
@@ -169,6 +168,11 @@ _H = "model.layers.{layer}."
 _A, _HA = _L + "self_attention.", _H + "self_attn."
 _FC1 = (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}")
 _FC2 = (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}")
+def mtp_layers(facts: ModelFacts) -> int:
+    """The model's multi-token prediction layers (its family fact ``mtp_layers``; 0 without)."""
+    return int(facts.family_facts.get("mtp_layers", 0))
+
+
 class SharedCopies(VocabRows):
     """The word embeddings or the output layer, and DeepSeek's copy of it in every multi-token
     prediction layer (``model.layers.{L + i}.embed_tokens`` / ``shared_head.head``, which vLLM's
@@ -181,11 +185,11 @@ class SharedCopies(VocabRows):
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
         first = super().outputs(names, shape, facts)[0]
         return [first] + [OutTensor(mtp_to_hf(f"{MTP_HF}{i}.{self.copy}", facts.num_layers), first.shape)
-                          for i in range(int(facts.family_facts.get("mtp_layers", 0)))]
+                          for i in range(mtp_layers(facts))]
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
         run = super().runs(shape, itemsize, facts)[0]
-        return [dataclasses.replace(run, out=i) for i in range(1 + int(facts.family_facts.get("mtp_layers", 0)))]
+        return [dataclasses.replace(run, out=i) for i in range(1 + mtp_layers(facts))]
 
 
 #: megatron-core (local spec) <-> transformers' DeepseekV3ForCausalLM; every linear weight is FP8
@@ -455,7 +459,7 @@ class DeepseekV3(HFArchitectureFamily):
         if not moe_ffn or not shared_ffn or shared_ffn % moe_ffn:
             raise refuse(f"a shared expert of width {shared_ffn}, not a multiple of the routed experts' {moe_ffn} "
                          "(DeepseekV3's is n_shared_experts x moe_intermediate_size)")
-        mtp = int(facts.family_facts.get("mtp_layers", 0))
+        mtp = mtp_layers(facts)
         if mtp and facts.tied_embeddings:
             raise refuse("tied embeddings with multi-token prediction layers (DeepSeek's MTP layers hold a copy of "
                          "an untied head)")

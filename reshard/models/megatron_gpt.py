@@ -25,7 +25,9 @@ _ATT = r"(?:self_)?attention\."
 _EMB = r"^(?:language_model\.embedding\.|embedding\.)?"
 _LEG_FINAL = r"^(?:transformer|language_model\.encoder)\."
 # --- megatron-core names (embedding.*, decoder.layers.N.*, output_layer.*) ----------------------
-_D = r"^decoder\.layers\.\d+\."
+#: How every parameter name of a decoder layer starts (the rules of a layer's modules extend it).
+DECODER_LAYER = r"^decoder\.layers\.\d+\."
+_D = DECODER_LAYER
 _LN = r"(?:weight|bias)$"
 #: An expert's fc1/fc2 (completed by ``1\.weight|linear_fc1\.weight\d+)$`` and the like).
 _EXPERT = r"mlp\.experts\.(?:local_experts\.\d+\.linear_fc"
