@@ -14,17 +14,12 @@ converter reads virtual stages but writes none), so the floor is the comparison.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-from bench_torch_dist import FLOOR, log, measure, parse_bench_args, reshard, settle, size, source_for, warm
-from contention import busy, load_note
+from bench_torch_dist import FLOOR, parse_bench_args, report, reshard, run_interleaved, size, source_for
 
 TO_VPP = ("--target-tp", "2", "--target-pp", "2", "--target-vpp", "2")
 TO_UNEVEN = ("--target-tp", "2", "--target-pp", "3", "--target-vpp", "2", "--target-first-stage-layers", "2",
@@ -33,8 +28,8 @@ TO_UNEVEN = ("--target-tp", "2", "--target-pp", "3", "--target-vpp", "2", "--tar
 
 def main(argv: list[str] | None = None) -> int:
     ns, shape = parse_bench_args(sys.argv[1:] if argv is None else argv, __doc__.splitlines()[0])
-    if ns.quick:  # PP 2 x VPP 2 needs 4 layers
-        ns.layers, ns.deep_layers = 4, 8
+    if ns.quick:  # PP 3 x VPP 2 with first/last ranks of 2 needs 8 layers (a middle rank of 4)
+        ns.layers, ns.deep_layers = 8, 16
     work = ns.work_dir / "pipeline"
     shutil.rmtree(work, ignore_errors=True)
     results: dict[str, Any] = {}
@@ -51,40 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         if layers != ns.layers:  # the deep model: memory scaling of reshard only
             methods = {k: v for k, v in methods.items() if "->" in k}
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
-        for i in range(ns.runs):
-            for name, (cmd, source) in methods.items():
-                out = work / "run_out"
-                shutil.rmtree(out, ignore_errors=True)
-                os.sync()
-                warm(source)
-                settle(ns.settle)
-                log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
-                cmd = [c.replace("{out}", str(out)) for c in cmd] + ([str(out)] if "floor" in name else [])
-                with busy(ns.busy):
-                    runs[name].append(measure(cmd))
-        shutil.rmtree(work / "run_out", ignore_errors=True)
-        results[f"layers={layers}"] = {
-            "source GB": round(size(src) / 1e9, 2), "VPP GB": round(size(vpp) / 1e9, 2),
-            **{m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
-                   "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}}
+        results[f"layers={layers}"] = {"source GB": round(size(src) / 1e9, 2), "VPP GB": round(size(vpp) / 1e9, 2),
+                                       **run_interleaved(ns, methods, work, layers)}
         shutil.rmtree(vpp, ignore_errors=True)
-    base = results[f"layers={ns.layers}"]
-    lines = [load_note(ns.busy), f"{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
-    for name, rec in base.items():
-        if not isinstance(rec, dict):
-            continue
-        floor = base["floor (per-rank TP 8 bytes)" if name.startswith(("TP 8", "floor (per-rank")) else
-                     "floor (VPP bytes)"]["seconds"]
-        lines.append(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:8d} MiB")
-    if ns.deep_layers:
-        deep = results[f"layers={ns.deep_layers}"]
-        for name in (n for n in base if "->" in n):
-            lines.append(f"peak RSS {name}: {base[name]['peak_rss_mib']} MiB at {ns.layers} layers, "
-                         f"{deep[name]['peak_rss_mib']} MiB at {ns.deep_layers} layers")
-    print("\n".join(lines))
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "results.json").write_text(json.dumps(results, indent=2))
+    report(ns, results, work, lambda name: "floor (per-rank TP 8 bytes)" if name.startswith(("TP 8", "floor (per-rank"))
+           else "floor (VPP bytes)", [name for name in methods if "->" in name])
     return 0
 
 

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,42 +200,58 @@ def main(argv: list[str] | None = None) -> int:
         }
         if layers != ns.layers:  # the deep model: memory scaling of reshard only
             methods = {k: v for k, v in methods.items() if "->" in k}
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
-        for i in range(ns.runs):
-            for name, (cmd, source) in methods.items():
-                out = work / "run_out"
-                shutil.rmtree(out, ignore_errors=True)
-                out.mkdir(parents=True) if "dcp" in name else None
-                os.sync()
-                warm(source)
-                settle(ns.settle)
-                log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
-                cmd = [c.replace("{out}", str(out)) for c in cmd] + ([str(out)] if "floor" in name else [])
-                with busy(ns.busy):  # the same load beside every method (none by default)
-                    runs[name].append(measure(cmd))
-        shutil.rmtree(work / "run_out", ignore_errors=True)
         results[f"layers={layers}"] = {
             "source GB": round(size(src) / 1e9, 2), "torch_dist GB": round(size(dist) / 1e9, 2),
-            **{m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
-                   "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}}
+            **run_interleaved(ns, methods, work, layers, out_dir_for=lambda name: "dcp" in name)}
         shutil.rmtree(dist, ignore_errors=True)
+    report(ns, results, work, lambda name: "floor (per-rank TP 8 bytes)" if "TP 8 ->" in name or "TP 8 bytes" in name
+           else "floor (torch_dist bytes)", ("per-rank TP 8 -> torch_dist", "torch_dist -> per-rank TP 2"))
+    return 0
+
+
+def run_interleaved(ns: argparse.Namespace, methods: dict[str, tuple[list[str], Path]], work: Path, layers: int,
+                    out_dir_for: Callable[[str], bool] = lambda _name: False) -> dict[str, dict[str, float]]:
+    """Every method (name -> (command with ``{out}``, the source it reads)) ``--runs`` times, the
+    methods interleaved; each run from a synced disk, a warm source and after :func:`settle`, its
+    output deleted before the next (a floor gets the output folder as its last argument;
+    ``out_dir_for(name)``: create the folder first). Medians of wall seconds and peak RSS."""
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    for i in range(ns.runs):
+        for name, (cmd, source) in methods.items():
+            out = work / "run_out"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True) if out_dir_for(name) else None
+            os.sync()
+            warm(source)
+            settle(ns.settle)
+            log(f"L{layers} run {i + 1}/{ns.runs}: {name}")
+            cmd = [c.replace("{out}", str(out)) for c in cmd] + ([str(out)] if "floor" in name else [])
+            with busy(ns.busy):  # the same load beside every method (none by default)
+                runs[name].append(measure(cmd))
+    shutil.rmtree(work / "run_out", ignore_errors=True)
+    return {m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
+                "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in runs.items()}
+
+
+def report(ns: argparse.Namespace, results: dict[str, Any], work: Path, floor_of: Callable[[str], str],
+           scaled: Sequence[str]) -> None:
+    """Print each method's seconds, ratio to its floor (``floor_of(name)``: the floor row it is
+    compared with) and peak RSS, and the peak RSS of the ``scaled`` methods at both depths; write
+    ``results.json``."""
     base = results[f"layers={ns.layers}"]
     lines = [load_note(ns.busy), f"{'method':40} {'seconds':>8} {'x floor':>8} {'peak RSS':>10}"]
     for name, rec in base.items():
-        if not isinstance(rec, dict):
-            continue
-        floor = base["floor (per-rank TP 8 bytes)" if "TP 8 ->" in name or "TP 8 bytes" in name
-                    else "floor (torch_dist bytes)"]["seconds"]
-        lines.append(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:8d} MiB")
+        if isinstance(rec, dict):
+            floor = base[floor_of(name)]["seconds"]
+            lines.append(f"{name:40} {rec['seconds']:8.2f} {rec['seconds'] / floor:8.2f} {rec['peak_rss_mib']:8d} MiB")
     if ns.deep_layers:
         deep = results[f"layers={ns.deep_layers}"]
-        for name in ("per-rank TP 8 -> torch_dist", "torch_dist -> per-rank TP 2"):
+        for name in scaled:
             lines.append(f"peak RSS {name}: {base[name]['peak_rss_mib']} MiB at {ns.layers} layers, "
                          f"{deep[name]['peak_rss_mib']} MiB at {ns.deep_layers} layers")
     print("\n".join(lines))
     work.mkdir(parents=True, exist_ok=True)
     (work / "results.json").write_text(json.dumps(results, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -284,12 +284,40 @@ PIPELINES: dict[str, tuple[dict[str, Any], int, int, int]] = {
 }
 
 
+#: Stage settings whose layer placement is asked of megatron-core itself (``layers``, ``pp``, ``stages``).
+STAGE_CONFIGS: list[dict[str, Any]] = [
+    {"layers": 8, "pp": 2, "stages": {"vpp": 2}}, {"layers": 8, "pp": 2, "stages": {"vpp": 4}},
+    {"layers": 12, "pp": 3, "stages": {"vpp": 2, "first": 2, "last": 2}},
+    {"layers": 6, "pp": 2, "stages": {"vpp": 2, "account_embedding": True, "account_loss": True}},
+    {"layers": 7, "pp": 2, "stages": {"account_embedding": True}},
+    {"layers": 6, "pp": 2, "stages": {"first": 4}}, {"layers": 10, "pp": 3, "stages": {"last": 2}},
+    {"layers": 9, "pp": 3, "stages": {"first": 1, "last": 2}}, {"layers": 16, "pp": 4, "stages": {"vpp": 2}},
+    {"layers": 12, "pp": 2, "stages": {"vpp": 3, "first": 6}},
+    {"layers": 6, "pp": 2, "stages": {"layout": "Et|tt|tt|tL"}},
+    {"layers": 5, "pp": 2, "stages": {"layout": "Ettt|ttL"}},
+    {"layers": 4, "pp": 2, "stages": {"layout": "E|tt|tt|L"}},
+    # refused by megatron-core (and reshard): a VPP not dividing a rank's layers, an empty first stage,
+    # middle ranks left without layers, first+last at PP 2 with VPP, stages beyond one pipeline rank
+    {"layers": 8, "pp": 2, "stages": {"vpp": 3}}, {"layers": 12, "pp": 3, "stages": {"vpp": 2, "first": 3}},
+    {"layers": 6, "pp": 2, "stages": {"first": 0}}, {"layers": 4, "pp": 3, "stages": {"first": 2, "last": 2}},
+    {"layers": 4, "pp": 2, "stages": {"vpp": 2, "first": 2, "last": 2}},
+    {"layers": 4, "pp": 1, "stages": {"layout": "Ett|ttL"}}, {"layers": 4, "pp": 1, "stages": {"first": 2}},
+]
+STAGE_TABLE = "stage_table"
+
+
 def mcore_pipeline_checkpoints(root: Path) -> dict[str, Path]:
-    """Every run folder of :data:`PIPELINES` (with ``logits.pt``), written once under ``root``."""
-    return _written_once("pipelines", root, {name: root / name for name in PIPELINES},
-                         lambda name, folder: {"kind": "write", "out": str(folder), "tp": PIPELINES[name][1],
-                                               "pp": PIPELINES[name][2], "ep": PIPELINES[name][3],
-                                               "model": PIPELINES[name][0], "tokens": TOKENS})
+    """Every run folder of :data:`PIPELINES` (with ``logits.pt``), written once under ``root``, and
+    under :data:`STAGE_TABLE` megatron-core's placement of :data:`STAGE_CONFIGS` (a JSON file: see
+    the harness's ``stage_table`` job) from the same harness run."""
+    def job(name: str, out: Path) -> dict[str, Any]:
+        if name == STAGE_TABLE:
+            return {"kind": "stage_table", "configs": STAGE_CONFIGS, "tp": 1, "out": str(out)}
+        model, tp, pp, ep = PIPELINES[name]
+        return {"kind": "write", "out": str(out), "tp": tp, "pp": pp, "ep": ep, "model": model, "tokens": TOKENS}
+
+    folders = {name: root / name for name in PIPELINES} | {STAGE_TABLE: root / "stage_table.json"}
+    return _written_once("pipelines", root, folders, job)
 
 
 def mcore_pipeline_forward(cases: list[tuple[str, Path, int, int, int]], workdir: Path) -> dict[str, Any]:
@@ -304,11 +332,3 @@ def mcore_pipeline_forward(cases: list[tuple[str, Path, int, int, int]], workdir
     _run_harness(jobs, workdir)
     return {label: json.loads(Path(j["out"]).read_text()) if j["expect_failure"] else torch.load(j["out"])
             for (label, *_), j in zip(cases, jobs)}
-
-
-def mcore_stage_table(configs: list[dict[str, Any]], workdir: Path) -> list[Any]:
-    """megatron-core's ``[offset, count]`` per chunk (or its error) for each stage config (see the
-    harness's ``stage_table`` job)."""
-    out = workdir / "stage_table.json"
-    _run_harness([{"kind": "stage_table", "configs": configs, "tp": 1, "out": str(out)}], workdir)
-    return json.loads(out.read_text())

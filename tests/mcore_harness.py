@@ -340,8 +340,9 @@ def _stage_table(job: dict[str, Any]) -> None:
                     ps.set_pipeline_model_parallel_rank(p)
                     stage = v if vpp else None
                     rows.append([get_transformer_layer_offset(cfg, stage, p), get_num_layers_to_build(cfg, stage, p)])
-            if sum(count for _, count in rows) != c["layers"]:  # megatron-core would build another model
-                raise ValueError(f"the chunks build {sum(count for _, count in rows)} layers")
+            starts = [sum(count for _, count in rows[:i]) for i in range(len(rows))]
+            if sum(count for _, count in rows) != c["layers"] or [o for o, _ in rows] != starts:
+                raise ValueError(f"the chunks build {rows}, not the {c['layers']} layers one after the other")
             table.append(rows)
         except Exception as e:  # noqa: BLE001 - megatron-core refuses the config: recorded
             table.append(f"error: {type(e).__name__}: {e}")
@@ -456,9 +457,13 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                     Path(job["out"]).write_text(json.dumps(errors))
                 return
             if pp > 1:
+                for chunk in chunks:
+                    _record_routing(chunk)
                 logits = _pipeline_logits(chunks, job["tokens"], job["model"]["hidden"])
-                if logits is not None:
+                if logits is not None:  # the last rank's routers, and no MTP (read and written at PP 1 only)
                     torch.save(logits, job["out"])
+                    torch.save(ROUTING, job["out"] + ".routing")
+                    torch.save([], job["out"] + ".mtp")
             else:
                 logits = _logits(model, job["tokens"])
                 if rank == 0:

@@ -39,13 +39,8 @@ def _descriptor(root: Path, sample_factory) -> tuple[Path, dict]:
 
 
 def _megatron(root: Path, _sample_factory) -> tuple[Path, dict]:
-    write_core_sample_checkpoint(root / "run", tp=2, pp=2, cfg=CORE)
-    return root / "run", {"target_tp": 1, "target_pp": 1}
-
-
-def _megatron_vpp(root: Path, _sample_factory) -> tuple[Path, dict]:
-    """Megatron-LM's interleaved pipeline (``model0``/``model1`` per rank file) in and out: TP 2 x PP 2
-    x VPP 2 -> TP 1, the PP and its virtual stages kept."""
+    """A Megatron-LM run folder with pipeline stages, of the interleaved schedule (``model0``/``model1``
+    per rank file) in and out: TP 2 x PP 2 x VPP 2 -> TP 1, the PP and its virtual stages kept."""
     write_core_sample_checkpoint(root / "plain", tp=1, cfg=replace(CORE, layers=4))
     run_direct(str(root / "plain"), str(root / "vpp"), ReshardOptions(target_tp=2, target_pp=2, target_vpp=2))
     return root / "vpp", {"target_tp": 1}
@@ -55,8 +50,7 @@ def _pipeline(root: Path, _sample_factory) -> tuple[Path, dict]:
     return write_pipeline(root / "pipe", tp=2, pp=2), {"target_tp": 1, "target_pp": 1}
 
 
-FORMATS = {"deepspeed": _deepspeed, "descriptor": _descriptor, "megatron": _megatron, "megatron_vpp": _megatron_vpp,
-           "pipeline": _pipeline}
+FORMATS = {"deepspeed": _deepspeed, "descriptor": _descriptor, "megatron": _megatron, "pipeline": _pipeline}
 
 
 def _outputs(folder: Path) -> dict[str, bytes]:
@@ -76,7 +70,7 @@ def test_every_format_through_the_flow_equals_direct(fmt, where, sample_factory,
     out = run_flow(ReshardParams(source=source, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
     assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
-    if fmt == "megatron_vpp":
+    if fmt == "megatron":
         first = torch.load(tmp_path / "flow" / "iter_0000100" / "mp_rank_00_000" / "model_optim_rng.pt",
                            weights_only=False)
         assert "model0" in first and "model1" in first and first["args"].virtual_pipeline_model_parallel_size == 2

@@ -11,6 +11,7 @@ plausible wrong answer is shown caught by a twin.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import (PIPELINES, mcore_pipeline_checkpoints, mcore_pipeline_forward, mcore_stage_table,
+from mcore_fixtures import (PIPELINES, STAGE_CONFIGS, STAGE_TABLE, mcore_pipeline_checkpoints, mcore_pipeline_forward,
                             needs_mcore)
 from reshard.cli import main
 from reshard.core.errors import CheckpointFormatError, LayoutError
@@ -128,24 +129,11 @@ def outs(pipes, tmp_path_factory) -> dict[str, Any]:
     return out
 
 
-def test_layer_placement_is_megatron_cores(tmp_path):
+def test_layer_placement_is_megatron_cores(pipes):
     """Layers per chunk (and each chunk's first layer) as megatron-core's own functions place them,
     for every way of setting the stages; what megatron-core refuses, reshard refuses. A placement
     with offsets off by a stage, or chunks taken rank-major, would differ from its table."""
-    configs = [
-        {"layers": 8, "pp": 2, "stages": {"vpp": 2}}, {"layers": 8, "pp": 2, "stages": {"vpp": 4}},
-        {"layers": 12, "pp": 3, "stages": {"vpp": 2, "first": 2, "last": 2}},
-        {"layers": 6, "pp": 2, "stages": {"vpp": 2, "account_embedding": True, "account_loss": True}},
-        {"layers": 7, "pp": 2, "stages": {"account_embedding": True}},
-        {"layers": 6, "pp": 2, "stages": {"first": 4}}, {"layers": 10, "pp": 3, "stages": {"last": 2}},
-        {"layers": 9, "pp": 3, "stages": {"first": 1, "last": 2}}, {"layers": 16, "pp": 4, "stages": {"vpp": 2}},
-        {"layers": 12, "pp": 2, "stages": {"vpp": 3, "first": 6}},
-        {"layers": 6, "pp": 2, "stages": {"layout": "Et|tt|tt|tL"}},
-        {"layers": 5, "pp": 2, "stages": {"layout": "Ettt|ttL"}},
-        {"layers": 4, "pp": 2, "stages": {"layout": "E|tt|tt|L"}},
-        {"layers": 8, "pp": 2, "stages": {"vpp": 3}}, {"layers": 12, "pp": 3, "stages": {"vpp": 2, "first": 3}},
-    ]
-    theirs = mcore_stage_table(configs, tmp_path)
+    configs, theirs = STAGE_CONFIGS, json.loads(pipes[STAGE_TABLE].read_text())
     for c, table in zip(configs, theirs):
         st = c["stages"]
         build = dict(first=st.get("first"), last=st.get("last"), account_embedding=bool(st.get("account_embedding")),
@@ -156,7 +144,8 @@ def test_layer_placement_is_megatron_cores(tmp_path):
             continue
         ours = StageLayout.build(c["layers"], c["pp"], st.get("vpp") or 1, **build)
         assert [list(x) for x in zip(ours.offsets(), ours.counts)] == table, c
-    assert sum(isinstance(t, str) for t in theirs) == 2  # the two refusals are megatron-core's too
+    assert len(theirs) == len(configs)
+    assert sum(isinstance(t, str) for t in theirs) == 7  # the refusals are megatron-core's too
 
 
 def test_layout_strings_parse_as_megatron_lm_writes_them():
@@ -308,4 +297,33 @@ def test_fixture_layouts_are_what_they_claim(pipes):
             for c in ("model0", "model1")] == [4, 4]
     assert _stage_args(pipes["uneven_vpp"])["num_virtual_stages_per_pipeline_rank"] == 2
     assert _stage_args(pipes["layout"])["pipeline_model_parallel_layout"] == "Et|tt|tt|tL"
-    assert set(PIPELINES) == set(pipes)
+    assert set(PIPELINES) | {STAGE_TABLE} == set(pipes)
+
+
+def test_torch_dist_of_an_interleaved_run(pipes, outs, tmp_path):
+    """A torch_dist checkpoint saved by an interleaved run (its common.pt args say PP 2 x VPP 2; its
+    tensors are global) is read as the one stage it holds and written at any pipeline: back at
+    PP 2 x VPP 2 it is the run's own per-rank files; at one stage its args describe no pipeline."""
+    src = _copy(outs["root"] / "torch_dist", tmp_path / "dist")
+    common = next(src.glob("iter_*/common.pt"))
+    sd = torch.load(common, weights_only=False)
+    for name, value in (("pipeline_model_parallel_size", 2), ("virtual_pipeline_model_parallel_size", 2),
+                        ("num_layers_per_virtual_pipeline_stage", 2)):
+        setattr(sd["args"], name, value)
+    torch.save(sd, common)
+    assert main(["run", "--direct", str(src), str(tmp_path / "vpp"), "--target-tp", "2", "--target-pp", "2",
+                 "--target-vpp", "2"]) == 0
+    _same_tensors(tmp_path / "vpp", pipes["vpp"])
+    assert _stage_args(tmp_path / "vpp") == _stage_args(pipes["vpp"])
+    assert main(["run", "--direct", str(src), str(tmp_path / "one"), "--target-tp", "1"]) == 0
+    one = _stage_args(tmp_path / "one")
+    assert one["pipeline_model_parallel_size"] == 1 and not any(one[n] for n in STAGE_ARG_NAMES)
+
+
+def test_only_the_virtual_stages_change(pipes, tmp_path):
+    """--target-vpp alone at the source's PP keeps its uneven first/last ranks (2 + 8 + 2 layers)."""
+    plan = convert(pipes["uneven_vpp"], tmp_path / "v1", target_tp=1, target_vpp=1)
+    assert plan.target_stages.counts == (2, 8, 2)
+    args = _stage_args(tmp_path / "v1")
+    assert (args["decoder_first_pipeline_num_layers"], args["decoder_last_pipeline_num_layers"]) == (2, 2)
+    assert args["virtual_pipeline_model_parallel_size"] is None and args["num_virtual_stages_per_pipeline_rank"] is None

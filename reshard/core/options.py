@@ -55,7 +55,8 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 #: Fields that must be positive integers when given.
-_POSITIVE = ("target_tp", "target_pp", "target_vpp", "target_ep", "target_etp", "num_heads", "num_query_groups", "vocab_size",
+_POSITIVE = ("target_tp", "target_pp", "target_vpp", "target_first_stage_layers", "target_last_stage_layers",
+             "target_ep", "target_etp", "num_heads", "num_query_groups", "vocab_size",
              "make_vocab_size_divisible_by", "groups")
 
 
@@ -110,10 +111,10 @@ class ReshardOptions(BaseModel):
                                         "else 1)", metavar="V", minimum=1)
     target_first_stage_layers: int | None = _opt(
         None, "layers of the output's first pipeline rank (Megatron-LM's --decoder-first-pipeline-num-layers; the "
-              "other ranks split the rest evenly)", metavar="N", minimum=0)
+              "other ranks split the rest evenly)", metavar="N", minimum=1)
     target_last_stage_layers: int | None = _opt(
         None, "layers of the output's last pipeline rank (Megatron-LM's --decoder-last-pipeline-num-layers)",
-        metavar="N", minimum=0)
+        metavar="N", minimum=1)
     target_pipeline_layout: str | None = _opt(
         None, "the output's stages as Megatron-LM's --pipeline-model-parallel-layout string (E embedding, t layer, "
               "L loss, | between stages, virtual stage first), e.g. 'Ett|tt|tt|ttL'", metavar="LAYOUT")

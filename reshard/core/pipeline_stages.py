@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from reshard.core.errors import LayoutError
+from reshard.core.errors import CheckpointFormatError, LayoutError
 
 #: Megatron-LM's ``args`` that describe the pipeline's stages (besides ``pipeline_model_parallel_size``).
 VPP_ARG = "virtual_pipeline_model_parallel_size"
@@ -71,13 +71,17 @@ def chunk_counts(num_layers: int, pp: int, vpp: int = 1, *, first: int | None = 
     a setting megatron-core refuses is refused here too (``where`` names it in the error)."""
     if vpp > 1 and pp == 1:
         raise LayoutError(f"{vpp} virtual stages need more than one pipeline rank", culprit=where,
-                          hint="virtual pipeline stages interleave over PP > 1; use --target-vpp 1 at PP 1")
+                          hint="virtual pipeline stages interleave over PP > 1")
+    uneven = first is not None or last is not None
     if pp == 1:
+        if uneven or account_embedding or account_loss:
+            raise LayoutError("uneven first/last stages need more than one pipeline rank", culprit=where,
+                              hint="one pipeline stage holds every layer")
         return (num_layers,)
     for name, value in (("first", first), ("last", last)):
-        if value is not None and value < 0:
-            raise LayoutError(f"a {name} stage of {value} layers", culprit=where, hint="give a number of layers >= 0")
-    uneven = first is not None or last is not None
+        if value is not None and value <= 0:
+            raise LayoutError(f"a {name} pipeline stage of {value} layers", culprit=where,
+                              hint="give it at least one layer (megatron-core refuses empty first/last stages)")
     if uneven and (account_embedding or account_loss):
         raise LayoutError("uneven first/last stages cannot be combined with accounting for the embedding or loss",
                           culprit=where, hint="choose one of the two ways to balance the stages")
@@ -86,10 +90,14 @@ def chunk_counts(num_layers: int, pp: int, vpp: int = 1, *, first: int | None = 
         middle_layers = num_layers - (first or 0) - (last or 0)
         middle_ranks = pp - edges
         if middle_layers < 0 or (middle_ranks == 0 and middle_layers) or \
-                (middle_ranks and middle_layers % middle_ranks):
+                (middle_ranks and (middle_layers % middle_ranks or not middle_layers)):
             raise LayoutError(f"{num_layers} layers leave {middle_layers} for {middle_ranks} middle pipeline ranks "
                               f"after first={first} last={last}: they do not split evenly", culprit=where,
-                              hint="choose first/last stage sizes that leave a multiple of the middle ranks")
+                              hint="choose first/last stage sizes that leave a positive multiple of the middle ranks")
+        if middle_ranks == 0 and vpp > 1:  # megatron-core 0.16.1 divides by the middle ranks there
+            raise LayoutError(f"first and last stages of {pp} pipeline ranks leave no middle rank, which megatron-core "
+                              f"cannot place over {vpp} virtual stages", culprit=where,
+                              hint="set one of first/last only, or use more pipeline ranks")
         per_rank = [middle_layers // middle_ranks if middle_ranks else 0] * pp
         if first is not None:
             per_rank[0] = first
@@ -129,7 +137,10 @@ def parse_layout(text: str, where: str = "--target-pipeline-layout") -> list[str
     ``Et*3|t*3L``          ``Ettt``, ``tttL``
     =====================  ================================
     """
-    s = text.replace(",", "").replace(" ", "")
+    if any(c.isspace() for c in text):
+        raise LayoutError(f"pipeline layout {text!r} holds whitespace", culprit=where,
+                          hint="Megatron-LM's layout strings have none; write e.g. 'Ett|tt|tt|ttL'")
+    s = text.replace(",", "")
     s = re.sub(r"\(([^()]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
     s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
     bad = sorted(set(s) - set("EtmL|"))
@@ -142,9 +153,15 @@ def parse_layout(text: str, where: str = "--target-pipeline-layout") -> list[str
 def layout_counts(text: str, pp: int, num_layers: int, where: str = "--target-pipeline-layout"
                   ) -> tuple[int, tuple[int, ...]]:
     """(virtual stages, layers per stage) of a layout string for ``pp`` ranks and ``num_layers``
-    layers, checked as megatron-core checks it (embedding first, loss last, every layer placed)."""
+    layers, checked as megatron-core checks it (embedding first, loss last, every layer placed) and
+    stricter: the embedding in the first stage and the loss in the last (where megatron-core builds
+    them whatever the string says). Multi-token prediction layers (``m``) are not counted here (their
+    family places them)."""
     stages = parse_layout(text, where)
     flat = "".join(stages)
+    if pp == 1 and len(stages) > 1:
+        raise LayoutError(f"pipeline layout {text!r} has {len(stages)} stages for one pipeline rank", culprit=where,
+                          hint="virtual pipeline stages interleave over PP > 1")
     if len(stages) % pp:
         raise LayoutError(f"pipeline layout {text!r} has {len(stages)} stages, not a multiple of PP {pp}",
                           culprit=where, hint="write PP x VPP stages separated by |")
@@ -152,9 +169,6 @@ def layout_counts(text: str, pp: int, num_layers: int, where: str = "--target-pi
         raise LayoutError(f"pipeline layout {text!r} must start its first stage with E (the embedding) and end its "
                           f"last stage with L (the loss), once each", culprit=where,
                           hint="e.g. 'Ett|tt|tt|ttL'")
-    if "m" in flat:
-        raise LayoutError(f"pipeline layout {text!r} places multi-token prediction layers", culprit=where,
-                          hint="multi-token prediction is read and written at PP 1 only")
     if flat.count("t") != num_layers:
         raise LayoutError(f"pipeline layout {text!r} places {flat.count('t')} layers; the model has {num_layers}",
                           culprit=where, hint="write one t per transformer layer")
@@ -206,20 +220,24 @@ class StageLayout:
 
         layout, first, last = get(LAYOUT_ARG), get(FIRST_ARG), get(LAST_ARG)
         emb, loss = bool(get(ACCOUNT_EMBEDDING_ARG)), bool(get(ACCOUNT_LOSS_ARG))
+        hint = "the saved args describe no pipeline megatron-core builds for these files"
         if layout is not None and not isinstance(layout, str):  # a parsed layout object: its stage lists
-            raise LayoutError(f"args.{LAYOUT_ARG} is a {type(layout).__name__}, not the layout string Megatron-LM "
-                              f"saves", culprit=where, hint="re-save with --pipeline-model-parallel-layout as text")
+            raise CheckpointFormatError(f"args.{LAYOUT_ARG} is a {type(layout).__name__}, not the layout string "
+                                        f"Megatron-LM saves", culprit=where, hint=hint)
         vpp = get(VPP_ARG) or get(VIRTUAL_STAGES_ARG)
         per_chunk = get(LAYERS_PER_VIRTUAL_STAGE_ARG)
         if not vpp and per_chunk and not layout and pp > 1:
             n = num_layers + emb + loss
             vpp = n // pp // per_chunk if n % pp == 0 and (n // pp) % per_chunk == 0 else 0
             if not vpp:
-                raise LayoutError(f"args.{LAYERS_PER_VIRTUAL_STAGE_ARG} is {per_chunk}, which does not divide the "
-                                  f"{n // pp} layers of each of the {pp} pipeline ranks", culprit=where,
-                                  hint="the saved args do not describe these files")
-        return cls.build(num_layers, pp, int(vpp or 1), first=first, last=last, account_embedding=emb,
-                         account_loss=loss, layout=layout, where=where)
+                raise CheckpointFormatError(f"args.{LAYERS_PER_VIRTUAL_STAGE_ARG} is {per_chunk}, which does not "
+                                            f"divide the {n // pp} layers of each of the {pp} pipeline ranks",
+                                            culprit=where, hint=hint)
+        try:
+            return cls.build(num_layers, pp, int(vpp or 1), first=first, last=last, account_embedding=emb,
+                             account_loss=loss, layout=layout, where=where)
+        except LayoutError as err:  # not the user's flags: the checkpoint's own args
+            raise CheckpointFormatError(err.message, culprit=where, hint=hint) from None
 
     @property
     def stages(self) -> int:

@@ -55,6 +55,8 @@ class ModelFacts:
     padded_vocab_source: int | None
     padded_vocab_target: int | None
     make_vocab_size_divisible_by: int | None
+    #: Layers per pipeline stage: per model chunk, virtual stage first, with virtual stages (see
+    #: :mod:`reshard.core.pipeline_stages`).
     source_pp_layers: tuple[int, ...]
     target_pp_layers: tuple[int, ...]
     origin: Mapping[str, str] = field(default_factory=dict)

@@ -553,10 +553,9 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
 
 def retarget_args(args: Any, plan: Plan) -> Any:
     """A copy of the saved Megatron ``args`` describing the output: TP, PP and EP degrees, the padded
-    vocabulary, the checkpoint format, and where the output's pipeline stages differ from the
-    source's, every stage field (virtual stages, uneven first/last stages, accounting, layout
-    string) as Megatron-LM needs it to build them, stale ones cleared
-    (:meth:`~reshard.core.pipeline_stages.StageLayout.args`)."""
+    vocabulary, the checkpoint format, and every pipeline stage field (virtual stages, uneven
+    first/last stages, accounting, layout string) as Megatron-LM needs it to build the output's
+    stages, stale ones cleared (:meth:`~reshard.core.pipeline_stages.StageLayout.args`)."""
     new = copy.copy(args)
     for name in TP_ARG_NAMES:
         if hasattr(new, name):
@@ -578,10 +577,14 @@ def retarget_args(args: Any, plan: Plan) -> Any:
         setattr(new, "ckpt_format", ckpt_format)
     if hasattr(new, "transformer_pipeline_model_parallel_size"):
         setattr(new, "transformer_pipeline_model_parallel_size", plan.target_pp)
-    if plan.target_stages is not None and plan.target_stages != plan.source_stages:
+    if plan.target_stages is not None:
         for name, value in plan.target_stages.args().items():  # the stages megatron-core builds; stale ones cleared
             if hasattr(new, name) or (value is not None and value is not False):
                 setattr(new, name, value)
+        source_vpp = plan.source_stages.vpp if plan.source_stages is not None else 1
+        if hasattr(new, "overlap_p2p_comm") and (plan.target_stages.vpp > 1) != (source_vpp > 1):
+            # Megatron-LM's validate_args turns it off without virtual stages; on (its default) with them
+            setattr(new, "overlap_p2p_comm", plan.target_stages.vpp > 1)
     return new
 
 

@@ -125,7 +125,8 @@ def _source_stages(args: Any, layers: list[int], source: SourceCheckpoint) -> St
     hold them."""
     ranks, chunks = source.pipeline_ranks, source.chunks
     num_layers = int_arg(args, "num_layers")
-    if args is None or num_layers is None or len(layers) != source.pp:
+    if args is None or num_layers is None or len(layers) != source.pp or \
+            int_arg(args, "pipeline_model_parallel_size") not in (None, ranks):  # torch_dist: stages of its run
         return StageLayout(ranks, chunks, tuple(layers), where=source.origin)
     saved = StageLayout.from_args(args, num_layers, ranks, f"{source.origin} (saved args)")
     if saved.vpp != chunks:
@@ -147,22 +148,33 @@ def _target_stages(source: StageLayout, options: ReshardOptions, pp: int, out_fm
                    ) -> StageLayout:
     """The output's pipeline stages: the source's when it keeps the pipeline ranks and nothing else
     is asked; else from ``--target-vpp`` (default: the source's at the same PP, else 1) and the
-    uneven-stage flags, as megatron-core builds them."""
+    uneven-stage flags (default at the same PP: the source's uneven first/last stages or
+    accounting), as megatron-core builds them."""
     vpp, first, last = options.target_vpp, options.target_first_stage_layers, options.target_last_stage_layers
     layout = options.target_pipeline_layout
-    asked = {flag_of(n): v for n, v in (("target_vpp", vpp), ("target_first_stage_layers", first),
-                                        ("target_last_stage_layers", last), ("target_pipeline_layout", layout))
-             if v is not None and (n != "target_vpp" or v != 1)}
-    if asked and not out_fmt.writes_pipeline_stages:
-        flag = next(iter(asked))
+    given = [flag_of(n) for n, v in (("target_vpp", vpp), ("target_first_stage_layers", first),
+                                     ("target_last_stage_layers", last), ("target_pipeline_layout", layout))
+             if v is not None]
+    if not out_fmt.writes_pipeline_stages and any(f != flag_of("target_vpp") or vpp != 1 for f in given):
+        flag = next(f for f in given if f != flag_of("target_vpp") or vpp != 1)
         raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no pipeline stages", culprit=flag,
                           hint=f"drop {flag}")
+    if layout is not None and "m" in layout:
+        raise LayoutError(f"pipeline layout {layout!r} places multi-token prediction layers",
+                          culprit=flag_of("target_pipeline_layout"),
+                          hint="multi-token prediction is written at PP 1 only")
     if pp == source.pp and vpp in (None, source.vpp) and first is None and last is None and layout is None:
         return source
+    emb = loss = False
+    if pp == source.pp and first is None and last is None and layout is None:  # only the virtual stages change
+        first, last, emb, loss = source.first, source.last, source.account_embedding, source.account_loss
     if vpp is None and layout is None:
         vpp = source.vpp if pp == source.pp else 1
-    where = next(iter(asked), "--target-pp")
-    return StageLayout.build(source.num_layers, pp, vpp or 1, first=first, last=last, layout=layout, where=where)
+    where = next((flag_of(n) for n, v in (("target_pipeline_layout", layout), ("target_first_stage_layers", first),
+                                           ("target_last_stage_layers", last), ("target_vpp", options.target_vpp))
+                  if v is not None and flag_of(n) in given), "--target-pp")
+    return StageLayout.build(source.num_layers, pp, vpp or 1, first=first, last=last, account_embedding=emb,
+                             account_loss=loss, layout=layout, where=where)
 
 
 def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options: ReshardOptions,

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from reshard.execution.ds_pipe import build_pipe_plan
 from reshard.execution.engine import target_state
-from reshard.core.options import ReshardOptions
+from reshard.core.options import ReshardOptions, flag_of
 from reshard.execution.plan import build_grid_plan
 from reshard.core.plan_types import Plan
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint
@@ -41,6 +41,10 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
             raise LayoutError(f"DeepSpeed pipeline layer files are written back only as layer files, not in the "
                               f"{out.title or out.name} layout", culprit="--to",
                               hint="drop --to, or convert Megatron-LM per-rank files instead")
+        for field in ("target_vpp", "target_first_stage_layers", "target_last_stage_layers", "target_pipeline_layout"):
+            if getattr(options, field) is not None and (field != "target_vpp" or options.target_vpp != 1):
+                raise LayoutError("DeepSpeed pipeline layer files have no virtual or uneven stages (each layer is a "
+                                  "file of its own)", culprit=flag_of(field), hint=f"drop {flag_of(field)}")
         plan = build_pipe_plan(source, options, source.pp if options.target_pp is None else options.target_pp)
     else:
         plan = build_grid_plan(source, options, options.target_pp, headers_only=headers_only)

@@ -170,15 +170,16 @@ def _render(template: str, dest_root: str, rel: str, target_tp: int, source_tp: 
 
 @task(name="scan-checkpoints", retries=2, retry_delay_seconds=[2, 10])
 def scan(source_root: str, dest_root: str, targets: list[int], storage_options: dict[str, Any],
-         destination: str, markers: list[str], target_pp: int | None) -> dict[str, Any]:
-    """Finished checkpoints x targets, each marked ``pending``, ``committed`` or ``skipped``."""
+         destination: str, markers: list[str], stages_asked: bool) -> dict[str, Any]:
+    """Finished checkpoints x targets, each marked ``pending``, ``committed`` or ``skipped`` (a
+    checkpoint already at a target TP, unless ``stages_asked``: the options change its pipeline stages)."""
     found, ignored = find_finished_checkpoints(source_root, storage_options, markers, exclude=[dest_root])
     plan = []
     for ckpt in found:
         rel = ckpt["relative_path"] or posixpath.basename(ckpt["source"].rstrip("/"))
         for m in targets:
             item = {**ckpt, "target_tp": m, "destination": _render(destination, dest_root, rel, m, ckpt["source_tp"])}
-            if ckpt["source_tp"] == m and target_pp is None:
+            if ckpt["source_tp"] == m and not stages_asked:
                 item.update(state="skipped", reason=f"already TP {m}")
             elif committed(item["destination"], storage_options):
                 item.update(state="committed", reason="output committed")
@@ -220,8 +221,10 @@ def reshard_sweep(
     ReshardParams(source="x", destination="y", target_tp=1, **options)  # invalid options fail before any work
     _render(destination, dest_root, "run/step", 1, 1)  # so does a bad destination template
 
+    stage_options = ("target_pp", "target_vpp", "target_first_stage_layers", "target_last_stage_layers",
+                     "target_pipeline_layout")
     result = scan(source_root, dest_root, list(targets), storage_options, destination, list(markers),
-                  options.get("target_pp"))
+                  any(options.get(k) is not None for k in stage_options))
     items = result["items"]
     pending = [i for i in items if i["state"] == "pending"]
     log.info("%d finished checkpoint(s) x %d target(s): %d pending, %d committed, %d skipped",

@@ -135,14 +135,15 @@ def _saved_virtual_stages(args: Any, source: SourceCheckpoint) -> int:
     num_layers = int_arg(args, "num_layers")
     if args is None or num_layers is None or not any(getattr(args, n, None) for n in STAGE_ARG_NAMES):
         return 1
-    return StageLayout.from_args(args, num_layers, source.pp, f"{source.origin} (saved args)").vpp
+    ranks = int_arg(args, "pipeline_model_parallel_size") or source.pp  # as saved: a partial copy is refused later
+    return StageLayout.from_args(args, num_layers, ranks, f"{source.origin} (saved args)").vpp
 
 
 def _check_chunk_keys(keys: list[str], chunks: int, where: str) -> None:
     """A rank file of the interleaved pipeline holds exactly ``model0 .. model{chunks-1}``."""
     want = [f"model{i}" for i in range(chunks)]
     if keys != want:
-        missing = sorted(set(want) - set(keys), key=len)
+        missing = sorted(set(want) - set(keys), key=lambda k: int(k[5:]))
         what = f"lacks {', '.join(missing)}" if missing else f"holds {', '.join(k for k in keys if k not in want)}"
         raise CheckpointFormatError(f"{what}: a rank file of this interleaved pipeline holds model0..model{chunks - 1}",
                                     culprit=where, hint="copy the complete rank file (every model chunk)")
