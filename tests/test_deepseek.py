@@ -218,6 +218,11 @@ def test_transformers_runs_the_export_of_megatron_cores_own_checkpoint_with_its_
     torch.testing.assert_close(mtp_reference(out), mtp[:-1, :128], rtol=0, atol=TOL)
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["n_group"] == 2 and config["routed_scaling_factor"] == 2.5
+    from safetensors.torch import load_file  # the MTP layer's copies (vLLM reads them) are the model's own, every row
+
+    t = load_file(out / "model.safetensors")
+    assert torch.equal(t["model.layers.2.embed_tokens.weight"], t["model.embed_tokens.weight"])
+    assert torch.equal(t["model.layers.2.shared_head.head.weight"], t["lm_head.weight"])
 
 
 @pytest.fixture(scope="session")
@@ -450,17 +455,72 @@ def test_a_bf16_model_keeps_its_float32_expert_bias_both_ways(deepseek_runs, tmp
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_a_transformer_engine_mla_checkpoint_is_refused_by_name(deepseek_runs, tmp_path, capsys):
-    """Transformer Engine's MLA spec keeps a full copy of the down projections on every rank and fuses
-    the latent norms into the up projections: not read as the local spec's row splits."""
-    src = shutil.copytree(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "te")
+def as_transformer_engine_saves(run: Path, dst: Path) -> Path:
+    """``run`` (megatron-core's local spec, TP 2) as its Transformer Engine spec saves the same model:
+    the MLA down projections whole on every TP rank (``TELinear`` duplicated), the latent norms fused
+    into the up projections and a dense layer's pre-MLP norm into ``linear_fc1`` (``layer_norm_weight``);
+    names otherwise the same, in the same order. (Transformer Engine does not build on a CPU, so its
+    files are made from megatron-core's own by its spec's rules.)"""
+    shutil.copytree(run, dst)
+    files = sorted(dst.rglob("model_optim_rng.pt"))
+    states = {f: torch.load(f, weights_only=False) for f in files}
+    rows: dict[str, list[Path]] = {}  # each EP rank's TP files, TP rank order
+    for f in files:
+        rows.setdefault(f.parent.name.split("_", 3)[-1], []).append(f)
+    fused = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+             "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+    for row in rows.values():
+        for f in row:
+            model, out = states[f]["model"], {}
+            for k, v in model.items():
+                if k.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
+                    v = torch.cat([states[g]["model"][k] for g in row])
+                name = next((k.replace(a, b) for a, b in fused.items() if k.endswith(a)), k)
+                if k.endswith("pre_mlp_layernorm.weight") and k.replace("pre_mlp_layernorm", "mlp.linear_fc1") in model:
+                    name = k.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+                out[name] = v
+            states[f] = {**states[f], "te": out}
+    for f, sd in states.items():
+        torch.save({**{k: v for k, v in sd.items() if k != "te"}, "model": sd["te"]}, f)
+    return dst
+
+
+def test_a_transformer_engine_mla_checkpoint_is_read(mcore_written, tmp_path):
+    """megatron-core's own MLA + MoE + MTP checkpoint (TP 2 x EP 2) as Transformer Engine's spec saves it
+    exports to the same Hugging Face bytes as the local spec's, which transformers runs with megatron-core's
+    logits; resharded to TP 1 it keeps Transformer Engine's names (the down projections whole, once)."""
+    from safetensors.torch import load_file
+
+    te = as_transformer_engine_saves(mcore_written / "write", tmp_path / "te")
+    module = torch.load(te / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in module
+    assert module["decoder.layers.0.self_attention.linear_q_down_proj.weight"].shape[0] == MCORE_MODEL["mla"]["q_lora_rank"]
+    local = _run(mcore_written / "write", tmp_path / "local_hf", "--to", "hf")
+    ours = _run(te, tmp_path / "te_hf", "--to", "hf")
+    a, b = load_file(local / "model.safetensors"), load_file(ours / "model.safetensors")
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    torch.testing.assert_close(hf_folder_logits(ours), torch.load(mcore_written / "write" / "logits.pt")[:, :128],
+                               rtol=0, atol=TOL)
+    one = _run(te, tmp_path / "te_tp1", "--target-tp", "1", "--target-ep", "1")
+    m1 = torch.load(one / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert torch.equal(m1["decoder.layers.0.self_attention.linear_q_down_proj.weight"],
+                       module["decoder.layers.0.self_attention.linear_q_down_proj.weight"])
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_weight" in m1
+    back = load_file(_run(one, tmp_path / "te_tp1_hf", "--to", "hf") / "model.safetensors")
+    assert all(torch.equal(a[k], back[k]) for k in a)
+
+
+def test_a_checkpoint_mixing_the_two_mla_layouts_is_refused(deepseek_runs, tmp_path, capsys):
+    """Transformer Engine's fused latent norm names beside down projections split by rows (the local
+    spec's): neither spec saves that, so it is not read."""
+    src = shutil.copytree(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "mixed")
     for f in src.rglob("model_optim_rng.pt"):
         sd = torch.load(f, weights_only=False)
         sd["model"] = {k.replace("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj."
                                  "layer_norm_weight"): v for k, v in sd["model"].items()}
         torch.save(sd, f)
     err = _refused(src, tmp_path / "out", capsys, "--target-tp", "1", "--target-ep", "1")
-    assert "linear_kv_up_proj.layer_norm_weight" in err and "Transformer Engine" in err
+    assert "linear_q_down_proj.weight holds 12 of its 24 rows" in err and "Transformer Engine" in err
 
 
 def test_tied_embeddings_with_mtp_are_refused_on_export(deepseek_runs, tmp_path, capsys):

@@ -537,7 +537,8 @@ def header_bytes(entries: Sequence[FileEntry]) -> bytes:
 class _ScatterSink(RecordSink):
     """A megatron-core tensor's bytes, in order, queued for the writer thread to where its runs
     say (``(src, length, file offset)``, sorted); bytes no run covers (vocabulary padding) are
-    dropped. A chunk's ``release`` runs once its last piece is written."""
+    dropped, bytes several runs cover (DeepSeek's copies of the embeddings) go to each. A chunk's
+    ``release`` runs once its last piece is written."""
 
     def __init__(self, writer: Any, runs: list[tuple[int, int, int]], key: str) -> None:
         self.writer, self.runs, self.key = writer, runs, key
@@ -548,17 +549,17 @@ class _ScatterSink(RecordSink):
         mv, hold = as_bytes(data)
         lo, hi = self.pos, self.pos + len(mv)
         pieces = []
-        i = self.next
-        while i < len(self.runs) and self.runs[i][0] < hi:
+        done = True  # the runs before i all end in this chunk: later chunks start after them
+        for i in range(self.next, len(self.runs)):
             src, length, dst = self.runs[i]
+            if src >= hi:
+                break
             a, b = max(lo, src), min(hi, src + length)
             if a < b:
                 pieces.append((mv[a - lo:b - lo], dst + a - src))
-            if src + length <= hi:
-                i += 1
-                self.next = i
-            else:
-                break
+            done = done and src + length <= hi
+            if done:
+                self.next = i + 1
         self.pos = hi
         if not pieces:
             if release is not None:

@@ -24,10 +24,11 @@ megatron-core (``self_attention.``)  shape        split over TP     Hugging Face
 
 Rows are head-major in both libraries (``[head0: nope, rope | head1: ...]``), so every tensor is
 the same bytes under another name: no transform but renaming. The down projections are written
-split by rows, as megatron-core's local spec holds them (its Transformer-Engine spec keeps a full
-copy on every rank and fuses the latent norms into the up projections as ``layer_norm_weight``;
-such checkpoints are refused — by those names, or by whole down projections on every rank — not
-guessed). megatron-core's MLA de-interleaves the rope dims, which is transformers'
+split by rows, as megatron-core's local spec holds them. Its Transformer-Engine spec keeps a full
+copy on every rank and fuses the latent norms into the up projections as ``layer_norm_weight``:
+such checkpoints are read by their own table (:class:`DeepSeekTE`), and refused where the two
+mix (fused names beside split rows) or without latent norms (whole down projections under the
+local spec's names). megatron-core's MLA de-interleaves the rope dims, which is transformers'
 ``rope_interleave=True``: the default, and the only one read.
 
 DeepSeek MoE: a sigmoid router with ``expert_bias`` (HF ``e_score_correction_bias``), routed and
@@ -68,9 +69,17 @@ def _mla(name: str, pattern: str, kind: Kind, **kw: Any) -> Rule:
 _DECODER_RULES: tuple[Rule, ...] = (
     _mla("q_kv_projections", r"(?:" + "|".join(_MLA_LINEAR) + r")\.weight$", Kind.COLUMN),
     _mla("latent_norms", r"(?:q_layernorm|kv_layernorm)\.weight$", Kind.REPLICATED),
-    # Transformer Engine's spec fuses them into the up projections: matched to be refused by name
-    _mla("te_latent_norms", r"linear_(?:q|kv)_up_proj\.layer_norm_weight$", Kind.REPLICATED),
     # linear_proj (the output projection, split by columns) is megatron-core's GPT rule
+) + MEGATRON_GPT_RULES
+
+#: The same tensors as Transformer Engine's spec holds them: the down projections a whole copy on every
+#: TP rank (``TELinear``, ``parallel_mode="duplicated"``), the latent norms fused into the up
+#: projections (``TELayerNormColumnParallelLinear``'s ``layer_norm_weight``), the up projections split
+#: by rows as in the local spec; the dense layers' pre-MLP norm fused into ``linear_fc1`` (a GPT rule).
+_TE_DECODER_RULES: tuple[Rule, ...] = (
+    _mla("te_down_projections", r"linear_(?:q|kv)_down_proj\.weight$", Kind.REPLICATED),
+    _mla("te_up_projections", r"(?:linear_q_up_proj|linear_q_proj|linear_kv_up_proj)\.weight$", Kind.COLUMN),
+    _mla("te_latent_norms", r"linear_(?:q|kv)_up_proj\.layer_norm_weight$", Kind.REPLICATED),
 ) + MEGATRON_GPT_RULES
 
 _MTP = r"^mtp\.layers\.\d+\."
@@ -94,8 +103,10 @@ def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
     return own + layer
 
 
-#: The family's table: the decoder's rules and the multi-token prediction layers'.
+#: The family's table: the decoder's rules and the multi-token prediction layers' (local spec, and
+#: as Transformer Engine's spec holds them).
 DEEPSEEK_RULES: tuple[Rule, ...] = _DECODER_RULES + _mtp_rules(_DECODER_RULES)
+DEEPSEEK_TE_RULES: tuple[Rule, ...] = _TE_DECODER_RULES + _mtp_rules(_TE_DECODER_RULES)
 
 #: A key of an MLA checkpoint (what the family claims by).
 _MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|q|kv_down)_proj\.")
@@ -124,8 +135,7 @@ class DeepSeek(ModelFamily):
         """MLA has no query groups (every head its own keys and values). Also refuses Transformer
         Engine's MLA files without latent norms, whose down projections are whole on each of the ``n``
         source TP ranks (the local spec splits their rows)."""
-        full = {"linear_q_down_proj": _arg(args, "q_lora_rank"),
-                "linear_kv_down_proj": (_arg(args, "kv_lora_rank") or 0) + (_arg(args, "qk_pos_emb_head_dim") or 0)}
+        full = _down_projection_rows(args)
         for p in params:
             rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
             if n > 1 and rows and p.shape and p.shape[0] == rows:
@@ -137,14 +147,8 @@ class DeepSeek(ModelFamily):
     def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
                             origin: dict[str, str], where: str) -> dict[str, Any]:
         """``mtp_layers``: the multi-token prediction layers (what the export writes copies of the
-        embeddings and head for). Refuses what megatron-core's MLA cannot load: Transformer Engine's
-        fused names (their down projections are full copies, not row splits), a target TP that cuts
+        embeddings and head for). Refuses what megatron-core's MLA cannot load: a target TP that cuts
         a head, MTP layers beyond PP 1."""
-        te = next((p.key for p in params if _TE_MLA_KEY.search(p.key)), None)
-        if te is not None:
-            raise LayoutError(f"{te}: a Transformer Engine MLA checkpoint (latent norms fused, down projections "
-                              "copied on every rank) is not read", culprit=where,
-                              hint="save it with megatron-core's local spec (--transformer-impl local)")
         source_pp = int(_arg(args, "pipeline_model_parallel_size", default=1))
         if any(p.key.startswith("mtp.") for p in params) and max(source_pp, options.target_pp or source_pp) > 1:
             raise LayoutError(f"multi-token prediction layers at pipeline parallelism {source_pp} -> "
@@ -168,6 +172,44 @@ _H = "model.layers.{layer}."
 _A, _HA = _L + "self_attention.", _H + "self_attn."
 _FC1 = (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}")
 _FC2 = (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}")
+class DeepSeekTE(DeepSeek):
+    """The same models saved with megatron-core's Transformer Engine spec (the default on GPUs):
+    down projections whole on every rank, latent norms fused into the up projections.
+
+    Claimed by those fused norm names, read by :data:`DEEPSEEK_TE_RULES`. Per-rank outputs keep
+    these names (what the same run loads again); Hugging Face and the other outputs take the
+    tensors, whose bytes are the local spec's."""
+
+    name = "deepseek-te"
+    rules = DEEPSEEK_TE_RULES
+    priority = 49  # asked before the local spec's family: its names are a subset of these files' names
+    supported = ("megatron-core GPT names with multi-latent attention (Transformer Engine spec: down projections "
+                 "copied on every rank, latent norms fused as linear_q/kv_up_proj.layer_norm_weight)")
+
+    def claims(self, keys: Sequence[str]) -> bool:
+        return any(_TE_MLA_KEY.search(k) for k in keys)
+
+    def decide_groups(self, options: ReshardOptions, args: Any, heads: int | None, params: list[CanonicalParam],
+                      head_dim: int | None, n: int, origin: dict[str, str], where: str) -> int | None:
+        """No query groups, as for the local spec; refuses down projections that are not whole (a file
+        mixing the two specs' layouts: the fused norms of one, the row splits of the other)."""
+        full = _down_projection_rows(args)
+        for p in params:
+            rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
+            if rows and p.shape and p.shape[0] != rows:
+                raise LayoutError(f"{p.key} holds {p.shape[0]} of its {rows} rows, but the latent norms are fused as "
+                                  "Transformer Engine's spec saves them (it keeps the down projections whole on "
+                                  "every rank)", culprit=where, hint="the checkpoint mixes two layouts; re-save it")
+        return ModelFamily.decide_groups(self, options, args, heads, params, head_dim, n, origin, where)
+
+
+def _down_projection_rows(args: Any) -> dict[str, int | None]:
+    """The rows of each whole MLA down projection, from the saved args (None: unknown)."""
+    kv = _arg(args, "kv_lora_rank")
+    return {"linear_q_down_proj": _arg(args, "q_lora_rank"),
+            "linear_kv_down_proj": kv + (_arg(args, "qk_pos_emb_head_dim") or 0) if isinstance(kv, int) else None}
+
+
 def mtp_layers(facts: ModelFacts) -> int:
     """The model's multi-token prediction layers (its family fact ``mtp_layers``; 0 without)."""
     return int(facts.family_facts.get("mtp_layers", 0))
@@ -198,14 +240,16 @@ _DECODER_NAMES: NameTable = _table(
     ("embedding.word_embeddings.weight", SharedCopies("embed_tokens.weight"), ("model.embed_tokens.weight",)),
     (_L + "input_layernorm.weight", Same(), (_H + "input_layernorm.weight",)),
     (_A + "linear_q_down_proj.weight", Same(), (_HA + "q_a_proj.weight",), LINEAR),
-    (_A + "q_layernorm.weight", Same(), (_HA + "q_a_layernorm.weight",)),
+    ((_A + "q_layernorm.weight", _A + "linear_q_up_proj.layer_norm_weight"), Same(), (_HA + "q_a_layernorm.weight",)),
     (_A + "linear_q_up_proj.weight", Same(), (_HA + "q_b_proj.weight",), LINEAR),
     (_A + "linear_q_proj.weight", Same(), (_HA + "q_proj.weight",), LINEAR),
     (_A + "linear_kv_down_proj.weight", Same(), (_HA + "kv_a_proj_with_mqa.weight",), LINEAR),
-    (_A + "kv_layernorm.weight", Same(), (_HA + "kv_a_layernorm.weight",)),
+    ((_A + "kv_layernorm.weight", _A + "linear_kv_up_proj.layer_norm_weight"), Same(),
+     (_HA + "kv_a_layernorm.weight",)),
     (_A + "linear_kv_up_proj.weight", Same(), (_HA + "kv_b_proj.weight",), LINEAR),
     (_A + "linear_proj.weight", Same(), (_HA + "o_proj.weight",), LINEAR),
-    (_L + "pre_mlp_layernorm.weight", Same(), (_H + "post_attention_layernorm.weight",)),
+    ((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"), Same(),
+     (_H + "post_attention_layernorm.weight",)),
     (_L + "mlp.linear_fc1.weight", GatedSplit(), (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), LINEAR),
     (_L + "mlp.linear_fc2.weight", Same(), (_H + "mlp.down_proj.weight",), LINEAR),
     (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
@@ -430,7 +474,7 @@ class DeepseekV3(HFArchitectureFamily):
         eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5))
         if eps != LATENT_NORM_EPS:
             raise refuse(f"norm epsilon {eps:g} (transformers fixes the latent norms' at {LATENT_NORM_EPS:g})")
-        if not has(r"\.self_attention\.kv_layernorm\.weight$"):
+        if not has(r"\.self_attention\.(?:kv_layernorm\.weight|linear_kv_up_proj\.layer_norm_weight)$"):
             raise refuse("MLA without latent norms (qk_layernorm false)")
         if not has(r"\.mlp\.router\.weight$"):
             raise refuse("no MoE layer (DeepseekV3's layers after first_k_dense_replace are MoE)")

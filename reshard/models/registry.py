@@ -9,7 +9,8 @@ from reshard.models.base import ModelFamily
 from reshard.plugins import PluginRegistry
 
 #: Built-in families, as "module:class" (imported on first use).
-BUILTIN: tuple[str, ...] = ("reshard.models.megatron_gpt:MegatronGPT", "reshard.models.deepseek:DeepSeek")
+BUILTIN: tuple[str, ...] = ("reshard.models.megatron_gpt:MegatronGPT", "reshard.models.deepseek:DeepSeek",
+                            "reshard.models.deepseek:DeepSeekTE")
 ENTRY_POINT_GROUP = "reshard.models"
 
 _FAMILIES: PluginRegistry[ModelFamily] = PluginRegistry("model family", ModelFamily, BUILTIN, ENTRY_POINT_GROUP)
