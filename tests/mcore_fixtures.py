@@ -302,6 +302,9 @@ STAGE_CONFIGS: list[dict[str, Any]] = [
     {"layers": 6, "pp": 2, "stages": {"first": 0}}, {"layers": 4, "pp": 3, "stages": {"first": 2, "last": 2}},
     {"layers": 4, "pp": 2, "stages": {"vpp": 2, "first": 2, "last": 2}},
     {"layers": 4, "pp": 1, "stages": {"layout": "Ett|ttL"}}, {"layers": 4, "pp": 1, "stages": {"first": 2}},
+    # at PP 1 megatron-core builds every layer whatever the accounting, and a first stage of all of them
+    {"layers": 4, "pp": 1, "stages": {"account_embedding": True, "account_loss": True}},
+    {"layers": 4, "pp": 1, "stages": {"first": 4}},
 ]
 STAGE_TABLE = "stage_table"
 

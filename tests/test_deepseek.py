@@ -508,6 +508,11 @@ def test_a_transformer_engine_mla_checkpoint_is_read(mcore_written, tmp_path):
     assert "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_weight" in m1
     back = load_file(_run(one, tmp_path / "te_tp1_hf", "--to", "hf") / "model.safetensors")
     assert all(torch.equal(a[k], back[k]) for k in a)
+    two = _run(one, tmp_path / "te_tp2", "--target-tp", "2")  # TP 1 -> 2: the whole copy on both ranks
+    down = "decoder.layers.1.self_attention.linear_kv_down_proj.weight"
+    for t in range(2):
+        m = torch.load(two / "iter_0000007" / f"mp_rank_{t:02d}" / "model_optim_rng.pt", weights_only=False)["model"]
+        assert torch.equal(m[down], m1[down])
 
 
 def test_a_checkpoint_mixing_the_two_mla_layouts_is_refused(deepseek_runs, tmp_path, capsys):
@@ -603,6 +608,11 @@ def test_whole_down_projections_on_every_tp_rank_are_refused_as_transformer_engi
         torch.save(sd, f)
     err = _refused(src, tmp_path / "out", capsys, "--target-tp", "1", "--target-ep", "1")
     assert "holds all 24 rows on each of 2 TP ranks" in err and "Transformer Engine" in err
+    # at TP 1 the rows cannot tell: the saved args' transformer_impl, or a dense layer's fused pre-MLP norm, do
+    one = shutil.copytree(deepseek_runs["runs"][("v3", 1, 1)], tmp_path / "te1")
+    edit_saved_args(one, transformer_impl="transformer_engine")
+    err = _refused(one, tmp_path / "out1", capsys, "--target-tp", "2")
+    assert "transformer_impl transformer_engine" in err and "without latent norms" in err
 
 
 def test_group_routing_without_a_group_top_k_exports_as_no_groups(deepseek_runs, tmp_path):

@@ -345,3 +345,33 @@ def test_the_manifest_hashes_are_the_files_hashes(mcore, tmp_path, shard):
     assert len(weights) == (1 if shard is None else 4)
     for r in weights:
         assert r["sha256"] == hashlib.sha256((out / r["path"]).read_bytes()).hexdigest(), r["path"]
+
+
+@pytest.mark.parametrize("runs", [[(0, 8, 100), (0, 8, 200)], [(0, 8, 100), (2, 3, 200)], [(0, 6, 100), (4, 6, 200)],
+                                  [(0, 3, 100), (5, 3, 200)], [(0, 8, 100), (0, 8, 200), (3, 2, 300)]],
+                         ids=["duplicate", "nested", "partial", "disjoint", "three"])
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_every_byte_reaches_every_run_that_covers_it(runs, chunk):
+    """The writer's scatter of a tensor's bytes (in chunks of any size) to its outputs' byte runs,
+    where runs overlap (DeepSeek's copies of the embeddings are runs of the same bytes)."""
+    from reshard.formats.hf import _ScatterSink
+
+    class Writer:
+        def __init__(self) -> None:
+            self.file: dict[int, int] = {}
+
+        def put(self, item) -> None:
+            piece, offset, _release, _keep = item
+            for i, byte in enumerate(bytes(piece)):
+                assert offset + i not in self.file, "a byte written twice"
+                self.file[offset + i] = byte
+
+    data = bytes(range(1, 13))
+    writer = Writer()
+    sink = _ScatterSink(writer, sorted(runs), "t")
+    for lo in range(0, len(data), chunk):
+        sink.write(torch.frombuffer(bytearray(data[lo:lo + chunk]), dtype=torch.uint8))
+    sink.finish(len(data))
+    want = {dst + i: data[src + i] for src, length, dst in runs for i in range(length)}
+    assert writer.file == want
+

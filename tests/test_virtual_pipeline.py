@@ -274,6 +274,9 @@ def test_refusals(pipes, tmp_path):
     with pytest.raises(CheckpointFormatError, match=r"model chunk \(pipeline rank 0, virtual stage 0\) holds 1 "
                                                     r"layers; the saved args .* give it 2"):
         convert(wrong, tmp_path / "x", target_tp=1)
+    # a layout string cannot be kept over another number of virtual stages
+    with pytest.raises(LayoutError, match="layout string .* another number of virtual stages"):
+        convert(pipes["layout"], tmp_path / "x", target_tp=1, target_vpp=1)
     # the CLI: exit 2, one line
     assert main(["run", "--direct", str(pipes["vpp"]), str(tmp_path / "cli"), "--target-tp", "1",
                  "--target-vpp", "3"]) == 2
@@ -328,3 +331,24 @@ def test_only_the_virtual_stages_change(pipes, tmp_path):
     args = _stage_args(tmp_path / "v1")
     assert (args["decoder_first_pipeline_num_layers"], args["decoder_last_pipeline_num_layers"]) == (2, 2)
     assert args["virtual_pipeline_model_parallel_size"] is None and args["num_virtual_stages_per_pipeline_rank"] is None
+
+
+def test_saved_stage_args_stay_as_saved_when_the_stages_do(pipes, outs, tmp_path):
+    """A TP change keeps the source's own stage fields (Megatron-LM refuses two ways of giving the virtual
+    stages, so one written beside the user's own would break a resume); a PP 1 checkpoint trained with the
+    embedding/loss counted (megatron-core builds every layer there) is read."""
+    src = _copy(pipes["vpp"], tmp_path / "vspr")
+    for f in src.glob("iter_*/*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].num_virtual_stages_per_pipeline_rank, sd["args"].num_layers_per_virtual_pipeline_stage = 2, None
+        torch.save(sd, f)
+    convert(src, tmp_path / "tp1", target_tp=1)
+    assert _stage_args(tmp_path / "tp1") == _stage_args(src)
+    one = _copy(outs["root"] / "plain", tmp_path / "account")
+    for f in one.glob("iter_*/*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].account_for_embedding_in_pipeline_split = sd["args"].account_for_loss_in_pipeline_split = True
+        torch.save(sd, f)
+    plan = convert(one, tmp_path / "account_tp2", target_tp=2)
+    assert plan.target_stages.counts == (8,) and _stage_args(tmp_path / "account_tp2") == _stage_args(one)
+

@@ -38,7 +38,7 @@ saved ``args`` name them (one place for those names).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
@@ -73,8 +73,8 @@ def chunk_counts(num_layers: int, pp: int, vpp: int = 1, *, first: int | None = 
         raise LayoutError(f"{vpp} virtual stages need more than one pipeline rank", culprit=where,
                           hint="virtual pipeline stages interleave over PP > 1")
     uneven = first is not None or last is not None
-    if pp == 1:
-        if uneven or account_embedding or account_loss:
+    if pp == 1:  # megatron-core builds every layer; accounting for the embedding/loss changes nothing here
+        if uneven and ((first is None) == (last is None) or (first or last) != num_layers):
             raise LayoutError("uneven first/last stages need more than one pipeline rank", culprit=where,
                               hint="one pipeline stage holds every layer")
         return (num_layers,)
@@ -190,6 +190,8 @@ class StageLayout:
     layout: str | None = None
     #: Where the layout came from (a flag, the saved args, the files), for errors.
     where: str = field(default="pipeline stages", compare=False)
+    #: Read from a checkpoint's saved args (whose own stage fields then describe it as they are).
+    saved: bool = field(default=False, compare=False)
 
     @classmethod
     def build(cls, num_layers: int, pp: int, vpp: int = 1, *, first: int | None = None, last: int | None = None,
@@ -218,6 +220,8 @@ class StageLayout:
         def get(name: str) -> Any:
             return getattr(args, name, None)
 
+        if pp == 1:  # one stage holds every layer, whatever the stage fields say
+            return cls(1, 1, (num_layers,), where=where, saved=True)
         layout, first, last = get(LAYOUT_ARG), get(FIRST_ARG), get(LAST_ARG)
         emb, loss = bool(get(ACCOUNT_EMBEDDING_ARG)), bool(get(ACCOUNT_LOSS_ARG))
         hint = "the saved args describe no pipeline megatron-core builds for these files"
@@ -226,6 +230,11 @@ class StageLayout:
                                         f"Megatron-LM saves", culprit=where, hint=hint)
         vpp = get(VPP_ARG) or get(VIRTUAL_STAGES_ARG)
         per_chunk = get(LAYERS_PER_VIRTUAL_STAGE_ARG)
+        for name, value in ((FIRST_ARG, first), (LAST_ARG, last), (VPP_ARG, vpp), (LAYERS_PER_VIRTUAL_STAGE_ARG,
+                                                                                   per_chunk)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise CheckpointFormatError(f"args.{name} is {value!r}, not a number of layers or stages",
+                                            culprit=where, hint=hint)
         if not vpp and per_chunk and not layout and pp > 1:
             n = num_layers + emb + loss
             vpp = n // pp // per_chunk if n % pp == 0 and (n // pp) % per_chunk == 0 else 0
@@ -234,10 +243,11 @@ class StageLayout:
                                             f"divide the {n // pp} layers of each of the {pp} pipeline ranks",
                                             culprit=where, hint=hint)
         try:
-            return cls.build(num_layers, pp, int(vpp or 1), first=first, last=last, account_embedding=emb,
-                             account_loss=loss, layout=layout, where=where)
+            built = cls.build(num_layers, pp, int(vpp or 1), first=first, last=last, account_embedding=emb,
+                              account_loss=loss, layout=layout, where=where)
         except LayoutError as err:  # not the user's flags: the checkpoint's own args
             raise CheckpointFormatError(err.message, culprit=where, hint=hint) from None
+        return replace(built, saved=True)
 
     @property
     def stages(self) -> int:

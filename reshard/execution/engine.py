@@ -577,14 +577,16 @@ def retarget_args(args: Any, plan: Plan) -> Any:
         setattr(new, "ckpt_format", ckpt_format)
     if hasattr(new, "transformer_pipeline_model_parallel_size"):
         setattr(new, "transformer_pipeline_model_parallel_size", plan.target_pp)
-    if plan.target_stages is not None:
-        for name, value in plan.target_stages.args().items():  # the stages megatron-core builds; stale ones cleared
+    target, source = plan.target_stages, plan.source_stages
+    kept = target is not None and source is not None and target == source and source.saved
+    if target is not None and not kept and hasattr(new, "__dict__"):  # as saved when they describe the output
+        for name, value in target.args().items():  # the stages megatron-core builds; stale ones cleared
             if hasattr(new, name) or (value is not None and value is not False):
                 setattr(new, name, value)
-        source_vpp = plan.source_stages.vpp if plan.source_stages is not None else 1
-        if hasattr(new, "overlap_p2p_comm") and (plan.target_stages.vpp > 1) != (source_vpp > 1):
-            # Megatron-LM's validate_args turns it off without virtual stages; on (its default) with them
-            setattr(new, "overlap_p2p_comm", plan.target_stages.vpp > 1)
+        if target.vpp == 1 and getattr(new, "overlap_p2p_comm", False):
+            setattr(new, "overlap_p2p_comm", False)  # Megatron-LM's validate_args turns it off without them
+        elif target.vpp > 1 and (source is None or source.vpp == 1) and hasattr(new, "overlap_p2p_comm"):
+            setattr(new, "overlap_p2p_comm", True)  # its default with virtual stages (False needs PP > 2)
     return new
 
 

@@ -162,11 +162,19 @@ def _target_stages(source: StageLayout, options: ReshardOptions, pp: int, out_fm
     if layout is not None and "m" in layout:
         raise LayoutError(f"pipeline layout {layout!r} places multi-token prediction layers",
                           culprit=flag_of("target_pipeline_layout"),
-                          hint="multi-token prediction is written at PP 1 only")
+                          hint="write it without m: reshard places multi-token prediction layers itself (at PP 1)")
+    if pp == 1 and (first is not None or last is not None):
+        flag = flag_of("target_first_stage_layers" if first is not None else "target_last_stage_layers")
+        raise LayoutError("uneven first/last stages need more than one pipeline rank", culprit=flag,
+                          hint=f"drop {flag}, or pass --target-pp")
     if pp == source.pp and vpp in (None, source.vpp) and first is None and last is None and layout is None:
         return source
     emb = loss = False
     if pp == source.pp and first is None and last is None and layout is None:  # only the virtual stages change
+        if source.layout:
+            raise LayoutError(f"the source's stages are a layout string ({source.layout!r}), which another number "
+                              f"of virtual stages cannot keep", culprit=flag_of("target_vpp"),
+                              hint="give the output's stages with --target-pipeline-layout")
         first, last, emb, loss = source.first, source.last, source.account_embedding, source.account_loss
     if vpp is None and layout is None:
         vpp = source.vpp if pp == source.pp else 1

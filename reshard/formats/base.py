@@ -188,8 +188,7 @@ class Reading:
             return opened[at_i]
 
         shards = [at(i // n * n if headers_only else i) for i in range(len(source.files))]
-        names = [str(f) + (f" (model{source.chunk_of(i)})" if source.chunks > 1 else "")  # what errors name
-                 for i, f in enumerate(source.files)]
+        names = [str(f) for f in source.files]
         module_key, modules = module_dicts(shards, names, options.module_key, n)
         self.check_saved_degrees(shards[0].get("args"), source)
         stages = [SourceStage(index=r, names=names[r * n:(r + 1) * n], modules=modules[r * n:(r + 1) * n],

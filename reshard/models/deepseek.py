@@ -135,6 +135,13 @@ class DeepSeek(ModelFamily):
         """MLA has no query groups (every head its own keys and values). Also refuses Transformer
         Engine's MLA files without latent norms, whose down projections are whole on each of the ``n``
         source TP ranks (the local spec splits their rows)."""
+        te = next((p.key for p in params if p.key.endswith("mlp.linear_fc1.layer_norm_weight")), None)
+        if te is not None or _arg(args, "transformer_impl") == "transformer_engine":
+            what = te or "args.transformer_impl transformer_engine"
+            raise LayoutError(f"{what}: a Transformer Engine MLA checkpoint without latent norms (its down projections "
+                              "are whole on every rank under the local spec's names) is not read", culprit=where,
+                              hint="save it with megatron-core's local spec (--transformer-impl local), or with "
+                                   "latent norms (qk_layernorm)")
         full = _down_projection_rows(args)
         for p in params:
             rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
@@ -166,12 +173,6 @@ class DeepSeek(ModelFamily):
         return {"mtp_layers": len(mtp)} if mtp else {}
 
 
-# -- Hugging Face's DeepseekV3ForCausalLM ----------------------------------------------------------
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-_A, _HA = _L + "self_attention.", _H + "self_attn."
-_FC1 = (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}")
-_FC2 = (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}")
 class DeepSeekTE(DeepSeek):
     """The same models saved with megatron-core's Transformer Engine spec (the default on GPUs):
     down projections whole on every rank, latent norms fused into the up projections.
@@ -208,6 +209,14 @@ def _down_projection_rows(args: Any) -> dict[str, int | None]:
     kv = _arg(args, "kv_lora_rank")
     return {"linear_q_down_proj": _arg(args, "q_lora_rank"),
             "linear_kv_down_proj": kv + (_arg(args, "qk_pos_emb_head_dim") or 0) if isinstance(kv, int) else None}
+
+
+# -- Hugging Face's DeepseekV3ForCausalLM ----------------------------------------------------------
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+_A, _HA = _L + "self_attention.", _H + "self_attn."
+_FC1 = (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}")
+_FC2 = (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}")
 
 
 def mtp_layers(facts: ModelFacts) -> int:
