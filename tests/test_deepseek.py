@@ -541,6 +541,20 @@ def test_tied_embeddings_with_mtp_are_refused_on_export(deepseek_runs, tmp_path,
     assert "tied embeddings with multi-token prediction layers" in err
 
 
+def test_max_shard_size_counts_the_mtp_copies_of_the_embeddings(deepseek_runs, tmp_path):
+    """--max-shard-size cuts by the bytes written: the embeddings and the head count once per copy
+    (DeepSeek writes them again in every MTP layer), so no file passes the limit."""
+    limit = 40_000  # above the embeddings and their copy (2 x 16 KiB), below what one file would hold with more
+    out = _run(deepseek_runs["runs"][("v3_mtp", 2, 2)], tmp_path / "hf", "--to", "hf", "--max-shard-size",
+               str(limit))
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 2
+    for f in files:
+        raw = f.read_bytes()
+        data = len(raw) - 8 - int.from_bytes(raw[:8], "little")  # the tensors' bytes, after the header
+        assert data <= limit, (f.name, data)
+
+
 def test_a_kimi_k2_config_is_read_as_deepseek_v3(deepseek_runs, tmp_path):
     """Kimi-K2 publishes DeepSeek-V3's architecture under ``model_type`` kimi_k2 (no group routing,
     its own scaling factor, the rope settings in transformers 4's ``rope_scaling``)."""

@@ -118,8 +118,9 @@ def target_plan(stage: int, t: int, params: list[TargetParam], source: SourceChe
     srcs = tuple(sorted(files))
     read = sum(f.stat().st_size for f in {source.files[i] for i in srcs}) + sum(f.stat().st_size for f in source.aux)
     fmt = get_format(output_format)
+    keys = frozenset(tp.out_key for tp in params)
     written = sum(fmt.stored_bytes(tp.out_key, target_size(tp.param, *degrees.of(tp.param.rule), options.int8),
-                                   tp.param.dtype, options) for tp in params)
+                                   tp.param.dtype, options, keys) for tp in params)
     if name is None:
         experts = {"ep_rank": ep_rank, "ep": ep} if ep > 1 else {}
         name = fmt.target_name(source, tp_rank=t, pp_rank=stage, pp=tpp, **experts)
@@ -143,8 +144,9 @@ def split_files(target: TargetPlan, source: SourceCheckpoint, options: ReshardOp
         params = list(target.params) if dtypes is None else [
             replace(tp, param=replace(tp.param, dtype=dtypes[at])) for tp in target.params
             if (at := (tp.param.stage, tp.param.src_key)) in dtypes]
+        keys = frozenset(tp.out_key for tp in target.params)  # the whole model: a layout of global tensors
         sizes = [fmt.stored_bytes(tp.out_key, target_size(tp.param, *degrees.of(tp.param.rule), options.int8),
-                                  tp.param.dtype, options) for tp in params]
+                                  tp.param.dtype, options, keys) for tp in params]
         files = fmt.split(target.name, [tp.out_key for tp in params], sizes, options, weights)
         if len(held) == 1 and dtypes is None and files == [(target.name, 0, len(params))]:
             return (target,)

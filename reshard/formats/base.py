@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -316,10 +316,12 @@ class Writing:
         this output): exactly when the format brings its own :meth:`file_groups`."""
         return type(self).file_groups is not Writing.file_groups
 
-    def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions) -> int:
+    def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions,
+                     keys: Collection[str] = ()) -> int:
         """The bytes parameter ``key`` (planned as ``size`` bytes of ``dtype``) takes in this
-        format's files, where the format encodes it otherwise (FP8): what cuts files and estimates
-        the output. Default: ``size``."""
+        format's files, where the format encodes it otherwise (FP8) or writes it more than once
+        (``keys``: every parameter name of the model): what cuts files and estimates the output.
+        Default: ``size``."""
         return size
 
     def part_name(self, name: str, part: int, parts: int) -> str:

@@ -23,7 +23,7 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +38,7 @@ from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, export_of,
+from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, Transform, export_of,
                                              ffn_widths, linear_weight)
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
@@ -187,14 +187,20 @@ class HFFormat(CheckpointFormat):
     def part_name(self, name: str, part: int, parts: int) -> str:
         return name if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
 
-    def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions) -> int:
-        """A linear weight under ``--quantize fp8``: a byte per element and a float32 scale per block
-        (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving does)."""
-        if options.quantize != "fp8" or dtype is None:
-            return size
+    def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions,
+                     keys: Collection[str] = ()) -> int:
+        """A linear weight under ``--quantize fp8``: a byte per element and a float32 scale per block;
+        a tensor the export writes more than once (DeepSeek's copies of the embeddings in each MTP
+        layer), each copy (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving
+        does; ``keys``: the model's megatron-core names)."""
         # the class written: --hf-architecture's, else any registered one (their linear rows agree)
         tables = ([hf_architecture(options.hf_architecture).names] if options.hf_architecture
                   else [a.names for a in hf_architectures()])
+        size *= max((row.transform.copies(keys) for table in tables for row in table
+                     if row.transform is not None and type(row.transform).copies is not Transform.copies
+                     and any(p.match(key) for p in row.core_patterns)), default=1)
+        if options.quantize != "fp8" or dtype is None:
+            return size
         if not linear_weight(key, tables):
             return size
         b0, b1 = options.fp8_block or DEFAULT_BLOCK

@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -167,10 +167,10 @@ class DeepSeek(ModelFamily):
         if isinstance(heads, int) and options.target_tp and heads % options.target_tp:
             raise LayoutError(f"{heads} attention heads do not divide over target TP {options.target_tp}",
                               culprit="--target-tp", hint="choose a TP that divides the heads (MLA splits by head)")
-        mtp = {p.key.split(".")[2] for p in params if p.key.startswith("mtp.layers.")}
+        mtp = mtp_layer_count(p.key for p in params)
         if mtp:
             origin["mtp_layers"] = "parameter names"
-        return {"mtp_layers": len(mtp)} if mtp else {}
+        return {"mtp_layers": mtp} if mtp else {}
 
 
 class DeepSeekTE(DeepSeek):
@@ -224,6 +224,11 @@ def mtp_layers(facts: ModelFacts) -> int:
     return int(facts.family_facts.get("mtp_layers", 0))
 
 
+def mtp_layer_count(keys: Iterable[str]) -> int:
+    """The multi-token prediction layers megatron-core parameter names ``keys`` hold (``mtp.layers.{i}``)."""
+    return len({k.split(".")[2] for k in keys if k.startswith("mtp.layers.")})
+
+
 class SharedCopies(VocabRows):
     """The word embeddings or the output layer, and DeepSeek's copy of it in every multi-token
     prediction layer (``model.layers.{L + i}.embed_tokens`` / ``shared_head.head``, which vLLM's
@@ -237,6 +242,9 @@ class SharedCopies(VocabRows):
         first = super().outputs(names, shape, facts)[0]
         return [first] + [OutTensor(mtp_to_hf(f"{MTP_HF}{i}.{self.copy}", facts.num_layers), first.shape)
                           for i in range(mtp_layers(facts))]
+
+    def copies(self, keys: Collection[str]) -> int:
+        return 1 + mtp_layer_count(keys)
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
         run = super().runs(shape, itemsize, facts)[0]

@@ -59,7 +59,7 @@ import contextlib
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,11 @@ class Transform(abc.ABC):
         """Import: the megatron-core tensor made from the Hugging Face tensors ``parts`` (called
         ``names``, in :meth:`outputs` order), read lazily; :class:`CheckpointFormatError` naming them
         if their shapes disagree with each other or the config."""
+
+    def copies(self, keys: Collection[str]) -> int:
+        """How many times the export writes the tensor's bytes, in a model of megatron-core names
+        ``keys`` (what ``--max-shard-size`` counts before the model's facts are decided). Default: once."""
+        return 1
 
 
 class ByteTransform(Transform):
