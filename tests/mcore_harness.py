@@ -212,9 +212,7 @@ def stage_args(m: dict[str, Any], pp: int) -> dict[str, Any]:
     ``--num-virtual-stages-per-pipeline-rank`` beside uneven stages, a layout string on its own
     (its virtual stages derived); ``virtual_pipeline_model_parallel_size`` derived in each case."""
     st = m.get("stages", {})
-    vpp, layout = st.get("vpp"), st.get("layout")
-    if layout:
-        vpp = len(layout.split("|")) // pp  # the harness's layout strings spell every stage out
+    vpp, layout = virtual_stages(st, pp), st.get("layout")
     uneven = st.get("first") is not None or st.get("last") is not None
     n = m["layers"] + bool(st.get("account_embedding")) + bool(st.get("account_loss"))
     return dict(virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
@@ -224,6 +222,12 @@ def stage_args(m: dict[str, Any], pp: int) -> dict[str, Any]:
                 account_for_embedding_in_pipeline_split=bool(st.get("account_embedding")),
                 account_for_loss_in_pipeline_split=bool(st.get("account_loss")),
                 pipeline_model_parallel_layout=layout, transformer_pipeline_model_parallel_size=pp)
+
+
+def virtual_stages(st: dict[str, Any], pp: int) -> int | None:
+    """The virtual stages per pipeline rank a job's ``stages`` ask for (a layout string: its stages
+    over ``pp``; the harness's layout strings spell every stage out); None or 1 without."""
+    return len(st["layout"].split("|")) // pp if st.get("layout") else st.get("vpp")
 
 
 def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
@@ -363,10 +367,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tp, pp, ep, etp = job["tp"], job.get("pp", 1), job.get("ep", 1), job.get("etp") or job["tp"]
     try:
-        vpp = job.get("model", {}).get("stages", {}).get("vpp")
-        layout = job.get("model", {}).get("stages", {}).get("layout")
-        if layout:
-            vpp = len(layout.split("|")) // pp
+        vpp = virtual_stages(job.get("model", {}).get("stages", {}), pp)
         if job.get("from_args"):
             saved_args = torch.load(_iteration(Path(job["ckpt"])) / (_rank_dir(0, 0, pp, 0, ep) + "/model_optim_rng.pt"
                                     if job["kind"] == "forward" else "common.pt"), weights_only=False)["args"]

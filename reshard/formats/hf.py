@@ -18,6 +18,7 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -194,11 +195,10 @@ class HFFormat(CheckpointFormat):
         layer), each copy (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving
         does; ``keys``: the model's megatron-core names)."""
         # the class written: --hf-architecture's, else any registered one (their linear rows agree)
-        tables = ([hf_architecture(options.hf_architecture).names] if options.hf_architecture
-                  else [a.names for a in hf_architectures()])
-        size *= max((row.transform.copies(keys) for table in tables for row in table
-                     if row.transform is not None and type(row.transform).copies is not Transform.copies
-                     and any(p.match(key) for p in row.core_patterns)), default=1)
+        archs = [hf_architecture(options.hf_architecture)] if options.hf_architecture else hf_architectures()
+        tables = [a.names for a in archs]
+        size *= max((transform.copies(keys) for patterns, transform in _copying_rows(tuple(a.name for a in archs))
+                     if any(p.match(key) for p in patterns)), default=1)
         if options.quantize != "fp8" or dtype is None:
             return size
         if not linear_weight(key, tables):
@@ -351,6 +351,14 @@ def _check_fp8(plan: Plan, arch: HFArchitecture) -> None:
     if not dtypes <= {torch.float16, torch.bfloat16, torch.float32}:
         raise LayoutError(f"the weights are {', '.join(sorted(map(str, dtypes)))}: FP8 encodes float16, bfloat16 "
                           "or float32 weights", culprit="--quantize fp8", hint="drop --quantize")
+
+
+@functools.lru_cache(maxsize=16)
+def _copying_rows(names: tuple[str, ...]) -> tuple[tuple[tuple[re.Pattern[str], ...], Transform], ...]:
+    """The rows of the architectures called ``names`` whose transform writes its tensor more than once
+    (:meth:`~reshard.models.hf_architectures.Transform.copies`): found once, not per parameter."""
+    return tuple((row.core_patterns, row.transform) for name in names for row in hf_architecture(name).names
+                 if row.transform is not None and type(row.transform).copies is not Transform.copies)
 
 
 def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype, Any]]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,10 +142,8 @@ class DeepSeek(ModelFamily):
                               "are whole on every rank under the local spec's names) is not read", culprit=where,
                               hint="save it with megatron-core's local spec (--transformer-impl local), or with "
                                    "latent norms (qk_layernorm)")
-        full = _down_projection_rows(args)
-        for p in params:
-            rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
-            if n > 1 and rows and p.shape and p.shape[0] == rows:
+        for p, rows in _down_projections(params, args):
+            if n > 1 and p.shape[0] == rows:
                 raise LayoutError(f"{p.key} holds all {rows} rows on each of {n} TP ranks: a Transformer Engine MLA "
                                   "checkpoint (down projections copied on every rank) is not read", culprit=where,
                                   hint="save it with megatron-core's local spec (--transformer-impl local)")
@@ -194,21 +192,24 @@ class DeepSeekTE(DeepSeek):
                       head_dim: int | None, n: int, origin: dict[str, str], where: str) -> int | None:
         """No query groups, as for the local spec; refuses down projections that are not whole (a file
         mixing the two specs' layouts: the fused norms of one, the row splits of the other)."""
-        full = _down_projection_rows(args)
-        for p in params:
-            rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
-            if rows and p.shape and p.shape[0] != rows:
+        for p, rows in _down_projections(params, args):
+            if p.shape[0] != rows:
                 raise LayoutError(f"{p.key} holds {p.shape[0]} of its {rows} rows, but the latent norms are fused as "
                                   "Transformer Engine's spec saves them (it keeps the down projections whole on "
                                   "every rank)", culprit=where, hint="the checkpoint mixes two layouts; re-save it")
         return ModelFamily.decide_groups(self, options, args, heads, params, head_dim, n, origin, where)
 
 
-def _down_projection_rows(args: Any) -> dict[str, int | None]:
-    """The rows of each whole MLA down projection, from the saved args (None: unknown)."""
+def _down_projections(params: Sequence[CanonicalParam], args: Any) -> Iterator[tuple[CanonicalParam, int]]:
+    """Each MLA down projection among ``params`` with the rows it has whole (from the saved args;
+    those whose whole rows the args do not give are left out)."""
     kv = _arg(args, "kv_lora_rank")
-    return {"linear_q_down_proj": _arg(args, "q_lora_rank"),
+    full = {"linear_q_down_proj": _arg(args, "q_lora_rank"),
             "linear_kv_down_proj": kv + (_arg(args, "qk_pos_emb_head_dim") or 0) if isinstance(kv, int) else None}
+    for p in params:
+        rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
+        if rows and p.shape:
+            yield p, rows
 
 
 # -- Hugging Face's DeepseekV3ForCausalLM ----------------------------------------------------------
