@@ -352,3 +352,43 @@ def test_saved_stage_args_stay_as_saved_when_the_stages_do(pipes, outs, tmp_path
     plan = convert(one, tmp_path / "account_tp2", target_tp=2)
     assert plan.target_stages.counts == (8,) and _stage_args(tmp_path / "account_tp2") == _stage_args(one)
 
+
+def test_overlap_p2p_comm_follows_the_virtual_stages_and_bad_stage_args_are_refused(pipes, outs, tmp_path):
+    """Megatron-LM's validate_args turns overlap_p2p_comm off without virtual stages and needs PP > 2 with
+    them unless it is on: the output's args say what the output is. A stage arg that is no number is
+    refused in one line, nothing written."""
+    one = _copy(outs["root"] / "plain", tmp_path / "one")
+    src = _copy(pipes["vpp"], tmp_path / "vpp")
+    for folder, value in ((one, False), (src, True)):
+        for f in folder.glob("iter_*/*/model_optim_rng.pt"):
+            sd = torch.load(f, weights_only=False)
+            sd["args"].overlap_p2p_comm = value
+            torch.save(sd, f)
+    convert(one, tmp_path / "to_vpp", target_tp=1, target_pp=2, target_vpp=2)
+    convert(src, tmp_path / "to_one", target_tp=1, target_pp=1)
+    assert next(iter(_files(tmp_path / "to_vpp").values()))["args"].overlap_p2p_comm is True
+    assert next(iter(_files(tmp_path / "to_one").values()))["args"].overlap_p2p_comm is False
+    for f in src.glob("iter_*/*/model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].decoder_first_pipeline_num_layers = "2"
+        torch.save(sd, f)
+    with pytest.raises(CheckpointFormatError, match="decoder_first_pipeline_num_layers is '2', not a number"):
+        convert(src, tmp_path / "x", target_tp=1)
+    assert not (tmp_path / "x").exists()
+
+
+def test_iteration_folder_and_deepspeed_pipeline_folders(pipes, tmp_path, capsys):
+    """An iteration folder of the interleaved run reads as its run folder does; DeepSpeed's pipeline
+    layer files have no virtual or uneven stages to write (refused, nothing written)."""
+    from test_deepspeed_pipeline import write_pipeline
+
+    iteration = next(pipes["uneven_vpp"].glob("iter_*"))
+    assert main(["inspect", str(iteration)]) == 0
+    assert "(0,0):1 (1,0):4 (2,0):1 (0,1):1 (1,1):4 (2,1):1" in capsys.readouterr().out
+    plan = convert(iteration, tmp_path / "even", target_tp=1, target_pp=2)
+    assert plan.source_stages.counts == (1, 4, 1, 1, 4, 1) and plan.target_stages.counts == (6, 6)
+    ds = write_pipeline(tmp_path / "pipe", tp=2, pp=2)
+    with pytest.raises(LayoutError, match="DeepSpeed pipeline layer files have no virtual or uneven stages"):
+        convert(ds, tmp_path / "x", target_tp=2, target_vpp=2)
+    assert not (tmp_path / "x").exists()
+
