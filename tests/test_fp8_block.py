@@ -45,6 +45,24 @@ def test_dequantize_is_deepseeks_formula_bit_for_bit(shape, block, dtype):
     assert torch.equal(dequantize(q, s, block, dtype), deepseek_reference(q, s, block, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_e4m3_code_dequantizes_as_the_formula_nan_and_signed_zero_included(dtype):
+    """All 256 codes (NaN at 0x7F and 0xFF, -0, subnormals) under scales that round each product
+    differently in each block, into a fresh tensor and into a box of a larger buffer."""
+    codes = torch.arange(256, dtype=torch.uint8).view(E4M3)
+    q = torch.stack([codes.roll(k) for k in range(6)])  # [6, 256]: each block row sees every code
+    block = (4, 100)
+    s = torch.tensor([[1.0, 3.7e-3, 0.3], [2.0 ** -20, 1e-7, 123.456]])
+    want = deepseek_reference(q, s, block, dtype)
+    got = dequantize(q, s, block, dtype)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 12
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))  # -0.0 stays -0.0, NaNs as DeepSeek's
+    wider = torch.zeros(6, 300, dtype=dtype)
+    Fp8BlockDequantized(q, s, block, dtype).read_box((0, 0), (6, 256), out=wider[:, 20:276])
+    assert torch.equal(wider[:, 20:276].view(bits), want.view(bits)) and not wider[:, :20].any()
+
+
 @pytest.mark.parametrize("shape,block", CASES)
 def test_any_box_of_a_lazy_fp8_weight_is_that_box_of_the_whole(shape, block):
     q, s = _stored(shape, block, seed=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import struct
@@ -490,12 +491,15 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
 
 
 def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
-    """A whole megatron-core tensor's Hugging Face tensors, made in memory from its byte runs (the
-    tensor itself where one run is all of it: a routed expert's down projection, ``o_proj``)."""
+    """A whole megatron-core tensor's Hugging Face tensors, made in memory from its byte runs: views
+    of it where each output is one run (a routed expert's down projection, ``o_proj``, the gate and
+    up halves of a fused ``linear_fc1``), copies where runs interleave (a fused QKV's heads)."""
     data = whole.contiguous().view(-1).view(torch.uint8)
-    if (len(exp.outputs) == 1 and len(exp.runs) == 1 and exp.runs[0].src == exp.runs[0].dst == 0
-            and exp.runs[0].length == data.numel()):
-        return [whole.contiguous().view(exp.outputs[0].shape)]
+    if (len(exp.runs) == len(exp.outputs) and sorted(r.out for r in exp.runs) == list(range(len(exp.outputs)))
+            and all(r.dst == 0 and r.length == _nbytes(exp.outputs[r.out].shape, whole.dtype) for r in exp.runs)):
+        views = {r.out: data[r.src:r.src + r.length].view(whole.dtype).view(exp.outputs[r.out].shape)
+                 for r in exp.runs}
+        return [views[i] for i in range(len(exp.outputs))]
     outs = [torch.empty(o.shape, dtype=whole.dtype) for o in exp.outputs]
     flat = [o.view(-1).view(torch.uint8) for o in outs]
     if sum(r.length for r in exp.runs) != sum(f.numel() for f in flat):
@@ -503,6 +507,10 @@ def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
     for r in exp.runs:
         flat[r.out][r.dst:r.dst + r.length] = data[r.src:r.src + r.length]
     return outs
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 class _InOrderHasher:
