@@ -131,7 +131,7 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
     if m.get("mtp"):  # multi-token prediction layers, after the decoder (megatron-core's spec of its last layer)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=vp_stage)  # None off its stage
     model = GPTModel(cfg, spec, mtp_block_spec=mtp_spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -296,18 +296,27 @@ def _logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
     _record_routing(model)
     ids = torch.tensor([tokens])
     with torch.no_grad():
-        if model.config.mtp_num_layers:  # megatron-core then wants labels and returns losses: the output layer's calls
-            calls: list[torch.Tensor] = []  # are each MTP layer's logits, then the model's (copied: the loss
-            #                                   # computation then works on them in place)
-            hook = model.output_layer.register_forward_hook(
-                lambda _m, _i, o: calls.append(o[0].transpose(0, 1).clone()))
-            model(ids, torch.arange(s).unsqueeze(0), attention_mask=mask, labels=ids)
-            hook.remove()
-            MTP_LOGITS[:] = [_gather_vocab(c) for c in calls[:-1]]
-            out = calls[-1]
+        if model.config.mtp_num_layers:
+            out = _with_mtp_logits(model, lambda: model(ids, torch.arange(s).unsqueeze(0), attention_mask=mask,
+                                                        labels=ids))
         else:
             out = model(ids, torch.arange(s).unsqueeze(0), attention_mask=mask)
     return _gather_vocab(out)
+
+
+def _with_mtp_logits(model: GPTModel, forward: Any) -> torch.Tensor:
+    """The model's logits ``[1, s, vocab/TP]`` from a model (chunk) with MTP layers, whose ``forward``
+    (given the tokens as labels: megatron-core then returns losses) calls the output layer for each
+    MTP layer, then for the model; the MTP layers' logits go to :data:`MTP_LOGITS` (copied: the
+    loss computation works on them in place)."""
+    calls: list[torch.Tensor] = []
+    hook = model.output_layer.register_forward_hook(lambda _m, _i, o: calls.append(o[0].transpose(0, 1).clone()))
+    try:
+        forward()
+    finally:
+        hook.remove()
+    MTP_LOGITS[:] = [_gather_vocab(c) for c in calls[:-1]]
+    return calls[-1]
 
 
 def _gather_vocab(out: torch.Tensor) -> torch.Tensor:
@@ -424,6 +433,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                 logits = _pipeline_logits(chunks, job["tokens"], job["model"]["hidden"])
                 if logits is not None:
                     torch.save(logits, out / "logits.pt")
+                    if MTP_LOGITS:
+                        torch.save(MTP_LOGITS, out / "mtp_logits.pt")
         elif job["kind"] == "write_dist":
             _write_dist(job, model, tp, pp)
         elif job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
@@ -461,10 +472,10 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
                 for chunk in chunks:
                     _record_routing(chunk)
                 logits = _pipeline_logits(chunks, job["tokens"], job["model"]["hidden"])
-                if logits is not None:  # the last rank's routers, and no MTP (read and written at PP 1 only)
+                if logits is not None:  # the last rank's routers and MTP layers
                     torch.save(logits, job["out"])
                     torch.save(ROUTING, job["out"] + ".routing")
-                    torch.save([], job["out"] + ".mtp")
+                    torch.save(MTP_LOGITS, job["out"] + ".mtp")
             else:
                 logits = _logits(model, job["tokens"])
                 if rank == 0:
@@ -505,7 +516,11 @@ def _pipeline_logits(chunks: list[GPTModel], tokens: list[int], hidden: int) -> 
                 if p == me:
                     if h is not None:
                         chunks[v].set_input_tensor(h)
-                    out = chunks[v](ids if h is None else None, pos, attention_mask=mask)
+                    if getattr(chunks[v], "mtp_process", False):  # the MTP stage: the tokens too (see _logits)
+                        out = _with_mtp_logits(chunks[v], lambda c=chunks[v]: c(ids, pos, attention_mask=mask,
+                                                                                   labels=ids))
+                    else:
+                        out = chunks[v](ids if h is None else None, pos, attention_mask=mask)
                 if last:
                     break
                 buf = out.contiguous() if p == me else torch.empty(s, 1, hidden)

@@ -203,6 +203,9 @@ def mcore_written(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_mcore")
     jobs = [{"kind": kind, "out": str(root / kind), "tp": 2, "ep": 2, "model": MCORE_MODEL, "tokens": TOKENS}
             for kind in ("write", "write_dist")]
+    # and over two pipeline stages: the MTP layer and megatron-core's copy of the embeddings on the last
+    jobs.append({"kind": "write", "out": str(root / "write_pp2"), "tp": 1, "pp": 2, "ep": 1, "model": MCORE_MODEL,
+                 "tokens": TOKENS})
     _run_harness(jobs, root)
     return root
 
@@ -261,7 +264,9 @@ def deepseek_runs(tmp_path_factory):
                                     "2")
     # multi-latent attention over two pipeline stages (the dense layer on the first, the MoE layer on the last)
     runs["v3_pp2"] = _run(hf["v3"], root / "v3_pp2", "--target-tp", "1", "--target-pp", "2")
-    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2)}
+    # and with the MTP layer (on the last stage, beside megatron-core's copy of the embeddings)
+    runs["v3_mtp_pp2"] = _run(hf["v3_mtp"], root / "v3_mtp_pp2", "--target-tp", "1", "--target-pp", "2")
+    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2), "v3_mtp_pp2": (1, 1, 2)}
     jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
              "tokens": TOKENS, "out": str(root / f"forward_{i}.pt")}
             for i, (key, run) in enumerate(runs.items())
@@ -292,6 +297,15 @@ def test_multi_latent_attention_over_pipeline_stages(deepseek_runs):
     logits, routing = deepseek_runs["got"]["v3_pp2"]
     torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3"], rtol=0, atol=TOL)
     assert routing
+
+
+def test_megatron_core_runs_the_mtp_layer_imported_over_pipeline_stages(deepseek_runs):
+    """Imported at PP 2, megatron-core loads each stage strictly (the last holds the MTP layer and the
+    copy of the embeddings it needs) and gives transformers' logits and MTP logits."""
+    logits, _ = deepseek_runs["got"]["v3_mtp_pp2"]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_mtp"], rtol=0, atol=TOL)
+    (mtp,) = deepseek_runs["got"]["v3_mtp_pp2.mtp"]
+    torch.testing.assert_close(mtp[:-1, :128], deepseek_runs["want"]["v3_mtp.mtp"], rtol=0, atol=TOL)
 
 
 def test_megatron_core_runs_the_imported_mtp_layer_with_transformers_mtp_logits(deepseek_runs):
@@ -601,10 +615,61 @@ def test_transformers_loads_the_fp8_export_of_a_deepseek_model_as_the_model_it_e
     assert (deepseek_runs["want"]["v3"] - want).abs().max() > 100 * TOL  # the e4m3 rounding shows: not the weights
 
 
-def test_mtp_layers_beyond_pipeline_parallelism_1_are_refused(deepseek_runs, tmp_path, capsys):
+def test_mtp_layers_placed_by_a_layout_string_are_refused(deepseek_runs, tmp_path, capsys):
     err = _refused(deepseek_runs["runs"][("v3_mtp", 2, 2)], tmp_path / "out", capsys, "--target-tp", "2",
-                   "--target-ep", "2", "--target-pp", "2")
-    assert "multi-token prediction layers at pipeline parallelism 1 -> 2" in err
+                   "--target-ep", "2", "--target-pp", "2", "--target-pipeline-layout", "Et|tL")
+    assert "multi-token prediction layers with the pipeline layout 'Et|tL'" in err
+
+
+def _rank_files(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {f.parent.name: torch.load(f, weights_only=False)["model"]
+            for f in sorted(run.glob("iter_*/mp_rank_*/model_optim_rng.pt"))}
+
+
+def _same_keys(ours: Path, theirs: Path) -> None:
+    """The same rank files, the same keys in the same order, the same shapes."""
+    a, b = _rank_files(ours), _rank_files(theirs)
+    assert list(a) == list(b)
+    for name in a:
+        assert list(a[name]) == list(b[name]), name
+        assert all(a[name][k].shape == v.shape for k, v in b[name].items() if isinstance(v, torch.Tensor)), name
+
+
+def test_mtp_layers_over_pipeline_stages_keep_megatron_cores_embedding_copy(mcore_written, tmp_path, capsys):
+    """megatron-core at PP 2 keeps the MTP layer on the last stage with a copy of the embeddings
+    there (the MTP layer embeds the shifted tokens with it), first in that stage's state dict. Read:
+    its Hugging Face export has megatron-core's logits and MTP logits, and so has its conversion to
+    TP 2 x EP 2 at PP 1 (the copy dropped once checked equal), run by megatron-core; written: TP 2 x
+    EP 2 -> PP 2 has megatron-core's own PP 2 keys in their order (the copy first on the last stage)
+    and, run by megatron-core (which loads every stage strictly), the source's logits and MTP
+    logits. A copy that differs from the embeddings is refused."""
+    pp2, flat = mcore_written / "write_pp2", mcore_written / "write"
+    assert "embedding.word_embeddings.weight" in _rank_files(pp2)["mp_rank_00_001"]  # what megatron-core saves
+    out = _run(pp2, tmp_path / "hf", "--to", "hf")
+    torch.testing.assert_close(hf_folder_logits(out), torch.load(pp2 / "logits.pt")[:, :128], rtol=0, atol=TOL)
+    (mtp,) = torch.load(pp2 / "mtp_logits.pt")
+    torch.testing.assert_close(mtp_reference(out), mtp[:-1, :128], rtol=0, atol=TOL)
+    runs = {pp2: (_run(pp2, tmp_path / "flat", "--target-tp", "2", "--target-ep", "2", "--target-pp", "1"), 2, 2, 1),
+            flat: (_run(flat, tmp_path / "pp2", "--target-tp", "1", "--target-ep", "1", "--target-pp", "2"), 1, 1, 2)}
+    _same_keys(runs[flat][0], pp2)
+    jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
+             "tokens": TOKENS, "out": str(tmp_path / f"forward_{i}.pt")}
+            for i, (run, tp, ep, pp) in enumerate(runs.values())]
+    _run_harness(jobs, tmp_path / "work")
+    for src, job in zip(runs, jobs):
+        torch.testing.assert_close(torch.load(job["out"]), torch.load(src / "logits.pt"), rtol=0, atol=TOL)
+        (got,) = torch.load(job["out"] + ".mtp")
+        (want,) = torch.load(src / "mtp_logits.pt")
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    capsys.readouterr()
+    twin = tmp_path / "twin"
+    shutil.copytree(pp2, twin)
+    f = next(twin.glob("iter_*/mp_rank_00_001/model_optim_rng.pt"))
+    sd = torch.load(f, weights_only=False)
+    sd["model"]["embedding.word_embeddings.weight"][3, 0] += 1
+    torch.save(sd, f)
+    err = _refused(twin, tmp_path / "twin_out", capsys, "--target-tp", "1", "--target-pp", "1")
+    assert "copy embedding.word_embeddings.weight differs from embedding.word_embeddings.weight" in err
 
 
 def test_whole_down_projections_on_every_tp_rank_are_refused_as_transformer_engine(deepseek_runs, tmp_path, capsys):

@@ -58,10 +58,12 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def check_head_equals_embeddings(head: ParamPlan, emb: ParamPlan, stages: list[SourceStage]) -> None:
-    a, b = stages[emb.stage], stages[head.stage]
+def check_copy_equals(copy: ParamPlan, original: ParamPlan, stages: list[SourceStage], what: str, hint: str) -> None:
+    """Refuse to drop a later stage's copy of the first stage's tensor (a tied head, the embeddings
+    of the multi-token prediction stage) unless it equals the original on every rank: where they
+    differ, the model computes with both and dropping one would change it."""
+    a, b = stages[original.stage], stages[copy.stage]
     for ma, mb, name in zip(a.modules, b.modules, b.names):
-        if not bit_equal(ma[emb.src_key], mb[head.src_key]):
-            raise InconsistentShardsError(
-                f"tied {head.src_key} differs from {emb.src_key}", culprit=name,
-                hint="the embeddings are not tied; fix args.untie_embeddings_and_output_weights")
+        if not bit_equal(ma[original.src_key], mb[copy.src_key]):
+            raise InconsistentShardsError(f"{what} {copy.src_key} differs from {original.src_key}", culprit=name,
+                                          hint=hint)

@@ -119,6 +119,18 @@ def layer_index(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+#: The logical name suffix of the copy of the word embeddings that megatron-core keeps on the
+#: pipeline stage of its multi-token prediction layers when that stage is not the first (the MTP
+#: layers embed the shifted tokens there): read as ``<embedding key>`` + this, written back on the
+#: last stage under the embedding's own name, dropped at one stage.
+MTP_STAGE_COPY = "@mtp-stage"
+
+
+def holds_mtp_layers(keys: Iterable[str]) -> bool:
+    """Whether megatron-core names ``keys`` hold multi-token prediction layers (``mtp.layers.N``)."""
+    return any(k.startswith("mtp.layers.") for k in keys)
+
+
 def with_layer(key: str, index: int) -> str:
     """``key`` with its layer number replaced (pipeline stages number their layers locally)."""
     return _LAYER_RE.sub(f".layers.{index}.", key, count=1)

@@ -35,7 +35,8 @@ from reshard.core.pipeline_stages import StageLayout
 from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
                                      SourceStage, TensorDegrees, dropped_warning)
-from reshard.core.rules import Kind, Resolution, Rule, layer_index, with_layer
+from reshard.core.rules import (MTP_STAGE_COPY, Kind, Place, Resolution, Rule, holds_mtp_layers, layer_index,
+                                with_layer)
 from reshard.core.source import SourceCheckpoint
 from reshard.execution.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
@@ -335,12 +336,15 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
             layers_per_stage.append(len(local) if staged else (max(local) + 1 if local else 0))
             orders[st.stage] = _Order(list(st.modules[0]), sum(len(o.pos) for o in orders.values()))
         offset, order = offsets[st.stage], orders[st.stage]
+        mtp_stage = holds_mtp_layers(st.canonical_name(k) for k in st.modules[0])
         for key, v0 in st.modules[0].items():
             name = st.canonical_name(key)
             rule = by_key[name]
             li = layer_index(name)
             glob = None if li is None else li + offset
             logical = name if glob is None or not staged else with_layer(name, glob)
+            if logical in seen and mtp_stage and rule.place is Place.FIRST:
+                logical, rule = logical + MTP_STAGE_COPY, replace(rule, place=Place.LAST)  # see MTP_STAGE_COPY
             if logical in seen:
                 raise CheckpointFormatError(f"{logical} is held by rows {seen[logical]} and {st.index} of the grid",
                                             culprit=source.origin,

@@ -48,7 +48,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ModelFacts
-from reshard.core.rules import Kind, Place, Rule, layer_index
+from reshard.core.pipeline_stages import LAYOUT_ARG
+from reshard.core.rules import Kind, Place, Rule, holds_mtp_layers, layer_index
 from reshard.models.base import ModelFamily
 from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, NOT_EXPORTED_FLAGS, GatedSplit, HFArchitecture, HFArchitectureFamily,
                                              HFModel, NameTable, OutTensor, Run, Same, VocabRows, _arg, _table,
@@ -153,13 +154,16 @@ class DeepSeek(ModelFamily):
                             origin: dict[str, str], where: str) -> dict[str, Any]:
         """``mtp_layers``: the multi-token prediction layers (what the export writes copies of the
         embeddings and head for). Refuses what megatron-core's MLA cannot load: a target TP that cuts
-        a head, MTP layers beyond PP 1."""
-        source_pp = int(_arg(args, "pipeline_model_parallel_size", default=1))
-        if any(p.key.startswith("mtp.") for p in params) and max(source_pp, options.target_pp or source_pp) > 1:
-            raise LayoutError(f"multi-token prediction layers at pipeline parallelism {source_pp} -> "
-                              f"{options.target_pp or source_pp}: only PP 1 is read and written (megatron-core keeps "
-                              "a copy of the embedding on the MTP stage)", culprit="--target-pp",
-                              hint="convert MTP models at PP 1 (--target-pp 1, from a PP 1 checkpoint)")
+        a head, MTP layers placed by a pipeline layout string (reshard puts them on the last stage, where
+        megatron-core builds them without one)."""
+        if holds_mtp_layers(p.key for p in params):
+            for layout, culprit in ((_arg(args, LAYOUT_ARG), f"args.{LAYOUT_ARG}"),
+                                    (options.target_pipeline_layout, "--target-pipeline-layout")):
+                if layout:
+                    raise LayoutError(f"multi-token prediction layers with the pipeline layout {layout!r}: reshard "
+                                      "places them on the last stage without a layout string only", culprit=culprit,
+                                      hint="give the stages with --target-pp (and --target-vpp, "
+                                           "--target-first-stage-layers, --target-last-stage-layers)")
 
         heads = _arg(args, "num_attention_heads")
         if isinstance(heads, int) and options.target_tp and heads % options.target_tp:
