@@ -266,7 +266,13 @@ def deepseek_runs(tmp_path_factory):
     runs["v3_pp2"] = _run(hf["v3"], root / "v3_pp2", "--target-tp", "1", "--target-pp", "2")
     # and with the MTP layer (on the last stage, beside megatron-core's copy of the embeddings)
     runs["v3_mtp_pp2"] = _run(hf["v3_mtp"], root / "v3_mtp_pp2", "--target-tp", "1", "--target-pp", "2")
-    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2), "v3_mtp_pp2": (1, 1, 2)}
+    hf["v3_mtp4"] = root / "hf" / "v3_mtp4"  # four layers: PP 2 x VPP 2, the MTP layer in the last rank's last chunk
+    want["v3_mtp4"] = make_deepseek({**_V3, "num_hidden_layers": 4}, hf["v3_mtp4"])
+    add_mtp_layer(hf["v3_mtp4"])
+    want["v3_mtp4.mtp"] = mtp_reference(hf["v3_mtp4"])
+    runs["v3_mtp4_vpp"] = _run(hf["v3_mtp4"], root / "v3_mtp4_vpp", "--target-tp", "1", "--target-pp", "2",
+                               "--target-vpp", "2")
+    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2), "v3_mtp_pp2": (1, 1, 2), "v3_mtp4_vpp": (1, 1, 2)}
     jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
              "tokens": TOKENS, "out": str(root / f"forward_{i}.pt")}
             for i, (key, run) in enumerate(runs.items())
@@ -299,13 +305,14 @@ def test_multi_latent_attention_over_pipeline_stages(deepseek_runs):
     assert routing
 
 
-def test_megatron_core_runs_the_mtp_layer_imported_over_pipeline_stages(deepseek_runs):
-    """Imported at PP 2, megatron-core loads each stage strictly (the last holds the MTP layer and the
-    copy of the embeddings it needs) and gives transformers' logits and MTP logits."""
-    logits, _ = deepseek_runs["got"]["v3_mtp_pp2"]
-    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_mtp"], rtol=0, atol=TOL)
-    (mtp,) = deepseek_runs["got"]["v3_mtp_pp2.mtp"]
-    torch.testing.assert_close(mtp[:-1, :128], deepseek_runs["want"]["v3_mtp.mtp"], rtol=0, atol=TOL)
+@pytest.mark.parametrize("run,model", [("v3_mtp_pp2", "v3_mtp"), ("v3_mtp4_vpp", "v3_mtp4")], ids=["pp2", "pp2_vpp2"])
+def test_megatron_core_runs_the_mtp_layer_imported_over_pipeline_stages(deepseek_runs, run, model):
+    """Imported at PP 2 (and PP 2 x VPP 2), megatron-core loads each stage strictly (the last holds the
+    MTP layer and the copy of the embeddings it needs) and gives transformers' logits and MTP logits."""
+    logits, _ = deepseek_runs["got"][run]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"][model], rtol=0, atol=TOL)
+    (mtp,) = deepseek_runs["got"][run + ".mtp"]
+    torch.testing.assert_close(mtp[:-1, :128], deepseek_runs["want"][model + ".mtp"], rtol=0, atol=TOL)
 
 
 def test_megatron_core_runs_the_imported_mtp_layer_with_transformers_mtp_logits(deepseek_runs):
