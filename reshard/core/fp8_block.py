@@ -163,7 +163,8 @@ def dequantize_box(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
         for k0 in range(r, r + band, step):
             k = min(step, r + band - k0)
             idx = index[:k]
-            torch.add(codes[k0:k0 + k], base, out=idx)
+            idx.copy_(codes[k0:k0 + k])  # widened, then offset: two vectorized passes (a mixed-dtype add is not)
+            idx.add_(base)
             dst = out[k0:k0 + k]
             if dst.is_contiguous():
                 torch.index_select(table, 0, idx.view(-1), out=dst.view(-1))

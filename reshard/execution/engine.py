@@ -600,8 +600,8 @@ _intra_op = {"lock": threading.Lock(), "users": 0, "saved": 0}
 
 @contextlib.contextmanager
 def _one_intra_op_thread() -> Iterator[None]:
-    """torch's intra-op pool at one thread while streaming a target: the only torch work is the
-    row gathers (memory-bound strided copies), and after each one the idle OpenMP workers
+    """torch's intra-op pool at one thread while streaming a target: the torch work is the row
+    gathers (memory-bound strided copies) and FP8 table gathers, and after each one the idle OpenMP workers
     busy-wait for more — about a tenth of the process's CPU on 2 cores, taken from the writer
     and hashing threads. Process-wide, so nested/concurrent conversions count in: the first
     in sets it, the last out restores it."""
@@ -641,9 +641,10 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     fmt = get_format(plan.output_format)
     obj = fmt.prepare(plan, tgt, sd)
     pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(obj) else None
-    # quantizing and dequantizing are compute: they keep torch's threads
-    computes = plan.options.quantize or get_format(plan.source.format).decodes(plan.source)
-    threads = contextlib.nullcontext() if computes else _one_intra_op_thread()
+    # quantizing is compute: it keeps torch's threads. Reading FP8 is too, but its table gathers
+    # gain nothing from a second thread while the writer thread writes and hashes beside them (a
+    # DeepSeek-V3-shaped FP8 -> bf16 conversion took 1.4x as long with two; docs/performance.md)
+    threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
     streaming: dict[str, Any] = {} if stream is None else {"stream": stream}
     if fmt.encodes_on_device():
         streaming["device"] = device

@@ -134,11 +134,6 @@ class Reading:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""
         return check_shard_file(path, role, module_key, where, load=self.load)
 
-    def decodes(self, source: SourceCheckpoint) -> bool:
-        """Whether reading ``source`` is arithmetic rather than copying (FP8 weights dequantized):
-        its conversion then keeps torch's intra-op threads, as quantizing does. Default: no."""
-        return False
-
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """One file's state dict (tensors may be lazy: memory-mapped), the module under ``module``
         or ``model``. Default: a torch zip file through the weights-only loader and allowlist."""

@@ -130,10 +130,6 @@ class HFFormat(CheckpointFormat):
         return SourceCheckpoint((path / CONFIG,), origin=str(path), format=HF, pp=1, iteration="release",
                                 aux=tuple(aux))
 
-    def decodes(self, source: SourceCheckpoint) -> bool:
-        """An FP8 block-scaled folder's weights are dequantized while they are read."""
-        return read_quantization_config(_json(source.files[0]), str(source.files[0])) is not None
-
     def load(self, path: Any) -> dict[str, Any]:
         """Megatron-LM's TP 1 per-rank state of the folder (:func:`~reshard.models.hf_import.megatron_state`),
         every tensor a lazy view of the mapped safetensors files, after every file's header (validated by
