@@ -215,6 +215,18 @@ def sources(ns: argparse.Namespace, layers: int, experts: int, shape: dict[str, 
     return bf16, fp8
 
 
+#: DeepSeek-V3's tensor sizes (the vocabulary cut), and a tiny model for ``--quick``.
+DSV3_SHAPE = dict(hidden=7168, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, moe_ffn=2048, vocab=16384)
+QUICK_SHAPE = dict(hidden=256, heads=8, q_lora=192, kv_lora=64, nope=32, rope=16, v=32, moe_ffn=128, vocab=1024)
+
+def baseline(cmd: list[str], tree: Path) -> list[str]:
+    """``cmd`` (a :func:`bench_torch_dist.reshard` command) importing reshard from ``tree``."""
+    code = cmd[2]
+    assert cmd[1] == "-c" and code.startswith("import sys;"), cmd
+    return [cmd[0], "-c", f"import sys; sys.path.insert(0, {str(tree.resolve())!r});" + code[len("import sys;"):],
+            *cmd[3:]]
+
+
 QUANT, DEQUANT, TO_RANKS = "reshard bf16 -> FP8 hf", "reshard FP8 -> bf16 hf", "reshard FP8 -> TP 8 x EP 8"
 
 
@@ -234,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=SETTLE)
     ap.add_argument("--llmcompressor-python", default=None, metavar="PYTHON",
                     help="a Python with llmcompressor installed: its model_free_ptq FP8_BLOCK joins the peers")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="TREE",
+                    help="a checkout of another reshard commit (git worktree add TREE REV): it runs beside, same run")
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ns = ap.parse_args(argv)
-    shape = dict(hidden=7168, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, moe_ffn=2048,
-                 vocab=16384)
+    shape = QUICK_SHAPE if ns.quick else DSV3_SHAPE
     if ns.quick:
-        shape = dict(hidden=256, heads=8, q_lora=192, kv_lora=64, nope=32, rope=16, v=32, moe_ffn=128, vocab=1024)
         ns.runs, ns.settle = 1, 0.5
     work = ns.work_dir / "fp8"
     shutil.rmtree(work, ignore_errors=True)
@@ -266,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                    "naive: load all, dequantize, save_file": NAIVE_DEQUANT + [str(fp8), "{out}"]}
         ranks = {"floor (read FP8, write the rank files' bytes)": FLOOR + [str(fp8), "{out}", str(ranks_bytes)],
                  TO_RANKS: reshard(str(fp8), "{out}", "--target-tp", "8", "--target-ep", "8")}
+        if ns.baseline:  # the same commands, importing reshard from the other tree
+            for group, name in ((quant, QUANT), (dequant, DEQUANT), (ranks, TO_RANKS)):
+                group[f"{name} (baseline)"] = baseline(group[name], ns.baseline)
         first = (layers, experts) == sizes[0]
         if not first:  # memory scaling: reshard only
             quant, dequant, ranks = {QUANT: quant[QUANT]}, {DEQUANT: dequant[DEQUANT]}, {TO_RANKS: ranks[TO_RANKS]}
