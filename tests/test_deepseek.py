@@ -630,7 +630,7 @@ def test_mtp_layers_placed_by_a_layout_string_are_refused(deepseek_runs, tmp_pat
 
 def _rank_files(run: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {f.parent.name: torch.load(f, weights_only=False)["model"]
-            for f in sorted(run.glob("iter_*/mp_rank_*/model_optim_rng.pt"))}
+            for f in sorted(run.glob("*/mp_rank_*/model_optim_rng.pt"))}  # iter_* or release
 
 
 def _same_keys(ours: Path, theirs: Path) -> None:
@@ -640,6 +640,19 @@ def _same_keys(ours: Path, theirs: Path) -> None:
     for name in a:
         assert list(a[name]) == list(b[name]), name
         assert all(a[name][k].shape == v.shape for k, v in b[name].items() if isinstance(v, torch.Tensor)), name
+
+
+def test_an_mtp_model_over_pipeline_and_expert_ranks_comes_back_tensor_for_tensor(deepseek_runs, tmp_path):
+    """HF -> PP 2 x EP 2 (the copy of the embeddings made on the MTP stage) -> PP 1 (read, checked,
+    dropped) is the direct import at PP 1, key for key and bit for bit."""
+    hf = deepseek_runs["hf"]["v3_mtp"]
+    staged = _run(hf, tmp_path / "staged", "--target-tp", "1", "--target-ep", "2", "--target-pp", "2")
+    assert list(_rank_files(staged)["mp_rank_00_001_001"])[0] == "embedding.word_embeddings.weight"
+    back = _rank_files(_run(staged, tmp_path / "back", "--target-tp", "1", "--target-ep", "1", "--target-pp", "1"))
+    direct = _rank_files(_run(hf, tmp_path / "direct", "--target-tp", "1"))
+    assert list(back) == list(direct) == ["mp_rank_00"] and list(back["mp_rank_00"]) == list(direct["mp_rank_00"])
+    assert all(torch.equal(back["mp_rank_00"][k], v) for k, v in direct["mp_rank_00"].items()
+               if isinstance(v, torch.Tensor))
 
 
 def test_mtp_layers_over_pipeline_stages_keep_megatron_cores_embedding_copy(mcore_written, tmp_path, capsys):
