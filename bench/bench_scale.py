@@ -5,6 +5,7 @@ against ``--direct``, and one Dask worker against two.
     python bench/bench_scale.py                 # 1x, 2x, 4x the 3 GB model (~25 minutes, ~40 GB of disk)
     python bench/bench_scale.py --sizes 6       # the 3 GB model only
     python bench/bench_scale.py --quick         # 41 MB sources: checks the benchmark runs
+    python bench/bench_scale.py --deepseek      # issue 34's FP8 conversions, DeepSeek-V3 tensor sizes (~20 minutes)
 
 Sources: ``make_source.py``'s fp16 TP 8 GPT at 6, 12 and 24 layers (2.97, 5.9, 11.8 GB), each
 uploaded once (s3fs ``put``) to a bucket of its own; every conversion is TP 8 -> TP 2 into a
@@ -134,13 +135,14 @@ class Bench:
         body = self.client.get_object(Bucket=bucket, Key="out/reshard_manifest.json")["Body"].read()
         return {f["path"]: f["sha256"] for f in json.loads(body)["files"]}
 
-    def convert(self, label: str, src_url: str, extra: list[str], env: dict[str, str] | None = None) -> dict:
+    def convert(self, label: str, src_url: str, extra: list[str], env: dict[str, str] | None = None,
+                target: tuple[str, ...] = ("--target-tp", str(TARGET_TP))) -> dict:
         b = self.bucket()
         cache = self.tmp / f"cache-{uuid.uuid4().hex[:8]}"
         cache.mkdir()
         try:
             subprocess.run(["sync"], check=False)
-            cmd = tool("reshard") + ["run", src_url, f"s3://{b}/out", "--target-tp", str(TARGET_TP),
+            cmd = tool("reshard") + ["run", src_url, f"s3://{b}/out", *target,
                                      "--cache-dir", str(cache), *self.so, *extra]
             r = measure(cmd, dict(env or self.env), cache, self.logfile)
             if r["rc"]:
@@ -203,12 +205,43 @@ def source(layers: int, quick: bool) -> Path:
     return folder
 
 
+#: ``--deepseek``: bench_fp8.py's DeepSeek-V3-shaped folders (layers, routed experts) and the conversions
+#: of issue 34, each S3 -> S3 with ``--direct``: (label, source "bf16"/"fp8", target arguments).
+DEEPSEEK_SIZES = [(2, 8), (4, 8), (2, 16)]
+DEEPSEEK_CONVERSIONS = [("bf16 -> FP8 hf", "bf16", ("--to", "hf", "--quantize", "fp8")),
+                        ("FP8 -> bf16 hf", "fp8", ("--to", "hf")),
+                        ("FP8 -> TP 8 x EP 8", "fp8", ("--target-tp", "8", "--target-ep", "8"))]
+
+
+def deepseek_rows(b: Bench, ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """Peak RSS and peak local disk of the DeepSeek conversions as layers, then experts, double."""
+    import bench_fp8
+
+    shape = bench_fp8.QUICK_SHAPE if ns.quick else bench_fp8.DSV3_SHAPE
+    rows = []
+    for layers, experts in DEEPSEEK_SIZES:
+        folders = dict(zip(("bf16", "fp8"), bench_fp8.sources(argparse.Namespace(quick=ns.quick, data_dir=HERE / "data"),
+                                                              layers, experts, shape)))
+        urls = {k: b.upload(v) for k, v in folders.items()}
+        for label, kind, target in DEEPSEEK_CONVERSIONS:
+            r = b.convert(f"{layers} layers x {experts} experts: {label}", urls[kind], ["--direct"], target=target)
+            nbytes = sum(f.stat().st_size for f in folders[kind].glob("*.safetensors"))
+            rows.append({"layers": f"{layers} layers x {experts} experts", "bytes": nbytes, "method": f"{label} (--direct)",
+                         **{k: r[k] for k in ("wall", "rss_mib", "disk_mib")}})
+        for url in urls.values():
+            b.drop_bucket(url[5:].split("/")[0])
+    return rows
+
+
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
     lines = ["| source | method | wall s | GB/s | peak RSS MiB | peak local disk MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['layers']} layers, {r['bytes'] / 1e9:.2f} GB | {r['method']} | {r['wall']:.2f} | "
+        size = r["layers"] if isinstance(r["layers"], str) else f"{r['layers']} layers"
+        lines.append(f"| {size}, {r['bytes'] / 1e9:.2f} GB | {r['method']} | {r['wall']:.2f} | "
                      f"{r['bytes'] / 1e9 / r['wall']:.3f} | {r['rss_mib']:.0f} | {r['disk_mib']:.1f} |")
+    if res.get("deepseek"):
+        return "\n".join(lines)
     direct = [r for r in rows if r["method"] == "--direct"]
     if len(direct) > 1:
         base = direct[0]
@@ -232,12 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-dask", action="store_true")
     ap.add_argument("--keep-sources", action="store_true", help="keep the generated local sources")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
+    ap.add_argument("--deepseek", action="store_true",
+                    help="instead: issue 34's FP8 conversions of bench_fp8.py's DeepSeek-V3-shaped folders, "
+                         "as layers and experts double")
     ns = ap.parse_args(argv)
     t_start = time.perf_counter()
     b = Bench(ns)
     rows: list[dict[str, Any]] = []
     try:
-        for n, layers in enumerate(ns.sizes):
+        for n, layers in enumerate([] if ns.deepseek else ns.sizes):
             src = source(layers, ns.quick)
             nbytes = sum(f.stat().st_size for f in src.glob("*.pt"))
             url = b.upload(src)
@@ -262,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"layers": layers, "bytes": nbytes, "method": label,
                              **{k: r[k] for k in ("wall", "rss_mib", "disk_mib")}})
             b.drop_bucket(url[5:].split("/")[0])
+        if ns.deepseek:
+            rows = deepseek_rows(b, ns)
         res = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": rows,
-               "machine": machine(), "seconds": time.perf_counter() - t_start}
-        finish(res, ns.work_dir / "results_scale.json", report)
+               "machine": machine(), "seconds": time.perf_counter() - t_start, "deepseek": ns.deepseek}
+        finish(res, ns.work_dir / ("results_scale_deepseek.json" if ns.deepseek else "results_scale.json"), report)
     finally:
         b.close()
     return 0
