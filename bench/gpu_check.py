@@ -135,18 +135,21 @@ def flow_with_limit(src: Path, dst: Path, device: str, work: Path) -> dict[str, 
     """A flow run whose tensor tasks claim slots of a global concurrency limit (1 per GPU)."""
     import uuid
 
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    from reshard.flows.params import ReshardParams
-    from reshard.flows.runner import run_flow
     from reshard.flows.server import start_embedded
 
+    # the server first, its URL in the environment before Prefect is imported: Prefect reads its
+    # settings once, and a client made without the URL starts a temporary server of its own
     server = start_embedded(work / "cache")
     server.wait_ready(120)
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        from reshard.flows.params import ReshardParams
+        from reshard.flows.runner import run_flow
+
         with get_client(sync_client=True) as client:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="reshard-gpu", limit=1))
         t0 = time.perf_counter()
@@ -157,8 +160,10 @@ def flow_with_limit(src: Path, dst: Path, device: str, work: Path) -> dict[str, 
         with get_client(sync_client=True) as client:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
                 any_=[uuid.UUID(str(out["flow_run_id"]))])))
+            limit = client.read_global_concurrency_limit_by_name("reshard-gpu")
         tags = sorted({(r.name.rsplit("-", 1)[0], tuple(sorted(r.tags))) for r in runs})
-        return {"seconds": round(seconds, 2), "files": len(out["files"]),
+        return {"seconds": round(seconds, 2), "files": len(out["files"]), "server": server.api_url,
+                "limit": {"name": limit.name, "limit": limit.limit, "active slots after": limit.active_slots},
                 "task tags": {name: list(t) for name, t in tags}}
     finally:
         server.stop()
@@ -177,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     core_shape = (dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8) if ns.quick else
                   dict(hidden=4096, ffn=11008, heads=32, groups=8, vocab=32768, tp=8))
     core = bench_torch_dist.make_source(data / "core_tp8", 2 if ns.quick else 6, **core_shape)
-    hf_shape = (dict(hidden=256, heads=8, kv_heads=8, moe_ffn=128, vocab=1024) if ns.quick else
-                dict(hidden=7168, heads=56, kv_heads=8, moe_ffn=2048, vocab=16384))
+    hf_shape = bench_fp8.QUICK_SHAPE if ns.quick else bench_fp8.DSV3_SHAPE
     bf16 = data / "hf_bf16"
     if not (bf16 / "config.json").is_file():
         bench_fp8.make_source(bf16, 2, 8, hf_shape)
@@ -199,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             out = ns.work / "out" / f"{len(report['conversions'])}_{device}"
             shutil.rmtree(out, ignore_errors=True)
             bench_torch_dist.warm(src)
-            seconds = run(reshard(str(src), str(out), *flags, "--device", device))
+            try:
+                seconds = run(reshard(str(src), str(out), *flags, "--device", device))
+            except RuntimeError as err:  # one failed conversion must not cost the rest of the lease
+                rec[device] = {"failed": str(err)[-2000:]}
+                print(name, device, "FAILED", err, flush=True)
+                continue
             written = bench_torch_dist.size(out)
             rec[device] = {"seconds": round(seconds, 2), "GB written": round(written / 1e9, 2),
                            "GB/s": round(written / 1e9 / seconds, 3)}
@@ -213,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
         report["conversions"][name] = rec
         print(name, json.dumps(rec), flush=True)
+        (ns.work / "gpu_check.json").write_text(json.dumps(report, indent=2))  # what a timeout leaves
     report["kernels"] = {d: kernel_times(d) for d in devices}
     print("kernels", json.dumps(report["kernels"]), flush=True)
     if not ns.skip_flow:
