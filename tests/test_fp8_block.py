@@ -120,6 +120,32 @@ def test_quantize_takes_block_amax_over_448_and_rounds_within_e4m3s_bound(shape,
     assert not back[: min(b0, shape[0]), : min(b1, shape[1])].any()
 
 
+def test_quantize_divides_only_by_tensors_so_a_gpu_writes_the_cpus_bytes():
+    """CUDA computes ``x / 448.0`` (a Python number as divisor) as ``x * (1 / 448)``, which is off by
+    one bit for about half the scales (seen on an H100: 506 of 896 blocks of one expert weight, and
+    the codes at rounding ties with them); a tensor divisor gets the correctly rounded quotient on
+    every device. A CPU computes both exactly, so the test looks at what the quantizer asks torch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    divisors = []
+
+    class Divisions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_):
+                divisors.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    w = (torch.randn(300, 200, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    with Divisions():
+        q, s = quantize(w, (128, 128))
+    assert divisors, "the quantizer divides (the scale, then the weight by it)"
+    assert all(isinstance(d, torch.Tensor) and d.dim() >= 1 for d in divisors), \
+        [type(d).__name__ if not isinstance(d, torch.Tensor) else f"{d.dim()}-D tensor" for d in divisors]
+    amax = torch.tensor([[w[i:i + 128, j:j + 128].float().abs().max() for j in (0, 128)] for i in (0, 128, 256)])
+    assert torch.equal(s, (amax.double() / E4M3_MAX).float())  # the correctly rounded quotient
+    assert not torch.equal(s, amax * (1 / E4M3_MAX))  # what the reciprocal gives on these weights
+
+
 def test_quantize_refuses_what_fp8_cannot_scale_and_keeps_tiny_blocks_finite():
     w = torch.zeros(4, 8)
     for bad in (float("nan"), float("inf")):
