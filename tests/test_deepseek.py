@@ -658,9 +658,9 @@ def test_an_mtp_model_over_pipeline_and_expert_ranks_comes_back_tensor_for_tenso
 def test_mtp_layers_over_pipeline_stages_keep_megatron_cores_embedding_copy(mcore_written, tmp_path, capsys):
     """megatron-core at PP 2 keeps the MTP layer on the last stage with a copy of the embeddings
     there (the MTP layer embeds the shifted tokens with it), first in that stage's state dict. Read:
-    its Hugging Face export has megatron-core's logits and MTP logits, and so has its conversion to
-    TP 2 x EP 2 at PP 1 (the copy dropped once checked equal), run by megatron-core; written: TP 2 x
-    EP 2 -> PP 2 has megatron-core's own PP 2 keys in their order (the copy first on the last stage)
+    its Hugging Face export (from the run folder or the iteration folder alike) has megatron-core's
+    logits and MTP logits, and so has its conversion to TP 2 x EP 2 at PP 1 (the copy dropped once
+    checked equal), run by megatron-core; written: TP 2 x EP 2 -> PP 2 has megatron-core's own PP 2 keys in their order (the copy first on the last stage)
     and, run by megatron-core (which loads every stage strictly), the source's logits and MTP
     logits. A copy that differs from the embeddings is refused."""
     pp2, flat = mcore_written / "write_pp2", mcore_written / "write"
@@ -669,6 +669,11 @@ def test_mtp_layers_over_pipeline_stages_keep_megatron_cores_embedding_copy(mcor
     torch.testing.assert_close(hf_folder_logits(out), torch.load(pp2 / "logits.pt")[:, :128], rtol=0, atol=TOL)
     (mtp,) = torch.load(pp2 / "mtp_logits.pt")
     torch.testing.assert_close(mtp_reference(out), mtp[:-1, :128], rtol=0, atol=TOL)
+    from safetensors.torch import load_file  # named by its iteration folder, the same stages read alike
+
+    from_iter = load_file(_run(iteration_folder(pp2), tmp_path / "hf_iter", "--to", "hf") / "model.safetensors")
+    whole = load_file(out / "model.safetensors")
+    assert from_iter.keys() == whole.keys() and all(torch.equal(from_iter[k], whole[k]) for k in whole)
     runs = {pp2: (_run(pp2, tmp_path / "flat", "--target-tp", "2", "--target-ep", "2", "--target-pp", "1"), 2, 2, 1),
             flat: (_run(flat, tmp_path / "pp2", "--target-tp", "1", "--target-ep", "1", "--target-pp", "2"), 1, 1, 2)}
     _same_keys(runs[flat][0], pp2)
