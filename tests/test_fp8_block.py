@@ -78,6 +78,34 @@ def test_any_box_of_a_lazy_fp8_weight_is_that_box_of_the_whole(shape, block):
     assert torch.equal(lazy.read(0, 3, 2), whole[3:5])
 
 
+def test_a_mapped_fp8_weight_decodes_whole_rows_where_they_lie_and_gives_their_pages_back(tmp_path, monkeypatch):
+    """From a mapped safetensors file: every box is that box of the whole; a box of whole rows is
+    decoded from the mapping itself (no copy of the codes first) and released once decoded, any
+    other box copied out of it."""
+    from safetensors.torch import save_file
+
+    from reshard.core import safetensors_read
+    from reshard.core.safetensors_read import MappedSafetensors
+
+    shape, block = (300, 200), (64, 48)
+    q, s = _stored(shape, block, seed=4)
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "m.safetensors"))
+    file = MappedSafetensors(tmp_path / "m.safetensors")
+    lazy = Fp8BlockDequantized(file.tensor("w"), file.tensor("w_scale_inv"), block)
+    whole = deepseek_reference(q, s, block, torch.bfloat16)
+    released, copied = [], []
+    monkeypatch.setattr(MappedSafetensors, "release", lambda self, t: released.append((t.data_ptr(), t.numel())))
+    read_box = safetensors_read.SafeTensor.read_box
+    monkeypatch.setattr(safetensors_read.SafeTensor, "read_box",
+                        lambda self, o, z, out=None: copied.append((self.entry.name, o, z)) or read_box(self, o, z, out))
+    rows = file.tensor("w").view_box((70, 0), (100, 200))
+    assert torch.equal(lazy.read_box((70, 0), (100, 200)), whole[70:170])
+    assert (rows.data_ptr(), rows.numel()) in released and all(name != "w" for name, *_ in copied)
+    assert torch.equal(lazy.read_box((70, 30), (100, 50)), whole[70:170, 30:80])
+    assert ("w", (70, 30), (100, 50)) in copied
+    assert torch.equal(lazy.materialize(), whole)
+
+
 def test_a_transposed_or_floor_edged_scale_grid_is_refused_and_would_change_the_weights():
     q, s = _stored((192, 96), (128, 128))
     good = (192, 96), E4M3, tuple(s.shape), torch.float32, (128, 128), "model.safetensors"

@@ -266,11 +266,17 @@ class Fp8BlockDequantized(LazyTensor):
         b0, b1 = self.block
         s_off = (r0 // b0, c0 // b1)
         s_size = ((r0 + m - 1) // b0 - s_off[0] + 1, (c0 + n - 1) // b1 - s_off[1] + 1) if m and n else (0, 0)
-        q = _box(self.q, (r0, c0), (m, n))
-        scale = _box(self.scale, s_off, s_size)
         if out is not None and out.dtype != self.dtype:
             raise ValueError(f"out is {out.dtype}, the dequantized weight {self.dtype}")
-        return dequantize_box(q, scale, self.block, (r0, c0), self.dtype, out)
+        scale = _box(self.scale, s_off, s_size)
+        # whole rows of a mapped file: decoded where they lie, then their pages given back (no copy
+        # of the codes first; any other box, or a remote tensor, is copied out as _box says)
+        view = self.q.view_box((r0, c0), (m, n)) if isinstance(self.q, LazyTensor) else None
+        if view is None:
+            return dequantize_box(_box(self.q, (r0, c0), (m, n)), scale, self.block, (r0, c0), self.dtype, out)
+        got = dequantize_box(view, scale, self.block, (r0, c0), self.dtype, out)
+        self.q.release(view)
+        return got
 
     def __repr__(self) -> str:
         return f"Fp8BlockDequantized({self.q!r}, block={list(self.block)}, dtype={self.dtype})"
