@@ -485,3 +485,37 @@ def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_
     again = Collect()
     torch_writer.save(obj, beside, sha256=True, stream=again)
     assert bytes(again.data) == want and beside.stat().st_blocks * 512 <= 4096  # the last, partial block
+
+
+def test_a_borrowed_tensor_is_its_producers_one_region_uncopied_and_given_back_after_use():
+    """``PendingTensor.borrowed``: a producer writing one region of memory in chunks (a mapped
+    source's rows) lends that region itself, its chunks released only when the ``with`` ends; a
+    producer writing from two places gives a copy, each piece released as it is copied; a short
+    producer is an error."""
+    source = torch.arange(64, dtype=torch.float32)
+    released: list[int] = []
+
+    def chunked(sink):
+        flat = source.view(torch.uint8)
+        for off in range(0, flat.numel(), 48):
+            piece = flat[off:off + 48]
+            sink.write(piece, release=functools.partial(released.append, off), keep=piece)
+
+    t = PendingTensor((8, 8), torch.float32, chunked)
+    with t.borrowed() as got:
+        assert got.data_ptr() == source.data_ptr() and torch.equal(got, source.view(8, 8)) and not released
+    assert released == list(range(0, 256, 48))
+
+    other = torch.full((32,), -1.0)
+    released.clear()
+
+    def two_places(sink):
+        sink.write(source[:32], release=functools.partial(released.append, "a"))
+        sink.write(other, release=functools.partial(released.append, "b"))
+
+    with PendingTensor((64,), torch.float32, two_places).borrowed() as got:
+        assert released == ["a", "b"] and got.data_ptr() not in (source.data_ptr(), other.data_ptr())
+        assert torch.equal(got, torch.cat([source[:32], other]))
+    with pytest.raises(WriterError, match="wrote 128 of 256 bytes"):
+        with PendingTensor((64,), torch.float32, lambda sink: sink.write(source[:32])).borrowed():
+            pass

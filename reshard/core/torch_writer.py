@@ -173,6 +173,19 @@ class PendingTensor:
         sink.finish(self.name)
         return out
 
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[torch.Tensor]:
+        """The tensor for reading inside the ``with``: where the producer writes it as one region
+        of memory (a mapped source's rows, in chunks) that region itself, uncopied, its pages
+        given back on exit; else :meth:`materialize`'s copy. For a consumer that needs the whole
+        tensor at once (the FP8 export's block maxima) but never keeps it."""
+        sink = _BorrowSink(self)
+        try:
+            self.produce(sink)
+            yield sink.result()
+        finally:
+            sink.give_back()
+
     def __repr__(self) -> str:
         return f"PendingTensor({self.name or '?'}, {list(self.shape)}, {self.dtype})"
 
@@ -252,6 +265,60 @@ class _MemorySink(RecordSink):
     def finish(self, name: str) -> None:
         if self.pos != len(self.view):
             raise WriterError(f"producer of {name or 'a tensor'} wrote {self.pos} of {len(self.view)} bytes")
+
+
+class _BorrowSink(RecordSink):
+    """A producer's writes held as they are while they are one region of memory (contiguous CPU
+    tensors of one storage, each starting where the last ended); at the first write that is not,
+    what was held is copied into a tensor of its own and the rest copied as it comes, as
+    :class:`_MemorySink` does (so a gathering producer's reused buffers are not all held at once)."""
+
+    def __init__(self, t: PendingTensor) -> None:
+        self.t = t
+        self.held: list[tuple[torch.Tensor, Callable[[], None] | None]] = []
+        self.end = -1
+        self.copy: _MemorySink | None = None
+
+    def _joins(self, data: Any) -> bool:
+        if not (isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.is_contiguous()):
+            return False
+        if not self.held:
+            return True
+        first = self.held[0][0]
+        storage = first.untyped_storage()
+        return (data.data_ptr() == self.end and data.untyped_storage().data_ptr() == storage.data_ptr()
+                and self.end + data.nbytes <= storage.data_ptr() + storage.nbytes())
+
+    def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
+        if self.copy is None and self._joins(data):
+            self.held.append((data, release))
+            self.end = data.data_ptr() + data.nbytes
+            return
+        if self.copy is None:
+            self.copy = _MemorySink(torch.empty(self.t.shape, dtype=self.t.dtype))
+            held, self.held = self.held, []
+            for piece, piece_release in held:
+                self.copy.write(piece, piece_release)
+        self.copy.write(data, release, keep)
+
+    def result(self) -> torch.Tensor:
+        if self.copy is not None:
+            self.copy.finish(self.t.name)
+            return self.copy.out
+        nbytes = sum(piece.nbytes for piece, _ in self.held)
+        if nbytes != self.t.nbytes:
+            raise WriterError(f"producer of {self.t.name or 'a tensor'} wrote {nbytes} of {self.t.nbytes} bytes")
+        if not self.held:
+            return torch.empty(self.t.shape, dtype=self.t.dtype)
+        first = self.held[0][0].view(-1).view(torch.uint8)
+        region = first.as_strided((nbytes,), (1,))  # the pieces' one region of their storage
+        return region.view(self.t.dtype).view(self.t.shape)
+
+    def give_back(self) -> None:
+        held, self.held = self.held, []
+        for _, release in held:
+            if release is not None:
+                release()
 
 
 # --- pickling -----------------------------------------------------------------------------------

@@ -309,7 +309,14 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
         with _read_errors(culprit):
             if math.prod(shape) == 0:
                 return
-            if d == 0 or math.prod(any_src.shape[:d]) == 1:
+            along = d == 0 or math.prod(any_src.shape[:d]) == 1
+            if not along and len(segs) == 1 and segs[0][0] != FILL:  # one source's rows, whole (TP 1 of a row split)
+                views = sources[segs[0][0]].views(d, segs[0][1], segs[0][2])
+                if views is not None:
+                    for owner, view in views:
+                        _write_from_source(sink, owner, view)
+                    return
+            if along:
                 for s, start, length in segs:
                     views = None if s == FILL else sources[s].views(d, start, length)
                     if views is not None:

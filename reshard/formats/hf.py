@@ -18,6 +18,7 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -470,20 +471,21 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
     """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
     (:func:`~reshard.core.fp8_block.quantize`, on ``device`` when one is given: a block's scale is
     its own largest magnitude, so each output is made whole first — this one tensor in memory, as a
-    transpose is), then its scales."""
-    whole = value.materialize() if isinstance(value, PendingTensor) else value.detach()
-    outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
-    for i, out in enumerate(outs):
-        try:
-            q, s = quantize(out if device is None else out.to(device), block)
-        except ValueError as exc:
-            raise LayoutError(f"{entries[2 * i].name}: {exc}", culprit="--quantize fp8",
-                              hint="the checkpoint's weights are not finite; convert it without --quantize") from None
-        q, s = q.cpu(), s.cpu()
-        for entry, t in zip(entries[2 * i:2 * i + 2], (q, s)):
-            if tuple(t.shape) != entry.shape:
-                raise WriterError(f"{exp.key}: made {tuple(t.shape)} for {entry.name} {entry.shape}")
-            writer.put((tensor_bytes(t), base + entry.start, None, t))
+    transpose is; a mapped source's rows are read where they lie: :meth:`PendingTensor.borrowed`),
+    then its scales."""
+    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
+        outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
+        for i, out in enumerate(outs):
+            try:
+                q, s = quantize(out if device is None else out.to(device), block)
+            except ValueError as exc:
+                raise LayoutError(f"{entries[2 * i].name}: {exc}", culprit="--quantize fp8",
+                                  hint="the checkpoint's weights are not finite; convert it without --quantize") from None
+            q, s = q.cpu(), s.cpu()
+            for entry, t in zip(entries[2 * i:2 * i + 2], (q, s)):
+                if tuple(t.shape) != entry.shape:
+                    raise WriterError(f"{exp.key}: made {tuple(t.shape)} for {entry.name} {entry.shape}")
+                writer.put((tensor_bytes(t), base + entry.start, None, t))
 
 
 def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
