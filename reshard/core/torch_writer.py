@@ -269,7 +269,8 @@ class _MemorySink(RecordSink):
 
 class _BorrowSink(RecordSink):
     """A producer's writes held as they are while they are one region of memory (contiguous CPU
-    tensors of one storage, each starting where the last ended); at the first write that is not,
+    tensors, each starting where the last ended: chunks of one mapped tensor, or tensors stored one
+    after another in one mapped file, as an expert's gate and up projections); at the first write that is not,
     what was held is copied into a tensor of its own and the rest copied as it comes, as
     :class:`_MemorySink` does (so a gathering producer's reused buffers are not all held at once)."""
 
@@ -282,12 +283,7 @@ class _BorrowSink(RecordSink):
     def _joins(self, data: Any) -> bool:
         if not (isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.is_contiguous()):
             return False
-        if not self.held:
-            return True
-        first = self.held[0][0]
-        storage = first.untyped_storage()
-        return (data.data_ptr() == self.end and data.untyped_storage().data_ptr() == storage.data_ptr()
-                and self.end + data.nbytes <= storage.data_ptr() + storage.nbytes())
+        return not self.held or data.data_ptr() == self.end
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
         if self.copy is None and self._joins(data):
@@ -310,8 +306,10 @@ class _BorrowSink(RecordSink):
             raise WriterError(f"producer of {self.t.name or 'a tensor'} wrote {nbytes} of {self.t.nbytes} bytes")
         if not self.held:
             return torch.empty(self.t.shape, dtype=self.t.dtype)
-        first = self.held[0][0].view(-1).view(torch.uint8)
-        region = first.as_strided((nbytes,), (1,))  # the pieces' one region of their storage
+        # one tensor over the pieces' bytes (they may belong to several storages: the held pieces
+        # keep them alive until give_back)
+        start = self.held[0][0].data_ptr()
+        region = torch.frombuffer((ctypes.c_char * nbytes).from_address(start), dtype=torch.uint8)
         return region.view(self.t.dtype).view(self.t.shape)
 
     def give_back(self) -> None:
