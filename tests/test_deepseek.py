@@ -660,9 +660,10 @@ def test_mtp_layers_over_pipeline_stages_keep_megatron_cores_embedding_copy(mcor
     there (the MTP layer embeds the shifted tokens with it), first in that stage's state dict. Read:
     its Hugging Face export (from the run folder or the iteration folder alike) has megatron-core's
     logits and MTP logits, and so has its conversion to TP 2 x EP 2 at PP 1 (the copy dropped once
-    checked equal), run by megatron-core; written: TP 2 x EP 2 -> PP 2 has megatron-core's own PP 2 keys in their order (the copy first on the last stage)
-    and, run by megatron-core (which loads every stage strictly), the source's logits and MTP
-    logits. A copy that differs from the embeddings is refused."""
+    checked equal), run by megatron-core; written: TP 2 x EP 2 -> PP 2 has megatron-core's own PP 2
+    keys in their order (the copy first on the last stage) and, run by megatron-core (which loads
+    every stage strictly), the source's logits and MTP logits. A copy that differs from the
+    embeddings is refused."""
     pp2, flat = mcore_written / "write_pp2", mcore_written / "write"
     assert "embedding.word_embeddings.weight" in _rank_files(pp2)["mp_rank_00_001"]  # what megatron-core saves
     out = _run(pp2, tmp_path / "hf", "--to", "hf")

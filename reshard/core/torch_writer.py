@@ -270,9 +270,9 @@ class _MemorySink(RecordSink):
 class _BorrowSink(RecordSink):
     """A producer's writes held as they are while they are one region of memory (contiguous CPU
     tensors, each starting where the last ended: chunks of one mapped tensor, or tensors stored one
-    after another in one mapped file, as an expert's gate and up projections); at the first write that is not,
-    what was held is copied into a tensor of its own and the rest copied as it comes, as
-    :class:`_MemorySink` does (so a gathering producer's reused buffers are not all held at once)."""
+    after another in one mapped file, as an expert's gate and up projections); at the first write
+    that is not, what was held is copied into a tensor of its own and the rest copied as it comes,
+    as :class:`_MemorySink` does (so a gathering producer's reused buffers are not all held at once)."""
 
     def __init__(self, t: PendingTensor) -> None:
         self.t = t
