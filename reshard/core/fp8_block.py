@@ -199,6 +199,10 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     pad = gn * b1 - n
     wide = torch.empty((min(b0, m), n), dtype=torch.float32, device=w.device)
     mags = torch.empty((min(b0, m), n), dtype=w.dtype, device=w.device)
+    # the scale's divisor is a tensor, not the number 448: CUDA multiplies by the reciprocal when the
+    # divisor is a Python number (one bit off in about half the blocks, seen on an H100), so the
+    # device path would write other scales, and other codes at the rounding ties, than the CPU
+    e4m3_max = torch.full((gn,), E4M3_MAX, dtype=torch.float32, device=w.device)
     for i in range(gm):
         x = w[i * b0:(i + 1) * b0]
         rows = x.shape[0]
@@ -208,10 +212,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
         amax = top.view(gn, b1).amax(dim=1).float()
         if not torch.isfinite(amax).all():
             raise ValueError(f"rows {i * b0}..{i * b0 + rows - 1} hold a NaN or an infinity, which FP8 cannot scale")
-        # divided by a tensor, not the number 448: CUDA multiplies by the reciprocal when the divisor
-        # is a Python number (one bit off in about half the blocks, seen on an H100), so the device
-        # path would write other scales, and other codes at the rounding ties, than the CPU
-        si = amax / torch.full_like(amax, E4M3_MAX)
+        si = amax / e4m3_max
         si = torch.where(si > 0, si, torch.ones_like(si))  # an all-zero block (or one too small to scale) keeps 1
         s[i] = si
         band = wide[:rows]

@@ -306,22 +306,22 @@ def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor],
             col += length
 
     def produce(sink: RecordSink) -> None:
+        def written_from_views(s: int, start: int, length: int) -> bool:
+            """Segment ``s`` written straight from where its bytes lie, when they lie in mapped files."""
+            views = None if s == FILL else sources[s].views(d, start, length)
+            for owner, view in views or ():
+                _write_from_source(sink, owner, view)
+            return views is not None
+
         with _read_errors(culprit):
             if math.prod(shape) == 0:
                 return
             along = d == 0 or math.prod(any_src.shape[:d]) == 1
-            if not along and len(segs) == 1 and segs[0][0] != FILL:  # one source's rows, whole (TP 1 of a row split)
-                views = sources[segs[0][0]].views(d, segs[0][1], segs[0][2])
-                if views is not None:
-                    for owner, view in views:
-                        _write_from_source(sink, owner, view)
-                    return
+            if not along and len(segs) == 1 and written_from_views(*segs[0]):  # one source's whole rows
+                return
             if along:
                 for s, start, length in segs:
-                    views = None if s == FILL else sources[s].views(d, start, length)
-                    if views is not None:
-                        for owner, view in views:
-                            _write_from_source(sink, owner, view)
+                    if written_from_views(s, start, length):
                         continue
                     for r0, rows in _blocks(length, math.prod(any_src.shape[d + 1:]) * isz, whole):
                         box = [rows if i == d else x for i, x in enumerate(any_src.shape)]
