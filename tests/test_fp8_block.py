@@ -174,15 +174,62 @@ def test_quantize_divides_only_by_tensors_so_a_gpu_writes_the_cpus_bytes():
     assert not torch.equal(s, amax * (1 / E4M3_MAX))  # what the reciprocal gives on these weights
 
 
-def test_quantize_refuses_what_fp8_cannot_scale_and_keeps_tiny_blocks_finite():
-    w = torch.zeros(4, 8)
-    for bad in (float("nan"), float("inf")):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_refuses_what_fp8_cannot_scale_and_keeps_tiny_blocks_finite(dtype):
+    for bad in (float("nan"), float("inf"), -float("inf")):  # the maxima are taken on the bits: both signs
+        w = torch.zeros(4, 8, dtype=dtype)
         w[2, 5] = bad
         with pytest.raises(ValueError, match="rows 0..3 hold a NaN or an infinity"):
             quantize(w, (4, 4))
     tiny = torch.full((4, 4), 1e-43)  # amax / 448 underflows to 0 in float32: scale 1, values 0, no NaN
     q, s = quantize(tiny, (4, 4))
     assert s.item() == 1.0 and not dequantize(q, s, (4, 4), torch.float32).isnan().any()
+
+
+def test_a_subnormal_scale_is_clamped_before_the_cast_and_a_normal_one_needs_no_clamp():
+    """The quantizer clamps only a band whose scale is subnormal. There the scale keeps few bits and
+    ``W / S`` can pass e4m3's range: a block whose largest magnitude is 1523 of float32's smallest
+    subnormals gets the scale 3 of them (1523 / 448 = 3.4 rounds to 3), and 1523 / 3 = 507.7, above
+    464, where the cast rounds no value to 448 (torch 2.13's CPU cast saturates, others give NaN),
+    so the clamp must come first. With a normal scale the quotient stays within
+    ``448 * (1 + 2**-23)`` and a clamp could change no code: none is asked for. The test looks at
+    the clamps the quantizer asks torch for, as this torch's cast would hide a missing one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    clamps = []
+
+    class Clamps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clamp, torch.ops.aten.clamp_):
+                clamps.append(args[1:])
+            return func(*args, **(kwargs or {}))
+
+    ulp = torch.tensor([1], dtype=torch.int32).view(torch.float32)  # float32's smallest subnormal
+    w = torch.zeros(8, 8)
+    w[:4, :4] = torch.tensor([1523.0, -700.0, 3.0, 0.0]) * ulp  # band 0: one block with a subnormal scale
+    w[:, 4:] = torch.randn(8, 4, generator=torch.Generator().manual_seed(11))
+    w[4:, :4] = torch.randn(4, 4, generator=torch.Generator().manual_seed(12))  # band 1: normal scales
+    with Clamps():
+        q, s = quantize(w, (4, 4))
+    assert s[0, 0] == 3 * ulp and bool((s.view(-1)[1:] >= torch.finfo(torch.float32).tiny).all())
+    per = s.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert (w / per)[0, 0] > 464
+    assert clamps == [(-E4M3_MAX, E4M3_MAX)], "exactly one clamp: band 0's"
+    want = (w / per).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiny_weights_quantize_as_the_formula(dtype):
+    """Blocks of subnormal and near-subnormal weights (scales subnormal, or 1 where amax / 448
+    underflows) against the formula, clamp included."""
+    g = torch.Generator().manual_seed(12)
+    for magnitude in (1e-36, 1e-39, 1e-41, 1e-43):
+        w = (torch.randn(256, 192, generator=g, dtype=torch.float64) * magnitude).to(dtype)
+        q, s = quantize(w, (128, 64))
+        per = s.repeat_interleave(128, 0).repeat_interleave(64, 1)
+        want = (w.float() / per).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), magnitude
 
 
 def test_quantization_config_reads_fp8_and_refuses_every_other_scheme_by_name():
