@@ -220,6 +220,21 @@ def sources(ns: argparse.Namespace, layers: int, experts: int, shape: dict[str, 
 DSV3_SHAPE = dict(hidden=7168, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, moe_ffn=2048, vocab=16384)
 QUICK_SHAPE = dict(hidden=256, heads=8, q_lora=192, kv_lora=64, nope=32, rope=16, v=32, moe_ffn=128, vocab=1024)
 
+#: The conversions timed, as ``--only`` names them.
+GROUPS = ("quantize", "dequantize", "to-ranks")
+
+
+def ranks_size(fp8: Path, work: Path) -> int:
+    """The bytes of the TP 8 x EP 8 per-rank output, from reshard's own run (what the floor must write)."""
+    out = work / "ranks_size"
+    subprocess.run([c.replace("{out}", str(out)) for c in reshard(str(fp8), "{out}", "--target-tp", "8",
+                                                                 "--target-ep", "8")],
+                   check=True, capture_output=True)
+    n = size(out)
+    shutil.rmtree(out)
+    return n
+
+
 def baseline(cmd: list[str], tree: Path) -> list[str]:
     """``cmd`` (a :func:`bench_torch_dist.reshard` command) importing reshard from ``tree``."""
     code = cmd[2]
@@ -249,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a Python with llmcompressor installed: its model_free_ptq FP8_BLOCK joins the peers")
     ap.add_argument("--baseline", type=Path, default=None, metavar="TREE",
                     help="a checkout of another reshard commit (git worktree add TREE REV): it runs beside, same run")
+    ap.add_argument("--only", action="append", choices=GROUPS, default=None,
+                    help="time only these conversions (repeatable; default: all three)")
     ap.add_argument("--data-dir", type=Path, default=HERE / "data")
     ap.add_argument("--work-dir", type=Path, default=HERE / "out")
     ns = ap.parse_args(argv)
+    only = set(ns.only or GROUPS)
     shape = QUICK_SHAPE if ns.quick else DSV3_SHAPE
     # reshard as installed (pip compiles its bytecode at install): a PYTHONDONTWRITEBYTECODE
     # environment would make every run compile reshard's modules again, which the floor never pays
@@ -266,13 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [(ns.layers, ns.experts)] + ([(2 * ns.layers, ns.experts), (ns.layers, 2 * ns.experts)] if ns.deep else [])
     for layers, experts in sizes:
         bf16, fp8 = sources(ns, layers, experts, shape)
-        # the bytes of the per-rank output, from reshard's own plan (what the floor must write)
-        ranks_out = work / "ranks_size"
-        subprocess.run([c.replace("{out}", str(ranks_out)) for c in reshard(str(fp8), "{out}", "--target-tp", "8",
-                                                                            "--target-ep", "8")],
-                       check=True, capture_output=True)
-        ranks_bytes = size(ranks_out)
-        shutil.rmtree(ranks_out)
+        ranks_bytes = ranks_size(fp8, work) if "to-ranks" in only else 0
         quant = {"floor (read bf16, write FP8 bytes)": FLOOR + [str(bf16), "{out}", str(size(fp8))],
                  QUANT: reshard(str(bf16), "{out}", "--to", "hf", "--quantize", "fp8"),
                  "naive: load all, quantize, save_file": NAIVE_QUANT + [str(bf16), "{out}"]}
@@ -292,27 +304,33 @@ def main(argv: list[str] | None = None) -> int:
             quant, dequant, ranks = {QUANT: quant[QUANT]}, {DEQUANT: dequant[DEQUANT]}, {TO_RANKS: ranks[TO_RANKS]}
         key = f"layers={layers} experts={experts}"
         results[key] = {"bf16 GB": round(size(bf16) / 1e9, 2), "fp8 GB": round(size(fp8) / 1e9, 2),
-                        "ranks GB": round(ranks_bytes / 1e9, 2),
-                        "quantize": timed(quant, bf16, work, ns.runs, f"{key} quantize", ns.settle),
-                        "dequantize": timed(dequant, fp8, work, ns.runs, f"{key} dequantize", ns.settle),
-                        "to ranks": timed(ranks, fp8, work, ns.runs, f"{key} to ranks", ns.settle)}
+                        "ranks GB": round(ranks_bytes / 1e9, 2)}
+        for group, methods, source in (("quantize", quant, bf16), ("dequantize", dequant, fp8),
+                                       ("to-ranks", ranks, fp8)):
+            if group in only:
+                results[key][group] = timed(methods, source, work, ns.runs, f"{key} {group}", ns.settle)
         if first:
-            results["quantize: same tensors as the naive script"] = agree(
-                quant[QUANT], quant["naive: load all, quantize, save_file"], work, "--compare", __file__)
-            results["dequantize: same tensors as the naive script"] = agree(
-                dequant[DEQUANT], dequant["naive: load all, dequantize, save_file"], work, "--compare", __file__)
+            for group, methods, name, naive in (("quantize", quant, QUANT, "naive: load all, quantize, save_file"),
+                                                ("dequantize", dequant, DEQUANT,
+                                                 "naive: load all, dequantize, save_file")):
+                if group in only:
+                    results[f"{group}: same tensors as the naive script"] = agree(
+                        methods[name], methods[naive], work, "--compare", __file__)
     base = results[f"layers={ns.layers} experts={ns.experts}"]
     print(f"sizes: bf16 {base['bf16 GB']} GB, FP8 {base['fp8 GB']} GB, TP 8 x EP 8 rank files {base['ranks GB']} GB")
-    report("bf16 -> FP8", base["quantize"], "floor (read bf16, write FP8 bytes)")
-    report("FP8 -> bf16", base["dequantize"], "floor (read FP8, write bf16 bytes)")
-    report("FP8 -> TP 8 x EP 8", base["to ranks"], "floor (read FP8, write the rank files' bytes)")
-    for layers, experts in sizes[1:]:
-        rec = results[f"layers={layers} experts={experts}"]
-        for what, name in (("quantize", QUANT), ("dequantize", DEQUANT), ("to ranks", TO_RANKS)):
-            print(f"peak RSS {name}: {base[what][name]['peak_rss_mib']} MiB at {ns.layers} layers x {ns.experts} "
-                  f"experts, {rec[what][name]['peak_rss_mib']} MiB at {layers} x {experts}")
-    for k in ("quantize: same tensors as the naive script", "dequantize: same tensors as the naive script"):
-        print(f"{k}: {results[k]}")
+    for group, title, floor, name in (("quantize", "bf16 -> FP8", "floor (read bf16, write FP8 bytes)", QUANT),
+                                      ("dequantize", "FP8 -> bf16", "floor (read FP8, write bf16 bytes)", DEQUANT),
+                                      ("to-ranks", "FP8 -> TP 8 x EP 8",
+                                       "floor (read FP8, write the rank files' bytes)", TO_RANKS)):
+        if group not in only:
+            continue
+        report(title, base[group], floor)
+        for layers, experts in sizes[1:]:
+            rec = results[f"layers={layers} experts={experts}"]
+            print(f"peak RSS {name}: {base[group][name]['peak_rss_mib']} MiB at {ns.layers} layers x {ns.experts} "
+                  f"experts, {rec[group][name]['peak_rss_mib']} MiB at {layers} x {experts}")
+        if group != "to-ranks":
+            print(f"{group}: same tensors as the naive script: {results[f'{group}: same tensors as the naive script']}")
     print(json.dumps(results))
     return 0
 
