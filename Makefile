@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test install install-dev clean
+.PHONY: demo test install install-dev bytecode clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-demo: install
+# reshard is installed editable, so pip compiled none of its modules; where the environment sets
+# PYTHONDONTWRITEBYTECODE, every process would compile them again on import (the demo's runs, and the
+# tests' hundreds of CLI, engine and worker subprocesses). Compiled once here; up-to-date files are skipped.
+bytecode: install
+	$(PY) -m compileall -q reshard tests
+
+demo: install bytecode
 	rm -rf demo-output
 	$(VENV)/bin/reshard sample demo-output/tp8 --tp 8 --layers 4 --hidden 256 --heads 16 --vocab 1024
 	$(VENV)/bin/reshard inspect demo-output/tp8
@@ -39,7 +45,7 @@ demo: install
 	$(VENV)/bin/reshard verify demo-output/tp2
 	$(VENV)/bin/reshard inspect demo-output/tp2
 
-test: install-dev
+test: install-dev bytecode
 	$(PY) -m pytest
 
 clean:
