@@ -219,11 +219,13 @@ def deepseek_rows(b: Bench, ns: argparse.Namespace) -> list[dict[str, Any]]:
 
     shape = bench_fp8.QUICK_SHAPE if ns.quick else bench_fp8.DSV3_SHAPE
     rows = []
-    for layers, experts in DEEPSEEK_SIZES:
+    sizes = [tuple(map(int, s.split("x"))) for s in ns.deepseek_size] if ns.deepseek_size else DEEPSEEK_SIZES
+    conversions = [c for c in DEEPSEEK_CONVERSIONS if not ns.deepseek_conversion or c[0] in ns.deepseek_conversion]
+    for layers, experts in sizes:
         folders = dict(zip(("bf16", "fp8"), bench_fp8.sources(argparse.Namespace(quick=ns.quick, data_dir=HERE / "data"),
                                                               layers, experts, shape)))
         urls = {k: b.upload(v) for k, v in folders.items()}
-        for label, kind, target in DEEPSEEK_CONVERSIONS:
+        for label, kind, target in conversions:
             r = b.convert(f"{layers} layers x {experts} experts: {label}", urls[kind], ["--direct"], target=target)
             nbytes = sum(f.stat().st_size for f in folders[kind].glob("*.safetensors"))
             rows.append({"layers": f"{layers} layers x {experts} experts", "bytes": nbytes, "method": f"{label} (--direct)",
@@ -268,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deepseek", action="store_true",
                     help="instead: issue 34's FP8 conversions of bench_fp8.py's DeepSeek-V3-shaped folders, "
                          "as layers and experts double")
+    ap.add_argument("--deepseek-size", action="append", default=None, metavar="LxE",
+                    help="with --deepseek: only this source (layers x routed experts, e.g. 2x8; repeatable)")
+    ap.add_argument("--deepseek-conversion", action="append", default=None,
+                    choices=[c[0] for c in DEEPSEEK_CONVERSIONS], help="with --deepseek: only this conversion")
     ns = ap.parse_args(argv)
     t_start = time.perf_counter()
     b = Bench(ns)
