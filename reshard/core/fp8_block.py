@@ -182,10 +182,11 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q float8_e4m3fn [M, N], S float32 [ceil(M/b0), ceil(N/b1)])`` of a 2-D weight (see the
-    module table), one band of ``b0`` rows at a time, with no allocation per band.
+    module table), one band of ``b0`` rows at a time, its band-sized buffers made once.
 
     Why each step is as it is (the cast to e4m3, torch's element-by-element conversion, is the
-    largest cost and has no faster exact form; the others are kept to one vectorized pass each):
+    largest cost, and no faster exact form of it in torch is known here; the other steps are kept
+    to one vectorized pass each):
 
     - A block's largest magnitude is taken on the bits: a float's magnitude is its bits with the
       sign cleared, ordered as integers (NaN and infinity above every finite value), so one
