@@ -181,6 +181,8 @@ def test_quantize_refuses_what_fp8_cannot_scale_and_keeps_tiny_blocks_finite(dty
         w[2, 5] = bad
         with pytest.raises(ValueError, match="rows 0..3 hold a NaN or an infinity"):
             quantize(w, (4, 4))
+    with pytest.raises(ValueError, match="takes a floating-point weight, not torch.int16"):
+        quantize(torch.ones(4, 8, dtype=torch.int16), (4, 4))  # integer bits are no magnitudes to scale
     tiny = torch.full((4, 4), 1e-43)  # amax / 448 underflows to 0 in float32: scale 1, values 0, no NaN
     q, s = quantize(tiny, (4, 4))
     assert s.item() == 1.0 and not dequantize(q, s, (4, 4), torch.float32).isnan().any()

@@ -201,6 +201,8 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     """
     if w.dim() != 2:
         raise ValueError(f"FP8 block quantization takes a 2-D weight, not {list(w.shape)}")
+    if w.dtype not in _MAGNITUDE_BITS:
+        raise ValueError(f"FP8 block quantization takes a floating-point weight, not {w.dtype}")
     m, n = w.shape
     b0, b1 = block
     gm, gn = scale_shape(w.shape, block)
@@ -209,9 +211,8 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     if not m or not n:
         return q, s
     pad = gn * b1 - n
-    if w.dtype not in _MAGNITUDE_BITS:
-        raise ValueError(f"FP8 block quantization takes a floating-point weight, not {w.dtype}")
-    bits, magnitude = _MAGNITUDE_BITS[w.dtype]
+    bits = _MAGNITUDE_BITS[w.dtype]
+    magnitude = torch.iinfo(bits).max  # every bit but the sign's
     wide = torch.empty((min(b0, m), n), dtype=torch.float32, device=w.device)
     mags = torch.empty((min(b0, m), n), dtype=bits, device=w.device)
     # the scale's divisor is a tensor, not the number 448: CUDA multiplies by the reciprocal when the
@@ -240,10 +241,10 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     return q, s
 
 
-#: dtype -> (the integer dtype of its bits, the mask that clears the sign): a magnitude's order.
-_MAGNITUDE_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
-    torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
-    torch.float32: (torch.int32, 0x7FFF_FFFF), torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF)}
+#: float dtype -> the signed integer dtype of its bits; the integer's largest value is the mask that
+#: clears the sign, leaving the bits that order magnitudes.
+_MAGNITUDE_BITS: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
 #: float32's smallest normal value: a scale below it is subnormal (see :func:`quantize`).
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
