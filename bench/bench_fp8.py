@@ -220,9 +220,6 @@ def sources(ns: argparse.Namespace, layers: int, experts: int, shape: dict[str, 
 DSV3_SHAPE = dict(hidden=7168, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, moe_ffn=2048, vocab=16384)
 QUICK_SHAPE = dict(hidden=256, heads=8, q_lora=192, kv_lora=64, nope=32, rope=16, v=32, moe_ffn=128, vocab=1024)
 
-#: The conversions timed, as ``--only`` names them.
-GROUPS = ("quantize", "dequantize", "to-ranks")
-
 
 def ranks_size(fp8: Path, work: Path) -> int:
     """The bytes of the TP 8 x EP 8 per-rank output, from reshard's own run (what the floor must write)."""
@@ -244,6 +241,15 @@ def baseline(cmd: list[str], tree: Path) -> list[str]:
 
 
 QUANT, DEQUANT, TO_RANKS = "reshard bf16 -> FP8 hf", "reshard FP8 -> bf16 hf", "reshard FP8 -> TP 8 x EP 8"
+#: Each conversion's report: (group, title, reshard's method, its floor, the naive script that must
+#: give the same tensors, or None).
+REPORTS = (("quantize", "bf16 -> FP8", QUANT, "floor (read bf16, write FP8 bytes)",
+            "naive: load all, quantize, save_file"),
+           ("dequantize", "FP8 -> bf16", DEQUANT, "floor (read FP8, write bf16 bytes)",
+            "naive: load all, dequantize, save_file"),
+           ("to-ranks", "FP8 -> TP 8 x EP 8", TO_RANKS, "floor (read FP8, write the rank files' bytes)", None))
+#: The conversions timed, as ``--only`` names them.
+GROUPS = tuple(r[0] for r in REPORTS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,18 +316,14 @@ def main(argv: list[str] | None = None) -> int:
             if group in only:
                 results[key][group] = timed(methods, source, work, ns.runs, f"{key} {group}", ns.settle)
         if first:
-            for group, methods, name, naive in (("quantize", quant, QUANT, "naive: load all, quantize, save_file"),
-                                                ("dequantize", dequant, DEQUANT,
-                                                 "naive: load all, dequantize, save_file")):
-                if group in only:
+            methods_of = {"quantize": quant, "dequantize": dequant}
+            for group, _, name, _, naive in REPORTS:
+                if naive and group in only:
                     results[f"{group}: same tensors as the naive script"] = agree(
-                        methods[name], methods[naive], work, "--compare", __file__)
+                        methods_of[group][name], methods_of[group][naive], work, "--compare", __file__)
     base = results[f"layers={ns.layers} experts={ns.experts}"]
     print(f"sizes: bf16 {base['bf16 GB']} GB, FP8 {base['fp8 GB']} GB, TP 8 x EP 8 rank files {base['ranks GB']} GB")
-    for group, title, floor, name in (("quantize", "bf16 -> FP8", "floor (read bf16, write FP8 bytes)", QUANT),
-                                      ("dequantize", "FP8 -> bf16", "floor (read FP8, write bf16 bytes)", DEQUANT),
-                                      ("to-ranks", "FP8 -> TP 8 x EP 8",
-                                       "floor (read FP8, write the rank files' bytes)", TO_RANKS)):
+    for group, title, name, floor, naive in REPORTS:
         if group not in only:
             continue
         report(title, base[group], floor)
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             rec = results[f"layers={layers} experts={experts}"]
             print(f"peak RSS {name}: {base[group][name]['peak_rss_mib']} MiB at {ns.layers} layers x {ns.experts} "
                   f"experts, {rec[group][name]['peak_rss_mib']} MiB at {layers} x {experts}")
-        if group != "to-ranks":
+        if naive:
             print(f"{group}: same tensors as the naive script: {results[f'{group}: same tensors as the naive script']}")
     print(json.dumps(results))
     return 0
