@@ -305,26 +305,47 @@ def test_peak_memory_is_bounded_by_chunks_not_tensors(tmp_path):
     os.remove(out)
 
 
-def test_streaming_runs_torch_single_threaded_and_restores_the_thread_count(tmp_path):
-    """Converting sets torch's intra-op threads to 1 (idle OpenMP workers spin otherwise) and
-    puts the caller's setting back — also when conversions overlap in threads."""
+@pytest.mark.parametrize("cores, current, expected", [(1, 1, 1), (1, 8, 1), (2, 2, 1), (2, 16, 1), (3, 3, 1),
+                                                      (4, 4, 2), (16, 16, 14), (16, 4, 4), (64, 64, 62)])
+def test_streaming_leaves_the_writer_and_hasher_a_core_each_and_never_raises_torchs_threads(cores, current, expected):
+    assert engine.streaming_threads(cores, current) == expected
+
+
+def test_streaming_sets_torchs_threads_by_the_cores_and_restores_the_callers_count(tmp_path, monkeypatch):
+    """Converting sets torch's intra-op threads (idle OpenMP workers spin otherwise, taking the
+    writer's and hasher's cores) and puts the caller's setting back — also when conversions overlap
+    in threads, and whether or not the target is quantized. This machine's own count (its 2 cores
+    give 1) and a larger one (which it cannot have: the affinity is stood in for) are both checked."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         seen = []
-        with engine._one_intra_op_thread():
+        with engine._streaming_intra_op_threads():
             seen.append(torch.get_num_threads())
-            with engine._one_intra_op_thread():
+            with engine._streaming_intra_op_threads():
                 seen.append(torch.get_num_threads())
             seen.append(torch.get_num_threads())
-        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+        assert seen == [engine.streaming_threads(engine._usable_cores(), 2)] * 3 and torch.get_num_threads() == 2
+        monkeypatch.setattr(engine, "_usable_cores", lambda: 5)
         write_sample_checkpoint(tmp_path / "src", tp=4, cfg=GPTConfig(layers=1, hidden=64, heads=8, vocab=128, seq=16))
-        plan = build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=2))
-        threads = [threading.Thread(target=convert_target, args=(plan, t.rank, tmp_path / f"{t.rank}-{i}.pt"))
-                   for t in plan.targets for i in range(3)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-        assert torch.get_num_threads() == 2
+        torch.set_num_threads(7)
+        during = []
+        for options in (ReshardOptions(target_tp=2), ReshardOptions(target_tp=2, quantize=True)):
+            plan = build_plan(str(tmp_path / "src"), options)
+            fmt = engine.get_format(plan.output_format)
+            real_write = type(fmt).write
+
+            def write(*args, real_write=real_write, fmt=fmt, **kwargs):
+                during.append(torch.get_num_threads())
+                return real_write(fmt, *args, **kwargs)
+
+            monkeypatch.setattr(fmt, "write", write)
+            threads = [threading.Thread(target=convert_target, args=(plan, t.rank, tmp_path / f"{t.rank}-{i}.pt"))
+                       for t in plan.targets for i in range(3)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            assert torch.get_num_threads() == 7
+        assert during and set(during) == {3}  # 5 cores less the writer's and the hasher's
     finally:
         torch.set_num_threads(before)
 

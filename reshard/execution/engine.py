@@ -602,20 +602,53 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+#: Threads a streamed target keeps busy beside torch's: the writer's ``pwrite`` and the SHA-256.
+_WRITER_THREADS = 2
+
+
+def streaming_threads(cores: int, current: int) -> int:
+    """torch's intra-op threads while a target streams: the cores this process may run on less the
+    writer's and the hasher's, never more than torch had (a caller, a Dask worker, may have lowered
+    it) and never fewer than one.
+
+    Why not torch's default (every core): between two ops torch's idle OpenMP workers busy-wait,
+    and on a machine where they share the cores with the writer and hasher threads that spinning is
+    taken from them. On 2 cores, measured A/B on DeepSeek-V3-shaped weights
+    (docs/performance.md): bf16 -> FP8 took 10.3-11.1 s with one thread and 11.5-12.3 s with two
+    (9 vs 14 s of user CPU); an int8 export was level (9.6 s either way, 2 s more CPU with two);
+    FP8 -> bf16 took 1.4x as long with two. Where cores are left over, the codecs' arithmetic
+    (casts, divides, table gathers) spreads over them.
+
+    =======  =========  ========
+    cores    current    threads
+    =======  =========  ========
+    1 or 2   any        1
+    16       16         14
+    16       4          4
+    =======  =========  ========
+    """
+    return max(1, min(current, cores - _WRITER_THREADS))
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or a scheduler's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        return os.cpu_count() or 1
+
+
 _intra_op = {"lock": threading.Lock(), "users": 0, "saved": 0}
 
 
 @contextlib.contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    """torch's intra-op pool at one thread while streaming a target: the torch work is the row
-    gathers (memory-bound strided copies) and FP8 table gathers, and after each one the idle OpenMP workers
-    busy-wait for more — about a tenth of the process's CPU on 2 cores, taken from the writer
-    and hashing threads. Process-wide, so nested/concurrent conversions count in: the first
-    in sets it, the last out restores it."""
+def _streaming_intra_op_threads() -> Iterator[None]:
+    """torch's intra-op pool at :func:`streaming_threads` while streaming a target. Process-wide, so
+    nested/concurrent conversions count in: the first in sets it, the last out restores it."""
     with _intra_op["lock"]:
         if _intra_op["users"] == 0:
             _intra_op["saved"] = torch.get_num_threads()
-            torch.set_num_threads(1)
+            torch.set_num_threads(streaming_threads(_usable_cores(), _intra_op["saved"]))
         _intra_op["users"] += 1
     try:
         yield
@@ -648,17 +681,13 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     fmt = get_format(plan.output_format)
     obj = fmt.prepare(plan, tgt, sd)
     pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(obj) else None
-    # quantizing is compute: it keeps torch's threads. Reading FP8 is too, but its table gathers
-    # gain nothing from a second thread while the writer thread writes and hashes beside them (a
-    # DeepSeek-V3-shaped FP8 -> bf16 conversion took 1.4x as long with two; docs/performance.md)
-    threads = contextlib.nullcontext() if plan.options.quantize else _one_intra_op_thread()
     streaming: dict[str, Any] = {} if stream is None else {"stream": stream}
     if fmt.encodes_on_device():
         streaming["device"] = device
     if stream is not None and not fmt.writes_streams():
         raise WriterError(f"the {fmt.name} format's writer takes no stream")
     try:
-        with threads:
+        with _streaming_intra_op_threads():
             stats = fmt.write(obj, out_path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes,
                               **streaming)
     except BaseException:
