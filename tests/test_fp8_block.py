@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from reshard.core.errors import CheckpointFormatError
-from reshard.core.fp8_block import (E4M3, E4M3_MAX, Fp8BlockDequantized, check_scale, dequantize, quantization_config,
-                                    quantize, read_quantization_config, scale_shape)
+from reshard.core.fp8_block import (E4M3, E4M3_MAX, Fp8BlockDequantized, band_workers, check_scale, dequantize,
+                                    quantization_config, quantize, read_quantization_config, scale_shape)
 
 #: (weight shape, block): whole blocks, partial edges in rows, columns and both.
 CASES = [((256, 256), (128, 128)), ((192, 96), (128, 128)), ((320, 256), (128, 128)), ((300, 200), (64, 48)),
@@ -146,6 +146,36 @@ def test_quantize_takes_block_amax_over_448_and_rounds_within_e4m3s_bound(shape,
     bound = torch.maximum(w.float().abs() * 2.0 ** -4, per * 2.0 ** -10)
     assert bool(((back - w.float()).abs() <= bound).all())
     assert not back[: min(b0, shape[0]), : min(b1, shape[1])].any()
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+@pytest.mark.parametrize("shape,block", CASES + [((1030, 70), (128, 32))])
+def test_quantize_shared_among_workers_writes_the_same_bytes_and_reports_the_first_bad_band(shape, block, workers):
+    """Bands shared among threads (each its own run of block rows and its own buffers) give the
+    one-thread bytes, with fewer bands than workers and a partial last band too; a weight bad in
+    two workers' bands is refused naming the first in row order."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(torch.bfloat16)
+    q1, s1 = quantize(w, block)
+    q, s = quantize(w, block, workers=workers)
+    assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
+    if shape[0] > block[0]:
+        w[-1, 0] = float("nan")
+        w[block[0], 1] = float("inf")  # the second band: an earlier one than the last
+        first = f"rows {block[0]}..{min(2 * block[0], shape[0]) - 1} hold a NaN or an infinity"
+        with pytest.raises(ValueError, match=first):
+            quantize(w, block, workers=workers)
+
+
+def test_band_workers_are_two_on_a_one_thread_cpu_and_one_where_torchs_pool_or_a_device_works():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert band_workers() == band_workers(torch.device("cpu")) == 2 and band_workers(torch.device("cuda")) == 1
+        torch.set_num_threads(3)
+        assert band_workers() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_quantize_divides_only_by_tensors_so_a_gpu_writes_the_cpus_bytes():

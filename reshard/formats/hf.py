@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
-from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, dequantized_tensors, quantization_config, quantize,
-                                    read_quantization_config, scale_name, scale_shape)
+from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, band_workers, dequantized_tensors, quantization_config,
+                                    quantize, read_quantization_config, scale_name, scale_shape)
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
@@ -477,7 +477,8 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
         outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
         for i, out in enumerate(outs):
             try:
-                q, s = quantize(out if device is None else out.to(device), block)
+                q, s = quantize(out if device is None else out.to(device), block,
+                                workers=band_workers(device))
             except ValueError as exc:
                 raise LayoutError(f"{entries[2 * i].name}: {exc}", culprit="--quantize fp8",
                                   hint="the checkpoint's weights are not finite; convert it without --quantize") from None
