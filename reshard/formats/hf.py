@@ -415,6 +415,10 @@ class SafetensorsFile:
         disk, and is given back once read."""
         digest = file_digest(sha256, stream)
         base = len(self.header)
+        # an upload bounds a streamed output, and a second quantizing thread only overlaps more of
+        # it: DeepSeek-V3-shaped bf16 -> FP8 S3 -> S3 took 35 s with two and 38 s with one, at a
+        # peak RSS of 1026-1033 vs 935 MiB (docs/performance.md)
+        workers = 1 if stream is not None else band_workers(device)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, base + self.data_size)
@@ -429,7 +433,7 @@ class SafetensorsFile:
                     if block is None:
                         _write_export(writer, exp, value, entries, base)
                     else:
-                        _write_fp8_export(writer, exp, value, entries, base, block, device)
+                        _write_fp8_export(writer, exp, value, entries, base, block, device, workers)
                     hi = base + entries[-1].start + entries[-1].nbytes
                     writer.put((memoryview(b""), hi, None, None))  # the file is complete up to hi
                     if on_bytes is not None:
@@ -467,18 +471,17 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
 
 
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
-                      block: tuple[int, int], device: torch.device | None = None) -> None:
+                      block: tuple[int, int], device: torch.device | None = None, workers: int = 1) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
     (:func:`~reshard.core.fp8_block.quantize`, on ``device`` when one is given: a block's scale is
     its own largest magnitude, so each output is made whole first — this one tensor in memory, as a
     transpose is; a mapped source's rows are read where they lie: :meth:`PendingTensor.borrowed`),
-    then its scales."""
+    then its scales. ``workers``: threads the quantizer shares each weight's bands among."""
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
         outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
         for i, out in enumerate(outs):
             try:
-                q, s = quantize(out if device is None else out.to(device), block,
-                                workers=band_workers(device))
+                q, s = quantize(out if device is None else out.to(device), block, workers=workers)
             except ValueError as exc:
                 raise LayoutError(f"{entries[2 * i].name}: {exc}", culprit="--quantize fp8",
                                   hint="the checkpoint's weights are not finite; convert it without --quantize") from None
