@@ -12,7 +12,8 @@ import torch
 
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.fp8_block import (E4M3, E4M3_MAX, Fp8BlockDequantized, band_workers, check_scale, dequantize,
-                                    quantization_config, quantize, read_quantization_config, scale_shape)
+                                    quantization_config, quantize, quantize_chunks, read_quantization_config,
+                                    scale_shape)
 
 #: (weight shape, block): whole blocks, partial edges in rows, columns and both.
 CASES = [((256, 256), (128, 128)), ((192, 96), (128, 128)), ((320, 256), (128, 128)), ((300, 200), (64, 48)),
@@ -165,6 +166,33 @@ def test_quantize_shared_among_workers_writes_the_same_bytes_and_reports_the_fir
         first = f"rows {block[0]}..{min(2 * block[0], shape[0]) - 1} hold a NaN or an infinity"
         with pytest.raises(ValueError, match=first):
             quantize(w, block, workers=workers)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("shape,block,chunk_rows", [((1030, 70), (128, 32), 256), ((1030, 70), (128, 32), 128),
+                                                    ((1030, 70), (128, 32), 2048), ((7, 5), (4, 3), 4),
+                                                    ((300, 200), (64, 48), 192)])
+def test_quantized_chunks_are_the_whole_weights_codes_and_name_the_bad_rows_of_the_whole(shape, block, chunk_rows,
+                                                                                        workers):
+    """Chunks of whole block rows, yielded in row order as they are made, are the whole weight's
+    codes; the scales are complete after the last; a bad row is named by its row in the weight, not in
+    its chunk; a chunk that would cut a block row, or scales of another shape, are refused."""
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(torch.bfloat16)
+    q1, s1 = quantize(w, block)
+    s = torch.full(s1.shape, float("nan"))
+    got = list(quantize_chunks(w, s, block, chunk_rows=chunk_rows, workers=workers))
+    assert [r for r, _ in got] == list(range(0, shape[0], chunk_rows))
+    assert all(q.shape[0] == min(chunk_rows, shape[0] - r) for r, q in got)
+    assert torch.equal(torch.cat([q for _, q in got]).view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
+    w[-1, 2] = float("nan")
+    last = (shape[0] - 1) // block[0] * block[0]
+    with pytest.raises(ValueError, match=f"rows {last}..{shape[0] - 1} hold a NaN"):
+        list(quantize_chunks(w, s, block, chunk_rows=chunk_rows, workers=workers))
+    with pytest.raises(ValueError, match="not a positive multiple of the block's"):
+        list(quantize_chunks(w, s, block, chunk_rows=block[0] + 1))
+    with pytest.raises(ValueError, match="scales are"):
+        list(quantize_chunks(w, s[:-1], block, chunk_rows=chunk_rows))  # a block row short
 
 
 def test_band_workers_are_two_on_a_one_thread_cpu_and_one_where_torchs_pool_or_a_device_works():

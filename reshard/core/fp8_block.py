@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -222,32 +222,66 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, *,
       2**-23)``, which the cast rounds to 448 anyway: clamping cannot change a code. A subnormal
       scale (amax below about ``5e-36``) has fewer bits, and then it can.
     """
+    _check_weight(w)
+    m, n = w.shape
+    gm, gn = scale_shape(w.shape, block)
+    q = torch.empty((m, n), dtype=E4M3, device=w.device)
+    s = torch.empty((gm, gn), dtype=torch.float32, device=w.device)
+    if m and n:
+        _quantize_rows(w, q, s, block, 0, gm, workers)
+    return q, s
+
+
+def quantize_chunks(w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, *,
+                    chunk_rows: int, workers: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
+    """:func:`quantize`'s codes ``chunk_rows`` rows at a time, each chunk yielded as ``(its first
+    row, its Q rows)`` as soon as it is made, for a writer that streams them out instead of holding
+    the whole ``Q``; the scales go into ``scales`` (the caller's float32 ``[ceil(M/b0),
+    ceil(N/b1)]``), complete after the last chunk. ``chunk_rows`` is a multiple of ``b0``: a chunk
+    is whole block rows, so its codes and scales are those of the whole weight's."""
+    _check_weight(w)
+    m, n = w.shape
+    b0 = block[0]
+    if chunk_rows <= 0 or chunk_rows % b0:
+        raise ValueError(f"chunk_rows {chunk_rows} is not a positive multiple of the block's {b0} rows")
+    if tuple(scales.shape) != scale_shape(w.shape, block) or scales.dtype != torch.float32:
+        raise ValueError(f"scales are {scales.dtype} {list(scales.shape)}, not float32 "
+                         f"{list(scale_shape(w.shape, block))}")
+    if not n:
+        return
+    for r in range(0, m, chunk_rows):
+        q = torch.empty((min(chunk_rows, m - r), n), dtype=E4M3, device=w.device)
+        _quantize_rows(w, q, scales, block, r // b0, math.ceil((r + q.shape[0]) / b0), workers)
+        yield r, q
+
+
+def _check_weight(w: torch.Tensor) -> None:
     if w.dim() != 2:
         raise ValueError(f"FP8 block quantization takes a 2-D weight, not {list(w.shape)}")
     if w.dtype not in _MAGNITUDE_BITS:
         raise ValueError(f"FP8 block quantization takes a floating-point weight, not {w.dtype}")
-    m, n = w.shape
-    b0, b1 = block
-    gm, gn = scale_shape(w.shape, block)
-    q = torch.empty((m, n), dtype=E4M3, device=w.device)
-    s = torch.empty((gm, gn), dtype=torch.float32, device=w.device)
-    if not m or not n:
-        return q, s
-    workers = max(1, min(workers, gm))
+
+
+def _quantize_rows(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], first: int,
+                   stop: int, workers: int) -> None:
+    """Bands ``first .. stop - 1`` of ``w`` into ``q`` (whose row 0 is band ``first``'s first row)
+    and ``s``, shared among ``workers`` threads, each a run of bands."""
+    workers = max(1, min(workers, stop - first))
     if workers == 1:
-        _quantize_bands(w, q, s, block, 0, gm)
-        return q, s
-    cuts = [gm * k // workers for k in range(workers + 1)]
+        _quantize_bands(w, q, s, block, first, stop, first * block[0])
+        return
+    cuts = [first + (stop - first) * k // workers for k in range(workers + 1)]
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="reshard-fp8") as pool:
-        done = [pool.submit(_quantize_bands, w, q, s, block, a, b) for a, b in zip(cuts, cuts[1:])]
+        done = [pool.submit(_quantize_bands, w, q, s, block, a, b, first * block[0])
+                for a, b in zip(cuts, cuts[1:])]
     for f in done:  # the first failing band in row order is the one reported
         f.result()
-    return q, s
 
 
 def _quantize_bands(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], first: int,
-                    stop: int) -> None:
-    """Bands ``first .. stop - 1`` of :func:`quantize` (its steps are explained there)."""
+                    stop: int, q0: int) -> None:
+    """Bands ``first .. stop - 1`` of :func:`quantize` (its steps are explained there) into ``q``,
+    whose row 0 is row ``q0`` of ``w`` (a chunk's first row)."""
     m, n = w.shape
     b0, b1 = block
     gn = s.shape[1]
@@ -278,7 +312,7 @@ def _quantize_bands(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
         band.div_(si.repeat_interleave(b1)[:n])
         if si.amin() < _FLOAT32_TINY:
             band.clamp_(-E4M3_MAX, E4M3_MAX)
-        q[i * b0:(i + 1) * b0].copy_(band)
+        q[i * b0 - q0:(i + 1) * b0 - q0].copy_(band)
 
 
 #: float dtype -> the signed integer dtype of its bits; the integer's largest value is the mask that

@@ -35,7 +35,7 @@ import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, band_workers, dequantized_tensors, quantization_config,
-                                    quantize, read_quantization_config, scale_name, scale_shape)
+                                    quantize_chunks, read_quantization_config, scale_name, scale_shape)
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
@@ -416,8 +416,8 @@ class SafetensorsFile:
         digest = file_digest(sha256, stream)
         base = len(self.header)
         # an upload bounds a streamed output, and a second quantizing thread only overlaps more of
-        # it: DeepSeek-V3-shaped bf16 -> FP8 S3 -> S3 took 35 s with two and 38 s with one, at a
-        # peak RSS of 1026-1033 vs 935 MiB (docs/performance.md)
+        # it: DeepSeek-V3-shaped bf16 -> FP8 S3 -> S3 took 33.7 s with two and 34.5 s with one, at a
+        # peak RSS of 1140 vs 892 MiB (docs/performance.md)
         workers = 1 if stream is not None else band_workers(device)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -473,23 +473,40 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
                       block: tuple[int, int], device: torch.device | None = None, workers: int = 1) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
-    (:func:`~reshard.core.fp8_block.quantize`, on ``device`` when one is given: a block's scale is
-    its own largest magnitude, so each output is made whole first — this one tensor in memory, as a
-    transpose is; a mapped source's rows are read where they lie: :meth:`PendingTensor.borrowed`),
-    then its scales. ``workers``: threads the quantizer shares each weight's bands among."""
+    (:func:`~reshard.core.fp8_block.quantize_chunks`, on ``device`` when one is given): the weight
+    is whole in memory, as a transpose is (a mapped source's rows are read where they lie:
+    :meth:`PendingTensor.borrowed`); its codes are queued a chunk of block rows at a time as they
+    are made, then its scales. ``workers``: threads the quantizer shares each chunk's bands among."""
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
         outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
         for i, out in enumerate(outs):
+            codes, scales = entries[2 * i:2 * i + 2]
+            if tuple(out.shape) != codes.shape:
+                raise WriterError(f"{exp.key}: made {tuple(out.shape)} for {codes.name} {codes.shape}")
+            w = out if device is None else out.to(device)
+            s = torch.empty(scales.shape, dtype=torch.float32, device=w.device)
+            rows = _fp8_chunk_rows(w.shape[1], block[0])
             try:
-                q, s = quantize(out if device is None else out.to(device), block, workers=workers)
+                for r, q in quantize_chunks(w, s, block, chunk_rows=rows, workers=workers):
+                    q = q.cpu()
+                    writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1], None, q))
             except ValueError as exc:
-                raise LayoutError(f"{entries[2 * i].name}: {exc}", culprit="--quantize fp8",
-                                  hint="the checkpoint's weights are not finite; convert it without --quantize") from None
-            q, s = q.cpu(), s.cpu()
-            for entry, t in zip(entries[2 * i:2 * i + 2], (q, s)):
-                if tuple(t.shape) != entry.shape:
-                    raise WriterError(f"{exp.key}: made {tuple(t.shape)} for {entry.name} {entry.shape}")
-                writer.put((tensor_bytes(t), base + entry.start, None, t))
+                raise LayoutError(f"{codes.name}: {exc}", culprit="--quantize fp8", hint="the checkpoint's "
+                                  "weights are not finite; convert it without --quantize") from None
+            s = s.cpu()
+            writer.put((tensor_bytes(s), base + scales.start, None, s))
+
+
+#: Bytes of FP8 codes an export quantizes and queues for the writer at a time: a weight's codes are
+#: streamed out in chunks of whole block rows, never held whole (``o_proj``'s are 117 MB in
+#: DeepSeek-V3), so at most the writer queue's few chunks wait in memory.
+_FP8_CHUNK_BYTES = 16 << 20
+
+
+def _fp8_chunk_rows(columns: int, block_rows: int) -> int:
+    """Rows per quantized chunk: whole block rows, about :data:`_FP8_CHUNK_BYTES` of codes, at
+    least one block row."""
+    return max(1, _FP8_CHUNK_BYTES // max(1, columns) // block_rows) * block_rows
 
 
 def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
