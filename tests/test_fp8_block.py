@@ -195,12 +195,18 @@ def test_quantized_chunks_are_the_whole_weights_codes_and_name_the_bad_rows_of_t
         list(quantize_chunks(w, s[:-1], block, chunk_rows=chunk_rows))  # a block row short
 
 
-def test_band_workers_are_two_on_a_one_thread_cpu_and_one_where_torchs_pool_or_a_device_works():
+def test_band_workers_are_two_on_a_one_thread_cpu_and_one_where_torchs_pool_or_a_device_works(monkeypatch):
+    from reshard.core import fp8_block
+
     before = torch.get_num_threads()
     try:
+        monkeypatch.setattr(fp8_block, "usable_cores", lambda: 2)
         torch.set_num_threads(1)
         assert band_workers() == band_workers(torch.device("cpu")) == 2 and band_workers(torch.device("cuda")) == 1
         torch.set_num_threads(3)
+        assert band_workers() == 1
+        monkeypatch.setattr(fp8_block, "usable_cores", lambda: 1)  # one core: a second thread only waits its turn
+        torch.set_num_threads(1)
         assert band_workers() == 1
     finally:
         torch.set_num_threads(before)

@@ -175,6 +175,22 @@ def test_fp8_where_it_cannot_be_held_is_refused(sources, tmp_path, capsys):
              "--quantize: Hugging Face safetensors has no place for reshard's int8")
 
 
+def test_a_weight_fp8_cannot_scale_is_refused_in_one_line_naming_it(sources, tmp_path, capsys, monkeypatch):
+    """A NaN in a linear weight, found while its codes stream out (one block row per chunk here, the
+    NaN in a later one): one line naming the Hugging Face tensor and its rows, exit 2, no output."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _export(sources["llama"], tmp_path / "hf")
+    (shard,) = hf.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][40, 3] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    monkeypatch.setattr(hf_format, "_FP8_CHUNK_BYTES", 1)
+    _refused(capsys, [str(hf), str(tmp_path / "fp8"), "--to", "hf", "--quantize", "fp8", "--fp8-block", "32x48"],
+             tmp_path / "fp8", f"{name}: rows 32..63 hold a NaN or an infinity, which FP8 cannot scale")
+
+
 def test_fp8_through_the_flow_to_and_from_s3_equals_direct(sources, tmp_path, s3_server, s3_bucket, monkeypatch,
                                                            prefect_env):
     """``--quantize fp8`` streamed into multipart uploads (each e4m3 weight and its scales in file

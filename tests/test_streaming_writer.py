@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from reshard.core import cpus as cpus_module
 from reshard.core import foreign, torch_writer
 from reshard.execution import engine
 from reshard.execution.engine import build_target, convert_target
@@ -307,45 +308,64 @@ def test_peak_memory_is_bounded_by_chunks_not_tensors(tmp_path):
 
 @pytest.mark.parametrize("cores, current, expected", [(1, 1, 1), (1, 8, 1), (2, 2, 1), (2, 16, 1), (3, 3, 1),
                                                       (4, 4, 2), (16, 16, 14), (16, 4, 4), (64, 64, 62)])
-def test_streaming_leaves_the_writer_and_hasher_a_core_each_and_never_raises_torchs_threads(cores, current, expected):
-    assert engine.streaming_threads(cores, current) == expected
+def test_quantizing_leaves_the_writer_and_hasher_a_core_each_and_never_raises_torchs_threads(cores, current, expected):
+    assert engine.streaming_threads(cores, current, quantizing=True) == expected
+    assert engine.streaming_threads(cores, current, quantizing=False) == 1
 
 
-def test_streaming_sets_torchs_threads_by_the_cores_and_restores_the_callers_count(tmp_path, monkeypatch):
-    """Converting sets torch's intra-op threads (idle OpenMP workers spin otherwise, taking the
-    writer's and hasher's cores) and puts the caller's setting back — also when conversions overlap
-    in threads, and whether or not the target is quantized. This machine's own count (its 2 cores
-    give 1) and a larger one (which it cannot have: the affinity is stood in for) are both checked."""
+@pytest.mark.parametrize("text, cpus", [("max 100000", None), ("200000 100000", 2), ("150000 100000", 2),
+                                        ("50000 100000", 1), ("", None), ("garbage", None), ("0 100000", None)])
+def test_a_cgroup_cpu_quota_caps_the_cores(text, cpus):
+    assert cpus_module.cgroup_cpu_limit(text) == cpus
+
+
+def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(tmp_path, monkeypatch):
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(cpus_module, "CPU_MAX", tmp_path / "absent")
+    assert cpus_module.usable_cores() == affinity
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # a container given one CPU
+    monkeypatch.setattr(cpus_module, "CPU_MAX", tmp_path / "cpu.max")
+    assert cpus_module.usable_cores() == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpus_module.usable_cores() == affinity
+
+
+def test_each_converting_thread_runs_its_own_torch_threads_and_gets_its_count_back(tmp_path, monkeypatch):
+    """torch keeps its intra-op count per thread, so each thread that converts sets its own
+    (:func:`engine.streaming_threads`: one, or for a quantized target the cores less the writer's and
+    the hasher's) and gets its own count back, also when conversions overlap in threads. A larger
+    machine than this one is stood in for by its core count (5)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    monkeypatch.setattr(engine, "usable_cores", lambda: 5)
+    write_sample_checkpoint(tmp_path / "src", tp=4, cfg=GPTConfig(layers=1, hidden=64, heads=8, vocab=128, seq=16))
     try:
-        seen = []
-        with engine._streaming_intra_op_threads():
-            seen.append(torch.get_num_threads())
-            with engine._streaming_intra_op_threads():
-                seen.append(torch.get_num_threads())
-            seen.append(torch.get_num_threads())
-        assert seen == [engine.streaming_threads(engine._usable_cores(), 2)] * 3 and torch.get_num_threads() == 2
-        monkeypatch.setattr(engine, "_usable_cores", lambda: 5)
-        write_sample_checkpoint(tmp_path / "src", tp=4, cfg=GPTConfig(layers=1, hidden=64, heads=8, vocab=128, seq=16))
-        torch.set_num_threads(7)
-        during = []
-        for options in (ReshardOptions(target_tp=2), ReshardOptions(target_tp=2, quantize=True)):
+        for options, want in ((ReshardOptions(target_tp=2), 1), (ReshardOptions(target_tp=2, quantize=True), 3)):
             plan = build_plan(str(tmp_path / "src"), options)
             fmt = engine.get_format(plan.output_format)
-            real_write = type(fmt).write
+            during, after = [], []
 
-            def write(*args, real_write=real_write, fmt=fmt, **kwargs):
+            def write(*args, real_write=type(fmt).write, fmt=fmt, **kwargs):
                 during.append(torch.get_num_threads())
                 return real_write(fmt, *args, **kwargs)
 
             monkeypatch.setattr(fmt, "write", write)
-            threads = [threading.Thread(target=convert_target, args=(plan, t.rank, tmp_path / f"{t.rank}-{i}.pt"))
-                       for t in plan.targets for i in range(3)]
+
+            def convert(t: int, i: int) -> None:
+                torch.get_num_threads()  # a thread takes the process-wide count (7) at its first use ...
+                ready.wait()  # ... here before any conversion has set another
+                convert_target(plan, t, tmp_path / f"{t}-{i}.pt")
+                after.append(torch.get_num_threads())
+
+            torch.set_num_threads(7)
+            threads = [threading.Thread(target=convert, args=(t.rank, i)) for t in plan.targets for i in range(3)]
+            ready = threading.Barrier(len(threads))
             [t.start() for t in threads]
             [t.join() for t in threads]
-            assert torch.get_num_threads() == 7
-        assert during and set(during) == {3}  # 5 cores less the writer's and the hasher's
+            assert len(during) == len(after) == len(threads)
+            assert set(during) == {want} and set(after) == {7} and torch.get_num_threads() == 7
+            torch.set_num_threads(6)
+            convert_target(plan, 0, tmp_path / "main.pt")  # on the calling thread, alone
+            assert during[-1] == want and torch.get_num_threads() == 6
     finally:
         torch.set_num_threads(before)
 

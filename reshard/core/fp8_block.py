@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from reshard.core.cpus import usable_cores
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.lazy import LazyTensor
 
@@ -181,20 +182,27 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
     return dequantize_box(q, scale_inv, block, (0, 0), dtype)
 
 
+class NonFiniteWeightError(ValueError):
+    """A weight holds a NaN or an infinity, which no FP8 scale can encode (the checkpoint's fault,
+    not the caller's)."""
+
+
 #: Threads the codec shares a weight's bands among on a CPU whose torch runs one intra-op thread.
 _BAND_WORKERS_ON_ONE_THREAD = 2
 
 
 def band_workers(device: torch.device | None = None) -> int:
-    """Threads to share a weight's bands among (:func:`quantize`'s ``workers``): two on a CPU whose
-    torch runs one intra-op thread (a 2-core worker, where a streamed conversion keeps the other
-    threads for the writer and the hasher), else one, torch's own pool spreading each op.
+    """Threads to share a weight's bands among (:func:`quantize`'s ``workers``): two on a CPU with
+    at least two cores whose torch runs one intra-op thread (a 2-core worker, where a streamed
+    conversion keeps the other threads for the writer and the hasher), else one, torch's own pool
+    spreading each op where it has more.
 
     Why two there: the codec is the critical path, and a second thread that waits without
     spinning (torch's idle OpenMP workers spin) takes the time the writer and hasher leave idle.
     DeepSeek-V3-shaped bf16 -> FP8 on 2 cores: 8.7-9.1 s vs 10.1-10.8 s, the same bytes."""
     on_cpu = device is None or device.type == "cpu"
-    return _BAND_WORKERS_ON_ONE_THREAD if on_cpu and torch.get_num_threads() == 1 else 1
+    one_thread = torch.get_num_threads() == 1 and usable_cores() >= 2
+    return _BAND_WORKERS_ON_ONE_THREAD if on_cpu and one_thread else 1
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, *,
@@ -303,7 +311,8 @@ def _quantize_bands(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
             top = torch.nn.functional.pad(top, (0, pad))
         amax = top.view(gn, b1).amax(dim=1).float()
         if not torch.isfinite(amax).all():
-            raise ValueError(f"rows {i * b0}..{i * b0 + rows - 1} hold a NaN or an infinity, which FP8 cannot scale")
+            raise NonFiniteWeightError(f"rows {i * b0}..{i * b0 + rows - 1} hold a NaN or an infinity, "
+                                       "which FP8 cannot scale")
         si = amax / e4m3_max
         si = torch.where(si > 0, si, torch.ones_like(si))  # an all-zero block (or one too small to scale) keeps 1
         s[i] = si

@@ -42,6 +42,7 @@ from reshard.core import foreign
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.lazy import LazyTensor, materialized
 from reshard.core.remote import materialize_lazy
+from reshard.core.cpus import usable_cores
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
 from reshard.execution.ds_pipe import retarget_rank_file
@@ -606,57 +607,53 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 _WRITER_THREADS = 2
 
 
-def streaming_threads(cores: int, current: int) -> int:
-    """torch's intra-op threads while a target streams: the cores this process may run on less the
-    writer's and the hasher's, never more than torch had (a caller, a Dask worker, may have lowered
-    it) and never fewer than one.
+def streaming_threads(cores: int, current: int, quantizing: bool) -> int:
+    """torch's intra-op threads while a target streams.
 
-    Why not torch's default (every core): between two ops torch's idle OpenMP workers busy-wait,
-    and on a machine where they share the cores with the writer and hasher threads that spinning is
-    taken from them. On 2 cores, measured A/B on DeepSeek-V3-shaped weights
-    (docs/performance.md): bf16 -> FP8 took 10.3-11.1 s with one thread and 11.5-12.3 s with two
-    (9 vs 14 s of user CPU); an int8 export was level (9.6 s either way, 2 s more CPU with two);
-    FP8 -> bf16 took 1.4x as long with two. Where cores are left over, the codecs' arithmetic
-    (casts, divides, table gathers) spreads over them.
+    Quantizing (int8 or FP8): the cores this process may use less the writer's and the hasher's,
+    never more than torch had (a caller, a Dask worker, may have lowered it), never fewer than one.
+    Every other conversion: one. Why not torch's default (every core): between two ops torch's idle
+    OpenMP workers busy-wait, and that spinning is taken from the writer and hasher threads. On 2
+    cores, measured A/B on DeepSeek-V3-shaped weights (docs/performance.md): bf16 -> FP8 took
+    10.3-11.1 s with one thread and 11.5-12.3 s with two (9 vs 14 s of user CPU); an int8 export
+    was level (9.6 s either way, 2 s more CPU with two); FP8 -> bf16 took 1.4x as long with two. The
+    reading side (row gathers, FP8 table gathers) stays at one thread on any machine until a
+    many-core one measures otherwise: a flow runs several conversions at once, each with its own
+    threads.
 
-    =======  =========  ========
-    cores    current    threads
-    =======  =========  ========
-    1 or 2   any        1
-    16       16         14
-    16       4          4
-    =======  =========  ========
+    =======  =========  ==========  ========
+    cores    current    quantizing  threads
+    =======  =========  ==========  ========
+    1 or 2   any        yes         1
+    16       16         yes         14
+    16       4          yes         4
+    any      any        no          1
+    =======  =========  ==========  ========
     """
-    return max(1, min(current, cores - _WRITER_THREADS))
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's or a scheduler's share)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity call (macOS)
-        return os.cpu_count() or 1
+    return max(1, min(current, cores - _WRITER_THREADS)) if quantizing else 1
 
 
 _intra_op = {"lock": threading.Lock(), "users": 0, "saved": 0}
 
 
 @contextlib.contextmanager
-def _streaming_intra_op_threads() -> Iterator[None]:
-    """torch's intra-op pool at :func:`streaming_threads` while streaming a target. Process-wide, so
-    nested/concurrent conversions count in: the first in sets it, the last out restores it."""
+def _streaming_intra_op_threads(quantizing: bool) -> Iterator[None]:
+    """torch's intra-op threads at :func:`streaming_threads` in this thread while it streams a
+    target, its own count put back after. torch keeps the count per thread (a thread takes the
+    process-wide value at its first parallel op, then keeps its own), so each converting thread
+    sets its own; the process-wide value is the caller's again when the last conversion ends."""
+    mine = torch.get_num_threads()
     with _intra_op["lock"]:
         if _intra_op["users"] == 0:
-            _intra_op["saved"] = torch.get_num_threads()
-            torch.set_num_threads(streaming_threads(_usable_cores(), _intra_op["saved"]))
+            _intra_op["saved"] = mine
         _intra_op["users"] += 1
+    torch.set_num_threads(streaming_threads(usable_cores(), mine, quantizing))
     try:
         yield
     finally:
         with _intra_op["lock"]:
             _intra_op["users"] -= 1
-            if _intra_op["users"] == 0:
-                torch.set_num_threads(_intra_op["saved"])
+            torch.set_num_threads(_intra_op["saved"] if _intra_op["users"] == 0 else mine)
 
 
 def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
@@ -687,7 +684,7 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     if stream is not None and not fmt.writes_streams():
         raise WriterError(f"the {fmt.name} format's writer takes no stream")
     try:
-        with _streaming_intra_op_threads():
+        with _streaming_intra_op_threads(bool(plan.options.quantize)):
             stats = fmt.write(obj, out_path, pickle_module=pickle_module, sha256=sha256, on_bytes=on_bytes,
                               **streaming)
     except BaseException:

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
-from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, band_workers, dequantized_tensors, quantization_config,
-                                    quantize_chunks, read_quantization_config, scale_name, scale_shape)
+from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, NonFiniteWeightError, band_workers, dequantized_tensors,
+                                    quantization_config, quantize_chunks, read_quantization_config, scale_name,
+                                    scale_shape)
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
@@ -489,8 +490,8 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
             try:
                 for r, q in quantize_chunks(w, s, block, chunk_rows=rows, workers=workers):
                     q = q.cpu()
-                    writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1], None, q))
-            except ValueError as exc:
+                    writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
+            except NonFiniteWeightError as exc:
                 raise LayoutError(f"{codes.name}: {exc}", culprit="--quantize fp8", hint="the checkpoint's "
                                   "weights are not finite; convert it without --quantize") from None
             s = s.cpu()
