@@ -79,9 +79,10 @@ CASES = ["llama", "qwen", "qwen3", "mixtral", "qwen_moe"]
 @pytest.mark.parametrize("name", CASES)
 def test_fp8_export_is_the_block_formula_of_the_plain_export(sources, tmp_path, name, monkeypatch):
     plain_dir = _export(sources[name], tmp_path / "plain")
-    # the codes streamed out one block row at a time (a real export's chunks are ~16 MiB), so these
-    # small weights go through the chunking, partial last block rows included
-    monkeypatch.setattr(hf_format, "_FP8_CHUNK_BYTES", 1)
+    # the codes streamed out two block rows at a time (a real export's chunks are ~16 MiB), so these
+    # small weights go through the chunking, partial last block rows included, and on two cores each
+    # chunk's two bands through the two quantizing threads
+    monkeypatch.setattr(hf_format, "_fp8_chunk_rows", lambda columns, block_rows: 2 * block_rows)
     fp8_dir = _export(sources[name], tmp_path / "fp8", "--quantize", "fp8", "--fp8-block", "32x48",
                       "--max-shard-size", "60KB")
     plain, fp8 = _tensors(plain_dir), _tensors(fp8_dir)
