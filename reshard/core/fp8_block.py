@@ -198,8 +198,8 @@ def band_workers(device: torch.device | None = None) -> int:
     spreading each op where it has more.
 
     Why two there: the codec is the critical path, and a second thread that waits without
-    spinning (torch's idle OpenMP workers spin) takes the time the writer and hasher leave idle.
-    DeepSeek-V3-shaped bf16 -> FP8 on 2 cores: 8.7-9.1 s vs 10.1-10.8 s, the same bytes."""
+    spinning (torch's idle OpenMP workers spin) takes the time the writer and hasher leave idle
+    (the A/B is in docs/performance.md, session 26; the bytes are the same)."""
     on_cpu = device is None or device.type == "cpu"
     one_thread = torch.get_num_threads() == 1 and usable_cores() >= 2
     return _BAND_WORKERS_ON_ONE_THREAD if on_cpu and one_thread else 1

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from reshard.core import foreign
+from reshard.core.cpus import usable_cores
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.lazy import LazyTensor, materialized
 from reshard.core.remote import materialize_lazy
-from reshard.core.cpus import usable_cores
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
 from reshard.core.pages import PageDropper
 from reshard.execution.ds_pipe import retarget_rank_file
@@ -613,10 +613,9 @@ def streaming_threads(cores: int, current: int, quantizing: bool) -> int:
     Quantizing (int8 or FP8): the cores this process may use less the writer's and the hasher's,
     never more than torch had (a caller, a Dask worker, may have lowered it), never fewer than one.
     Every other conversion: one. Why not torch's default (every core): between two ops torch's idle
-    OpenMP workers busy-wait, and that spinning is taken from the writer and hasher threads. On 2
-    cores, measured A/B on DeepSeek-V3-shaped weights (docs/performance.md): bf16 -> FP8 took
-    10.3-11.1 s with one thread and 11.5-12.3 s with two (9 vs 14 s of user CPU); an int8 export
-    was level (9.6 s either way, 2 s more CPU with two); FP8 -> bf16 took 1.4x as long with two. The
+    OpenMP workers busy-wait, and that spinning is taken from the writer and hasher threads: on 2
+    cores one thread quantizes FP8 faster than two and int8 as fast, with less CPU, and FP8 reading
+    is slower with two (the A/B runs are in docs/performance.md, sessions 23 and 26). The
     reading side (row gathers, FP8 table gathers) stays at one thread on any machine until a
     many-core one measures otherwise: a flow runs several conversions at once, each with its own
     threads.

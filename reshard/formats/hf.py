@@ -416,9 +416,8 @@ class SafetensorsFile:
         disk, and is given back once read."""
         digest = file_digest(sha256, stream)
         base = len(self.header)
-        # an upload bounds a streamed output, and a second quantizing thread only overlaps more of
-        # it: DeepSeek-V3-shaped bf16 -> FP8 S3 -> S3 took 33.7 s with two and 34.5 s with one, at a
-        # peak RSS of 1140 vs 892 MiB (docs/performance.md)
+        # an upload bounds a streamed output: a second quantizing thread gains it next to nothing and
+        # holds more of it in memory at once (measured in docs/performance.md, session 26)
         workers = 1 if stream is not None else band_workers(device)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
