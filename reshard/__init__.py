@@ -41,6 +41,12 @@ __all__ = ["CheckpointFormatError", "ConfigError", "ConversionResult", "CorruptC
            "UnknownParameterError", "UnsafeCheckpointError", "__version__", "convert", "inspect", "plan", "verify"]
 
 
+def __dir__() -> list[str]:
+    """The public API (what ``dir(reshard)`` and completion show), the lazy names included, and the
+    subpackages a caller may import; not this module's own imports."""
+    return sorted({*__all__, "api", "core", "formats", "models"})
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib

@@ -52,11 +52,13 @@ def convert(src: str, dst: str, *, overwrite: bool = False, device: str | None =
     for the CLI's display on stderr. A destination that already holds this exact conversion is
     left as it is (``result.up_to_date``)."""
     from reshard.cli_progress import ProgressDisplay
-    from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.storage.cache import ShardCache
 
-    opts = ReshardOptions.checked(**options)
+    opts = checked_options("convert", options)
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise TypeError(f"convert() takes progress=True (the CLI's display on stderr), a callable given "
+                        f"reshard.Progress records, or None; got {progress!r}")
     config = load_target_config(target_config)
     shown: Any = contextlib.nullcontext()
     if progress is True:
@@ -77,10 +79,9 @@ def plan(src: str, *, storage_options: Mapping[str, Any] | None = None, cache_di
     file with the source ranks it reads and the bytes read and written, the peak-memory
     estimate, the model facts and where each came from, warnings. Refusals raise as ``convert``
     would."""
-    from reshard.core.options import ReshardOptions
     from reshard.execution.planner import build_plan
 
-    opts = ReshardOptions.checked(**options)
+    opts = checked_options("plan", options)
     with local_view(src, storage_options, cache_dir, opts) as path:
         return plan_record(build_plan(path, opts))
 
@@ -118,13 +119,37 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
 def verify(dst: str, *, storage_options: Mapping[str, Any] | None = None) -> ConversionResult:
     """Re-hash every file of the committed output at ``dst`` against its manifest; its record
     when all match, else :class:`~reshard.core.errors.ManifestMismatchError` naming the file."""
+    from reshard.discovery import check_source_exists
+    from reshard.storage.location import open_location
     from reshard.storage.manifest import verify as verify_manifest
 
+    check_source_exists(open_location(dst, dict(storage_options or {})))  # a wrong path is no missing manifest
     manifest = verify_manifest(dst, dict(storage_options or {}))
     return ConversionResult.from_manifest(manifest, dst, up_to_date=True)
 
 
 # --- shared with the CLI ------------------------------------------------------------------------
+
+def checked_options(function: str, options: Mapping[str, Any]) -> Any:
+    """The :class:`~reshard.core.options.ReshardOptions` of ``function``'s keyword arguments. A
+    keyword that is no option is Python's :class:`TypeError` for an unexpected keyword argument,
+    with the option it was most likely meant to be."""
+    import difflib
+
+    from reshard.core.errors import LayoutError
+    from reshard.core.options import ReshardOptions, in_keywords
+
+    for name in options:
+        if name not in ReshardOptions.model_fields:
+            near = difflib.get_close_matches(name, list(ReshardOptions.model_fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}{hint} (the options are "
+                            f"ReshardOptions' fields: {', '.join(ReshardOptions.model_fields)})")
+    try:
+        return ReshardOptions.checked(**options)
+    except LayoutError as err:  # worded for the CLI's flags: named as this function's keywords
+        raise in_keywords(err) from None
+
 
 def load_target_config(config: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
     """A DeepSpeed config given as a dict, or as the path of its JSON file (validated)."""
@@ -150,11 +175,12 @@ def local_view(src: str, storage_options: Mapping[str, Any] | None, cache_dir: s
     from reshard.core import remote
     from reshard.storage.cache import ShardCache
     from reshard.storage.location import open_location
-    from reshard.discovery import materialize
+    from reshard.discovery import check_source_exists, materialize
 
     so = dict(storage_options or {})
     loc = open_location(src, so)
     if loc.is_local:
+        check_source_exists(loc)
         yield str(loc.path)
         return
     cache = ShardCache(cache_dir) if cache_dir else ShardCache()

@@ -146,9 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="describe a checkpoint: format, version, TP, dtype, sizes")
     p.add_argument("src", help=SRC_HELP)
-    p.add_argument("--module-key", default="auto")
-    p.add_argument("--version", type=float, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--module-key", default="auto", metavar="KEY",
+                   help="state-dict entry holding the module ('auto': exactly one of module/model)")
+    p.add_argument("--version", type=float, default=None, metavar="V",
+                   help="override the checkpoint version that decides the QKV layout (0, 1.0, 2.0, 3.0)")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
     _add_storage_options(p)
 
     p = sub.add_parser("verify", help="re-hash a committed output against its manifest")
@@ -159,17 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(plug-ins included)")
 
     p = sub.add_parser("validate-config", help="validate a DeepSpeed config's zero_optimization section")
-    p.add_argument("file")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("file", help="the DeepSpeed config (JSON)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    p = sub.add_parser("sample", help="write a small sample legacy-GPT checkpoint (for demos and tests)")
-    p.add_argument("dst")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--version", type=float, default=2.0)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128)
+    p = sub.add_parser("sample", help="write a small sample legacy-GPT checkpoint (for demos and tests)",
+                       description="Write a small legacy Megatron GPT checkpoint as DeepSpeed saves it "
+                                   "(mp_rank_XX_model_states.pt files with random weights), to try reshard on.")
+    p.add_argument("dst", help="the folder to write (created)")
+    p.add_argument("--tp", type=int, default=8, metavar="N", help="tensor-parallel ranks (default 8)")
+    p.add_argument("--version", type=float, default=2.0, metavar="V",
+                   help="checkpoint version, which decides the QKV layout: 0, 1.0, 2.0 or 3.0 (default 2.0)")
+    p.add_argument("--layers", type=int, default=2, metavar="L", help="transformer layers (default 2)")
+    p.add_argument("--hidden", type=int, default=64, metavar="H", help="hidden size (default 64)")
+    p.add_argument("--heads", type=int, default=8, metavar="A", help="attention heads (default 8)")
+    p.add_argument("--vocab", type=int, default=128, metavar="V", help="vocabulary rows (default 128)")
 
     p = sub.add_parser("deploy", help="register the Prefect deployments of deployments/prefect.yaml (prefect deploy)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these deployments (8to2 or reshard/8to2); default all")
@@ -254,9 +259,17 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_flags(ns: argparse.Namespace) -> None:
+    """Refuse a bad option naming its flag (the API, which the CLI calls, names keywords)."""
+    from reshard.core.options import ReshardOptions
+
+    ReshardOptions.checked(**_option_fields(ns))
+
+
 def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
     from reshard.api import convert
 
+    _checked_flags(ns)
     result = convert(ns.src, ns.dst, overwrite=ns.overwrite, device=ns.device, storage_options=_storage(ns),
                      cache_dir=ns.cache_dir, target_config=ns.target_config, cache_sources=ns.cache_sources,
                      **_option_fields(ns))
@@ -330,6 +343,7 @@ def _run_flow(ns: argparse.Namespace, server: Any) -> dict[str, Any]:
 def cmd_plan(ns: argparse.Namespace) -> int:
     from reshard.api import plan
 
+    _checked_flags(ns)
     rec = plan(ns.src, storage_options=_storage(ns), cache_dir=ns.cache_dir, **_option_fields(ns))
     if ns.json:
         print(json.dumps(rec, indent=2))
@@ -418,9 +432,21 @@ def cmd_formats(ns: argparse.Namespace) -> int:
 
 
 def _first_line(obj: Any) -> str:
-    """The first sentence of an object's class docstring, on one line."""
-    doc = " ".join((type(obj).__doc__ or "").replace("``", "").split())
+    """The first sentence of an object's class docstring, on one line, in plain words for a
+    terminal (a plug-in's docstring may carry reStructuredText markup)."""
+    doc = plain_text(" ".join((type(obj).__doc__ or "").split()))
     return doc.split(". ")[0].rstrip(".") + "." if doc else ""
+
+
+#: A Sphinx cross-reference (``:class:`~pkg.mod.Name```, ``:data:`NAME```), its target in group 2.
+_SPHINX_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`<]*?)(?:\s*<[^>]*>)?`")
+
+
+def plain_text(doc: str) -> str:
+    """``doc`` without reStructuredText markup: a cross-reference becomes the name it shows (the
+    last part of a ``~``-shortened path), literals lose their backquotes."""
+    doc = _SPHINX_ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), doc)
+    return doc.replace("``", "").replace("`", "")
 
 
 def cmd_validate_config(ns: argparse.Namespace) -> int:
@@ -469,6 +495,35 @@ def cmd_emit_training_completed(ns: argparse.Namespace) -> int:
 
 #: Exit code for transient failures (sysexits EX_TEMPFAIL): the same command may succeed later.
 EX_TEMPFAIL = 75
+#: Exit code when the reader of standard output went away (``reshard formats | head -2``): what a
+#: shell reports for a Unix tool that SIGPIPE ended, 128 + 13.
+EX_PIPE_CLOSED = 141
+
+
+def stdout_closed(exc: BaseException) -> bool:
+    """Whether ``exc`` is this process's standard output losing its reader, not a storage error.
+
+    Both raise :class:`BrokenPipeError`; a pipe whose read end is closed polls as ``POLLERR`` on
+    its write end, a socket to S3 is another descriptor."""
+    import select
+
+    if not isinstance(exc, BrokenPipeError):
+        return False
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's captured stdout)
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that nothing left in its buffer raises again when the
+    interpreter flushes it on the way out."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "inspect": cmd_inspect, "verify": cmd_verify, "formats": cmd_formats,
             "validate-config": cmd_validate_config, "sample": cmd_sample}
@@ -511,6 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # transient storage failures left after every retry: one line, EX_TEMPFAIL
         from reshard.storage.location import is_transient_error
 
+        if stdout_closed(exc):  # the reader has what it wanted (``| head``): quiet, as Unix tools end
+            _silence_stdout()
+            return EX_PIPE_CLOSED
         if not is_transient_error(exc):
             raise
         text = " ".join(str(exc).split())[:300]
@@ -529,7 +587,13 @@ def console() -> None:
 
     code = main()
     logging.shutdown()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError as exc:  # what was left in the buffer had no reader any more
+        if not stdout_closed(exc):
+            raise
+        _silence_stdout()
+        code = code or EX_PIPE_CLOSED
     sys.stderr.flush()
     os._exit(code)
 

@@ -89,12 +89,12 @@ class ProgressDisplay:
     # -- the live display --------------------------------------------------------------------------
     def _start_live(self) -> None:
         from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
-                                   TimeRemainingColumn, TransferSpeedColumn)
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeRemainingColumn
 
-        self._rich = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                              TransferSpeedColumn(), TimeRemainingColumn(),
-                              console=Console(file=self.stream), transient=True)
+        # bytes and rate in fmt_bytes's binary units, as the summaries and `plan` print them (rich's own
+        # columns count in decimal megabytes)
+        self._rich = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *_byte_columns(),
+                              TimeRemainingColumn(), console=Console(file=self.stream), transient=True)
         self._overall = self._rich.add_task(self._status, total=None)
         self._rich.start()
 
@@ -121,6 +121,27 @@ class ProgressDisplay:
 
     def _overall_text(self) -> str:
         return f"{len(self.done)}/{len(self.targets)} outputs"
+
+
+def _byte_columns() -> tuple[Any, Any]:
+    """The live display's bytes done of the total and its rate, written by :func:`fmt_bytes` (rich's
+    own columns count in decimal megabytes, the summaries in MiB); nothing while the total is
+    unknown (before the plan), instead of ``0/? bytes``."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Done(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            if task.total is None:
+                return Text("")
+            return Text(f"{fmt_bytes(task.completed)} / {fmt_bytes(task.total)}", style="progress.download")
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{fmt_bytes(speed)}/s", style="progress.data.speed")
+
+    return Done(), Rate()
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -68,7 +68,7 @@ def test_a_registered_format_is_located_and_discovered(plugin, sample_factory, t
         [f"rank-{r:02d}.safetensors" for r in range(4)]
     assert any(p.search("run/rank-00.safetensors") for p in listing_patterns())
     unregister_format(plugin.name)
-    with pytest.raises(Exception, match="holds no mp_rank_XX_model_states.pt files"):
+    with pytest.raises(Exception, match="holds no complete checkpoint reshard reads"):
         locate(src)
 
 

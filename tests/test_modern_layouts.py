@@ -362,7 +362,7 @@ def test_megatron_folder_errors(samples, tmp_path):
     dist = tmp_path / "dist"
     dist.mkdir()
     (dist / "__0_0.distcp").write_bytes(b"x")
-    _refuses(tmp_path, dist, CheckpointFormatError, "holds no mp_rank", target_tp=1)
+    _refuses(tmp_path, dist, CheckpointFormatError, "holds no complete checkpoint reshard reads", target_tp=1)
     with pytest.raises(CheckpointFormatError) as info:
         build_plan(str(dist), ReshardOptions(target_tp=1))
     assert "torch_dist" in info.value.hint

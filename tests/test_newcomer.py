@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,174 @@ def test_live_display_follows_bytes_of_every_output():
         assert overall.completed == 140 and overall.description == "1/2 outputs"
     assert progress.bytes_reporter("a.pt") is None  # unsubscribed
     assert "#" not in stream.getvalue()  # no plain lines in live mode
+
+
+@pytest.mark.slow
+def test_a_built_wheel_installs_into_a_fresh_venv_and_converts(tmp_path):
+    """What a user outside `make` does (README, "Installing outside make"): build a wheel, install it
+    with torch first under the pinned constraints into a new venv, with a new HOME. Every format's
+    runtime needs must come with it: the Hugging Face import (safetensors) and the default flow path
+    (Prefect, its database migrated on first use) run there, not only `--version`."""
+    import torch
+
+    wheels, venv, home = tmp_path / "wheels", tmp_path / "venv", tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "RESHARD_", "VIRTUAL_ENV", "PYTHON"))}
+    env.update(HOME=str(home), PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip")))
+
+    def sh(*cmd: str | Path, timeout: float = 900) -> str:
+        res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout,
+                             cwd=tmp_path)
+        assert res.returncode == 0, f"{cmd}: {res.stderr[-3000:]}"
+        return res.stdout
+
+    sh(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", ROOT, "-w", wheels)
+    wheel = next(wheels.glob("reshard-*.whl"))
+    sh(sys.executable, "-m", "venv", venv)
+    pip, reshard = venv / "bin" / "pip", venv / "bin" / "reshard"
+    sh(pip, "install", "-q", f"torch=={torch.__version__.split('+')[0]}")
+    sh(pip, "install", "-q", "-c", ROOT / "constraints.txt", f"{wheel}[s3]")
+    assert sh(reshard, "--version").strip() == f"reshard {importlib.metadata.version('reshard')}"
+    sh(reshard, "sample", "tp4", "--tp", "4")
+    sh(reshard, "run", "--direct", "tp4", "hf", "--to", "hf")          # Hugging Face out
+    sh(reshard, "run", "--direct", "hf", "back", "--target-tp", "2")   # and in: safetensors read
+    assert json.loads(sh(reshard, "inspect", "back", "--json"))["tp"] == 2
+    assert sh(reshard, "run", "tp4", "tp2", "--target-tp", "2").startswith("committed")   # the flow, a new HOME
+    sh(reshard, "verify", "tp2")
+
+
+# --- output that goes to a pipe, help, messages ---------------------------------------------------------
+
+@pytest.mark.parametrize("args", [["formats"], ["plan", "{src}", "--target-tp", "2", "--json"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(sample_factory, args):
+    """``reshard formats | head -2``: the closed pipe is not a storage failure (exit 75 and "storage
+    kept failing", before); the command ends as a Unix tool ended by SIGPIPE, saying nothing."""
+    cmd = [sys.executable, "-m", "reshard.cli", *[a.format(src=sample_factory(4)) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_a_storage_error(monkeypatch):
+    from reshard import cli
+
+    r, w = os.pipe()
+    with os.fdopen(w, "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert not cli.stdout_closed(BrokenPipeError(32, "Broken pipe"))  # an S3 socket's: the reader is there
+        os.close(r)
+        assert cli.stdout_closed(BrokenPipeError(32, "Broken pipe"))
+        assert not cli.stdout_closed(ConnectionResetError())
+        monkeypatch.undo()
+
+
+def test_formats_describes_in_plain_words(capsys):
+    """Descriptions for a terminal: no reStructuredText roles or literals (``:data:`X```, before)."""
+    from reshard.cli import plain_text
+
+    assert main(["formats"]) == 0
+    out = capsys.readouterr().out
+    assert "`" not in out and not re.search(r":[a-z]+:", out), out
+    assert plain_text("MLA by :data:`RULES`, else :class:`~reshard.models.megatron_gpt.MegatronGPT` "
+                      "(``args``)") == "MLA by RULES, else MegatronGPT (args)"
+
+
+def test_every_argument_of_every_command_has_help():
+    import argparse
+
+    from reshard.cli import build_parser
+
+    missing = [f"{name} {act.option_strings or act.dest}"
+               for sub in build_parser()._actions if isinstance(sub, argparse._SubParsersAction)
+               for name, parser in sub.choices.items()
+               for act in parser._actions if act.dest != "help" and not act.help]
+    assert missing == []
+
+
+def test_the_live_display_counts_bytes_in_the_summaries_units():
+    """One convention: MiB as `plan` and the summaries print them (rich's own columns said MB);
+    before the plan no ``0/? bytes``."""
+    import io
+
+    from reshard import progress
+    from reshard.cli_progress import ProgressDisplay
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    with ProgressDisplay(stream, live=True, status="reading the source") as display:
+        display._rich.refresh()
+        before = stream.getvalue()
+        progress.planned([("a.pt", 0, 3 * 2**20), ("b.pt", 1, 2**20)])
+        progress.bytes_reporter("a.pt")(2**20)
+        display._rich.refresh()
+    shown = stream.getvalue()
+    assert "1.0 MiB / 4.0 MiB" in shown and "1.0 MiB / 3.0 MiB" in shown
+    assert not re.search(r"\d (?:[kMG]B|bytes)\b", shown) and "/?" not in before
+
+
+def test_wrong_paths_say_so_for_every_command(tmp_path, capsys):
+    missing = tmp_path / "no" / "such"
+    for args in (["inspect", str(missing)], ["plan", str(missing), "--target-tp", "2"], ["verify", str(missing)]):
+        assert main(args) == 2
+        assert capsys.readouterr().err == f"reshard: error: {missing}: no such file or folder (fix: check the path)\n"
+
+
+@pytest.mark.parametrize("files, hint", [
+    ([], "point at a Megatron-LM run or iteration folder, a DeepSpeed global_stepN folder, a torch_dist folder or "
+         "a Hugging Face folder"),
+    (["config.json"], "a Hugging Face folder needs its weights beside config.json"),
+    (["model-00001-of-00002.safetensors"], "a Hugging Face folder needs its config.json"),
+    (["iter_0000010/"], "a Megatron-LM run folder needs latest_checkpointed_iteration.txt, or point at one "
+                        "iteration folder (iter_0000010)"),
+    (["__0_0.distcp", "common.pt"], "a torch_dist checkpoint needs its .metadata index"),
+])
+def test_a_folder_no_format_reads_is_told_what_it_lacks(tmp_path, capsys, files, hint):
+    """Whatever the folder was meant to be (the advice was DeepSpeed's mp_rank_XX files for all)."""
+    for name in files:
+        (tmp_path / name).mkdir() if name.endswith("/") else (tmp_path / name).write_bytes(b"{}")
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"reshard: error: {tmp_path}: holds no ") and f"(fix: {hint}" in err
+    assert "mp_rank_XX" not in err and len(err.splitlines()) == 1
+
+
+def test_option_errors_name_the_flag_on_the_command_line_and_the_keyword_in_python(sample_factory, capsys):
+    import reshard
+
+    src = str(sample_factory(4))
+    assert main(["plan", src, "--target-tp", "0"]) == 2
+    assert capsys.readouterr().err == ("reshard: error: --target-tp: 0 must be a positive integer (fix: give "
+                                       "--target-tp 1 or more, or leave it out)\n")
+    with pytest.raises(reshard.LayoutError) as zero:
+        reshard.plan(src, target_tp=0)
+    assert str(zero.value) == "target_tp: 0 must be a positive integer (fix: give target_tp 1 or more, or leave it out)"
+    with pytest.raises(reshard.LayoutError) as typed:
+        reshard.plan(src, target_tp="two")
+    assert typed.value.culprit == "target_tp" and typed.value.fix == "give target_tp an integer"
+    with pytest.raises(reshard.LayoutError) as both:
+        reshard.plan(src, target_tp=2, fp8_block="128x128")
+    assert "--" not in str(both.value) and str(both.value).startswith("fp8_block: applies only with quantize fp8")
+
+
+def test_a_wrong_keyword_or_progress_is_pythons_type_error(sample_factory, tmp_path):
+    import reshard
+
+    with pytest.raises(TypeError, match=r"^convert\(\) got an unexpected keyword argument 'target_pd'; did you mean "
+                                        r"'target_tp'\?"):
+        reshard.convert(str(sample_factory(4)), str(tmp_path / "o"), target_pd=2)
+    with pytest.raises(TypeError, match=r"progress=True .* got 'yes'"):
+        reshard.convert(str(sample_factory(4)), str(tmp_path / "o"), target_tp=2, progress="yes")
+    assert not (tmp_path / "o").exists()
+
+
+def test_dir_lists_the_public_api():
+    import reshard
+
+    names = dir(reshard)
+    assert {"convert", "plan", "inspect", "verify", "Progress", "ConversionResult", "ReshardError"} <= set(names)
+    assert not {"Any", "TYPE_CHECKING", "annotations"} & set(names)

@@ -250,7 +250,8 @@ class ReshardOptions(BaseModel):
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
-                raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name))
+                raise LayoutError(f"{value!r} must be a positive integer", culprit=flag_of(name),
+                                  hint=f"give {flag_of(name)} 1 or more, or leave it out")
         if not 1 <= self.bits <= 8:
             raise LayoutError(f"{self.bits} does not fit int8", culprit="--bits", hint="use 1..8")
         if self.fp8_block is not None and self.quantize != "fp8":
@@ -272,8 +273,9 @@ class ReshardOptions(BaseModel):
 
     @classmethod
     def checked(cls, **fields: Any) -> ReshardOptions:
-        """The options from keyword arguments (Python callers, the flow's parameters), every
-        problem the one-line :class:`~reshard.core.errors.LayoutError` the CLI prints for its flag."""
+        """The options from keyword arguments, every problem the one-line
+        :class:`~reshard.core.errors.LayoutError` the CLI prints for its flag (:func:`in_keywords`
+        words it for a Python caller)."""
         from pydantic import ValidationError
 
         try:
@@ -300,4 +302,37 @@ def option_error(exc: Any) -> LayoutError:
         return LayoutError("is not an option of reshard", culprit=field,
                            hint=f"use one of {', '.join(ReshardOptions.model_fields)}")
     shown = "" if field == "storage_options" else f" (got {first.get('input')!r})"
-    return LayoutError(f"{first['msg']}{shown}", culprit=flag_of(field), hint=f"fix {flag_of(field)}")
+    return LayoutError(f"{first['msg']}{shown}", culprit=flag_of(field), hint=_expected(field))
+
+
+def _expected(field: str) -> str:
+    """What a field takes, in words (the fix of a value of the wrong type)."""
+    import typing
+
+    info = ReshardOptions.model_fields.get(field)
+    kinds = [t for t in typing.get_args(info.annotation) if t is not type(None)] if info else []
+    words = {int: "an integer", float: "a number", str: "text", bool: "true or false", dict: "a mapping"}
+    said = [words[k] for k in kinds if k in words] or ["a value of the documented kind"]
+    return f"give {flag_of(field)} {' or '.join(dict.fromkeys(said))}"
+
+
+def flag_names() -> dict[str, str]:
+    """Every CLI flag of the options -> the keyword a Python caller gives (``--no-swiglu`` is
+    ``swiglu`` too)."""
+    names = {flag_of(f): f for f in ReshardOptions.model_fields}
+    for f, info in ReshardOptions.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if "negative_flag" in extra:
+            names[str(extra["negative_flag"])] = f
+    return names
+
+
+def in_keywords(err: LayoutError) -> LayoutError:
+    """``err`` as a Python caller reads it: each CLI flag it names written as its keyword."""
+    names = flag_names()
+    pattern = re.compile("|".join(re.escape(f) for f in sorted(names, key=len, reverse=True)) + r"(?![\w-])")
+
+    def keywords(text: str | None) -> str | None:
+        return None if text is None else pattern.sub(lambda m: names[m.group(0)], text)
+
+    return type(err)(keywords(err.message) or "", culprit=keywords(err.culprit), hint=keywords(err.fix))

@@ -19,7 +19,7 @@ from typing import Any
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.options import ReshardOptions
 from reshard.core.shard_check import METADATA
-from reshard.core.source import ITER_DIR_RE, MEGATRON_LATEST, SourceCheckpoint
+from reshard.core.source import SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
 from reshard.formats.output import weights_read
@@ -33,8 +33,7 @@ def locate(src: str | Path) -> SourceCheckpoint:
     """The checkpoint at ``src`` (a local folder or file), laid out by the format that holds it."""
     p = Path(src)
     if not p.exists():
-        raise CheckpointFormatError("no such file or folder", culprit=str(p),
-                                    hint="pass a folder of mp_rank_XX_model_states.pt files or a descriptor JSON")
+        raise CheckpointFormatError("no such file or folder", culprit=str(p), hint="check the path")
     formats = available()
     if p.is_dir():
         for fmt in formats:
@@ -44,8 +43,9 @@ def locate(src: str | Path) -> SourceCheckpoint:
     for fmt in formats:
         if fmt.detect_file(p):
             return fmt.locate(p)
-    raise CheckpointFormatError("not a checkpoint folder or descriptor JSON", culprit=str(p),
-                                hint="pass the folder that holds mp_rank_XX_model_states.pt files")
+    raise CheckpointFormatError("is a file that is no checkpoint descriptor", culprit=str(p),
+                                hint=f"pass the folder that holds it ({p.parent}); a single file is read only as a "
+                                     "DeepSpeed descriptor JSON")
 
 
 def listing_patterns(options: ReshardOptions | None = None) -> tuple[re.Pattern[str], ...]:
@@ -156,14 +156,13 @@ def check_file(path: str, fmt: str | None, role: str, module_key: str, where: st
 
 
 def _no_format(folder: Path) -> CheckpointFormatError:
-    """What a folder that no format holds most likely is, and what to do."""
-    dist = [c.name for c in folder.iterdir() if c.suffix == ".distcp" or c.name in (".metadata", "metadata.json")]
-    iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
-    if dist:
-        hint = ("this is a torch_dist (distributed) checkpoint; save or convert it with Megatron-LM's "
-                "--ckpt-format torch first")
-    elif iters:
-        hint = f"a Megatron-LM run folder needs {MEGATRON_LATEST}, or point at one iteration folder ({iters[-1]})"
-    else:
-        hint = "point at the global_stepN folder that holds the model-states files"
-    return CheckpointFormatError("holds no mp_rank_XX_model_states.pt files", culprit=str(folder), hint=hint)
+    """What a folder that no format holds most likely is (the first format that recognizes an
+    incomplete checkpoint of its own says what is missing), and what to do."""
+    for fmt in available():
+        hint = fmt.near_miss(folder)
+        if hint:
+            return CheckpointFormatError("holds no complete checkpoint reshard reads", culprit=str(folder), hint=hint)
+    return CheckpointFormatError("holds no checkpoint reshard reads", culprit=str(folder),
+                                 hint="point at a Megatron-LM run or iteration folder, a DeepSpeed global_stepN "
+                                      "folder, a torch_dist folder or a Hugging Face folder (config.json and "
+                                      "*.safetensors); `reshard formats` lists what is read")

@@ -74,6 +74,12 @@ class Locating(ABC):
         """Is this local file a checkpoint of this format (e.g. a descriptor)? (Names only.)"""
         return False
 
+    def near_miss(self, folder: Path) -> str | None:
+        """For a folder that no format detects: if it looks like an incomplete checkpoint of this
+        format, what is missing and what to do, in a few words (the fix of the one-line error);
+        else None. Names only."""
+        return None
+
     @abstractmethod
     def locate(self, path: Path) -> SourceCheckpoint:
         """The checkpoint at ``path`` as a validated grid of files; raises

@@ -106,6 +106,15 @@ class HFFormat(CheckpointFormat):
         return (folder / CONFIG).is_file() and any(
             (folder / n).is_file() for n in (WEIGHTS, INDEX, *PICKLE_WEIGHTS))
 
+    def near_miss(self, folder: Path) -> str | None:
+        """``config.json`` without weights, or safetensors files without ``config.json``."""
+        if (folder / CONFIG).is_file():
+            return (f"a Hugging Face folder needs its weights beside {CONFIG}: {WEIGHTS}, or {INDEX} and the "
+                    "shards it lists")
+        if any(c.suffix == ".safetensors" for c in folder.iterdir()):
+            return f"a Hugging Face folder needs its {CONFIG} beside the safetensors files"
+        return None
+
     def shard_role(self, name: str, listing: Any) -> str | None:
         return None  # weight files are checked against config.json and the index when loaded
 

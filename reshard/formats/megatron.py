@@ -18,7 +18,7 @@ from reshard.core.experts import check_expert_tp, rank_files
 from reshard.core.options import ReshardOptions
 from reshard.core.pipeline_stages import STAGE_ARG_NAMES, StageLayout, chunk_keys
 from reshard.models.facts import int_arg
-from reshard.core.source import (MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
+from reshard.core.source import (ITER_DIR_RE, MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
                                  iteration_dir, iteration_text, megatron_file_name)
 from reshard.formats.base import CheckpointFormat
 
@@ -34,6 +34,13 @@ class MegatronFormat(CheckpointFormat):
     def detect(self, folder: Path) -> bool:
         return (folder / MEGATRON_LATEST).is_file() or any(
             MEGATRON_RANK_DIR_RE.match(c.name) and c.is_dir() for c in folder.iterdir())
+
+    def near_miss(self, folder: Path) -> str | None:
+        """A run folder without its ``latest_checkpointed_iteration.txt``."""
+        iters = sorted(c.name for c in folder.iterdir() if c.is_dir() and ITER_DIR_RE.match(c.name))
+        if not iters:
+            return None
+        return f"a Megatron-LM run folder needs {MEGATRON_LATEST}, or point at one iteration folder ({iters[-1]})"
 
     def select_objects(self, names: Sequence[str], read: Callable[[str], bytes],
                        url: Callable[[str], str]) -> list[str] | None:

@@ -102,6 +102,13 @@ class TorchDistFormat(CheckpointFormat):
                re.compile(r"(^|/)run_config\.yaml$"))
     writes_as = MEGATRON
 
+    def near_miss(self, folder: Path) -> str | None:
+        """``.distcp`` files without the ``.metadata`` index megatron-core writes last."""
+        if any(c.suffix == ".distcp" or c.name == "metadata.json" for c in folder.iterdir()):
+            return (f"a torch_dist checkpoint needs its {INDEX} index, which megatron-core writes when the save "
+                    "finishes: copy it too, or point at a checkpoint whose save completed")
+        return None
+
     def detect(self, folder: Path) -> bool:
         if (folder / INDEX).is_file():
             return True

@@ -116,8 +116,9 @@ _TE_MLA_KEY = re.compile(r"\.self_attention\.linear_(?:q|kv)_up_proj\.layer_norm
 
 
 class DeepSeek(ModelFamily):
-    """megatron-core GPT models with multi-latent attention (DeepSeek-V2/V3, Kimi-K2): MLA tensors
-    by :data:`DEEPSEEK_RULES`, everything else as :class:`~reshard.models.megatron_gpt.MegatronGPT`."""
+    """megatron-core GPT models with multi-latent attention (DeepSeek-V2/V3, Kimi-K2), dense or MoE,
+    under megatron-core's local spec. MLA tensors by :data:`DEEPSEEK_RULES`, everything else as
+    :class:`~reshard.models.megatron_gpt.MegatronGPT`."""
 
     name = "deepseek"
     rules = DEEPSEEK_RULES
