@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, metavar="L", help="transformer layers (default 2)")
     p.add_argument("--hidden", type=int, default=64, metavar="H", help="hidden size (default 64)")
     p.add_argument("--heads", type=int, default=8, metavar="A", help="attention heads (default 8)")
-    p.add_argument("--vocab", type=int, default=128, metavar="V", help="vocabulary rows (default 128)")
+    p.add_argument("--vocab", type=int, default=None, metavar="V", help="vocabulary rows (default 128; 256 with --hf)")
+    p.add_argument("--hf", action="store_true",
+                   help="write a Hugging Face folder instead: a small MixtralForCausalLM (4 experts, top 2, bf16 "
+                        "safetensors); --tp and --version do not apply")
 
     p = sub.add_parser("deploy", help="register the Prefect deployments of deployments/prefect.yaml (prefect deploy)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these deployments (8to2 or reshard/8to2); default all")
@@ -456,9 +459,15 @@ def cmd_validate_config(ns: argparse.Namespace) -> int:
 
 
 def cmd_sample(ns: argparse.Namespace) -> int:
-    from reshard.sample import GPTConfig, write_sample_checkpoint
+    from reshard.sample import GPTConfig, MixtralConfig, write_mixtral_sample, write_sample_checkpoint
 
-    cfg = GPTConfig(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, vocab=ns.vocab)
+    if ns.hf:
+        mix = MixtralConfig(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, vocab=ns.vocab or MixtralConfig.vocab)
+        write_mixtral_sample(ns.dst, mix)
+        print(f"wrote a Hugging Face MixtralForCausalLM folder to {ns.dst} ({mix.layers} layers, {mix.experts} "
+              f"experts, top {mix.topk})")
+        return 0
+    cfg = GPTConfig(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, vocab=ns.vocab or GPTConfig.vocab)
     paths = write_sample_checkpoint(ns.dst, tp=ns.tp, cfg=cfg, version=ns.version)
     print(f"wrote {len(paths)} rank files to {ns.dst} (TP {ns.tp}, version {ns.version})")
     return 0

@@ -321,3 +321,72 @@ def write_core_sample_checkpoint(folder: str | os.PathLike[str], *, tp: int = 2,
             paths.append(p)
     (folder / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return paths
+
+
+# --- a Hugging Face mixture-of-experts folder (Mixtral's names and config.json) -----------------------
+
+@dataclass(frozen=True)
+class MixtralConfig:
+    """Shape of a small ``MixtralForCausalLM``: grouped-query attention, RMSNorm, rotary, and every
+    MLP a softmax-routed mixture of SwiGLU experts."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 8
+    kv_heads: int = 4
+    ffn: int = 128
+    experts: int = 4
+    topk: int = 2
+    vocab: int = 256
+    seq: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def mixtral_config_json(cfg: MixtralConfig) -> dict[str, object]:
+    """The ``config.json`` transformers writes for such a model (bf16, untied, no sliding window)."""
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab,
+            "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.seq, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+            "tie_word_embeddings": False, "num_local_experts": cfg.experts, "num_experts_per_tok": cfg.topk,
+            "sliding_window": None, "router_aux_loss_coef": 0.02, "output_router_logits": False,
+            "attention_dropout": 0.0, "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2,
+            "use_cache": True, "dtype": "bfloat16"}
+
+
+def write_mixtral_sample(folder: str | os.PathLike[str], cfg: MixtralConfig | None = None, seed: int = 0) -> Path:
+    """A Hugging Face folder as ``save_pretrained`` leaves it (``config.json``, bf16
+    ``model.safetensors``) of a small random Mixtral model; returns the folder."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = cfg or MixtralConfig()
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 0.08) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    def norm() -> torch.Tensor:
+        return (1 + torch.randn(cfg.hidden, generator=g) * 0.1).to(torch.bfloat16)
+
+    h, hn = cfg.hidden, cfg.head_dim
+    w = {"model.embed_tokens.weight": r(cfg.vocab, h, scale=0.5), "model.norm.weight": norm(),
+         "lm_head.weight": r(cfg.vocab, h, scale=0.5)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+              p + "self_attn.q_proj.weight": r(cfg.heads * hn, h), p + "self_attn.k_proj.weight": r(cfg.kv_heads * hn, h),
+              p + "self_attn.v_proj.weight": r(cfg.kv_heads * hn, h), p + "self_attn.o_proj.weight": r(h, cfg.heads * hn),
+              p + "block_sparse_moe.gate.weight": r(cfg.experts, h)}
+        for e in range(cfg.experts):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            w |= {x + "w1.weight": r(cfg.ffn, h), x + "w2.weight": r(h, cfg.ffn), x + "w3.weight": r(cfg.ffn, h)}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(mixtral_config_json(cfg), indent=2) + "\n")
+    return folder

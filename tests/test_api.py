@@ -261,7 +261,7 @@ def test_to_a_format_reshard_only_reads_is_one_line(sample_factory, tmp_path, ca
 def test_the_readmes_python_examples_run(tmp_path, monkeypatch, capsys):
     """Every ```python block of the README, in order, in one namespace, in a folder holding the
     sample checkpoint the README tells a reader to make (``reshard sample ckpt/tp8 --tp 8``)."""
-    text = (ROOT / "README.md").read_text()
+    text = _readme_section("Python API")
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     assert len(blocks) >= 2, "the README's Python API section"
     monkeypatch.chdir(tmp_path)
@@ -272,6 +272,34 @@ def test_the_readmes_python_examples_run(tmp_path, monkeypatch, capsys):
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own examples
     assert (tmp_path / "ckpt" / "tp2" / "reshard_manifest.json").is_file()
     assert (tmp_path / "ckpt" / "hf" / "config.json").is_file()
+
+
+def _readme_section(title: str) -> str:
+    """The README's ``## title`` section, to its next ``##`` heading."""
+    text = (ROOT / "README.md").read_text()
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readmes_walk_through_runs(tmp_path, monkeypatch, capsys, prefect_env):
+    """The walk-through's commands as written (the flow path, on the session's Prefect server), then
+    its Python check of the round trip; and what it says of the outputs."""
+    import shlex
+
+    text = _readme_section("A walk-through")
+    commands = [ln.split("#", 1)[0].strip() for ln in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)[0]
+                .splitlines()]
+    commands = [c for c in commands if c]
+    assert commands and all(c.startswith("reshard ") for c in commands), commands
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_API_URL", prefect_env["PREFECT_API_URL"])
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)
+    (check,) = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    exec(compile(check, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+    walked = reshard.inspect("walk/mcore")
+    assert walked["tp"] == 2 and walked["ep"] == 2
+    assert json.loads((tmp_path / "walk" / "fp8" / "config.json").read_text())["quantization_config"][
+        "quant_method"] == "fp8"
 
 
 # --- the flow as a building block of a user's own flow -------------------------------------------
