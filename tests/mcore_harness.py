@@ -149,16 +149,20 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
 
 def _mla_shims() -> None:
     """megatron-core 0.16.1's MLA on a CPU without Transformer Engine: its local core attention takes
-    no ``k_channels``/``v_channels`` (dropped; ``kv_channels`` is the value head dim, which sizes
-    the output), and ``multi_latent_attention.HAVE_TE`` is True even then (TE is a mock whose
-    ``isinstance`` raises)."""
+    no ``k_channels``/``v_channels`` and sizes its output by ``kv_channels``; here it takes them and
+    sizes its output by ``v_channels`` (MLA's ``v_head_dim``), as Transformer Engine's attention does,
+    so ``kv_channels`` plays no part — as in Megatron-LM, which ignores it under MLA and saves its
+    default ``hidden / heads`` there. ``multi_latent_attention.HAVE_TE`` is True even without TE
+    (TE is a mock whose ``isinstance`` raises): set False."""
     from megatron.core.models import backends
     from megatron.core.transformer import dot_product_attention as dpa
     import megatron.core.transformer.multi_latent_attention as mla
 
     class LocalMLAAttention(dpa.DotProductAttention):
         def __init__(self, *a: Any, k_channels: Any = None, v_channels: Any = None, **k: Any) -> None:
-            super().__init__(*a, **k)
+            super().__init__(*a, **k)  # MLA gives the softmax scale: the key width is not needed
+            if v_channels is not None:  # (the base Attention builds one without, which MLA replaces)
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
     backends.LocalSpecProvider.core_attention = lambda self: LocalMLAAttention
     mla.HAVE_TE = False
