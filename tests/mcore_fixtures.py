@@ -125,7 +125,7 @@ def mcore_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
 
 #: (model, tp) saved as mbridge and Megatron-Bridge save torch_dist: ``dist_checkpointing.save`` with no
 #: Megatron-LM ``args`` in ``common.pt`` (same seeds as above).
-FOREIGN_DIST_LAYOUTS: tuple[tuple[str, int], ...] = (("llama", 2), ("mha", 2))
+FOREIGN_DIST_LAYOUTS: tuple[tuple[str, int], ...] = (("llama", 2), ("mha", 2), ("mistral", 2))
 
 
 def mcore_foreign_dist_checkpoints(root: Path) -> dict[tuple[str, int], Path]:
