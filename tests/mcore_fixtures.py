@@ -52,6 +52,11 @@ MODELS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
     "qwen3": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope", "tied": False,
                "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "eps": 1e-6, "rope_base": 1e6,
                "qk_norm": True, "norm_noise": True, "kv_channels": 16}, (2,)),
+    # Mistral-shaped: Llama's with a sliding window (Megatron-LM's --window-size 3,0: each query sees
+    # itself and the 3 keys before it) shorter than the test tokens
+    "mistral": ({"groups": 2, "ffn": 96, "swiglu": True, "norm": "RMSNorm", "bias": False, "pos": "rope",
+                 "tied": False, "vocab": 128, "divisible_by": 32, "saved_vocab_size": 128, "window_size": [3, 0]},
+                (2,)),
     # 12 heads in 6 query groups: TP 2 <-> 3 is not a divisor ratio
     "gqa12": ({"hidden": 96, "heads": 12, "groups": 6, "ffn": 192, "swiglu": True, "vocab": 96, "divisible_by": 16,
                "saved_vocab_size": 96, "tied": False}, (1, 2, 3)),
@@ -120,7 +125,7 @@ def mcore_dist_checkpoints(root: Path) -> dict[tuple[str, int, int], Path]:
 
 #: (model, tp) saved as mbridge and Megatron-Bridge save torch_dist: ``dist_checkpointing.save`` with no
 #: Megatron-LM ``args`` in ``common.pt`` (same seeds as above).
-FOREIGN_DIST_LAYOUTS: tuple[tuple[str, int], ...] = (("llama", 2), ("mha", 2))
+FOREIGN_DIST_LAYOUTS: tuple[tuple[str, int], ...] = (("llama", 2), ("mha", 2), ("mistral", 2))
 
 
 def mcore_foreign_dist_checkpoints(root: Path) -> dict[tuple[str, int], Path]:

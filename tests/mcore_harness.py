@@ -105,6 +105,9 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
         config_class = MLATransformerConfig
         kw.update(m["mla"], apply_rope_fusion=False, bias_activation_fusion=False, mtp_num_layers=m.get("mtp"))
         spec_kw.update(multi_latent_attention=True)
+    if m.get("window_size") is not None:  # sliding-window attention (JSON gives the pair as a list)
+        _cpu_window_mask()
+        kw.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     elif m.get("openai_gelu"):
@@ -149,19 +152,51 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
 
 def _mla_shims() -> None:
     """megatron-core 0.16.1's MLA on a CPU without Transformer Engine: its local core attention takes
-    no ``k_channels``/``v_channels`` (dropped; ``kv_channels`` is the value head dim, which sizes
-    the output), and ``multi_latent_attention.HAVE_TE`` is True even then (TE is a mock whose
-    ``isinstance`` raises)."""
+    no ``k_channels``/``v_channels`` and sizes its output by ``kv_channels``; here it takes them and
+    sizes its output by ``v_channels`` (MLA's ``v_head_dim``), as Transformer Engine's attention does,
+    so ``kv_channels`` plays no part — as in Megatron-LM, which ignores it under MLA and saves its
+    default ``hidden / heads`` there. ``multi_latent_attention.HAVE_TE`` is True even without TE
+    (TE is a mock whose ``isinstance`` raises): set False."""
     from megatron.core.models import backends
     from megatron.core.transformer import dot_product_attention as dpa
     import megatron.core.transformer.multi_latent_attention as mla
 
     class LocalMLAAttention(dpa.DotProductAttention):
         def __init__(self, *a: Any, k_channels: Any = None, v_channels: Any = None, **k: Any) -> None:
-            super().__init__(*a, **k)
+            super().__init__(*a, **k)  # MLA gives the softmax scale: the key width is not needed
+            if v_channels is not None:  # (the base Attention builds one without, which MLA replaces)
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
     backends.LocalSpecProvider.core_attention = lambda self: LocalMLAAttention
     mla.HAVE_TE = False
+
+
+class _CudaAsCpu(torch.overrides.TorchFunctionMode):
+    """Factory calls asking for ``device="cuda"`` made on the CPU instead."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _cpu_window_mask() -> None:
+    """megatron-core 0.16.1's local attention builds its sliding-window mask with ``device="cuda"``
+    (``get_sliding_window_causal_mask``, called by ``FusedScaleMaskSoftmax`` in place of the mask it
+    is given): its own function, run with those tensors made on the CPU."""
+    from megatron.core.fusions import fused_softmax
+
+    make = fused_softmax.get_sliding_window_causal_mask
+    if getattr(make, "on_cpu", False):
+        return
+
+    def on_cpu(*a: Any) -> torch.Tensor:
+        with _CudaAsCpu():
+            return make(*a)
+
+    on_cpu.on_cpu = True  # type: ignore[attr-defined]
+    fused_softmax.get_sliding_window_causal_mask = on_cpu
 
 
 #: Megatron-LM's MLA and DeepSeek-router args <-> the harness's model options (same names).
@@ -192,6 +227,8 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
     # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
     recorded = {arg: m[key] for key, arg in (("qkv_bias", "add_qkv_bias"), ("eps", "norm_epsilon"),
                                              ("rope_base", "rotary_base"), ("qk_norm", "qk_layernorm")) if key in m}
+    if m.get("window_size") is not None:  # Megatron-LM's --window-size (a tuple) and --window-attn-skip-freq
+        recorded.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
     return argparse.Namespace(**recorded, **moe,
         num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
         num_attention_heads=m["heads"], kv_channels=m.get("kv_channels") or m["hidden"] // m["heads"],
@@ -243,6 +280,8 @@ def options_from_args(a: Any) -> dict[str, Any]:
             "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False), "eps": a.norm_epsilon,
             "rope_base": getattr(a, "rotary_base", 10000), "pos": a.position_embedding_type,
             "qk_norm": getattr(a, "qk_layernorm", False), "kv_channels": a.kv_channels,
+            "window_size": getattr(a, "window_size", None), "window_attn_skip_freq": getattr(a, "window_attn_skip_freq",
+                                                                                               None),
             "tied": not a.untie_embeddings_and_output_weights, "vocab": a.padded_vocab_size, "divisible_by": 1,
             "seq": a.max_position_embeddings,
             **({"experts": a.num_experts, "topk": a.moe_router_topk, "moe_ffn": a.moe_ffn_hidden_size,

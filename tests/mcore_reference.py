@@ -2,8 +2,8 @@
 
 Covers what megatron-core's local spec computes: grouped QKV (GQA; MHA is groups = heads),
 gated SwiGLU fc1 ``[W_r; V_r]`` per rank, LayerNorm or RMSNorm, learned or rotary positions,
-biases or none, tied or untied output, query/key RMSNorm per head (``qk_norm``) and a head dim of
-its own (``head_dim``). Each rank works on its own query groups / FFN slice; the
+biases or none, tied or untied output, query/key RMSNorm per head (``qk_norm``), a head dim of
+its own (``head_dim``) and a sliding window on every layer (``window``). Each rank works on its own query groups / FFN slice; the
 row-parallel outputs are summed and the vocab-parallel logits concatenated, as under TP. It is
 checked against megatron-core's own logits in ``test_megatron_core.py``.
 """
@@ -31,6 +31,8 @@ class Arch:
     rope_base: float = 10000.0
     qk_norm: bool = False
     head_dim: int | None = None
+    #: megatron-core's sliding window's left side on every layer: query i sees keys i - window .. i
+    window: int | None = None
 
 
 def _norm(x: torch.Tensor, sd: dict[str, torch.Tensor], prefix: str, arch: Arch) -> torch.Tensor:
@@ -72,6 +74,8 @@ def core_logits(shards: list[dict[str, torch.Tensor]], arch: Arch, tokens: torch
         x = x + sds[0]["embedding.position_embeddings.weight"][:seq]
 
     causal = torch.full((seq, seq), float("-inf")).triu(1)
+    if arch.window is not None:
+        causal = causal + torch.full((seq, seq), float("-inf")).tril(-arch.window - 1)
     for i in range(arch.layers):
         p = f"decoder.layers.{i}."
         ln1 = _norm(x, sds[0], p + "input_layernorm", arch)

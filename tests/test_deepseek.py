@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_fixtures import TOKENS, _run_harness, edit_saved_args, iteration_folder, needs_mcore
+from mcore_fixtures import TOKENS, _run_harness, copy_with_args, edit_saved_args, iteration_folder, needs_mcore
 from reshard.cli import main
 from reshard.core.lazy import RowConcat
 from reshard.models import deepseek
@@ -182,9 +182,11 @@ WRONG = {
 
 #: A DeepSeek-V3-like model as megatron-core builds it (the harness's model options): MLA with YaRN,
 #: a dense first layer, sigmoid routing with expert bias in 2 groups, a shared expert, one MTP layer.
+#: No kv_channels: its args hold Megatron-LM's default, hidden / heads = 8, not v_head_dim 6 (Megatron-LM
+#: ignores kv_channels under MLA).
 MCORE_MODEL = {
     "layers": 2, "hidden": 32, "heads": 4, "ffn": 48, "swiglu": True, "norm": "RMSNorm", "bias": False, "eps": 1e-6,
-    "pos": "rope", "qk_norm": True, "kv_channels": 6, "tied": False, "vocab": 128, "divisible_by": 32,
+    "pos": "rope", "qk_norm": True, "tied": False, "vocab": 128, "divisible_by": 32,
     "saved_vocab_size": 128, "seq": 160, "experts": 4, "topk": 2, "moe_ffn": 12, "shared_ffn": 12,
     "moe_layer_freq": [0, 1], "expert_bias": True, "norm_noise": True, "mtp": 1,
     "router": {"moe_router_score_function": "sigmoid", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
@@ -229,9 +231,11 @@ def test_transformers_runs_the_export_of_megatron_cores_own_checkpoint_with_its_
 
 
 @pytest.fixture(scope="session")
-def deepseek_runs(tmp_path_factory):
+def deepseek_runs(tmp_path_factory, mcore_written):
     """Both models imported at (TP, EP) (1, 1) and (2, 2), v3 also from FP8 and into torch_dist and
-    wrongly in each way of :data:`WRONG`; megatron-core's logits and routing for each, one harness run."""
+    wrongly in each way of :data:`WRONG`; megatron-core's own checkpoints (:func:`mcore_written`) from
+    torch_dist to per-rank files at TP 1 and from per-rank files to torch_dist; megatron-core's logits
+    and routing for each, one harness run."""
     root = tmp_path_factory.mktemp("deepseek")
     hf, want, runs = {}, {}, {}
     for name, config in MODELS.items():
@@ -259,7 +263,10 @@ def deepseek_runs(tmp_path_factory):
                 _run(hf["v3"], out, "--target-tp", "2", "--target-ep", "2")
         runs[what] = out
     dists = {"dist": _run(hf["v3"], root / "v3_dist", "--to", "torch_dist"),
-             "mtp_dist": _run(runs[("v3_mtp", 2, 2)], root / "v3_mtp_dist", "--to", "torch_dist")}
+             "mtp_dist": _run(runs[("v3_mtp", 2, 2)], root / "v3_mtp_dist", "--to", "torch_dist"),
+             "mcore_to_dist": _run(mcore_written / "write", root / "mcore_to_dist", "--to", "torch_dist")}
+    runs["mcore_from_dist"] = _run(mcore_written / "write_dist", root / "mcore_from_dist", "--target-tp", "1",
+                                   "--target-ep", "1")
     runs["v3_mtp_from_dist"] = _run(dists["mtp_dist"], root / "v3_mtp_from_dist", "--target-tp", "1", "--target-ep",
                                     "2")
     # multi-latent attention over two pipeline stages (the dense layer on the first, the MoE layer on the last)
@@ -272,7 +279,8 @@ def deepseek_runs(tmp_path_factory):
     want["v3_mtp4.mtp"] = mtp_reference(hf["v3_mtp4"])
     runs["v3_mtp4_vpp"] = _run(hf["v3_mtp4"], root / "v3_mtp4_vpp", "--target-tp", "1", "--target-pp", "2",
                                "--target-vpp", "2")
-    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2), "v3_mtp_pp2": (1, 1, 2), "v3_mtp4_vpp": (1, 1, 2)}
+    layouts = {"v3_mtp_from_dist": (1, 2, 1), "v3_pp2": (1, 1, 2), "v3_mtp_pp2": (1, 1, 2), "v3_mtp4_vpp": (1, 1, 2),
+               "mcore_from_dist": (1, 1, 1)}
     jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
              "tokens": TOKENS, "out": str(root / f"forward_{i}.pt")}
             for i, (key, run) in enumerate(runs.items())
@@ -329,6 +337,21 @@ def test_the_mtp_layer_goes_through_torch_dist_both_ways(deepseek_runs, case):
     torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_mtp"], rtol=0, atol=TOL)
     (mtp,) = deepseek_runs["got"][case + ".mtp"]
     torch.testing.assert_close(mtp[:-1, :128], deepseek_runs["want"]["v3_mtp.mtp"], rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("case,source", [("mcore_from_dist", "write_dist"), ("mcore_to_dist", "write")],
+                         ids=["torch_dist_to_tp1", "tp2_to_torch_dist"])
+def test_megatron_cores_own_mla_checkpoint_goes_through_torch_dist_with_its_logits(deepseek_runs, mcore_written, case,
+                                                                                    source):
+    """megatron-core's own MLA checkpoints, whose args hold Megatron-LM's default kv_channels (8, not
+    v_head_dim 6): its torch_dist at TP 1 and its TP 2 files as torch_dist, loaded by megatron-core
+    from the args they carry, give its logits and MTP logits."""
+    logits, routing = deepseek_runs["got"][case]
+    torch.testing.assert_close(logits, torch.load(mcore_written / source / "logits.pt"), rtol=0, atol=TOL)
+    assert routing
+    (mtp,) = deepseek_runs["got"][case + ".mtp"]
+    (want,) = torch.load(mcore_written / source / "mtp_logits.pt")
+    torch.testing.assert_close(mtp, want, rtol=0, atol=TOL)
 
 
 def test_an_fp8_deepseek_folder_is_imported_as_the_model_it_encodes(deepseek_runs):
@@ -443,14 +466,20 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(deepseek_r
 ])
 def test_an_export_transformers_would_compute_otherwise_is_refused_in_one_line(deepseek_runs, tmp_path, capsys,
                                                                                change, words):
-    from mcore_fixtures import copy_with_args
-
     src = copy_with_args(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "src", **change)
     assert words in _refused(src, tmp_path / "out", capsys, "--to", "hf")
 
 
-def test_a_target_tp_that_cuts_an_attention_head_is_refused(deepseek_runs, tmp_path, capsys):
-    assert "--target-tp" in _refused(deepseek_runs["hf"]["v3"], tmp_path / "out", capsys, "--target-tp", "8")
+@pytest.mark.parametrize("source", ["hf", "mcore"])
+def test_a_target_tp_that_cuts_an_attention_head_is_refused_with_the_valid_ones(deepseek_runs, mcore_written, tmp_path,
+                                                                                 capsys, source):
+    """4 heads over TP 8 (or 3) are refused as the dense models' are: naming the heads and the target TPs
+    every tensor allows (the heads, the latent ranks' down projections: 1, 2, 4)."""
+    src = deepseek_runs["hf"]["v3"] if source == "hf" else mcore_written / "write"
+    for tp in ("8", "3"):
+        err = _refused(src, tmp_path / f"out{tp}", capsys, "--target-tp", tp)
+        assert f"4 attention heads cannot be divided over {tp} target ranks" in err, err
+        assert err.endswith("(fix: choose a target TP among 1, 2, 4)"), err
 
 
 def test_a_bf16_model_keeps_its_float32_expert_bias_both_ways(deepseek_runs, tmp_path):
@@ -536,6 +565,19 @@ def test_a_transformer_engine_mla_checkpoint_is_read(mcore_written, tmp_path):
         assert torch.equal(m[down], m1[down])
 
 
+def test_mla_args_without_v_head_dim_split_linear_proj_by_its_columns_over_the_heads(mcore_written, tmp_path):
+    """Args that lack ``v_head_dim`` (no Megatron-LM run's) leave the head width to ``linear_proj``'s
+    columns over the heads — not kv_channels (8 here; MLA's is 6), nor Megatron-LM's default 128: TP
+    2 -> 4 cuts each rank's heads apart exactly as with the args' width."""
+    src = copy_with_args(mcore_written / "write", tmp_path / "src", v_head_dim=None)
+    got = _rank_files(_run(src, tmp_path / "got", "--target-tp", "4", "--target-ep", "2"))
+    want = _rank_files(_run(mcore_written / "write", tmp_path / "want", "--target-tp", "4", "--target-ep", "2"))
+    assert list(got) == list(want) and len(got) == 8
+    for name, module in want.items():
+        assert list(got[name]) == list(module)
+        assert all(torch.equal(got[name][k], v) for k, v in module.items() if isinstance(v, torch.Tensor)), name
+
+
 def test_a_checkpoint_mixing_the_two_mla_layouts_is_refused(deepseek_runs, tmp_path, capsys):
     """Transformer Engine's fused latent norm names beside down projections split by rows (the local
     spec's): neither spec saves that, so it is not read."""
@@ -605,21 +647,35 @@ def test_transformers_loads_the_fp8_export_of_a_deepseek_model_as_the_model_it_e
     it loads the export, MLA's projections and the experts' included, and computes what the model
     computes with the formula's dequantized weights in place of its linear weights (float32 here: to
     the test's tolerance), which is not what the unquantized weights compute."""
+    got, want = _fp8_export_logits(deepseek_runs["runs"][("v3", 2, 2)], deepseek_runs["hf"]["v3"], tmp_path)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    assert (deepseek_runs["want"]["v3"] - want).abs().max() > 100 * TOL  # the e4m3 rounding shows: not the weights
+
+
+def test_transformers_loads_the_fp8_export_of_megatron_cores_own_mla_checkpoint(mcore_written, tmp_path):
+    """The same for megatron-core's own checkpoint, whose args hold Megatron-LM's default kv_channels
+    (hidden / heads, not v_head_dim)."""
+    run = mcore_written / "write"
+    got, want = _fp8_export_logits(run, _run(run, tmp_path / "hf", "--to", "hf"), tmp_path)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    assert (torch.load(run / "logits.pt")[:, :128] - want).abs().max() > 100 * TOL
+
+
+def _fp8_export_logits(run: Path, plain: Path, tmp_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits of ``run``'s FP8 export (blocks of 4 x 4), and of the model ``plain`` (its
+    plain export) with each FP8 weight's dequantized values (DeepSeek's formula) in its place."""
     from safetensors.torch import save_file
 
     from test_fp8_export import dequantized
 
-    out = _run(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "fp8", "--to", "hf", "--quantize", "fp8",
-               "--fp8-block", "4")
-    fp8, plain = _tensors(out), _tensors(deepseek_runs["hf"]["v3"])
+    out = _run(run, tmp_path / "fp8", "--to", "hf", "--quantize", "fp8", "--fp8-block", "4")
+    fp8, weights = _tensors(out), _tensors(plain)
     encoded = tmp_path / "encoded"
     encoded.mkdir()
-    (encoded / "config.json").write_text((deepseek_runs["hf"]["v3"] / "config.json").read_text())
+    (encoded / "config.json").write_text((plain / "config.json").read_text())
     save_file({k: dequantized(fp8[k], fp8[k + "_scale_inv"], (4, 4)) if k + "_scale_inv" in fp8 else v
-               for k, v in plain.items()}, str(encoded / "model.safetensors"), metadata={"format": "pt"})
-    want = hf_folder_logits(encoded)
-    torch.testing.assert_close(hf_folder_logits(out), want, rtol=0, atol=TOL)
-    assert (deepseek_runs["want"]["v3"] - want).abs().max() > 100 * TOL  # the e4m3 rounding shows: not the weights
+               for k, v in weights.items()}, str(encoded / "model.safetensors"), metadata={"format": "pt"})
+    return hf_folder_logits(out), hf_folder_logits(encoded)
 
 
 def test_mtp_layers_placed_by_a_layout_string_are_refused(deepseek_runs, tmp_path, capsys):
@@ -723,8 +779,6 @@ def test_whole_down_projections_on_every_tp_rank_are_refused_as_transformer_engi
 def test_group_routing_without_a_group_top_k_exports_as_no_groups(deepseek_runs, tmp_path):
     """megatron-core routes over every expert when ``moe_router_group_topk`` is unset, whatever the
     number of groups: transformers' ``n_group`` 1."""
-    from mcore_fixtures import copy_with_args
-
     src = copy_with_args(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "src", moe_router_group_topk=None)
     config = json.loads((_run(src, tmp_path / "hf", "--to", "hf") / "config.json").read_text())
     assert (config["n_group"], config["topk_group"]) == (1, 1)

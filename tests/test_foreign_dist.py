@@ -7,6 +7,7 @@ output is checked by megatron-core's strict load or transformers with the source
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -108,6 +109,31 @@ def test_a_megatron_bridge_run_config_beside_the_checkpoint_is_read(foreign, tmp
     (src / ITER / "run_config.yaml").write_text(yaml.safe_dump({"model": model}))
     assert main(["run", "--direct", str(src), str(tmp_path / "wrong"), "--to", "hf"]) == 0
     assert (_hf_logits(tmp_path / "wrong") - want).abs().max() > 10 * TOL  # the comparison above catches it
+
+
+def test_a_megatron_bridge_run_config_gives_the_sliding_window(foreign, tmp_path):
+    """Megatron-Bridge's ``window_size`` (a list in its YAML) is megatron-core's: a windowed model without
+    args exports as Mistral with its window and transformers gives megatron-core's logits; the same
+    run_config without the window exports Llama, whose logits differ (the window is no detail)."""
+    import yaml
+
+    src = Path(shutil.copytree(foreign[("mistral", 2)], tmp_path / "bridge"))
+    model = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 8,
+             "num_query_groups": 2, "kv_channels": 8, "normalization": "RMSNorm", "layernorm_epsilon": 1e-5,
+             "gated_linear_unit": True, "add_bias_linear": False, "add_qkv_bias": False,
+             "position_embedding_type": "rope", "rotary_base": 10000, "rotary_percent": 1.0,
+             "share_embeddings_and_output_weights": False, "vocab_size": 128, "make_vocab_size_divisible_by": 32,
+             "seq_length": 16, "window_size": [3, 0], "window_attn_skip_freq": None}
+    (src / ITER / "run_config.yaml").write_text(yaml.safe_dump({"model": model}))
+    assert main(["run", "--direct", str(src), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 4)
+    want = torch.load(src / "logits.pt")
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, atol=TOL, rtol=0)
+    del model["window_size"]
+    (src / ITER / "run_config.yaml").write_text(yaml.safe_dump({"model": model}))
+    assert main(["run", "--direct", str(src), str(tmp_path / "llama"), "--to", "hf"]) == 0
+    assert (_hf_logits(tmp_path / "llama") - want).abs().max() > 10 * TOL
 
 
 def test_flags_alone_give_every_fact_an_export_needs(foreign, tmp_path):

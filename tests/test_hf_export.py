@@ -65,6 +65,7 @@ CASES = [  # (model, tp, pp, the architecture transformers must build, tied)
     ("llama", 2, 1, "LlamaForCausalLM", False), ("llama", 1, 1, "LlamaForCausalLM", False),
     ("llama_tied", 2, 1, "LlamaForCausalLM", True), ("qwen", 2, 1, "Qwen2ForCausalLM", False),
     ("qwen3", 2, 1, "Qwen3ForCausalLM", False),  # query/key norms, head dim 16 (not hidden / heads)
+    ("mistral", 2, 1, "MistralForCausalLM", False),  # Llama's with megatron-core's window (3, 0): sliding_window 4
     # GPT-2-like: LayerNorm, exact GELU, learned positions, biases, multi-head; 100 of 128 rows real
     ("mha", 2, 1, "GPT2LMHeadModel", True), ("padded_tied", 4, 1, "GPT2LMHeadModel", True),
 ]
@@ -91,6 +92,21 @@ def test_a_legacy_megatron_gpt_exports_as_gpt2(mcore, tmp_path):
     assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
     torch.testing.assert_close(hf_logits(tmp_path / "from_legacy"), torch.load(mcore[("mha", 2, 1)] / "logits.pt"),
                                atol=TOL, rtol=0)
+
+
+def test_megatron_cores_window_is_exported_as_mistrals_sliding_window(mcore, tmp_path):
+    """megatron-core's window_size (3, 0) (each query sees itself and 3 keys before it) is transformers'
+    sliding_window 4, which runs with megatron-core's logits over 12 tokens; a window one token off
+    either way, or none, moves transformers' logits far past the tolerance (the comparison sees it)."""
+    out = _export(mcore[("mistral", 2, 1)], tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"]) == ("mistral", 4)
+    assert "attention_bias" not in config and "mlp_bias" not in config
+    want = torch.load(mcore[("mistral", 2, 1)] / "logits.pt")[:, :config["vocab_size"]]
+    torch.testing.assert_close(hf_logits(out), want, atol=TOL, rtol=0)
+    for wrong in (3, 5, None):
+        (out / "config.json").write_text(json.dumps({**config, "sliding_window": wrong}))
+        assert (hf_logits(out) - want).abs().max() > 100 * TOL, wrong
 
 
 def test_the_saved_rotary_base_and_epsilon_are_exported(mcore, tmp_path):

@@ -38,6 +38,9 @@ MODELS = {
     # Mistral without its sliding window: Llama's arithmetic (no bias keys in its config)
     "mistral": ("MistralConfig", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rope_theta": 1e6,
                                   "sliding_window": None, "tie_word_embeddings": False}, None),
+    # Mistral-7B-v0.1's kind: a sliding window on every layer, here 4 tokens (shorter than the 12 test tokens)
+    "mistral_window": ("MistralConfig", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rope_theta": 1e6,
+                                         "sliding_window": 4, "tie_word_embeddings": False}, None),
     "qwen2": ("Qwen2Config", {**_SMALL, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-6,
                               "rope_theta": 1e6, "tie_word_embeddings": False}, None),
     # Qwen3: query/key RMSNorm per head, a head dim above hidden / heads
@@ -163,6 +166,9 @@ WRONG = {
     "epsilon 1e-5 instead of 1e-6": {"norm_epsilon": 1e-5},
     "gpt2: exact gelu instead of gelu_new": {"openai_gelu": False},
     "gpt2: c_attn not reordered per head": (arch.GPT2QKV, _c_attn_only_transposed),
+    "mistral_window: window one token wider": {"window_size": (4, 0)},
+    "mistral_window: window one token narrower": {"window_size": (2, 0)},
+    "mistral_window: window not written": {"window_size": None},
 }
 
 
@@ -197,7 +203,8 @@ def imported(tmp_path_factory):
 
 
 def _model_of(wrong: str) -> str:
-    return "gpt2" if wrong.startswith("gpt2:") else "llama"
+    """The model a :data:`WRONG` entry imports wrongly: the one its ``name:`` prefix names, else llama."""
+    return wrong.split(":")[0] if ":" in wrong else "llama"
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -290,13 +297,10 @@ def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path,
     _refused(capsys, _edited(llama, tmp_path / "d", config={"hidden_act": "gelu"}), tmp_path / "o4", "activation gelu")
     _refused(capsys, _edited(llama, tmp_path / "e", config={"architectures": ["PhiForCausalLM"]}), tmp_path / "o5",
              "architecture ['PhiForCausalLM'] is not imported")
-    _refused(capsys, _edited(imported["hf"]["mistral"], tmp_path / "e2", config={"sliding_window": 4096}),
-             tmp_path / "o5b", "megatron-core does not compute this MistralForCausalLM exactly: sliding-window")
-    no_window = _edited(imported["hf"]["mistral"], tmp_path / "e3")
-    cfg = json.loads((no_window / "config.json").read_text())
-    del cfg["sliding_window"]  # absent: MistralConfig's default window (4096), not none
-    (no_window / "config.json").write_text(json.dumps(cfg))
-    _refused(capsys, no_window, tmp_path / "o5c", "sliding-window attention")
+    _refused(capsys, _edited(imported["hf"]["mistral"], tmp_path / "e2", config={"sliding_window": 0}),
+             tmp_path / "o5b", "config.json: sliding_window 0 is not a positive number of tokens")
+    _refused(capsys, _edited(imported["hf"]["qwen2"], tmp_path / "e3", config={"use_sliding_window": True}),
+             tmp_path / "o5c", "megatron-core does not compute this Qwen2ForCausalLM exactly: sliding-window attention")
     _refused(capsys, _edited(llama, tmp_path / "f", config={"num_hidden_layers": 3}), tmp_path / "o6",
              "config.json says 3")
     _refused(capsys, _edited(llama, tmp_path / "g", config={"num_key_value_heads": 4}), tmp_path / "o7",
@@ -389,6 +393,33 @@ def test_a_mistral_import_exports_back_as_mistral_bit_for_bit(imported, tmp_path
     assert config["model_type"] == "mistral" and config["sliding_window"] is None
 
 
+def test_a_mistral_config_without_sliding_window_has_mistrals_default_window(imported, tmp_path):
+    """A config.json without ``sliding_window`` (Mistral-7B-v0.1's says 4096) has MistralConfig's
+    default window, 4096 tokens: Megatron-LM's window_size (4095, 0) on every layer."""
+    src = _edited(imported["hf"]["mistral"], tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["sliding_window"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    args = load_shard(_import(src, tmp_path / "out", "--target-tp", "1") / "release/mp_rank_00/model_optim_rng.pt")[
+        "args"]
+    assert (args.window_size, args.window_attn_skip_freq) == ((4095, 0), None)
+
+
+def test_a_windowed_mistral_comes_back_with_its_sliding_window_and_logits(imported, tmp_path):
+    """The import at TP 2 exported again: Mistral with sliding_window 4, every tensor bit for bit, and
+    transformers' logits of the source (which its window changes: without it they move)."""
+    out = tmp_path / "back"
+    assert main(["run", "--direct", str(imported["runs"][("mistral_window", 2)]), str(out), "--to", "hf"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 4)
+    want, got = _st_tensors(imported["hf"]["mistral_window"]), _st_tensors(out)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    logits = transformers_logits(out, got)
+    assert _diff(logits, imported["want"]["mistral_window"]) < TOL
+    (out / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    assert _diff(transformers_logits(out, got), imported["want"]["mistral_window"]) > 10 * TOL
+
+
 def test_hf_architecture_choices_that_cannot_be_written_are_refused(imported, tmp_path, capsys):
     qwen2, llama = imported["runs"][("qwen2", 1)], imported["runs"][("llama", 1)]
     _refused(capsys, qwen2, tmp_path / "o1", "the model is Qwen2ForCausalLM (RMSNorm, SwiGLU, rotary, biases on the "
@@ -398,6 +429,46 @@ def test_hf_architecture_choices_that_cannot_be_written_are_refused(imported, tm
              "--to", "hf", "--hf-architecture", "NopeForCausalLM", tp=())
     _refused(capsys, llama, tmp_path / "o3", "--hf-architecture: names the class of a Hugging Face export",
              "--hf-architecture", "MistralForCausalLM")
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"window_attn_skip_freq": 2}, "sliding-window attention on some layers only (layers [1] attend fully"),
+    ({"window_attn_skip_freq": [1, 0]}, "sliding-window attention on some layers only (layers [1] attend fully"),
+    ({"window_size": (3, 1)}, "window_size (3, 1) looks 1 tokens ahead"),
+    ({"window_size": (-1, 0)}, "window_size (-1, 0) (Transformer Engine reads a negative side as unbounded"),
+    ({"window_size": 4}, "window_size 4 (megatron-core's window is a pair of ints"),
+    ({"add_qkv_bias": True}, "a sliding window of 4 tokens on every layer in Qwen2ForCausalLM's model"),
+], ids=["skip_freq", "skip_pattern", "look_ahead", "negative", "not_a_pair", "qkv_bias"])
+def test_a_window_no_hugging_face_architecture_computes_is_refused_on_export(imported, tmp_path, capsys, args, needle):
+    src = shutil.copytree(imported["runs"][("mistral_window", 1)], tmp_path / "src")
+    if args.get("add_qkv_bias"):  # a Qwen2-shaped model (biases on QKV) with the window
+        src = shutil.copytree(imported["runs"][("qwen2", 1)], tmp_path / "qwen2")
+        args = {"window_size": (3, 0)}
+    edit_saved_args(src, **args)
+    _refused(capsys, src, tmp_path / "out", needle, "--to", "hf", tp=())
+
+
+def test_no_hf_architecture_choice_drops_the_window(imported, tmp_path, capsys):
+    """--hf-architecture Llama for a windowed model is refused (Llama has no window), and so is a
+    plug-in whose config.json would leave the window out."""
+    src = imported["runs"][("mistral_window", 1)]
+    _refused(capsys, src, tmp_path / "o1", "the model is MistralForCausalLM", "--to", "hf",
+             "--hf-architecture", "LlamaForCausalLM", tp=())
+    from reshard.models import hf_registry
+
+    class Windowless(arch.HFArchitectureFamily):
+        name, names = "WindowlessForCausalLM", arch.LLAMA_NAMES
+
+        def export(self, decided):
+            return arch.HFArchitecture(name=self.name, config={**decided.config, "sliding_window": None},
+                                       names=self.names, reason=decided.reason)
+
+    hf_registry.register_hf_architecture(Windowless)
+    try:
+        _refused(capsys, src, tmp_path / "o2", "WindowlessForCausalLM's config.json does not keep its sliding window "
+                 "of 4 tokens", "--to", "hf", "--hf-architecture", "WindowlessForCausalLM", tp=())
+    finally:
+        hf_registry.unregister_hf_architecture("WindowlessForCausalLM")
 
 
 def test_an_fp8_block_scaled_folder_imports_with_the_logits_of_the_model_it_encodes(imported):

@@ -87,7 +87,7 @@ def test_reference_forward_matches_megatron_core(mcore, name):
     o = model_options(name)
     arch = Arch(o["layers"], o["heads"], o.get("groups") or o["heads"], o.get("swiglu", False),
                 o.get("norm") == "RMSNorm", o.get("pos") == "rope", o.get("eps", 1e-5), o.get("rope_base", 10000.0),
-                o.get("qk_norm", False), o.get("kv_channels"))
+                o.get("qk_norm", False), o.get("kv_channels"), (o.get("window_size") or (None,))[0])
     for tp in MODELS[name][1]:
         got = core_logits(_shards(mcore[(name, tp, 1)], tp), arch, torch.tensor(TOKENS))
         torch.testing.assert_close(got, torch.load(mcore[(name, tp, 1)] / "logits.pt"), atol=1e-5, rtol=0)

@@ -161,19 +161,24 @@ def _qkv_layout(rule: Rule, rank_rows: int, key: str, c: _SpecContext) -> tuple[
 
 
 def _proj_atom(rank_cols: int, key: str, c: _SpecContext) -> int:
-    """Atom of the attention output projection's input dim: one query group's heads."""
-    if c.heads is None or c.hn is None:
+    """Atom of the attention output projection's input dim: one query group's heads. Its columns
+    are the heads' alone, so a head width the family left unknown is theirs over the heads."""
+    if c.heads is None:
         _unknown_heads(key, c, "head count")
         return 1
-    if rank_cols * c.n != c.heads * c.hn:
-        raise LayoutError(f"{rank_cols} rows on each of {c.n} ranks do not hold {c.heads} heads of "
-                          f"{c.hn} rows", culprit=key, hint="check --num-heads and --version")
+    hn = c.hn
+    if hn is None and rank_cols * c.n % c.heads == 0:
+        hn = rank_cols * c.n // c.heads
+    if hn is None or rank_cols * c.n != c.heads * hn:
+        heads = f"{c.heads} heads of {hn} rows" if hn else f"{c.heads} equal heads"
+        raise LayoutError(f"{rank_cols} rows on each of {c.n} ranks do not hold {heads}", culprit=key,
+                          hint="check --num-heads and --version")
     groups = c.groups if c.groups is not None else (c.heads if c.n % c.m == 0 else None)
     if groups is None:
         _unknown_heads(key, c, "number of query groups")
-        return c.hn
+        return hn
     _check_groups_divide(key, c, groups)
-    return (c.heads // groups) * c.hn
+    return (c.heads // groups) * hn
 
 
 def quant_groups_for(p: ParamPlan, options: ReshardOptions) -> int:

@@ -51,6 +51,7 @@ from reshard.core.plan_types import CanonicalParam, ModelFacts
 from reshard.core.pipeline_stages import LAYOUT_ARG
 from reshard.core.rules import Kind, Place, Rule, holds_mtp_layers, layer_index
 from reshard.models.base import ModelFamily
+from reshard.models.facts import hidden_and_heads, int_arg
 from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, NOT_EXPORTED_FLAGS, GatedSplit, HFArchitecture, HFArchitectureFamily,
                                              HFModel, NameTable, OutTensor, Run, Same, VocabRows, _arg, _table,
                                              mtp_to_hf)
@@ -132,6 +133,21 @@ class DeepSeek(ModelFamily):
     def naming(self, keys: Sequence[str]) -> str:
         return "megatron-core"
 
+    def decide_heads(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
+                     origin: dict[str, str], where: str) -> tuple[int | None, int | None, int | None]:
+        """(hidden size, attention heads, value head dim): MLA's head width is ``args.v_head_dim``,
+        which sizes ``linear_proj`` (``heads x v_head_dim`` columns); ``kv_channels`` is not read —
+        Megatron-LM ignores it under ``--multi-latent-attention`` and saves whatever it was (by
+        default ``hidden / heads``). Without ``v_head_dim`` the width stays unknown here and the
+        output projection's spec takes it from its columns over the heads (exact, at the source TP
+        it knows), rather than assuming Megatron-LM's default 128: args without ``v_head_dim`` are
+        no Megatron-LM MLA run's, so its defaults need not hold."""
+        hidden, heads = hidden_and_heads(options, args, params, origin, where)
+        v_dim = int_arg(args, "v_head_dim")
+        if v_dim is not None:
+            origin["head_dim"] = "args.v_head_dim"
+        return hidden, heads, v_dim
+
     def decide_groups(self, options: ReshardOptions, args: Any, heads: int | None, params: list[CanonicalParam],
                       head_dim: int | None, n: int, origin: dict[str, str], where: str) -> int | None:
         """MLA has no query groups (every head its own keys and values). Also refuses Transformer
@@ -154,9 +170,10 @@ class DeepSeek(ModelFamily):
     def decide_family_facts(self, options: ReshardOptions, args: Any, params: list[CanonicalParam],
                             origin: dict[str, str], where: str) -> dict[str, Any]:
         """``mtp_layers``: the multi-token prediction layers (what the export writes copies of the
-        embeddings and head for). Refuses what megatron-core's MLA cannot load: a target TP that cuts
-        a head, MTP layers placed by a pipeline layout string (reshard puts them on the last stage, where
-        megatron-core builds them without one)."""
+        embeddings and head for). Refuses what megatron-core's MLA cannot load: MTP layers placed by a
+        pipeline layout string (reshard puts them on the last stage, where megatron-core builds them
+        without one). A target TP that cuts a head is refused by ``linear_proj``'s spec (split by
+        heads), with the target TPs every tensor allows."""
         if holds_mtp_layers(p.key for p in params):
             for layout, culprit in ((_arg(args, LAYOUT_ARG), f"args.{LAYOUT_ARG}"),
                                     (options.target_pipeline_layout, "--target-pipeline-layout")):
@@ -166,10 +183,6 @@ class DeepSeek(ModelFamily):
                                       hint="give the stages with --target-pp (and --target-vpp, "
                                            "--target-first-stage-layers, --target-last-stage-layers)")
 
-        heads = _arg(args, "num_attention_heads")
-        if isinstance(heads, int) and options.target_tp and heads % options.target_tp:
-            raise LayoutError(f"{heads} attention heads do not divide over target TP {options.target_tp}",
-                              culprit="--target-tp", hint="choose a TP that divides the heads (MLA splits by head)")
         mtp = mtp_layer_count(p.key for p in params)
         if mtp:
             origin["mtp_layers"] = "parameter names"

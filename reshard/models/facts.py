@@ -28,9 +28,9 @@ def bool_arg(args: Any, name: str) -> bool | None:
     return v if isinstance(v, bool) else None
 
 
-def head_facts(options: ReshardOptions, args: Any, raw: list[CanonicalParam], origin: dict[str, str], where: str
-               ) -> tuple[int | None, int | None, int | None]:
-    """(hidden size, attention heads, head dim): args and flags first, hidden from the QKV shape."""
+def hidden_and_heads(options: ReshardOptions, args: Any, raw: list[CanonicalParam], origin: dict[str, str],
+                     where: str) -> tuple[int | None, int | None]:
+    """(hidden size, attention heads): args and flags first, hidden from the QKV shape."""
     hidden = int_arg(args, "hidden_size")
     if hidden is not None:
         origin["hidden"] = "args"
@@ -41,6 +41,14 @@ def head_facts(options: ReshardOptions, args: Any, raw: list[CanonicalParam], or
         if r.rule.quant is QuantSlot.QKV and len(r.shape) == 2 and hidden is None:
             hidden = r.shape[1]
             origin["hidden"] = "shapes"
+    return hidden, heads
+
+
+def head_facts(options: ReshardOptions, args: Any, raw: list[CanonicalParam], origin: dict[str, str], where: str
+               ) -> tuple[int | None, int | None, int | None]:
+    """(hidden size, attention heads, head dim): :func:`hidden_and_heads`, and the head dim from
+    ``args.kv_channels``, else Megatron-LM's default ``hidden / heads``."""
+    hidden, heads = hidden_and_heads(options, args, raw, origin, where)
     head_dim = int_arg(args, "kv_channels")
     if head_dim is not None:
         origin["head_dim"] = "args"

@@ -43,7 +43,8 @@ BRIDGE_SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "seq_length", "max_position_embeddings", "qk_layernorm", "moe_router_topk", "moe_ffn_hidden_size",
                "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
                "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_gate",
-               "moe_grouped_gemm", "multi_latent_attention", "apply_layernorm_1p", "layernorm_zero_centered_gamma")
+               "moe_grouped_gemm", "multi_latent_attention", "apply_layernorm_1p", "layernorm_zero_centered_gamma",
+               "window_size", "window_attn_skip_freq")
 #: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map).
 BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
     "layernorm_epsilon": ("norm_epsilon", float),

@@ -15,6 +15,9 @@ architecture             megatron-core model
 ``LlamaForCausalLM``     RMSNorm, SwiGLU, rotary (whole head, not interleaved, no scaling), no
                          linear biases — or biases on every linear layer (``attention_bias``,
                          ``mlp_bias``)
+``MistralForCausalLM``   Llama's without biases, with megatron-core's sliding window on every layer
+                         (``window_size`` ``(W - 1, 0)``: ``sliding_window`` W; decided by its
+                         architecture, :func:`sliding_window`)
 ``Qwen2ForCausalLM``     the same with biases on the fused QKV only (``--add-qkv-bias``)
 ``GPT2LMHeadModel``      LayerNorm, GELU (exact; ``gelu_new`` with ``--openai-gelu``), learned
                          absolute positions, biases on every linear layer, multi-head attention
@@ -572,6 +575,68 @@ def ffn_widths(split_rows: Mapping[str, int], swiglu: bool) -> dict[str, int]:
             kind = "expert" if expert_index(key) is not None else "shared" if ".shared_experts." in key else "dense"
             widths[kind] = rows // 2 if swiglu else rows
     return widths
+
+
+def window_args(sliding_window: int) -> dict[str, Any]:
+    """Megatron-LM's ``args`` for transformers' ``sliding_window`` ``W`` on every layer.
+
+    transformers masks key ``j`` from query ``i`` unless ``i - W < j <= i`` (``sliding_window_overlay``
+    and the causal mask): the ``W`` latest tokens, the query's own included. megatron-core's
+    ``window_size`` ``(left, right)`` lets query ``i`` see keys ``i - left`` to ``i + right``, both
+    included (its local attention's ``get_sliding_window_causal_mask``; Transformer Engine's and
+    flash-attention's windows read the same): ``(W - 1, 0)``. ``window_attn_skip_freq`` None: every
+    layer windowed. Megatron-LM's ``--window-size`` saves the pair as a tuple of ints. (megatron-core
+    0.16.1's local attention leaves the window out of its fused fp16/bf16 softmax kernel, a GPU path:
+    a run trained that way did not compute the window its args state.)"""
+    return {"window_size": (sliding_window - 1, 0), "window_attn_skip_freq": None}
+
+
+def sliding_window(args: Any, num_layers: int) -> int | None:
+    """transformers' ``sliding_window`` for the window Megatron-LM's ``args`` give every layer (the
+    inverse of :func:`window_args`), None without one; :class:`LayoutError` for a window no
+    ``sliding_window`` computes: a look-ahead, a negative side (Transformer Engine's "unbounded",
+    which megatron-core's local attention does not read so), windows on some layers only
+    (``window_attn_skip_freq``, read as megatron-core's ``is_layer_window_attention`` does), or one
+    in a legacy model's args (its attention is not megatron-core's)."""
+    size = _arg(args, "window_size")
+    if size is None:
+        return None
+
+    def refuse(what: str) -> LayoutError:
+        return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
+                           hint="keep it in a Megatron layout (a window on every layer, looking back only, "
+                                "is exported as MistralForCausalLM's sliding_window)")
+
+    if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                       for v in size)):
+        raise refuse(f"window_size {size!r} (megatron-core's window is a pair of ints, (left, right))")
+    left, right = size
+    if right != 0:
+        raise refuse(f"window_size ({left}, {right}) looks {right} tokens ahead (transformers' windows look back "
+                     "only)")
+    if left < 0:
+        raise refuse(f"window_size ({left}, 0) (Transformer Engine reads a negative side as unbounded, "
+                     "megatron-core's local attention does not)")
+    if _arg(args, "use_legacy_models", default=False):
+        raise refuse(f"window_size ({left}, 0) in a legacy Megatron model's args (its attention is not "
+                     "megatron-core's)")
+    freq = _arg(args, "window_attn_skip_freq")
+    layers = range(1, num_layers + 1)  # megatron-core numbers layers from 1
+    if freq is None:
+        windowed = [True] * num_layers
+    elif isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        windowed = [n % freq != 0 for n in layers]
+    elif isinstance(freq, (list, tuple)) and len(freq) == num_layers:
+        windowed = [bool(v) for v in freq]
+    else:
+        raise refuse(f"window_attn_skip_freq {freq!r} (an int or one flag per layer of {num_layers})")
+    if not any(windowed):
+        return None
+    if not all(windowed):
+        full = [n - 1 for n, w in zip(layers, windowed) if not w]
+        raise refuse(f"sliding-window attention on some layers only (layers {full} attend fully: "
+                     f"window_attn_skip_freq {freq!r})")
+    return left + 1
 
 
 #: Megatron-LM ``args`` flags no exported architecture computes (each refused by name, with what it does).

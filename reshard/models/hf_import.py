@@ -15,9 +15,10 @@ rotary scaling          ``rope_scaling`` (None: none)                ``rope_para
 weights' dtype          ``torch_dtype``                              ``dtype``
 ======================  ===========================================  =================================
 
-Only what megatron-core computes exactly is read; anything else (rotary scaling, sliding-window
-attention, another activation, biases on some linear layers only) is refused in one line.
-Mistral is Llama's arithmetic once its sliding window is off (``"sliding_window": null``).
+Only what megatron-core computes exactly is read; anything else (rotary scaling, Qwen's and
+Mixtral's sliding-window attention, another activation, biases on some linear layers only) is
+refused in one line. Mistral is Llama's arithmetic with a sliding window on every layer (none with
+``"sliding_window": null``), which becomes Megatron-LM's ``window_size`` (:func:`window_args`).
 Mixtral, Qwen2-MoE and Qwen3-MoE become megatron-core MoE layers (SequentialMLP experts, EP 1:
 reshard's ``--target-ep`` deals them out); Qwen3's query/key norms become ``--qk-layernorm``.
 """
@@ -25,6 +26,7 @@ reshard's ``--target-ep`` deals them out); Qwen3's query/key norms become ``--qk
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,7 +37,8 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import LazyTensor
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import (MTP_HF, MTP_SHARED_COPIES, NAME_TABLES, ROPE_BASE_DEFAULT, HFArchitecture,
-                                             HFArchitectureFamily, HFModel, NameTable, hf_to_mtp, mtp_to_hf)
+                                             HFArchitectureFamily, HFModel, NameTable, decide_architecture, hf_to_mtp,
+                                             mtp_to_hf, sliding_window, window_args)
 from reshard.models.megatron_gpt import core_module
 
 #: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
@@ -47,8 +50,8 @@ BASE_PREFIX = {"GPT2LMHeadModel": "transformer."}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                          "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048},
-    # Mistral: Llama's arithmetic (no biases) unless its sliding window is set, which transformers'
-    # MistralConfig does by default (4096): a folder must say "sliding_window": null to be imported.
+    # Mistral: Llama's arithmetic (no biases) with a sliding window, which transformers' MistralConfig
+    # sets by default (4096): a folder without the key has that window; "sliding_window": null, none.
     "MistralForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                            "max_position_embeddings": 131072, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -90,16 +93,40 @@ class BuiltinArchitecture(HFArchitectureFamily):
 
 
 class MistralArchitecture(BuiltinArchitecture):
-    """Mistral: Llama's arithmetic without biases once its sliding window is off; exported from a
-    model reshard decides is Llama without biases (``--hf-architecture MistralForCausalLM``)."""
+    """Mistral: Llama's arithmetic without biases, and a sliding window on every layer, which
+    megatron-core computes from Megatron-LM's ``window_size`` (:func:`window_args`, both ways).
+    Exported as the model reshard decides is Llama without biases when the args give every layer a
+    window (:meth:`decide`), or without one under ``--hf-architecture MistralForCausalLM``."""
 
     def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
         c = {**_DEFAULTS[self.name], **config}
-        if c["sliding_window"] is not None:
-            raise LayoutError(f"megatron-core does not compute this {self.name} exactly: sliding-window attention",
-                              culprit=where, hint="only models Megatron-LM reproduces exactly are imported")
+        window = c["sliding_window"]
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise CheckpointFormatError(f"sliding_window {window!r} is not a positive number of tokens", culprit=where,
+                                        hint="check config.json (null: no window)")
         # its linear layers have no biases, whatever the config says
-        return read_llama_like(self.name, self.names, {**c, "attention_bias": False, "mlp_bias": False}, where)
+        model = read_llama_like(self.name, self.names, {**c, "attention_bias": False, "mlp_bias": False}, where)
+        if window is not None:
+            vars(model.args).update(window_args(window))
+        return model
+
+    def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
+               widths: Mapping[str, int]) -> HFArchitecture | None:
+        """A model whose args give every layer a window, if the rest is Llama without biases (the
+        built-in decision); None otherwise, left to the others and to the registry's check that no
+        export drops a window (:func:`~reshard.models.hf_registry.decide_export`)."""
+        window = sliding_window(args, facts.num_layers)
+        if window is None:
+            return None
+        try:
+            decided = decide_architecture(args, facts, keys, dtype, widths.get("dense"), widths.get("expert"),
+                                          widths.get("shared"))
+        except LayoutError:
+            return None  # not Llama's arithmetic: whichever claims it, the window check refuses it
+        if decided.name != LLAMA.name or decided.config.get("attention_bias") or decided.config.get("mlp_bias"):
+            return None
+        mistral = self.as_llama_without_biases(decided, "mistral", sliding_window=window)
+        return dataclasses.replace(mistral, reason=f"{decided.reason}, a sliding window of {window} tokens")
 
     def export(self, decided: HFArchitecture) -> HFArchitecture:
         return self.as_llama_without_biases(decided, "mistral", sliding_window=None)

@@ -20,7 +20,8 @@ import torch
 
 from reshard.core.errors import LayoutError
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import HFArchitecture, HFArchitectureFamily, HFModel, decide_architecture
+from reshard.models.hf_architectures import (HFArchitecture, HFArchitectureFamily, HFModel, decide_architecture,
+                                             sliding_window)
 from reshard.plugins import PluginRegistry
 
 #: Built-in architectures, as "module:instance" (imported on first use).
@@ -78,19 +79,35 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
 def decide_export(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                   widths: Mapping[str, int]) -> HFArchitecture:
     """The architecture that computes a megatron-core model exactly: the one registered class that
-    claims it (:meth:`~HFArchitectureFamily.decide`: DeepSeek's multi-latent attention), else the
-    built-in decision (:func:`~reshard.models.hf_architectures.decide_architecture`)."""
-    for arch in hf_architectures():
-        decided = arch.decide(args, facts, keys, dtype, widths)
-        if decided is not None:
-            return decided
-    return decide_architecture(args, facts, keys, dtype, widths.get("dense"), widths.get("expert"),
-                               widths.get("shared"))
+    claims it (:meth:`~HFArchitectureFamily.decide`: DeepSeek's multi-latent attention, Mistral's
+    sliding window), else the built-in decision (:func:`~reshard.models.hf_architectures.decide_architecture`).
+    A window in the args (:func:`~reshard.models.hf_architectures.sliding_window`) that the decided
+    ``config.json`` does not state as its ``sliding_window`` is refused: transformers would attend
+    past it."""
+    window = sliding_window(args, facts.num_layers)
+    decided = next((d for d in (arch.decide(args, facts, keys, dtype, widths) for arch in hf_architectures())
+                    if d is not None), None)
+    if decided is None:
+        decided = decide_architecture(args, facts, keys, dtype, widths.get("dense"), widths.get("expert"),
+                                      widths.get("shared"))
+    if decided.config.get("sliding_window") != window:
+        raise LayoutError(f"no Hugging Face architecture computes this model exactly: a sliding window of {window} "
+                          f"tokens on every layer in {decided.name}'s model ({decided.reason})", culprit="--to hf",
+                          hint="keep it in a Megatron layout (MistralForCausalLM, Llama's arithmetic without biases, "
+                               "has the one window exported)")
+    return decided
 
 
 def export_as(decided: HFArchitecture, name: str | None) -> HFArchitecture:
     """What ``--to hf`` writes: the architecture reshard decided computes the model (``decided``),
-    or, under ``--hf-architecture name``, that architecture's own version of it (or its refusal)."""
+    or, under ``--hf-architecture name``, that architecture's own version of it (or its refusal; also
+    when its version would drop or change the decided ``sliding_window``)."""
     if name is None or name == decided.name:
         return decided
-    return hf_architecture(name).export(decided)
+    out = hf_architecture(name).export(decided)
+    window = decided.config.get("sliding_window")
+    if out.config.get("sliding_window") != window:
+        raise LayoutError(f"the model is {decided.name} ({decided.reason}); {name}'s config.json does not keep its "
+                          f"sliding window of {window} tokens", culprit="--hf-architecture",
+                          hint=f"drop --hf-architecture, or give {decided.name}")
+    return out
