@@ -29,8 +29,10 @@ from reshard.tasks.identity import code_version
 
 def side_files(plan: Plan, names: list[str]) -> dict[str, bytes]:
     """Small files written beside the outputs, as the output's format wants them (Megatron's
-    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor, torch_dist's index)."""
-    files = {**plan.extra_files, **get_format(plan.output_format).side_files(plan, names)}
+    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor, torch_dist's index), and the
+    source's files the output carries unchanged (its tokenizer and generation config)."""
+    copied = {name: path.read_bytes() for name, path in plan.copied_files.items()}
+    files = {**plan.extra_files, **copied, **get_format(plan.output_format).side_files(plan, names)}
     return {name: v.encode() if isinstance(v, str) else v for name, v in files.items()}
 
 

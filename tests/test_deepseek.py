@@ -738,3 +738,28 @@ def test_a_layer_beyond_num_hidden_layers_that_is_no_mtp_layer_is_refused(deepse
     shutil.copy(deepseek_runs["hf"]["v3"] / "model.safetensors", src)
     err = _refused(src, tmp_path / "out", capsys, "--target-tp", "1")
     assert "model.layers.1 is beyond num_hidden_layers 1" in err
+
+
+def test_an_mtp_layer_declared_without_weights_is_dropped_in_one_line(tmp_path):
+    """transformers declares DeepSeek-V3's MTP layer (``num_nextn_predict_layers`` 1) but saves no
+    weights for it: the import and the export back say in one line that the output has none, and
+    its ``config.json`` says 0 (vLLM's MTP drafting would look for weights that are not there);
+    a folder that holds the layer keeps it without a word."""
+    import reshard
+
+    declared, held = tmp_path / "declared", tmp_path / "held"
+    config = {k: v for k, v in _V3.items() if k != "num_mtp_layers"}  # transformers' default: DeepSeek-V3's one
+    make_deepseek(config, declared)
+    make_deepseek(config, held)
+    add_mtp_layer(held)
+    assert json.loads((declared / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    line = ("num_nextn_predict_layers 1 -> 0: config.json declares 1 multi-token prediction layer but the folder "
+            "holds the weights of none (transformers saves DeepSeek-V3 without them)")
+    for out, extra in (("hf", {"to": "hf"}), ("megatron", {"target_tp": 1})):
+        result = reshard.convert(str(declared), str(tmp_path / out), **extra)
+        assert result.warnings.count(line) == 1, result.warnings
+        assert not any("num_nextn_predict_layers" in w for w in reshard.convert(
+            str(held), str(tmp_path / f"{out}_held"), **extra).warnings)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert json.loads((tmp_path / "hf_held" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+

@@ -48,6 +48,12 @@ class Locating(ABC):
     #: Names of small files that tell where the weights are (``latest`` markers, descriptors):
     #: fetched whole before the checkpoint is located.
     markers: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    #: Names of small files kept beside the weights that no weight depends on but the model's
+    #: users do — a Hugging Face folder's tokenizer and generation config, Megatron-LM's
+    #: ``tokenizer/`` folder: a conversion copies them into its output unchanged (see
+    #: :meth:`carried`, :meth:`Writing.carried_name`); discovery lists and fetches them whole,
+    #: with the markers.
+    carries: ClassVar[tuple[re.Pattern[str], ...]] = ()
     #: How errors name the layout (default: ``name``).
     title: ClassVar[str] = ""
     #: Is this layout read (a source reshard converts from)? Listed by ``reshard formats``.
@@ -78,6 +84,12 @@ class Locating(ABC):
     def locate(self, path: Path) -> SourceCheckpoint:
         """The checkpoint at ``path`` as a validated grid of files; raises
         :class:`~reshard.core.errors.CheckpointFormatError` naming the file and the fix."""
+
+    def carried(self, source: SourceCheckpoint) -> dict[str, Path]:
+        """The files of ``source`` a conversion copies unchanged (see :attr:`carries`), under the
+        names a Hugging Face folder gives them (``tokenizer.json``, ``generation_config.json``)
+        -> their local paths. Default: none."""
+        return {}
 
     # -- discovery (remote listings: names only, markers read whole) ----------------------------
     def select_objects(self, names: Sequence[str], read: Callable[[str], bytes],
@@ -332,6 +344,12 @@ class Writing:
         """Lines about what this output is, for the run's summary and the flow's report (e.g. the
         architecture a Hugging Face export was given, and why). Default: none."""
         return []
+
+    def carried_name(self, source: SourceCheckpoint, name: str) -> str | None:
+        """Where this layout's output holds the source's carried file ``name`` (see
+        :meth:`Locating.carried`), relative to the output's root; None: it has no place for it (the
+        conversion drops it and says so). Default: None."""
+        return None
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""

@@ -174,7 +174,6 @@ class DeepSeek(ModelFamily):
             origin["mtp_layers"] = "parameter names"
         return {"mtp_layers": mtp} if mtp else {}
 
-
 class DeepSeekTE(DeepSeek):
     """The same models saved with megatron-core's Transformer Engine spec (the default on GPUs):
     down projections whole on every rank, latent norms fused into the up projections.
@@ -465,6 +464,19 @@ class DeepseekV3(HFArchitectureFamily):
                            padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
                            source_pp_layers=(layers,), target_pp_layers=(layers,))
         return HFModel(self.name, args, facts, self.names)
+
+    def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
+        """``num_nextn_predict_layers`` beyond the multi-token prediction layers the folder holds:
+        transformers declares DeepSeek-V3's one MTP layer but saves no weights for it (its model has
+        none). The output says what it holds (fewer layers: vLLM's MTP speculative decoding would
+        look for weights that are not there), and this says why it changed."""
+        declared = config.get("num_nextn_predict_layers")
+        held = int(getattr(args, "mtp_num_layers", None) or 0)
+        if not isinstance(declared, int) or declared <= held:
+            return []
+        return [f"num_nextn_predict_layers {declared} -> {held}: config.json declares {declared} multi-token "
+                f"prediction layer{'s' if declared > 1 else ''} but the folder holds the weights of "
+                f"{held or 'none'} (transformers saves DeepSeek-V3 without them)"]
 
     # -- export ---------------------------------------------------------------------------------
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
