@@ -763,3 +763,42 @@ def test_an_mtp_layer_declared_without_weights_is_dropped_in_one_line(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
     assert json.loads((tmp_path / "hf_held" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
+
+def _printed(capsys, *argv: str) -> list[str]:
+    capsys.readouterr()
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_inspect_says_what_an_fp8_deepseek_folder_is(tmp_path, capsys):
+    """A DeepSeek-V3 folder in FP8 blocks with an MTP layer: its format and class, the dtypes it
+    stores (not the float32 it is read as), the quantization and the tensors it encodes, MLA's
+    ranks, the routing, the MTP layer; nothing it does not record (no checkpoint version, module
+    key or ZeRO stage); its size in binary units (the JSON keeps the exact bytes)."""
+    from safetensors import safe_open
+
+    bf16 = tmp_path / "bf16"
+    make_deepseek(_V3, bf16)
+    add_mtp_layer(bf16)
+    src = tmp_path / "fp8"
+    make_fp8_folder(bf16, src, torch.bfloat16)
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        encoded = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+    lines = _printed(capsys, "inspect", str(src))
+    assert lines[0] == "format       hf (Hugging Face safetensors)"
+    assert "architecture DeepseekV3ForCausalLM" in lines and "family       deepseek" in lines
+    assert "dtypes       bfloat16, float32, float8_e4m3fn" in lines
+    assert (f"quantization fp8 e4m3, float32 weight_scale_inv per 32 x 48 block, {len(encoded)} tensors:" in lines
+            and "  model.layers.*.self_attn.kv_b_proj.weight" in lines and "  model.layers.*.eh_proj.weight" in lines)
+    assert "mla          q_lora_rank 24, kv_lora_rank 16, qk_head_dim 8, qk_pos_emb_head_dim 4, v_head_dim 6" in lines
+    moe = next(ln for ln in lines if ln.startswith("moe "))
+    assert all(f in moe for f in ("experts 4", "topk 2", "score sigmoid", "groups 2", "group_topk 1", "scaling 2.5",
+                                  "expert_bias True"))
+    assert "mtp_layers   1" in lines
+    assert not any(ln.startswith(("version", "module_key", "zero_stage", "bytes", "layout")) for ln in lines), lines
+    size = (src / "model.safetensors").stat().st_size + (src / "config.json").stat().st_size
+    assert f"size         {size / 1024:.1f} KiB in 2 files" in lines
+    rec = json.loads("\n".join(_printed(capsys, "inspect", str(src), "--json")))
+    assert rec["bytes"] == size and rec["quantization"]["tensors"] == len(encoded) > 0
+    assert rec["version"] is None and rec["module_key"] is None and rec["format"] == "hf"
+

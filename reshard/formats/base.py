@@ -142,6 +142,24 @@ class Reading:
     #: (Hugging Face) sets Megatron-LM's default, so its import pads as Megatron-LM would.
     vocab_divisor: ClassVar[int | None] = None
 
+    #: Do the files hold Megatron's (or DeepSpeed's) state dicts, with a ``checkpoint_version`` and
+    #: the module under a key? A Hugging Face folder's do not: its import is made as one (version
+    #: 3, the module under ``model``), which is no fact of the folder's.
+    state_dicts: ClassVar[bool] = True
+
+    def quantization(self, source: SourceCheckpoint) -> dict[str, Any] | None:
+        """How the stored weights are quantized, which the conversion reads dequantized (a
+        Hugging Face folder's FP8 blocks: ``method``, ``format``, ``block``, ``scales``); None:
+        they are not. From the small files alone (no tensor header). Default: None."""
+        return None
+
+    def stored(self, source: SourceCheckpoint) -> dict[str, Any]:
+        """What ``inspect`` shows of the files as stored, beyond the planner's view of the weights
+        as a conversion reads them: the ``architecture`` they name, their stored ``dtypes``, and the
+        :meth:`quantization` with the ``tensors`` it covers (count and ``names``, layer and expert
+        numbers as ``*``). Default: nothing more."""
+        return {}
+
     def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""
         return check_shard_file(path, role, module_key, where, load=self.load)

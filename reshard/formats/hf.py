@@ -110,6 +110,7 @@ class HFFormat(CheckpointFormat):
     carries = (CARRIED,)
     writes_as = MEGATRON  # an import: megatron-core's per-rank layout unless --to says otherwise
     vocab_divisor = MEGATRON_VOCAB_DIVISOR
+    state_dicts = False  # config.json and tensors: its import is made a Megatron-LM state dict
 
     # -- reading ------------------------------------------------------------------------------
     def detect(self, folder: Path) -> bool:
@@ -147,6 +148,30 @@ class HFFormat(CheckpointFormat):
         found = sorted((*root.glob("*"), *root.glob("*/*")))
         return {p.relative_to(root).as_posix(): p for p in found
                 if p.is_file() and CARRIED.match(p.relative_to(root).as_posix())}
+
+    def quantization(self, source: SourceCheckpoint) -> dict[str, Any] | None:
+        config = _json(Path(source.files[0]))
+        block = read_quantization_config(config, str(source.files[0]))
+        if block is None:
+            return None
+        return {"method": "fp8", "format": "e4m3", "block": list(block), "scales": f"float32 {scale_name('weight')}"}
+
+    def stored(self, source: SourceCheckpoint) -> dict[str, Any]:
+        """The class ``config.json`` names, the dtypes of the safetensors files' tensors (their
+        headers), and which tensors the FP8 blocks encode."""
+        folder = Path(source.files[0]).parent
+        config = _json(folder / CONFIG)
+        dtypes: dict[str, torch.dtype] = {}
+        for name in sorted(set(_weight_map(folder).values())) if (folder / INDEX).is_file() else [WEIGHTS]:
+            dtypes.update({key: e.dtype for key, e in MappedSafetensors(folder / name).entries.items()})
+        out: dict[str, Any] = {"architecture": read_config(config, str(folder / CONFIG)).architecture,
+                               "dtypes": sorted({str(d).removeprefix("torch.") for d in dtypes.values()})}
+        quantization = self.quantization(source)
+        if quantization is not None:
+            encoded = [key for key, dtype in dtypes.items() if dtype == E4M3]
+            out["quantization"] = {**quantization, "tensors": len(encoded),
+                                   "names": sorted({re.sub(r"\.\d+\.", ".*.", k) for k in encoded})}
+        return out
 
     def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
         """The default read, and what ``config.json`` declares that the folder does not hold (its

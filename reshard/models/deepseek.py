@@ -115,6 +115,11 @@ _MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|
 _TE_MLA_KEY = re.compile(r"\.self_attention\.linear_(?:q|kv)_up_proj\.layer_norm_weight$")
 
 
+#: Megatron-LM's ``args`` of multi-latent attention's shape: the latent ranks (no query latent:
+#: ``q_lora_rank`` null) and the head dims of keys without rope, with rope, and of values.
+MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
 class DeepSeek(ModelFamily):
     """megatron-core GPT models with multi-latent attention (DeepSeek-V2/V3, Kimi-K2): MLA tensors
     by :data:`DEEPSEEK_RULES`, everything else as :class:`~reshard.models.megatron_gpt.MegatronGPT`."""
@@ -173,6 +178,14 @@ class DeepSeek(ModelFamily):
         if mtp:
             origin["mtp_layers"] = "parameter names"
         return {"mtp_layers": mtp} if mtp else {}
+
+    def summary(self, args: Any, model_facts: ModelFacts, experts: int) -> dict[str, Any]:
+        """The routing, the multi-latent attention's ranks and head dims (as the saved ``args``
+        record them) and the multi-token prediction layers the checkpoint holds."""
+        mla = {name: _arg(args, name) for name in MLA_ARGS if _arg(args, name) is not None}
+        return {**super().summary(args, model_facts, experts), "mla": mla or None,
+                "mtp_layers": mtp_layers(model_facts)}
+
 
 class DeepSeekTE(DeepSeek):
     """The same models saved with megatron-core's Transformer Engine spec (the default on GPUs):
