@@ -237,10 +237,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(summary, indent=2))
         return 0
-    total = sum(f["size"] for f in summary["files"])
-    target = summary["target_tp"] if summary["target_tp"] is not None else summary.get("target_format")
-    head = (f"{summary['destination']}: TP {summary['source_tp']} -> {target}, "
-            f"{len(summary['files'])} files, {fmt_bytes(total)}")
+    from reshard.result import ConversionResult
+
+    head = f"{summary['destination']}: {ConversionResult.model_validate(summary).summary}"
     steps, reused = summary.get("steps"), summary.get("reused", 0)
     if summary["up_to_date"]:
         how = (f"; {reused} of {steps} steps served from Prefect's cache" if steps else "")

@@ -34,6 +34,13 @@ def test_inspect_prints_sizes_in_binary_units_and_only_what_the_checkpoint_recor
     assert not any(ln.startswith(("bytes", "layout", "architecture", "quantization", "moe ")) for ln in lines)
 
 
+def test_the_run_summary_names_the_formats_and_the_changed_degree(sample_factory, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["run", "--direct", str(sample_factory(8, 2.0)), str(tmp_path / "tp2"), "--target-tp", "2"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith(f"committed {tmp_path / 'tp2'}: deepspeed -> deepspeed, TP 8 -> 2, 3 files, "), head
+
+
 def test_plan_shows_which_sources_feed_each_target(sample_factory, capsys):
     assert main(["plan", str(sample_factory(8, 2.0)), "--target-tp", "2", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)

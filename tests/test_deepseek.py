@@ -802,3 +802,30 @@ def test_inspect_says_what_an_fp8_deepseek_folder_is(tmp_path, capsys):
     assert rec["bytes"] == size and rec["quantization"]["tensors"] == len(encoded) > 0
     assert rec["version"] is None and rec["module_key"] is None and rec["format"] == "hf"
 
+
+def test_the_run_summary_names_the_formats_every_changed_degree_and_the_quantization(tmp_path, capsys):
+    """``hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2``; an EP change alone says EP, not TP; an export
+    names the degrees it gathers and the FP8 it writes; Hugging Face to Hugging Face says so. The
+    API's result gives the same line."""
+    import reshard
+
+    bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    make_deepseek(_V3, bf16)
+    make_fp8_folder(bf16, fp8, torch.bfloat16)
+
+    def head(*argv: str) -> str:
+        line = _printed(capsys, "run", "--direct", *argv)[0]
+        assert line.startswith(f"committed {argv[1]}: ")
+        return line.split(": ", 1)[1]
+
+    ep2 = tmp_path / "ep2"
+    assert head(str(fp8), str(ep2), "--target-tp", "2", "--target-ep", "2").startswith(
+        "hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 5 files, ")
+    assert head(str(ep2), str(tmp_path / "ep1"), "--target-tp", "2", "--target-ep", "1").startswith(
+        "megatron -> megatron, EP 2 -> 1, 3 files, ")
+    assert head(str(ep2), str(tmp_path / "hf8"), "--to", "hf", "--quantize", "fp8").startswith(
+        "megatron (TP 2, EP 2) -> hf fp8, 2 files, ")
+    # the weights, config.json and the generation config transformers saved
+    assert head(str(bf16), str(tmp_path / "hf"), "--to", "hf").startswith("hf -> hf, 3 files, ")
+    result = reshard.convert(str(fp8), str(tmp_path / "api"), target_tp=2, target_ep=2)
+    assert result.summary.startswith("hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 5 files, ")
