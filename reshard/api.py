@@ -88,32 +88,46 @@ def plan(src: str, *, storage_options: Mapping[str, Any] | None = None, cache_di
 
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
             module_key: str = "auto", version: float | None = None) -> dict[str, Any]:
-    """Describe the checkpoint at ``src``: its format, degrees (TP, PP, virtual stages, EP), its
-    pipeline's layers per model chunk, dtypes, parameter count, bytes, model facts, files, and the
-    ZeRO optimizer state beside it."""
-    from reshard.models.megatron_gpt import experts_per_layer
+    """Describe the checkpoint at ``src``: its format and the architecture it names, degrees (TP,
+    PP, virtual stages, EP), its pipeline's layers per model chunk, the dtypes and quantization it
+    stores, parameter count, bytes, the model (facts, multi-latent attention, MoE routing,
+    multi-token prediction layers), files, the files a conversion copies unchanged (``carried``:
+    its tokenizer), what converting it drops (``warnings``), and the ZeRO optimizer state beside
+    it. ``version`` and ``module_key`` are None for a layout that records neither (a Hugging Face
+    folder)."""
     from reshard.core.options import ReshardOptions
     from reshard.execution.planner import build_plan
-    from reshard.formats import locate
+    from reshard.formats import get_format, locate
+    from reshard.models import resolve_family
+    from reshard.models.megatron_gpt import experts_per_layer
 
     with local_view(src, storage_options, cache_dir, ReshardOptions()) as path:
         source = locate(path)
         built = build_plan(source, ReshardOptions.checked(target_tp=source.tp, version=version, module_key=module_key))
         total_bytes = sum(f.stat().st_size for f in source.distinct_files)
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in built.params})
+        fmt = get_format(built.source.format)
+        stored = fmt.stored(built.source)
+        quantization = stored.get("quantization") or fmt.quantization(built.source)
+        args = fmt.opened(built.source, built.options, 0).get("args")
+        carried = sorted(fmt.carried(built.source))
+    keys = [p.key for p in built.params]
+    dtypes = stored.get("dtypes") or sorted({str(p.dtype).replace("torch.", "") for p in built.params})
     n_params = sum(_numel(p.shape) * (built.degrees.of(p.rule)[0] if p.spec is not None else 1) for p in built.params)
     zero = (built.ds_config or {}).get("zero_optimization")
-    return {"format": "descriptor" if source.descriptor is not None else "folder",
-            "source": src, "tp": source.tp, "version": built.version, "module_key": built.module_key,
-            "dtypes": dtypes, "parameters": n_params, "tensors": len(built.params),
-            "bytes": total_bytes, "num_heads": built.facts.heads,
-            "hidden": built.facts.hidden, "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
-            "layout": source.format, "pp": built.source_pp, "vpp": built.source.chunks,
+    experts = max(experts_per_layer(keys, src).values(), default=0)
+    family, _ = resolve_family(keys, src)
+    return {"format": built.source.format, "source": src, "architecture": stored.get("architecture"),
+            "family": family.name, "tp": source.tp, "pp": built.source_pp, "vpp": built.source.chunks,
             "stages": built.source_stages.describe() if built.source_stages is not None else None,
-            "ep": built.source.ep, "etp": built.source.expert_tp,
-            "experts": max(experts_per_layer([p.key for p in built.params], src).values(), default=0),
+            "ep": built.source.ep, "etp": built.source.expert_tp, "experts": experts,
+            "dtypes": dtypes, "quantization": quantization, "parameters": n_params, "tensors": len(built.params),
+            "bytes": total_bytes, "version": built.version if fmt.state_dicts else None,
+            "module_key": built.module_key if fmt.state_dicts else None,
+            "num_heads": built.facts.heads, "hidden": built.facts.hidden,
+            **family.summary(args, built.facts, experts),
+            "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
             "skipped": sorted(built.dropped), "optimizer": _optimizer(source), "facts": built.facts.to_record(),
-            "files": list(source.relative_distinct_files)}
+            "warnings": list(built.warnings), "carried": carried, "files": list(source.relative_distinct_files)}
 
 
 def verify(dst: str, *, storage_options: Mapping[str, Any] | None = None) -> ConversionResult:

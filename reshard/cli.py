@@ -245,10 +245,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(summary, indent=2))
         return 0
-    total = sum(f["size"] for f in summary["files"])
-    target = summary["target_tp"] if summary["target_tp"] is not None else summary.get("target_format")
-    head = (f"{summary['destination']}: TP {summary['source_tp']} -> {target}, "
-            f"{len(summary['files'])} files, {fmt_bytes(total)}")
+    from reshard.result import ConversionResult
+
+    head = f"{summary['destination']}: {ConversionResult.model_validate(summary).summary}"
     steps, reused = summary.get("steps"), summary.get("reused", 0)
     if summary["up_to_date"]:
         how = (f"; {reused} of {steps} steps served from Prefect's cache" if steps else "")
@@ -381,28 +380,58 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(rec, indent=2))
     else:
-        for k, v in rec.items():
-            if k == "facts":
-                origin = v.get("origin", {})
-                for fk, fv in v.items():
-                    if fk != "origin" and fv is not None:
-                        print(f"  {fk:28} {fv}" + (f"  (from {origin[fk]})" if fk in origin else ""))
-            elif k == "optimizer":
-                if v:
-                    stage = "BF16_Optimizer" if v["zero_stage"] == 0 else f"ZeRO stage {v['zero_stage']}"
-                    print(f"{k:12} {stage}, {v['dp']} data-parallel ranks, {v['groups']} "
-                          f"parameter groups, {v['master_elements']} {v['master_dtype']} master weights per TP rank "
-                          f"(step {v['step']}; convert them with --weights master, or --to universal)")
-            elif k == "skipped":
-                if v:
-                    print(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
-            elif k in ("ep", "etp", "experts") and not rec["experts"]:
-                continue  # a dense model: no expert axis to show
-            elif k in ("vpp", "stages") and rec["pp"] == 1:
-                continue  # no pipeline: no stages to show
-            elif k != "files":
-                print(f"{k:12} {v}")
+        print("\n".join(_inspect_lines(rec)))
     return 0
+
+
+def _inspect_lines(rec: dict[str, Any]) -> list[str]:
+    """``inspect``'s record as the lines ``reshard inspect`` prints: one ``name value`` line per
+    fact it has (none for what the checkpoint does not record), sizes in binary units, the model's
+    facts indented, what a conversion drops last."""
+    from reshard.formats import get_format
+
+    lines: list[str] = []
+    for k, v in rec.items():
+        if v is None or k in ("files", "warnings"):
+            continue
+        if k == "format":
+            title = get_format(v).title
+            lines.append(f"{k:12} {v}" + (f" ({title})" if title else ""))
+        elif k == "bytes":
+            lines.append(f"{'size':12} {fmt_bytes(v)} in {len(rec['files'])} files")
+        elif k == "dtypes":
+            lines.append(f"{k:12} {', '.join(v)}")
+        elif k == "quantization":
+            scales = f", {v['scales']} per {v['block'][0]} x {v['block'][1]} block" if "block" in v else ""
+            held = f", {v['tensors']} tensors:" if "tensors" in v else ""
+            lines.append(f"{k:12} {v['method']} {v.get('format', '')}".rstrip() + scales + held)
+            lines += [f"  {name}" for name in v.get("names", [])]
+        elif k in ("mla", "moe"):
+            lines.append(f"{k:12} " + ", ".join(f"{name} {value}" for name, value in v.items()))
+        elif k == "facts":
+            lines.append("facts")
+            origin = v.get("origin", {})
+            for fk, fv in {**{n: x for n, x in v.items() if n != "family_facts"}, **v.get("family_facts", {})}.items():
+                if fk != "origin" and fv is not None:
+                    lines.append(f"  {fk:28} {fv}" + (f"  (from {origin[fk]})" if fk in origin else ""))
+        elif k == "optimizer":
+            stage = "BF16_Optimizer" if v["zero_stage"] == 0 else f"ZeRO stage {v['zero_stage']}"
+            lines.append(f"{k:12} {stage}, {v['dp']} data-parallel ranks, {v['groups']} parameter groups, "
+                         f"{v['master_elements']} {v['master_dtype']} master weights per TP rank (step {v['step']}; "
+                         "convert them with --weights master, or --to universal)")
+        elif k == "skipped":
+            if v:
+                lines.append(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")
+        elif k == "carried":
+            if v:
+                lines.append(f"{k:12} {', '.join(v)} (a conversion copies them unchanged)")
+        elif k in ("ep", "etp", "experts") and not rec["experts"]:
+            continue  # a dense model: no expert axis to show
+        elif k in ("vpp", "stages") and rec["pp"] == 1:
+            continue  # no pipeline: no stages to show
+        else:
+            lines.append(f"{k:12} {v}")
+    return lines + [f"warning: {w}" for w in rec.get("warnings", [])]
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:

@@ -29,8 +29,10 @@ from reshard.tasks.identity import code_version
 
 def side_files(plan: Plan, names: list[str]) -> dict[str, bytes]:
     """Small files written beside the outputs, as the output's format wants them (Megatron's
-    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor, torch_dist's index)."""
-    files = {**plan.extra_files, **get_format(plan.output_format).side_files(plan, names)}
+    ``latest_checkpointed_iteration.txt``, DeepSpeed's descriptor, torch_dist's index), and the
+    source's files the output carries unchanged (its tokenizer and generation config)."""
+    copied = {name: path.read_bytes() for name, path in plan.copied_files.items()}
+    files = {**plan.extra_files, **copied, **get_format(plan.output_format).side_files(plan, names)}
     return {name: v.encode() if isinstance(v, str) else v for name, v in files.items()}
 
 
@@ -54,14 +56,18 @@ def source_record(plan: Plan, local: LocalSource) -> dict[str, Any]:
         if rel in etags:
             rec["etag"] = etags[rel]
         files.append(rec)
+    quantization = get_format(plan.source.format).quantization(plan.source)
     return {"url": local.url, "tp": plan.source_tp, "pp": plan.source_pp, "ep": plan.source.ep,
-            "etp": plan.source.expert_tp, "format": plan.source.format, "version": plan.version, "files": files}
+            "etp": plan.source.expert_tp, "format": plan.source.format, "version": plan.version,
+            "quantized": quantization["method"] if quantization else None, "files": files}
 
 
 def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str, Any], dst: str,
                  records: list[dict[str, Any]], conversion_id: str, target_pp: int = 1,
-                 output_format: str | None = None) -> dict[str, Any]:
-    """The commit marker. ``conversion_id`` lets a later identical run see it is up to date."""
+                 output_format: str | None = None, *, target_ep: int = 1,
+                 target_etp: int | None = None) -> dict[str, Any]:
+    """The commit marker. ``conversion_id`` lets a later identical run see it is up to date.
+    ``target_etp``: the output's expert TP (None without experts)."""
     return {
         "format": MANIFEST_FORMAT,
         "tool": "reshard",
@@ -70,7 +76,8 @@ def manifest_for(options: ReshardOptions, warnings: list[str], source: dict[str,
         "conversion_id": conversion_id,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source,
-        "target": {"url": dst, "format": output_format, "tp": options.target_tp, "pp": target_pp},
+        "target": {"url": dst, "format": output_format, "tp": options.target_tp, "pp": target_pp, "ep": target_ep,
+                   "etp": target_etp},
         "options": options.to_record(),
         "warnings": list(warnings),
         "files": records,

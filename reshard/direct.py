@@ -122,7 +122,8 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
                 records.append(dest.publish(name))
                 names.append(name)
             report.manifest = manifest_for(options, list(plan.warnings), source_record(plan, local), dst, records,
-                                           cid, plan.target_pp, plan.output_format)
+                                           cid, plan.target_pp, plan.output_format, target_ep=plan.target_ep,
+                                           target_etp=plan.target_etp)
             dest.commit(names, report.manifest)
         except BaseException as exc:
             lost = not isinstance(exc, KeyboardInterrupt) and dest.lost_lock()

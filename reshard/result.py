@@ -37,8 +37,18 @@ class ConversionResult(BaseModel):
     destination: str
     source_tp: int | None = Field(description="tensor-parallel degree of the source")
     target_tp: int | None = Field(description="of the output; None for a layout of global tensors (hf, torch_dist)")
+    source_format: str | None = Field(default=None, description="the source's format (registry name)")
     target_format: str | None = Field(description="the output's format (registry name)")
+    source_pp: int | None = Field(default=None, description="pipeline-parallel degree of the source")
+    target_pp: int | None = Field(default=None, description="of the output")
+    source_ep: int | None = Field(default=None, description="expert-parallel degree of the source")
+    target_ep: int | None = Field(default=None, description="of the output")
+    source_etp: int | None = Field(default=None, description="expert tensor-parallel degree of the source (its TP "
+                                                             "unless its experts are split apart)")
+    target_etp: int | None = Field(default=None, description="of the output; None: its TP")
     version: float | None = Field(default=None, description="the source's checkpoint_version")
+    source_quantized: str | None = Field(default=None, description="the quantization the source's weights were "
+                                                                   "stored in and read from (fp8), else None")
     quantized: str | None = Field(default=None, description="the quantization written (int8, fp8), else None")
     up_to_date: bool = Field(description="the destination already held this exact conversion: nothing was written")
     conversion_id: str | None = Field(default=None, description="identity of sources + options + code")
@@ -57,10 +67,13 @@ class ConversionResult(BaseModel):
                       **run: Any) -> ConversionResult:
         """The record of a committed ``manifest``; ``run``: what only the run knows (``seconds``,
         the flow run) or says as it was asked (the source URL as given)."""
+        src, tgt = manifest["source"], manifest["target"]
         fields: dict[str, Any] = {
-            "source": manifest["source"]["url"], "destination": destination, "source_tp": manifest["source"]["tp"],
-            "target_tp": manifest["target"]["tp"], "target_format": manifest["target"]["format"],
-            "version": manifest["source"].get("version"),
+            "source": src["url"], "destination": destination, "source_tp": src["tp"], "target_tp": tgt["tp"],
+            "source_format": src.get("format"), "target_format": tgt["format"], "source_pp": src.get("pp"),
+            "target_pp": tgt.get("pp"), "source_ep": src.get("ep"), "target_ep": tgt.get("ep"),
+            "source_etp": src.get("etp"), "target_etp": tgt.get("etp"), "version": src.get("version"),
+            "source_quantized": src.get("quantized"),
             "quantized": _quantization(manifest.get("options", {}).get("quantize")), "up_to_date": up_to_date,
             "conversion_id": manifest.get("conversion_id"),
             "files": [OutputFile(**{k: f[k] for k in ("path", "size", "sha256")}) for f in manifest["files"]],
@@ -70,3 +83,28 @@ class ConversionResult(BaseModel):
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def summary(self) -> str:
+        """The conversion in one line (what ``reshard run`` prints after the destination): the
+        source's and the output's format with their quantization, every parallel degree that
+        changed (a per-rank output), or the degrees a layout of global tensors gathered, and what
+        was written: ``hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 9 files, 1.2 MiB``."""
+        from reshard.cli_progress import fmt_bytes
+
+        def named(fmt: str | None, quantized: str | None, held: list[str]) -> str:
+            return " ".join(x for x in (fmt or "?", quantized, f"({', '.join(held)})" if held else None) if x)
+
+        etp_apart = self.target_etp is not None or self.source_etp not in (None, self.source_tp)
+        degrees = [("TP", self.source_tp, self.target_tp), ("PP", self.source_pp, self.target_pp),
+                   ("EP", self.source_ep, self.target_ep),
+                   ("ETP", self.source_etp, self.target_etp or self.target_tp) if etp_apart else ("ETP", None, None)]
+        if self.target_tp is None:  # global tensors: the source's degrees are gathered
+            held = [f"{name} {a}" for name, a, _ in degrees[:3] if a is not None and a > 1]
+            changed = []
+        else:
+            held = []
+            changed = [f"{name} {a} -> {b}" for name, a, b in degrees if a is not None and b is not None and a != b]
+        head = named(self.source_format, self.source_quantized, held) + " -> " + \
+            named(self.target_format, self.quantized, [])
+        return ", ".join([head, *changed, f"{len(self.files)} files", fmt_bytes(self.total_bytes)])

@@ -11,13 +11,34 @@ def test_inspect_reports_format_version_tp_dtype_and_size(sample_factory, capsys
     src = sample_factory(8, 1.0, "bf16")
     assert main(["inspect", str(src), "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["format"] == "folder" and rec["tp"] == 8 and rec["version"] == 1.0
+    assert rec["format"] == "deepspeed" and rec["tp"] == 8 and rec["version"] == 1.0
     assert rec["dtypes"] == ["bfloat16"] and rec["num_heads"] == 8 and rec["zero_stage"] == 1
     # 2 layers of (3h^2+3h + h^2+h + 4h^2+4h + 4h^2+h + 4h) + embeddings + final LN, h=64, vocab 128, seq 16
     h = 64
     per_layer = 12 * h * h + 13 * h
     assert rec["parameters"] == 2 * per_layer + 128 * h + 16 * h + 2 * h
     assert rec["bytes"] == sum(p.stat().st_size for p in src.iterdir())
+
+
+def test_inspect_prints_sizes_in_binary_units_and_only_what_the_checkpoint_records(sample_factory, capsys):
+    from reshard.cli_progress import fmt_bytes
+
+    src = sample_factory(8, 1.0, "bf16")
+    size = sum(p.stat().st_size for p in src.iterdir())
+    capsys.readouterr()
+    assert main(["inspect", str(src)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "format       deepspeed (DeepSpeed mp_rank_XX_model_states)"
+    assert f"size         {fmt_bytes(size)} in 8 files" in lines and fmt_bytes(size).endswith(" KiB")
+    assert "dtypes       bfloat16" in lines and "version      1.0" in lines and "zero_stage   1" in lines
+    assert not any(ln.startswith(("bytes", "layout", "architecture", "quantization", "moe ")) for ln in lines)
+
+
+def test_the_run_summary_names_the_formats_and_the_changed_degree(sample_factory, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["run", "--direct", str(sample_factory(8, 2.0)), str(tmp_path / "tp2"), "--target-tp", "2"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith(f"committed {tmp_path / 'tp2'}: deepspeed -> deepspeed, TP 8 -> 2, 3 files, "), head
 
 
 def test_plan_shows_which_sources_feed_each_target(sample_factory, capsys):

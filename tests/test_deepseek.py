@@ -792,3 +792,94 @@ def test_a_layer_beyond_num_hidden_layers_that_is_no_mtp_layer_is_refused(deepse
     shutil.copy(deepseek_runs["hf"]["v3"] / "model.safetensors", src)
     err = _refused(src, tmp_path / "out", capsys, "--target-tp", "1")
     assert "model.layers.1 is beyond num_hidden_layers 1" in err
+
+
+def test_an_mtp_layer_declared_without_weights_is_dropped_in_one_line(tmp_path):
+    """transformers declares DeepSeek-V3's MTP layer (``num_nextn_predict_layers`` 1) but saves no
+    weights for it: the import and the export back say in one line that the output has none, and
+    its ``config.json`` says 0 (vLLM's MTP drafting would look for weights that are not there);
+    a folder that holds the layer keeps it without a word."""
+    import reshard
+
+    declared, held = tmp_path / "declared", tmp_path / "held"
+    config = {k: v for k, v in _V3.items() if k != "num_mtp_layers"}  # transformers' default: DeepSeek-V3's one
+    make_deepseek(config, declared)
+    make_deepseek(config, held)
+    add_mtp_layer(held)
+    assert json.loads((declared / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    line = ("num_nextn_predict_layers 1 -> 0: config.json declares 1 multi-token prediction layer but the folder "
+            "holds the weights of none (transformers saves DeepSeek-V3 without them)")
+    for out, extra in (("hf", {"to": "hf"}), ("megatron", {"target_tp": 1})):
+        result = reshard.convert(str(declared), str(tmp_path / out), **extra)
+        assert result.warnings.count(line) == 1, result.warnings
+        assert not any("num_nextn_predict_layers" in w for w in reshard.convert(
+            str(held), str(tmp_path / f"{out}_held"), **extra).warnings)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert json.loads((tmp_path / "hf_held" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def _printed(capsys, *argv: str) -> list[str]:
+    capsys.readouterr()
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_inspect_says_what_an_fp8_deepseek_folder_is(tmp_path, capsys):
+    """A DeepSeek-V3 folder in FP8 blocks with an MTP layer: its format and class, the dtypes it
+    stores (not the float32 it is read as), the quantization and the tensors it encodes, MLA's
+    ranks, the routing, the MTP layer; nothing it does not record (no checkpoint version, module
+    key or ZeRO stage); its size in binary units (the JSON keeps the exact bytes)."""
+    from safetensors import safe_open
+
+    bf16 = tmp_path / "bf16"
+    make_deepseek(_V3, bf16)
+    add_mtp_layer(bf16)
+    src = tmp_path / "fp8"
+    make_fp8_folder(bf16, src, torch.bfloat16)
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        encoded = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+    lines = _printed(capsys, "inspect", str(src))
+    assert lines[0] == "format       hf (Hugging Face safetensors)"
+    assert "architecture DeepseekV3ForCausalLM" in lines and "family       deepseek" in lines
+    assert "dtypes       bfloat16, float32, float8_e4m3fn" in lines
+    assert (f"quantization fp8 e4m3, float32 weight_scale_inv per 32 x 48 block, {len(encoded)} tensors:" in lines
+            and "  model.layers.*.self_attn.kv_b_proj.weight" in lines and "  model.layers.*.eh_proj.weight" in lines)
+    assert "mla          q_lora_rank 24, kv_lora_rank 16, qk_head_dim 8, qk_pos_emb_head_dim 4, v_head_dim 6" in lines
+    moe = next(ln for ln in lines if ln.startswith("moe "))
+    assert all(f in moe for f in ("experts 4", "topk 2", "score sigmoid", "groups 2", "group_topk 1", "scaling 2.5",
+                                  "expert_bias True"))
+    assert "mtp_layers   1" in lines
+    assert not any(ln.startswith(("version", "module_key", "zero_stage", "bytes", "layout")) for ln in lines), lines
+    size = (src / "model.safetensors").stat().st_size + (src / "config.json").stat().st_size
+    assert f"size         {size / 1024:.1f} KiB in 2 files" in lines
+    rec = json.loads("\n".join(_printed(capsys, "inspect", str(src), "--json")))
+    assert rec["bytes"] == size and rec["quantization"]["tensors"] == len(encoded) > 0
+    assert rec["version"] is None and rec["module_key"] is None and rec["format"] == "hf"
+
+
+def test_the_run_summary_names_the_formats_every_changed_degree_and_the_quantization(tmp_path, capsys):
+    """``hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2``; an EP change alone says EP, not TP; an export
+    names the degrees it gathers and the FP8 it writes; Hugging Face to Hugging Face says so. The
+    API's result gives the same line."""
+    import reshard
+
+    bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    make_deepseek(_V3, bf16)
+    make_fp8_folder(bf16, fp8, torch.bfloat16)
+
+    def head(*argv: str) -> str:
+        line = _printed(capsys, "run", "--direct", *argv)[0]
+        assert line.startswith(f"committed {argv[1]}: ")
+        return line.split(": ", 1)[1]
+
+    ep2 = tmp_path / "ep2"
+    assert head(str(fp8), str(ep2), "--target-tp", "2", "--target-ep", "2").startswith(
+        "hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 5 files, ")
+    assert head(str(ep2), str(tmp_path / "ep1"), "--target-tp", "2", "--target-ep", "1").startswith(
+        "megatron -> megatron, EP 2 -> 1, 3 files, ")
+    assert head(str(ep2), str(tmp_path / "hf8"), "--to", "hf", "--quantize", "fp8").startswith(
+        "megatron (TP 2, EP 2) -> hf fp8, 2 files, ")
+    # the weights, config.json and the generation config transformers saved
+    assert head(str(bf16), str(tmp_path / "hf"), "--to", "hf").startswith("hf -> hf, 3 files, ")
+    result = reshard.convert(str(fp8), str(tmp_path / "api"), target_tp=2, target_ep=2)
+    assert result.summary.startswith("hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 5 files, ")

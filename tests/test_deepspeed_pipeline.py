@@ -187,7 +187,7 @@ def test_inspect_and_plan_show_the_layout(pipe, capsys):
 
     assert main(["inspect", str(pipe(2, 2)), "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert (rec["layout"], rec["tp"], rec["pp"]) == ("deepspeed-pipeline", 2, 2)
+    assert (rec["format"], rec["tp"], rec["pp"]) == ("deepspeed-pipeline", 2, 2)
     assert rec["files"][:4] == [f"mp_rank_{k:02d}_model_states.pt" for k in range(4)]
     assert main(["plan", str(pipe(2, 2)), "--target-tp", "1", "--target-pp", "1"]) == 0
     assert "PP 2 -> 1 (deepspeed-pipeline layout" in capsys.readouterr().out

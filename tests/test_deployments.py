@@ -372,7 +372,8 @@ def test_prefect_deployment_run_8to2_commits_tp2_on_s3(stack, sample_factory, tm
     assert runs[0].parameters["storage_options"] == stack.storage_options
     manifest = stack.manifest(src + "-tp2")
     assert manifest is not None, "no committed output at the default destination {source}-tp2"
-    assert manifest["target"] == {"url": src + "-tp2", "format": "deepspeed", "tp": 2, "pp": 1}
+    assert manifest["target"] == {"url": src + "-tp2", "format": "deepspeed", "tp": 2, "pp": 1, "ep": 1,
+                                  "etp": None}
     assert manifest["source"]["tp"] == 8
     assert _shards(manifest) == _expected_shards(sample, tmp_path, 2)
     from reshard.storage.manifest import verify

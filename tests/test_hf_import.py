@@ -325,6 +325,9 @@ def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so, target_tp=2,
                            cache_dir=str(tmp_path / "cache")))
     assert _outputs(tmp_path / "flow") == _outputs(imported["runs"][("llama", 2)])
+    # listed and fetched with config.json: the generation config transformers saved, carried
+    carried = tmp_path / "flow" / "release" / "tokenizer" / "generation_config.json"
+    assert carried.read_bytes() == (imported["hf"]["llama"] / "generation_config.json").read_bytes()
 
 
 def test_an_import_at_two_pipeline_stages_merges_back_to_the_single_stage_import(imported, tmp_path):
@@ -529,3 +532,69 @@ def test_fp8_folders_that_cannot_be_read_exactly_are_refused(imported, tmp_path,
     del cfg["quantization_config"]
     (bare / "config.json").write_text(json.dumps(cfg))
     _refused(capsys, bare, tmp_path / "o5", "is float8_e4m3fn but config.json declares no quantization_config")
+
+
+def _with_tokenizer(folder: Path) -> None:
+    """Save a tiny word-level tokenizer (built offline with ``tokenizers``) and a chat template
+    into ``folder``, as ``tokenizer.save_pretrained`` does beside a model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="w5", eos_token="w6", pad_token="w0",
+                                  unk_token="w0")
+    tok.chat_template = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    tok.save_pretrained(folder)
+
+
+#: What transformers saved beside the weights that the round trips carry, byte for byte.
+CARRIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def test_token_ids_generation_config_and_tokenizer_survive_every_round_trip(tmp_path):
+    """A folder transformers saved (token ids of its own, an end-of-sequence list as Llama 3 has,
+    ``generation_config.json``) with a tokenizer and chat template, through megatron-core per-rank
+    files at TP 2 (and back to TP 1), through torch_dist, and Hugging Face to Hugging Face: every
+    export's ``config.json`` has the source's token ids, the side files are the source's bytes
+    (the Megatron layouts hold them in the iteration's ``tokenizer/``, where Megatron-LM saves its
+    tokenizer), and transformers loads the tokenizer and generation config from it."""
+    import transformers
+
+    src = tmp_path / "src"
+    cls, kw, _ = MODELS["llama"]
+    config = getattr(transformers, cls)(**kw, bos_token_id=5, eos_token_id=[6, 7], pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    _with_tokenizer(src)
+    assert all((src / name).is_file() for name in CARRIED)
+    tp2 = _import(src, tmp_path / "tp2", "--target-tp", "2")
+    tp1 = _import(tp2, tmp_path / "tp1", "--target-tp", "1")
+    dist = _import(src, tmp_path / "dist", "--to", "torch_dist")
+    for megatron in (tp2, tp1, dist):
+        assert {n: (megatron / "release" / "tokenizer" / n).read_bytes() for n in CARRIED} == \
+               {n: (src / n).read_bytes() for n in CARRIED}, megatron
+    exports = {how: _import(folder, tmp_path / f"hf_{how}", "--to", "hf")
+               for how, folder in (("tp2", tp2), ("tp1", tp1), ("dist", dist), ("hf", src))}
+    want = json.loads((src / "config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    for how, out in exports.items():
+        got = json.loads((out / "config.json").read_text())
+        assert {k: got.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == \
+               {"bos_token_id": 5, "eos_token_id": [6, 7], "pad_token_id": 0} == \
+               {k: want[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, how
+        assert {n: (out / n).read_bytes() for n in CARRIED} == {n: (src / n).read_bytes() for n in CARRIED}, how
+        assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [6, 7]
+        loaded = transformers.AutoTokenizer.from_pretrained(out)
+        messages = [{"role": "user", "content": "w9 w10"}]
+        assert loaded("w9 w3 w4").input_ids == tok("w9 w3 w4").input_ids
+        assert loaded.apply_chat_template(messages, tokenize=False) == "w5w9 w10w6"
+
+
+def test_a_token_id_that_is_no_token_number_is_refused_in_one_line(tmp_path, capsys):
+    import transformers
+
+    src = tmp_path / "src"
+    cls, kw, _ = MODELS["llama"]
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(src)
+    _refused(capsys, _edited(src, tmp_path / "bad", config={"eos_token_id": "</s>"}), tmp_path / "out",
+             "config.json: eos_token_id is '</s>', not a token id or a list of them (fix: correct it in config.json)")

@@ -96,11 +96,12 @@ def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
 def test_an_identical_direct_rerun_is_up_to_date_and_writes_nothing(sample_factory, tmp_path, capsys):
     src, dst = str(sample_factory(8, 2.0)), tmp_path / "dst"
     assert main(["run", "--direct", src, str(dst), "--target-tp", "2"]) == 0
-    assert capsys.readouterr().out.startswith(f"committed {dst}: TP 8 -> 2, 3 files")
+    assert capsys.readouterr().out.startswith(f"committed {dst}: deepspeed -> deepspeed, TP 8 -> 2, 3 files")
     before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
     assert main(["run", "--direct", src, str(dst), "--target-tp", "2"]) == 0
     out = capsys.readouterr()
-    assert out.out.startswith(f"up to date {dst}: TP 8 -> 2, 3 files") and "nothing written" in out.out
+    assert out.out.startswith(f"up to date {dst}: deepspeed -> deepspeed, TP 8 -> 2, 3 files")
+    assert "nothing written" in out.out
     assert out.err == ""
     assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before
     assert main(["run", "--direct", src, str(dst), "--target-tp", "2", "--json"]) == 0

@@ -121,7 +121,7 @@ def test_inspect_and_plan_describe_a_torch_dist_checkpoint(dist, capsys):
     src = dist[("gqa_swiglu", 2, 1)]
     assert main(["inspect", str(src), "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["layout"] == "torch_dist" and "optimizer" in rec["skipped"]
+    assert rec["format"] == "torch_dist" and "optimizer" in rec["skipped"]
     assert rec["facts"]["query_groups"] == 4 and rec["facts"]["swiglu"] is True
     assert any(f.endswith(".distcp") for f in rec["files"]) and rec["bytes"] > 100_000
     assert main(["plan", str(src), "--target-tp", "4"]) == 0

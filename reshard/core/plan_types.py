@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -196,6 +197,9 @@ class Plan:
     target_pp: int = 1
     output_format: str = DEEPSPEED
     extra_files: Mapping[str, str] = field(default_factory=dict)
+    #: Files of the source copied into the output unchanged (output name -> source file): its
+    #: tokenizer and generation config (``CheckpointFormat.carried``).
+    copied_files: Mapping[str, Path] = field(default_factory=dict)
     #: The output's expert TP (MoE; None: the target TP).
     target_etp: int | None = None
     #: The source's and the output's pipeline stages: layers per model chunk and the setting they
@@ -311,6 +315,9 @@ class SourceRead:
     #: The source as its files' contents tell it (a Megatron-LM folder ``mp_rank_TT_NNN`` is a
     #: pipeline stage NNN or an expert-parallel rank NNN: only the saved args say); None: as located.
     source: SourceCheckpoint | None = None
+    #: What the source declares but does not hold, which the output therefore lacks (one line each;
+    #: a DeepSeek folder's multi-token prediction layer saved without its weights).
+    warnings: tuple[str, ...] = ()
 
     @property
     def args(self) -> Any:

@@ -40,7 +40,7 @@ from reshard.core.rules import (MTP_STAGE_COPY, Kind, Place, Resolution, Rule, h
 from reshard.core.source import SourceCheckpoint
 from reshard.execution.specs import check_quantization, target_specs
 from reshard.formats.registry import get_format
-from reshard.formats.output import output_format
+from reshard.formats.output import carried_files, output_format
 from reshard.models import ModelFamily, resolve_family
 from reshard.models.megatron_gpt import expert_index, experts_per_layer, rank_experts, with_expert
 
@@ -107,14 +107,16 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     kept = out_fmt.kept_entries(source)
     dropped = {k: DROPPED_ENTRIES[k] for k in read.shards[0] if k in DROPPED_ENTRIES and k not in kept}
     ds_config = read.shards[0].get("ds_config")
-    warnings = dropped_warning(dropped) + warnings
+    copied, lost = carried_files(source, out_fmt)
+    warnings = dropped_warning(dropped) + warnings + list(read.warnings) + lost
     facts = d.model_facts(tied, tuple(d.layers_per_stage), target_stages.counts)
     extra = out_fmt.extra_files(source)
     plan = Plan(source=source, options=options, module_key=read.module_key, version=version, params=tuple(params),
                 targets=targets, unused_rules=d.resolution.unused_rules, dropped=dropped, facts=facts,
                 ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(carried), target_pp=tpp, output_format=out_fmt.name,
-                extra_files=extra, target_etp=tetp if experts else None, source_stages=source_stages,
+                extra_files=extra, copied_files=copied, target_etp=tetp if experts else None,
+                source_stages=source_stages,
                 target_stages=target_stages)
     return plan
 

@@ -53,7 +53,7 @@ def listing_patterns(options: ReshardOptions | None = None) -> tuple[re.Pattern[
     with the files only some options read)."""
     weights = weights_read(options) if options is not None else None
     extra = [p for fmt in available() for p in fmt.optional_patterns(weights)] if weights is not None else []
-    return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers)) + tuple(extra)
+    return tuple(p for fmt in available() for p in (*fmt.patterns, *fmt.markers, *fmt.carries)) + tuple(extra)
 
 
 def select_objects(names: Sequence[str], read: Callable[[str], bytes], url: Callable[[str], str]) -> list[str]:
@@ -86,7 +86,8 @@ class ObjectClass:
     field        meaning
     ===========  ==================================================================================
     ``marker``   a small file that tells where the weights are (``latest_checkpointed_iteration.txt``,
-                 ``.metadata``, ``config.json``): fetched first and whole; the others' ranges need it
+                 ``.metadata``, ``config.json``): fetched first and whole; the others' ranges need it.
+                 Also a file the conversion copies into its output (a tokenizer: a format's ``carries``)
     ``reader``   the format whose ``patterns`` name it as weights (its :meth:`~CheckpointFormat.skeleton`
                  decides whether it streams); None for markers and files no format reads as weights
     ``checker``  the format that checks it on its own once fetched (:meth:`~CheckpointFormat.shard_role`);
@@ -115,7 +116,7 @@ def classify(names: Sequence[str]) -> dict[str, ObjectClass]:
     out: dict[str, ObjectClass] = {}
     for name in names:
         weights = [f for f in formats if any(p.search(name) for p in f.patterns)]
-        marker = not weights and any(p.search(name) for f in formats for p in f.markers)
+        marker = not weights and any(p.search(name) for f in formats for p in (*f.markers, *f.carries))
         checker, role = None, METADATA
         if not marker:
             for fmt in formats:

@@ -48,6 +48,12 @@ class Locating(ABC):
     #: Names of small files that tell where the weights are (``latest`` markers, descriptors):
     #: fetched whole before the checkpoint is located.
     markers: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    #: Names of small files kept beside the weights that no weight depends on but the model's
+    #: users do — a Hugging Face folder's tokenizer and generation config, Megatron-LM's
+    #: ``tokenizer/`` folder: a conversion copies them into its output unchanged (see
+    #: :meth:`carried`, :meth:`Writing.carried_name`); discovery lists and fetches them whole,
+    #: with the markers.
+    carries: ClassVar[tuple[re.Pattern[str], ...]] = ()
     #: How errors name the layout (default: ``name``).
     title: ClassVar[str] = ""
     #: Is this layout read (a source reshard converts from)? Listed by ``reshard formats``.
@@ -84,6 +90,12 @@ class Locating(ABC):
     def locate(self, path: Path) -> SourceCheckpoint:
         """The checkpoint at ``path`` as a validated grid of files; raises
         :class:`~reshard.core.errors.CheckpointFormatError` naming the file and the fix."""
+
+    def carried(self, source: SourceCheckpoint) -> dict[str, Path]:
+        """The files of ``source`` a conversion copies unchanged (see :attr:`carries`), under the
+        names a Hugging Face folder gives them (``tokenizer.json``, ``generation_config.json``)
+        -> their local paths. Default: none."""
+        return {}
 
     # -- discovery (remote listings: names only, markers read whole) ----------------------------
     def select_objects(self, names: Sequence[str], read: Callable[[str], bytes],
@@ -135,6 +147,24 @@ class Reading:
     #: saved ``args`` give one (None: keep the source's rows). A format of unpadded vocabularies
     #: (Hugging Face) sets Megatron-LM's default, so its import pads as Megatron-LM would.
     vocab_divisor: ClassVar[int | None] = None
+
+    #: Do the files hold Megatron's (or DeepSpeed's) state dicts, with a ``checkpoint_version`` and
+    #: the module under a key? A Hugging Face folder's do not: its import is made as one (version
+    #: 3, the module under ``model``), which is no fact of the folder's.
+    state_dicts: ClassVar[bool] = True
+
+    def quantization(self, source: SourceCheckpoint) -> dict[str, Any] | None:
+        """How the stored weights are quantized, which the conversion reads dequantized (a
+        Hugging Face folder's FP8 blocks: ``method``, ``format``, ``block``, ``scales``); None:
+        they are not. From the small files alone (no tensor header). Default: None."""
+        return None
+
+    def stored(self, source: SourceCheckpoint) -> dict[str, Any]:
+        """What ``inspect`` shows of the files as stored, beyond the planner's view of the weights
+        as a conversion reads them: the ``architecture`` they name, their stored ``dtypes``, and the
+        :meth:`quantization` with the ``tensors`` it covers (count and ``names``, layer and expert
+        numbers as ``*``). Default: nothing more."""
+        return {}
 
     def check_file(self, path: str, role: str, module_key: str, where: str) -> dict[str, Any]:
         """The per-shard check of one fetched file (see :mod:`reshard.core.shard_check`)."""
@@ -338,6 +368,12 @@ class Writing:
         """Lines about what this output is, for the run's summary and the flow's report (e.g. the
         architecture a Hugging Face export was given, and why). Default: none."""
         return []
+
+    def carried_name(self, source: SourceCheckpoint, name: str) -> str | None:
+        """Where this layout's output holds the source's carried file ``name`` (see
+        :meth:`Locating.carried`), relative to the output's root; None: it has no place for it (the
+        conversion drops it and says so). Default: None."""
+        return None
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         """Small text files the output needs whatever its targets (e.g. a ``latest`` marker)."""

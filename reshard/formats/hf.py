@@ -19,6 +19,7 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -43,7 +44,7 @@ from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, 
                                       _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, Transform, export_of,
-                                             ffn_widths, linear_weight)
+                                             ffn_widths, linear_weight, with_token_ids)
 from reshard.models.given_facts import with_flags
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import decide_export, export_as, hf_architecture, hf_architectures, read_config
@@ -51,7 +52,7 @@ from reshard.models.megatron_gpt import FLOAT32_BUFFER, MIN_CORE_COMPATIBLE_VERS
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
-    from reshard.core.plan_types import Plan
+    from reshard.core.plan_types import Plan, SourceRead
 
 HF = "hf"
 WEIGHTS = "model.safetensors"
@@ -61,6 +62,14 @@ CONFIG = "config.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``: an import pads the vocabulary as it would.
 MEGATRON_VOCAB_DIVISOR = 128
+#: What transformers saves beside the weights that no weight depends on and a conversion carries
+#: unchanged: the tokenizer (the files of every kind of tokenizer, its chat templates, the module
+#: of a remote-code tokenizer that ``tokenizer_config.json``'s ``auto_map`` names) and the
+#: generation config. Relative to the folder.
+CARRIED = re.compile(r"^(?:tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
+                     r"|tokenizer\.model|tiktoken\.model|[^/]+\.tiktoken|vocab\.json|vocab\.txt|merges\.txt"
+                     r"|chat_template\.(?:jinja|json)|additional_chat_templates/[^/]+\.jinja"
+                     r"|tokenization_[^/]+\.py|generation_config\.json)$")
 
 
 def _json(path: Path) -> Any:
@@ -98,8 +107,10 @@ class HFFormat(CheckpointFormat):
     patterns = (re.compile(r"(^|/)[^/]+\.safetensors$"), re.compile(r"(^|/)pytorch_model[^/]*\.bin$"))
     markers = (re.compile(r"(^|/)config\.json$"),
                re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"))
+    carries = (CARRIED,)
     writes_as = MEGATRON  # an import: megatron-core's per-rank layout unless --to says otherwise
     vocab_divisor = MEGATRON_VOCAB_DIVISOR
+    state_dicts = False  # config.json and tensors: its import is made a Megatron-LM state dict
 
     # -- reading ------------------------------------------------------------------------------
     def detect(self, folder: Path) -> bool:
@@ -140,6 +151,44 @@ class HFFormat(CheckpointFormat):
         aux = ([path / INDEX] if indexed else []) + [path / f for f in files]
         return SourceCheckpoint((path / CONFIG,), origin=str(path), format=HF, pp=1, iteration="release",
                                 aux=tuple(aux))
+
+    def carried(self, source: SourceCheckpoint) -> dict[str, Path]:
+        root = Path(source.files[0]).parent  # config.json's folder
+        found = sorted((*root.glob("*"), *root.glob("*/*")))
+        return {p.relative_to(root).as_posix(): p for p in found
+                if p.is_file() and CARRIED.match(p.relative_to(root).as_posix())}
+
+    def quantization(self, source: SourceCheckpoint) -> dict[str, Any] | None:
+        config = _json(Path(source.files[0]))
+        block = read_quantization_config(config, str(source.files[0]))
+        if block is None:
+            return None
+        return {"method": "fp8", "format": "e4m3", "block": list(block), "scales": f"float32 {scale_name('weight')}"}
+
+    def stored(self, source: SourceCheckpoint) -> dict[str, Any]:
+        """The class ``config.json`` names, the dtypes of the safetensors files' tensors (their
+        headers), and which tensors the FP8 blocks encode."""
+        folder = Path(source.files[0]).parent
+        config = _json(folder / CONFIG)
+        dtypes: dict[str, torch.dtype] = {}
+        for name in sorted(set(_weight_map(folder).values())) if (folder / INDEX).is_file() else [WEIGHTS]:
+            dtypes.update({key: e.dtype for key, e in MappedSafetensors(folder / name).entries.items()})
+        out: dict[str, Any] = {"architecture": read_config(config, str(folder / CONFIG)).architecture,
+                               "dtypes": sorted({str(d).removeprefix("torch.") for d in dtypes.values()})}
+        quantization = self.quantization(source)
+        if quantization is not None:
+            encoded = [key for key, dtype in dtypes.items() if dtype == E4M3]
+            out["quantization"] = {**quantization, "tensors": len(encoded),
+                                   "names": sorted({re.sub(r"\.\d+\.", ".*.", k) for k in encoded})}
+        return out
+
+    def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
+        """The default read, and what ``config.json`` declares that the folder does not hold (its
+        architecture's :meth:`~reshard.models.hf_architectures.HFArchitectureFamily.import_warnings`)."""
+        read = super().read(source, options, headers_only=headers_only)
+        config = _json(Path(source.files[0]))
+        arch = hf_architecture(read_config(config, str(source.files[0])).architecture)
+        return dataclasses.replace(read, warnings=(*read.warnings, *arch.import_warnings(config, read.args)))
 
     def load(self, path: Any) -> dict[str, Any]:
         """Megatron-LM's TP 1 per-rank state of the folder (:func:`~reshard.models.hf_import.megatron_state`),
@@ -188,6 +237,11 @@ class HFFormat(CheckpointFormat):
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return WEIGHTS
+
+    def carried_name(self, source: SourceCheckpoint, name: str) -> str | None:
+        """At the folder's root, as transformers saves it: a file transformers saves there
+        (:data:`CARRIED`), never one of the weights' or the config's names."""
+        return name if CARRIED.match(name) else None
 
     def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
         """Shards of at most ``--max-shard-size`` bytes (see :func:`~reshard.formats.base.size_groups`)."""
@@ -314,7 +368,7 @@ def _architecture(plan: Plan) -> HFArchitecture:
                           hint="Hugging Face's config.json records one dtype")
     args = with_flags(plan.target_state(0).get("args"), plan.options, "--to hf")
     decided = decide_export(args, plan.facts, keys, dtypes.pop() if dtypes else torch.float32, widths)
-    return export_as(decided, plan.options.hf_architecture)
+    return with_token_ids(export_as(decided, plan.options.hf_architecture), args)
 
 
 class _PerPlan:

@@ -23,6 +23,30 @@ from reshard.core.source import (ITER_DIR_RE, MEGATRON, MEGATRON_FILE, MEGATRON_
 from reshard.formats.base import CheckpointFormat
 
 
+#: The folder of tokenizer files in a Megatron-LM iteration folder (Megatron-LM's and Megatron-Bridge's
+#: ``save_tokenizer_assets``; Megatron-LM's ``HuggingFaceTokenizer`` loads it as ``--tokenizer-model``):
+#: where a Megatron layout holds the files a conversion carries (a Hugging Face import's tokenizer
+#: and generation config), in either Megatron-LM layout.
+TOKENIZER_DIR = "tokenizer"
+#: A file of it (a chat template folder one level down), relative to a run or iteration folder.
+TOKENIZER_FILE = re.compile(rf"(^|/){TOKENIZER_DIR}/[^/.][^/]*(/[^/.][^/]*)?$")
+
+
+def tokenizer_files(iteration: Path) -> dict[str, Path]:
+    """The files of an iteration folder's :data:`TOKENIZER_DIR` (name inside it -> path)."""
+    folder = iteration / TOKENIZER_DIR
+    if not folder.is_dir():
+        return {}
+    found = sorted((*folder.glob("*"), *folder.glob("*/*")))
+    return {p.relative_to(folder).as_posix(): p for p in found
+            if p.is_file() and TOKENIZER_FILE.search(p.relative_to(iteration).as_posix())}
+
+
+def tokenizer_name(source: SourceCheckpoint, name: str) -> str:
+    """Where a Megatron-LM output holds the carried file ``name``: its iteration's :data:`TOKENIZER_DIR`."""
+    return f"{source.iteration or 'release'}/{TOKENIZER_DIR}/{name}"
+
+
 class MegatronFormat(CheckpointFormat):
     """Megatron-LM per-rank files: a run folder or one iteration folder of mp_rank_XX[_YYY]/model_optim_rng.pt."""
 
@@ -30,6 +54,7 @@ class MegatronFormat(CheckpointFormat):
     priority = 10
     patterns = (re.compile(r"(^|/)mp_rank_\d+(_\d+){0,2}/model_optim_rng\.pt$"),)
     markers = (re.compile(r"(^|/)latest_checkpointed_iteration\.txt$"),)
+    carries = (TOKENIZER_FILE,)
 
     def detect(self, folder: Path) -> bool:
         return (folder / MEGATRON_LATEST).is_file() or any(
@@ -66,6 +91,12 @@ class MegatronFormat(CheckpointFormat):
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
         return {MEGATRON_LATEST: iteration_text(source.iteration or "release")}
+
+    def carried(self, source: SourceCheckpoint) -> dict[str, Path]:
+        return tokenizer_files(Path(source.files[0]).parent.parent)  # iter_X/mp_rank_TT/model_optim_rng.pt
+
+    def carried_name(self, source: SourceCheckpoint, name: str) -> str | None:
+        return tokenizer_name(source, name)
 
     def axes(self, args: Any, source: SourceCheckpoint) -> SourceCheckpoint:
         """``mp_rank_TT_NNN`` is pipeline stage NNN, or expert-parallel rank NNN when the saved args

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from reshard.core.errors import LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.source import SourceCheckpoint
@@ -44,3 +46,22 @@ def weights_read(options: ReshardOptions) -> frozenset[str]:
     if options.to is not None and options.to in registry:
         sets.update(get_format(options.to).weight_sets(options))
     return frozenset(sets)
+
+
+def carried_files(source: SourceCheckpoint, out: CheckpointFormat) -> tuple[dict[str, Path], list[str]]:
+    """The source's carried files (its tokenizer and generation config: ``Locating.carried``) as the
+    output holds them (output name -> source file, copied unchanged), and the warning naming those
+    the output's layout has no place for (none, or one line)."""
+    kept: dict[str, Path] = {}
+    lost: list[str] = []
+    for name, path in sorted(get_format(source.format).carried(source).items()):
+        where = out.carried_name(source, name)
+        if where is None:
+            lost.append(name)
+        else:
+            kept[where] = path
+    if not lost:
+        return kept, []
+    more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+    return kept, [f"dropped {', '.join(lost[:3])}{more} of the source: the {out.title or out.name} layout has no "
+                  "place for them"]

@@ -71,7 +71,7 @@ from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.formats.megatron import iteration_folder
+from reshard.formats.megatron import TOKENIZER_FILE, iteration_folder, tokenizer_files, tokenizer_name
 from reshard.models.megatron_gpt import (EXPERTS, LAYERS, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MIN_CORE_COMPATIBLE_VERSION,
                                          PER_RANK_ONLY, as_megatron_core, core_module, expert_index, has_spec_keys_map,
                                          is_megatron_core)
@@ -100,6 +100,7 @@ class TorchDistFormat(CheckpointFormat):
     #: ``run_config.yaml``: Megatron-Bridge's description of the model (:mod:`reshard.models.given_facts`)
     markers = (re.compile(r"(^|/)\.metadata$"), re.compile(r"(^|/)metadata\.json$"),
                re.compile(r"(^|/)run_config\.yaml$"))
+    carries = (TOKENIZER_FILE,)
     writes_as = MEGATRON
 
     def near_miss(self, folder: Path) -> str | None:
@@ -213,6 +214,12 @@ class TorchDistFormat(CheckpointFormat):
         return {MEGATRON_LATEST: iteration_text(iteration),
                 f"{iteration}/{CONFIG}": json.dumps({"sharded_backend": TORCH_DIST, "sharded_backend_version": 1,
                                                      "common_backend": "torch", "common_backend_version": 1})}
+
+    def carried(self, source: SourceCheckpoint) -> dict[str, Path]:
+        return tokenizer_files(Path(source.files[0]).parent)  # the index is in the iteration folder
+
+    def carried_name(self, source: SourceCheckpoint, name: str) -> str | None:
+        return tokenizer_name(source, name)
 
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
         """The index (from the shapes: blob sizes do not depend on the bytes) and ``common.pt``

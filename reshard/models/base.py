@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import reshard.models.facts as facts
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import CanonicalParam, ParamPlan, SourceStage
+from reshard.core.plan_types import CanonicalParam, ModelFacts, ParamPlan, SourceStage
 from reshard.core.rules import Rule
 from reshard.core.source import SourceCheckpoint
 
@@ -44,6 +44,12 @@ class ModelFamily(ABC):
     def describe(self) -> list[str]:
         """Further lines for ``reshard formats`` (e.g. the Hugging Face architectures a family maps)."""
         return []
+
+    def summary(self, args: Any, model_facts: ModelFacts, experts: int) -> dict[str, Any]:
+        """What ``inspect`` shows of the model beyond its facts (name -> JSON value, None where it
+        has none): here the routing of a mixture-of-experts model (``moe``; ``experts`` per MoE
+        layer). A family with more to say (multi-latent attention) adds to it."""
+        return {"moe": facts.moe_routing(args, experts)}
 
     # -- the deciders of the model facts ------------------------------------------------------------
     # The planner asks the family for each fact. The defaults are Megatron-LM's (the flags, then

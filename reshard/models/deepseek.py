@@ -116,6 +116,11 @@ _MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|
 _TE_MLA_KEY = re.compile(r"\.self_attention\.linear_(?:q|kv)_up_proj\.layer_norm_weight$")
 
 
+#: Megatron-LM's ``args`` of multi-latent attention's shape: the latent ranks (no query latent:
+#: ``q_lora_rank`` null) and the head dims of keys without rope, with rope, and of values.
+MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
 class DeepSeek(ModelFamily):
     """megatron-core GPT models with multi-latent attention (DeepSeek-V2/V3, Kimi-K2), dense or MoE,
     under megatron-core's local spec. MLA tensors by :data:`DEEPSEEK_RULES`, everything else as
@@ -187,6 +192,13 @@ class DeepSeek(ModelFamily):
         if mtp:
             origin["mtp_layers"] = "parameter names"
         return {"mtp_layers": mtp} if mtp else {}
+
+    def summary(self, args: Any, model_facts: ModelFacts, experts: int) -> dict[str, Any]:
+        """The routing, the multi-latent attention's ranks and head dims (as the saved ``args``
+        record them) and the multi-token prediction layers the checkpoint holds."""
+        mla = {name: _arg(args, name) for name in MLA_ARGS if _arg(args, name) is not None}
+        return {**super().summary(args, model_facts, experts), "mla": mla or None,
+                "mtp_layers": mtp_layers(model_facts)}
 
 
 class DeepSeekTE(DeepSeek):
@@ -479,6 +491,19 @@ class DeepseekV3(HFArchitectureFamily):
                            padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
                            source_pp_layers=(layers,), target_pp_layers=(layers,))
         return HFModel(self.name, args, facts, self.names)
+
+    def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
+        """``num_nextn_predict_layers`` beyond the multi-token prediction layers the folder holds:
+        transformers declares DeepSeek-V3's one MTP layer but saves no weights for it (its model has
+        none). The output says what it holds (fewer layers: vLLM's MTP speculative decoding would
+        look for weights that are not there), and this says why it changed."""
+        declared = config.get("num_nextn_predict_layers")
+        held = int(getattr(args, "mtp_num_layers", None) or 0)
+        if not isinstance(declared, int) or declared <= held:
+            return []
+        return [f"num_nextn_predict_layers {declared} -> {held}: config.json declares {declared} multi-token "
+                f"prediction layer{'s' if declared > 1 else ''} but the folder holds the weights of "
+                f"{held or 'none'} (transformers saves DeepSeek-V3 without them)"]
 
     # -- export ---------------------------------------------------------------------------------
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,

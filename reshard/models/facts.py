@@ -329,3 +329,26 @@ def decide_tied(args: Any, naming: str, params: list[ParamPlan], stages: list[So
     origin["tied_embeddings"] = "tensors (last-stage output layer equals the word embeddings)" if same else \
         "tensors (last-stage output layer differs from the word embeddings)"
     return same
+
+
+#: Megatron-LM's router ``args`` that say how tokens are routed to experts (inspect's ``moe``):
+#: what each is called there.
+MOE_ROUTING_ARGS = {"moe_router_topk": "topk", "moe_router_score_function": "score",
+                    "moe_router_pre_softmax": "pre_softmax", "moe_router_num_groups": "groups",
+                    "moe_router_group_topk": "group_topk", "moe_router_topk_scaling_factor": "scaling",
+                    "moe_router_enable_expert_bias": "expert_bias", "moe_ffn_hidden_size": "expert_width",
+                    "moe_shared_expert_intermediate_size": "shared_expert_width",
+                    "moe_shared_expert_gate": "shared_expert_gate", "moe_layer_freq": "layer_freq"}
+
+
+def moe_routing(args: Any, experts: int) -> dict[str, Any] | None:
+    """A mixture-of-experts model's routing as its saved ``args`` record it (``experts``: per MoE
+    layer, from the names), for inspect; None for a dense model. Unrecorded settings are left out."""
+    if not experts:
+        return None
+    out: dict[str, Any] = {"experts": experts}
+    for name, key in MOE_ROUTING_ARGS.items():
+        value = getattr(args, name, None) if args is not None else None
+        if value is not None:
+            out[key] = value
+    return out

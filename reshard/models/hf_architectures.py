@@ -525,6 +525,12 @@ class HFArchitectureFamily(abc.ABC):
         this class does not claim. ``widths``: :func:`ffn_widths`."""
         return None
 
+    def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
+        """Import: what ``config`` declares that the folder does not hold (``args``: the imported
+        model's, as read with its weights), so that the output lacks it too — one line each, for the
+        run's warnings. Default: none."""
+        return []
+
     def export(self, decided: HFArchitecture) -> HFArchitecture:
         """Export under ``--hf-architecture``: this class's ``config.json`` for the model reshard
         decided ``decided`` computes (a built-in architecture, whose ``config`` and ``reason`` say
@@ -555,6 +561,39 @@ class HFArchitectureFamily(abc.ABC):
 
 #: The dtype names of config.json (transformers' ``dtype`` / ``torch_dtype``), both directions.
 HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+#: Where an import keeps ``config.json``'s token ids (``bos_token_id``, ``eos_token_id``,
+#: ``pad_token_id``, ...) in Megatron-LM's ``args``, which have no field for them: no weight
+#: depends on them, so they go through every Megatron layout to the export unchanged.
+TOKEN_IDS_ARG = "hf_token_ids"
+_TOKEN_ID = re.compile(r"^[a-z_]*token_id$")
+
+
+def token_ids(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``config.json``'s token ids (each a token number, a list of them, or null), as written."""
+    def is_id(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    out = {}
+    for key, value in config.items():
+        if not _TOKEN_ID.match(key):
+            continue
+        if not (value is None or is_id(value) or (isinstance(value, list) and value and all(map(is_id, value)))):
+            raise CheckpointFormatError(f"{key} is {value!r}, not a token id or a list of them", culprit=where,
+                                        hint="correct it in config.json")
+        out[key] = value
+    return out
+
+
+def with_token_ids(arch: HFArchitecture, args: Any) -> HFArchitecture:
+    """``arch`` with the token ids an import kept (:data:`TOKEN_IDS_ARG`) in its ``config.json``;
+    without any, the ids stay null (transformers' class defaults are another model's) and a note
+    says so."""
+    ids = getattr(args, TOKEN_IDS_ARG, None) if args is not None else None
+    if ids:
+        return dataclasses.replace(arch, config={**arch.config, **ids})
+    return dataclasses.replace(arch, notes=(*arch.notes, "bos_token_id and eos_token_id null: the checkpoint records "
+                                            "no token ids (give the model's config.json with --model-config)"))
 
 
 def _arg(args: Any, *names: str, default: Any = None) -> Any:

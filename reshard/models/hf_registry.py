@@ -20,8 +20,8 @@ import torch
 
 from reshard.core.errors import LayoutError
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (HFArchitecture, HFArchitectureFamily, HFModel, decide_architecture,
-                                             sliding_window)
+from reshard.models.hf_architectures import (TOKEN_IDS_ARG, HFArchitecture, HFArchitectureFamily, HFModel,
+                                             decide_architecture, sliding_window, token_ids)
 from reshard.plugins import PluginRegistry
 
 #: Built-in architectures, as "module:instance" (imported on first use).
@@ -73,7 +73,11 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
     if found is None:
         raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
                           hint=f"reshard imports {', '.join(sorted(a.name for a in importable))}")
-    return found.read_config(config, where)
+    model = found.read_config(config, where)
+    ids = token_ids(config, where)
+    if ids:  # no weight depends on them: kept for the export (see TOKEN_IDS_ARG)
+        setattr(model.args, TOKEN_IDS_ARG, ids)
+    return model
 
 
 def decide_export(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,

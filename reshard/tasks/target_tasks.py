@@ -197,7 +197,8 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
                                "bytes_written": t.bytes_written} for t in plan.targets],
                 publishes=not isinstance(destination_for(job), LocalDestination),
                 warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
-                source_tp=plan.source_tp, target_pp=plan.target_pp, version=plan.version,
+                source_tp=plan.source_tp, target_pp=plan.target_pp, target_ep=plan.target_ep,
+                target_etp=plan.target_etp, version=plan.version,
                 output_format=plan.output_format, notes=get_format(plan.output_format).describe(plan))
 
 
@@ -370,7 +371,8 @@ def commit_checkpoint(job: dict[str, Any], records: list[dict[str, Any]]) -> dic
                                culprit=job["destination"], hint="re-run; the staged copy will be redone",
                                transient=False)
     manifest = manifest_for(_options(job), job["warnings"], job["source_record"], job["destination"], records,
-                            job["conversion_id"], job["target_pp"], job["output_format"])
+                            job["conversion_id"], job["target_pp"], job["output_format"],
+                            target_ep=job["target_ep"], target_etp=job["target_etp"])
     crash_point("staged-all")
     dest.commit([r["path"] for r in records], manifest)
     forget_optimizer_files()  # this process's targets are done: their mappings would keep disk space
