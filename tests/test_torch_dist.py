@@ -637,3 +637,31 @@ def test_writing_an_index_does_not_import_torch_distributed_checkpoint():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_an_index_torch_itself_writes_records_its_folder_as_a_path_and_reads(tmp_path):
+    """torch 2.13's ``torch.distributed.checkpoint.save`` pickles the folder it wrote to as a
+    ``pathlib.PosixPath`` (``storage_meta.checkpoint_id``); the index reads with it (as a pure
+    path, nothing imported or run), a path of anything but strings is still refused, and so is
+    every other global beside it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from reshard.core.errors import UnsafeCheckpointError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)},
+                 checkpoint_id=tmp_path / "ck")
+    data = (tmp_path / "ck" / ".metadata").read_bytes()
+    assert b"PosixPath" in data
+    meta = read_metadata(tmp_path / "ck" / ".metadata")
+    assert {k: (t.shape, t.dtype) for k, t in meta.tensors.items()} == {"w": ((2, 3), torch.float32),
+                                                                       "b": ((3,), torch.bfloat16)}
+    path_of_int = b"\x80\x04\x8c\x07pathlib\x8c\tPosixPath\x93K\x07\x85R."  # PosixPath(7)
+    for bad, what in ((data.replace(b"PosixPath", b"PosixPatx"), "pathlib.PosixPatx"),
+                      (path_of_int, "not of strings")):
+        (tmp_path / ".metadata").write_bytes(bad)
+        with pytest.raises(UnsafeCheckpointError, match=what):
+            read_metadata(tmp_path / ".metadata")

@@ -7,7 +7,8 @@ or that it is a byte item (a ``torch.save`` blob of a Python object). This modul
 plain records (:class:`DcpMetadata`) without running code from the file:
 
 * the pickle is read by an unpickler that resolves only the DCP record classes it names — to
-  inert stand-ins that keep their fields — plus ``torch.Size``, dtypes and layouts; any other
+  inert stand-ins that keep their fields — plus ``torch.Size``, dtypes, layouts and paths (the
+  folder torch's writer saved to, read as a pure path); any other
   global is refused *before* anything is built (:class:`~reshard.core.errors.UnsafeCheckpointError`);
 * the records are checked: every tensor's chunks lie inside it and tile it exactly (no overlap,
   no gap), every chunk and byte item has a storage entry naming a plain file name, and — with
@@ -29,7 +30,7 @@ import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -136,6 +137,20 @@ def _get_layout(name: str) -> Any:
 
 
 _STAND_INS[("torch.serialization", "_get_layout")] = _get_layout
+
+
+def _path(*parts: Any) -> PurePosixPath:
+    """``pathlib.PosixPath(*parts)`` as pickled: torch 2.13's ``FileSystemWriter`` records the folder
+    it saved to (``storage_meta.checkpoint_id``) as the path object itself. Read as a pure path of
+    the same parts (string handling only: no filesystem access, nothing imported or run)."""
+    if not all(isinstance(p, str) for p in parts):
+        raise pickle.UnpicklingError(f"a path of {', '.join(type(p).__name__ for p in parts)}, not of strings")
+    return PurePosixPath(*parts)
+
+
+# Python 3.13 defines the path classes in ``pathlib._local`` and pickles them under that name
+# (CPython gh-133789); 3.12 and 3.14 under ``pathlib``.
+_STAND_INS.update({(module, "PosixPath"): _path for module in ("pathlib", "pathlib._local")})
 
 
 class _SafeUnpickler(pickle.Unpickler):
