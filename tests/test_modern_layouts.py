@@ -316,7 +316,79 @@ def test_unlisted_foreign_class_is_still_refused(tmp_path):
     sd = torch.load(f, weights_only=False)
     sd["args"].when = __import__("datetime").date(2024, 1, 1)
     torch.save(sd, f)
-    with pytest.raises(UnsafeCheckpointError, match="datetime"):
+    with pytest.raises(UnsafeCheckpointError) as err:
+        build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=1))
+    msg = str(err.value)
+    assert "refused to unpickle: global datetime.date is outside reshard's allowlist; nothing" in msg, msg
+    assert "\x1b" not in msg and "add_safe_globals" not in msg and "weights_only" not in msg, msg
+
+
+class InferenceCudaGraphScope(enum.Enum):  # megatron-core 0.19's (megatron/core/transformer/enums.py)
+    none = 1
+    layer = 2
+    block = 3
+
+
+class CudaGraphModule(enum.Enum):  # megatron-core 0.19's
+    attn = 1
+    mlp = 2
+    moe = 3
+    moe_router = 4
+    moe_preprocess = 5
+    mamba = 6
+
+
+@pytest.fixture
+def mcore_019_enums(monkeypatch):
+    """megatron-core 0.19's two new enums, pickled as 0.19 pickles them: under their own module
+    and name (the installed 0.16.1 has neither; pickle looks a class up by that name)."""
+    from megatron.core.transformer import enums
+
+    for cls in (InferenceCudaGraphScope, CudaGraphModule):
+        monkeypatch.setattr(cls, "__module__", enums.__name__)
+        monkeypatch.setattr(enums, cls.__name__, cls, raising=False)
+    return enums
+
+
+def test_megatron_lm_019_args_and_rng_state_load_as_stand_ins_and_are_written_back(tmp_path, mcore_019_enums):
+    """Megatron-LM 0.19's validate_args always saves ``args.inference_cuda_graph_scope`` as its enum
+    and ``args.cuda_graph_modules`` as a list of CudaGraphModule, ``args.exit_signal`` as a signal;
+    with CUDA-graph-safe RNG the tracker states are torch generators. All load as inert stand-ins
+    (refused before: outside the allowlist), carried args come out as they went in."""
+    import signal
+
+    write_core_sample_checkpoint(tmp_path / "src", tp=2)
+    for f in (tmp_path / "src").rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].inference_cuda_graph_scope = InferenceCudaGraphScope.none
+        sd["args"].cuda_graph_modules = [CudaGraphModule.attn, CudaGraphModule.moe_router]
+        sd["args"].exit_signal = signal.SIGTERM
+        sd["rng_state"][0]["rng_tracker_states"] = {"model-parallel-rng": torch.Generator().manual_seed(7)}
+        torch.save(sd, f)
+    safe = load_shard(next((tmp_path / "src").rglob("model_optim_rng.pt")))
+    scope = safe["args"].inference_cuda_graph_scope
+    assert scope.qualname == "megatron.core.transformer.enums.InferenceCudaGraphScope" and scope.foreign_args == (1,)
+    assert safe["rng_state"][0]["rng_tracker_states"]["model-parallel-rng"].qualname == "torch._C.Generator"
+    convert(tmp_path / "src", tmp_path / "out", target_tp=1)
+    out = torch.load(_iter(tmp_path / "out") / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert out["args"].inference_cuda_graph_scope is InferenceCudaGraphScope.none
+    assert out["args"].cuda_graph_modules == [CudaGraphModule.attn, CudaGraphModule.moe_router]
+    assert out["args"].exit_signal is signal.SIGTERM and "rng_state" not in out
+
+
+@pytest.mark.parametrize("entry", ["output_layer._extra_state", "decoder.final_layernorm.weight"])
+def test_an_allowlisted_object_in_place_of_a_weight_is_refused(tmp_path, entry):
+    """The stand-ins are for what is saved beside the model; in the module (a weight, a Transformer
+    Engine extra state) one is refused, naming the entry and the class (carried before)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    write_core_sample_checkpoint(tmp_path / "src", tp=1)
+    f = _iter(tmp_path / "src") / "mp_rank_00" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["model"][entry] = {"recipe": AttnBackend.flash}
+    torch.save(sd, f)
+    with pytest.raises(UnsafeCheckpointError, match=f"module entry {entry} holds a "
+                                                    r"megatron\.core\.transformer\.enums\.AttnBackend"):
         build_plan(str(tmp_path / "src"), ReshardOptions(target_tp=1))
 
 

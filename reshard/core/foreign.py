@@ -73,6 +73,10 @@ def stand_in(qualname: str) -> type[Foreign]:
 FOREIGN_NAMES: tuple[str, ...] = (
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope",
+    # megatron-core >= 0.18: Megatron-LM's validate_args always saves args.inference_cuda_graph_scope
+    # as this enum (``none`` by default) and args.cuda_graph_modules as a list of CudaGraphModule
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.transformer.enums.CudaGraphModule",
     "megatron.core.enums.ModelType",
     "megatron.core.optimizer.optimizer_config.OptimizerConfig",
     "megatron.core.rerun_state_machine.RerunDiagnostic",
@@ -88,7 +92,11 @@ FOREIGN_NAMES: tuple[str, ...] = (
     "numpy.dtypes.Float64DType",
     "numpy.dtypes.Int64DType",
     "pathlib.PosixPath",
+    "pathlib._local.PosixPath",  # how Python 3.13 pickles a PosixPath (CPython gh-133789)
     "signal.Signals",
+    # rng_state's tracker states with CUDA-graph-safe RNG (megatron-core's random.py): a generator,
+    # pickled as Generator(device) and its (seed, offset, state tensor), recorded as data
+    "torch._C.Generator",
     # DeepSpeed ZeRO optimizer files (``*_optim_states.pt``): the loss scaler, the stage enum, the
     # per-parameter fragment addresses. Read as data; DeepSpeed is never imported.
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -131,10 +139,19 @@ SAFE_STAND_INS: tuple[tuple[type[Foreign], str], ...] = tuple((cls, name) for na
 
 def contains_foreign(obj: Any, _depth: int = 0) -> bool:
     """Whether ``obj`` (containers, namespaces) holds a stand-in anywhere (tensors skipped)."""
+    return find_foreign(obj, _depth) is not None
+
+
+def find_foreign(obj: Any, _depth: int = 0) -> str | None:
+    """The qualified name of the first stand-in in ``obj`` (containers, namespaces; tensors
+    skipped), an enum member by name as ``Class.member``; None when it holds none."""
     if _depth > 50 or isinstance(obj, torch.Tensor):
-        return False
+        return None
+    if isinstance(obj, ForeignMember):
+        cls, member = obj.foreign_args
+        return f"{cls.qualname}.{member}"
     if isinstance(obj, Foreign) or (isinstance(obj, type) and issubclass(obj, Foreign)):
-        return True
+        return obj.qualname
     items: Iterable[Any]
     if isinstance(obj, dict):
         items = list(obj.keys()) + list(obj.values())
@@ -143,8 +160,8 @@ def contains_foreign(obj: Any, _depth: int = 0) -> bool:
     elif isinstance(obj, (Namespace, SimpleNamespace)):
         items = vars(obj).values()
     else:
-        return False
-    return any(contains_foreign(x, _depth + 1) for x in items)
+        return None
+    return next((name for x in items if (name := find_foreign(x, _depth + 1)) is not None), None)
 
 
 class _ForeignPickler(pickle._Pickler):  # type: ignore[name-defined]

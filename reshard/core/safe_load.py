@@ -18,11 +18,12 @@ import contextlib
 import io
 import os
 import pickle
+import re
 import struct
 import threading
 import types
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 
 from reshard.core import remote
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
-from reshard.core.foreign import SAFE_STAND_INS, Foreign
+from reshard.core.foreign import SAFE_STAND_INS, Foreign, find_foreign
 
 # torch's allowlist is process-wide state; concurrent loads in threads would race on it, so
 # loads are serialized. With mmap=True a load only reads the pickle, not tensors.
@@ -105,8 +106,7 @@ def _torch_load(f: Any, where: str, **kw: Any) -> dict[str, Any]:
             obj = torch.load(f, map_location=kw.pop("map_location", "cpu"), weights_only=True, **kw)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
-            f"refused to unpickle: it references code outside reshard's allowlist "
-            f"({_first_line(exc)}); nothing from it was executed", culprit=where,
+            f"refused to unpickle: {refusal_reason(exc)}; nothing from it was executed", culprit=where,
             hint="only load checkpoints from sources you trust; re-save the state dict with "
                  "plain tensors and dicts") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
@@ -198,6 +198,26 @@ def _holds_tensor(v: Any, _depth: int = 0) -> bool:
     return False
 
 
+def refuse_foreign_entries(module: Mapping[str, Any], where: str) -> None:
+    """Refuse a module (the model's entries) that holds an allowlisted foreign object.
+
+    The stand-ins (:mod:`reshard.core.foreign`) are for what Megatron-LM and DeepSpeed save
+    *beside* the model: ``args`` (megatron enums, paths, signals, numpy scalars), RNG state
+    (numpy arrays, generators), the rerun state machine, optimizer state (its config, DeepSpeed's
+    loss scaler and fragment addresses) — entries reshard carries as data or drops. A module
+    entry is a weight, or a Transformer Engine ``_extra_state`` (a byte tensor, a ``BytesIO``
+    holding TE's own pickle, which reshard carries unread, or None); an enum or generator there
+    stands for no tensor reshard can lay out, so it is refused here rather than carried."""
+    for key, value in module.items():
+        found = find_foreign(value)
+        if found is not None:
+            raise UnsafeCheckpointError(
+                f"module entry {key} holds a {found}: reshard reads such objects (as inert data) only beside "
+                f"the model (args, RNG and optimizer state), never as a weight", culprit=where,
+                hint="re-save the model's state dict with its tensors (Transformer Engine's _extra_state as "
+                     "Transformer Engine saves it)")
+
+
 def safe_torch_load(f: Any, *, allowlist: bool = False) -> Any:
     """``torch.load`` of one in-memory blob (a torch_dist chunk or byte item) with the
     weights-only unpickler and, as the only extra globals, :data:`SAFE_GLOBALS` (``allowlist``)
@@ -207,12 +227,29 @@ def safe_torch_load(f: Any, *, allowlist: bool = False) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    # torch's weights-only message is long; keep the sentence naming the culprit global.
-    for line in text.splitlines():
-        if "Unsupported global" in line or "GLOBAL" in line:
-            return line.strip()[:300]
+    text = _ANSI.sub("", str(exc)).strip()
     return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
+#: Terminal colour codes torch's weights-only message carries (bold around its advice).
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: The global torch's weights-only unpickler names when it refuses one (not allowed, or blocked).
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """What a weights-only load refused, in plain words for a one-line error: the global it names
+    (``global datetime.date is outside reshard's allowlist``) or the unpickler's own complaint
+    (an allowlisted stand-in refusing its arguments), never torch's advice to allowlist the
+    global or to load with ``weights_only=False``, nor its terminal colour codes."""
+    text = _ANSI.sub("", str(exc))
+    m = _REFUSED_GLOBAL.search(text)
+    if m:
+        return f"global {m.group(1)} is outside reshard's allowlist"
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()[:300]
+    return _first_line(exc)
 
 
 # --- one tensor's torch.save archive, described without loading it ---------------------------------

@@ -32,6 +32,7 @@ from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions, flag_of
 from reshard.core.pipeline_stages import StageLayout
+from reshard.core.safe_load import refuse_foreign_entries
 from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
 from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
                                      SourceStage, TensorDegrees, dropped_warning)
@@ -292,6 +293,9 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
     the target TP) and check the replicated tensors agree across ranks."""
     n, m, args = source.tp, options.target_tp, read.args
     rows = read.module_rows
+    for st in rows:
+        for name, module in zip(st.names, st.modules):
+            refuse_foreign_entries(module, name)
     all_keys = list(dict.fromkeys(st.canonical_name(k) for st in rows for k in st.modules[0]))
     family, resolution = resolve_family(all_keys, source=source.origin)
     raw, carried_raw, layers_per_stage = collect(rows, resolution.by_key, source)

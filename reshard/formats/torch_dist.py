@@ -67,7 +67,7 @@ from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, L
 from reshard.core.lazy import LazyTensor
 from reshard.core.remote import RemoteStorage, RemoteTensor
 from reshard.core.pages import PageDropper
-from reshard.core.safe_load import load_shard, safe_torch_load, tensor_record
+from reshard.core.safe_load import load_shard, refusal_reason, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
@@ -561,9 +561,8 @@ def _load_blob(path: Path, offset: int, length: int, where: str, *, allowlist: b
     try:
         return safe_torch_load(io.BytesIO(blob), allowlist=allowlist)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"refused to unpickle: {str(exc).splitlines()[0][:200]}; nothing from it was "
-                                    "executed", culprit=where, hint="only load checkpoints from sources you trust") \
-            from None
+        raise UnsafeCheckpointError(f"refused to unpickle: {refusal_reason(exc)}; nothing from it was executed",
+                                    culprit=where, hint="only load checkpoints from sources you trust") from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise CorruptCheckpointError(f"cannot read the blob: {str(exc).splitlines()[0][:200]}", culprit=where,
                                      hint="the .distcp file is truncated or corrupt; re-copy it") from None
