@@ -85,6 +85,19 @@ def test_model_config_gives_megatron_core_and_transformers_the_sources_logits(fo
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, atol=TOL, rtol=0)
 
 
+def test_megatron_bridges_common_state_in_the_index_without_args_reads(foreign, tmp_path):
+    """Megatron-Bridge on megatron-core 0.19 keeps its common state (checkpoint_version, iteration,
+    content_metadata; no args) as the index's ``common_state/shard_0_1`` item, not in common.pt
+    (refused before: "1 parameter(s) match no rule: common_state")."""
+    from mcore019 import as_019_dist, load_019_common_state
+
+    src = as_019_dist(foreign[("llama", 2)], tmp_path / "v019", content_metadata={"singleton_local_shards": False})
+    assert sorted(load_019_common_state(src / ITER)) == ["checkpoint_version", "content_metadata", "iteration"]
+    assert main(["run", "--direct", str(src), str(tmp_path / "hf"), "--to", "hf", "--model-config",
+                 str(_llama_config(tmp_path / "cfg"))]) == 0
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), torch.load(src / "logits.pt"), atol=TOL, rtol=0)
+
+
 def test_a_megatron_bridge_run_config_beside_the_checkpoint_is_read(foreign, tmp_path):
     """Megatron-Bridge's ``run_config.yaml`` (its ``model`` section: megatron-core's field names)
     in the iteration folder supplies the facts with no flag; a wrong one changes the answer."""

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from layout_helpers import convert, legacy_names
+from mcore019 import CudaGraphModule, InferenceCudaGraphScope, serve_019_enums
 from mcore_reference import Arch, core_logits
 from reshard.cli import main
 from reshard.core import foreign
@@ -323,31 +324,9 @@ def test_unlisted_foreign_class_is_still_refused(tmp_path):
     assert "\x1b" not in msg and "add_safe_globals" not in msg and "weights_only" not in msg, msg
 
 
-class InferenceCudaGraphScope(enum.Enum):  # megatron-core 0.19's (megatron/core/transformer/enums.py)
-    none = 1
-    layer = 2
-    block = 3
-
-
-class CudaGraphModule(enum.Enum):  # megatron-core 0.19's
-    attn = 1
-    mlp = 2
-    moe = 3
-    moe_router = 4
-    moe_preprocess = 5
-    mamba = 6
-
-
 @pytest.fixture
 def mcore_019_enums(monkeypatch):
-    """megatron-core 0.19's two new enums, pickled as 0.19 pickles them: under their own module
-    and name (the installed 0.16.1 has neither; pickle looks a class up by that name)."""
-    from megatron.core.transformer import enums
-
-    for cls in (InferenceCudaGraphScope, CudaGraphModule):
-        monkeypatch.setattr(cls, "__module__", enums.__name__)
-        monkeypatch.setattr(enums, cls.__name__, cls, raising=False)
-    return enums
+    serve_019_enums(monkeypatch)
 
 
 def test_megatron_lm_019_args_and_rng_state_load_as_stand_ins_and_are_written_back(tmp_path, mcore_019_enums):

@@ -21,6 +21,7 @@ import torch
 
 from layout_helpers import convert
 from legacy_twin import as_legacy, perturbed_norms, rewrite_run
+from mcore019 import CudaGraphModule, InferenceCudaGraphScope, as_019_dist, load_019_common_state, serve_019_enums
 from mcore_fixtures import mcore_checkpoints, mcore_dist_checkpoints, mcore_forward, needs_mcore, rank_module
 from reshard.cli import main
 from reshard.core.dcp_metadata import ChunkRef, DcpTensor, check_tiling, read_metadata
@@ -125,6 +126,40 @@ def test_inspect_and_plan_describe_a_torch_dist_checkpoint(dist, capsys):
     assert rec["facts"]["query_groups"] == 4 and rec["facts"]["swiglu"] is True
     assert any(f.endswith(".distcp") for f in rec["files"]) and rec["bytes"] > 100_000
     assert main(["plan", str(src), "--target-tp", "4"]) == 0
+
+
+def test_megatron_core_019s_common_state_in_the_index_is_read_as_common_pt_was(dist, mcore, tmp_path, monkeypatch):
+    """megatron-core >= 0.19 writes no common.pt: the common state is the byte item
+    ``common_state/shard_0_1`` of the index (args with 0.19's enums, content_metadata). Read as the
+    common state (refused before as a parameter matching no rule), the shards equal megatron-core's
+    own and the args are carried as they were."""
+    serve_019_enums(monkeypatch)
+    new = as_019_dist(dist[("gqa_swiglu", 2, 1)], tmp_path / "v019",
+                      args__inference_cuda_graph_scope=InferenceCudaGraphScope.none,
+                      args__cuda_graph_modules=[CudaGraphModule.attn],
+                      content_metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    folder = new / "iter_0000007"
+    assert not (folder / "common.pt").exists()
+    assert load_019_common_state(folder)["args"].inference_cuda_graph_scope is InferenceCudaGraphScope.none
+    plan = convert(new, tmp_path / "out", target_tp=4)
+    assert "common_state" not in {p.key.split("/")[0] for p in plan.params}
+    for r in range(4):
+        _assert_same_module(_module(tmp_path / "out", r), _module(mcore[("gqa_swiglu", 4, 1)], r), f"rank {r}")
+    out = torch.load(tmp_path / "out/iter_0000007/mp_rank_00/model_optim_rng.pt", weights_only=False)
+    assert out["args"].inference_cuda_graph_scope is InferenceCudaGraphScope.none
+    assert out["args"].cuda_graph_modules == [CudaGraphModule.attn] and out["iteration"] == 7
+    assert out["args"].tensor_model_parallel_size == 4 and "optimizer" not in out
+
+
+def test_a_refused_global_in_the_common_state_is_named_in_plain_words(dist, tmp_path, capsys):
+    import datetime
+
+    new = as_019_dist(dist[("mha", 2, 1)], tmp_path / "v019", args__when=datetime.date(2024, 1, 1))
+    assert main(["run", "--direct", str(new), str(tmp_path / "out"), "--target-tp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "add_safe_globals" not in err, err
+    assert "common_state/shard_0_1" in err and "global datetime.date is outside reshard's allowlist" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 # --- refusals -------------------------------------------------------------------------------------
@@ -512,6 +547,36 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
             assert _allocated(parted) < model + total / 10, (out, _allocated(parted), model, total)
         small = {(src / "iter_0000007" / n).stat().st_size for n in (".metadata", "common.pt", "metadata.json")}
         assert {p.stat().st_size for p in entries if p not in parted} <= small | {1}, out  # fetched whole: these
+
+
+def test_a_wrecked_common_state_blob_is_one_line_saying_what_torch_found(dist, tmp_path, capsys):
+    new = as_019_dist(dist[("mha", 2, 1)], tmp_path / "v019")
+    item = read_metadata(new / "iter_0000007/.metadata").byte_items["common_state/shard_0_1"]
+    with open(new / "iter_0000007" / item.file, "r+b") as f:
+        f.seek(item.offset)
+        f.write(b"\0" * item.length)
+    assert main(["run", "--direct", str(new), str(tmp_path / "out"), "--target-tp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(common_state/shard_0_1): refused to unpickle: Unsupported operand 0;" in err, err
+
+
+@pytest.mark.parametrize("cache_sources", [False, True], ids=["streamed", "ranges"])
+def test_megatron_core_019s_common_state_is_read_from_s3(dist, tmp_path, s3_server, s3_bucket, monkeypatch,
+                                                          cache_sources):
+    """The common state's blob (megatron-core >= 0.19) is one of the byte ranges a remote .distcp
+    is fetched as, and is read through a streamed file's source: from S3 the output is the local one."""
+    from conftest import upload_to_s3
+    from reshard.core.options import ReshardOptions
+    from reshard.direct import run_direct
+    from reshard.storage.cache import ShardCache
+    from test_flow_formats import _outputs
+
+    src = as_019_dist(dist[("gqa_swiglu", 2, 1)], tmp_path / "v019")
+    run_direct(str(src), str(tmp_path / "local"), ReshardOptions(target_tp=1))
+    url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch, prefix=f"v019_{cache_sources}")
+    run_direct(url, str(tmp_path / "s3"), ReshardOptions(target_tp=1), storage_options=so,
+               cache=ShardCache(tmp_path / "cache"), cache_sources=cache_sources)
+    assert _outputs(tmp_path / "s3") == _outputs(tmp_path / "local")
 
 
 def test_chunks_are_read_as_views_of_the_mapped_file_equal_to_torch_load(dist):

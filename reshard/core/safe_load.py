@@ -227,8 +227,8 @@ def safe_torch_load(f: Any, *, allowlist: bool = False) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = _ANSI.sub("", str(exc)).strip()
-    return (text.splitlines() or [type(exc).__name__])[0][:300]
+    lines = [ln.strip() for ln in _ANSI.sub("", str(exc)).splitlines() if ln.strip()]
+    return (lines or [type(exc).__name__])[0][:300]
 
 
 #: Terminal colour codes torch's weights-only message carries (bold around its advice).
@@ -246,9 +246,10 @@ def refusal_reason(exc: BaseException) -> str:
     m = _REFUSED_GLOBAL.search(text)
     if m:
         return f"global {m.group(1)} is outside reshard's allowlist"
-    for line in text.splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].strip()[:300]
+    if "WeightsUnpickler error:" in text:
+        said = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation of torch.load")[0]
+        if said.strip():
+            return " ".join(said.split())[:300]
     return _first_line(exc)
 
 

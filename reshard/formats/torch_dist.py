@@ -4,8 +4,12 @@ without a cluster.
 A torch_dist checkpoint is an iteration folder (``iter_XXXXXXX``, ``release``), alone or in a
 Megatron-LM run folder (``latest_checkpointed_iteration.txt``), holding a
 ``torch.distributed.checkpoint`` folder: ``.metadata`` (the index, see
-:mod:`reshard.core.dcp_metadata`), ``__R_K.distcp`` (the chunks every rank wrote), ``common.pt``
-(``args``, ``iteration``, ... — a torch file) and ``metadata.json`` (the backend).
+:mod:`reshard.core.dcp_metadata`), ``__R_K.distcp`` (the chunks every rank wrote), the common
+state (``args``, ``iteration``, ...) and ``metadata.json`` (the backend). megatron-core before 0.19
+writes the common state as ``common.pt`` (a torch file); from 0.19 on as one byte item of the
+index, the ShardedObject ``common_state`` (:data:`COMMON_STATE`, ``torch.save`` of the one-element
+list ``[common]``), and loads ``common.pt`` first where there is one: so does reshard
+(:func:`common_state`). It is the checkpoint's metadata, never a parameter.
 
 Keys are *global*: one entry per parameter whatever the TP, chunks of it from every rank; the
 per-layer parameters of ``decoder.layers`` are stacked along a leading layer axis (or stored
@@ -83,6 +87,9 @@ if TYPE_CHECKING:
 TORCH_DIST = "torch_dist"
 INDEX = ".metadata"
 COMMON = "common.pt"
+#: The byte item megatron-core >= 0.19 keeps the common state in: ``ShardedObject("common_state",
+#: data, global_shape=(1,), global_offset=(0,))``'s unique key (its ``dist_checkpointing.save``).
+COMMON_STATE = "common_state/shard_0_1"
 CONFIG = "metadata.json"
 #: Global keys that are not the model: skipped (never read), reported under these top-level names.
 SKIPPED_ROOTS: dict[str, str] = {"optimizer.": "optimizer", "rng_state": "rng_state",
@@ -129,6 +136,7 @@ class TorchDistFormat(CheckpointFormat):
             return None
         meta = _metadata(Path(index))
         keys = set(model_keys(meta))
+        keys.add(COMMON_STATE)  # the common state (megatron-core >= 0.19) is read beside the model
         spans = sorted({(c.offset, c.length) for t in meta.tensors.values() if t.key in keys for c in t.chunks
                         if c.file == base} | {(b.offset, b.length) for b in meta.byte_items.values()
                                                if b.key in keys and b.file == base})
@@ -160,9 +168,10 @@ class TorchDistFormat(CheckpointFormat):
                                         f"{', '.join(sorted(_skipped(meta))) or 'nothing'})", culprit=str(folder),
                                         hint="point at a checkpoint saved with the model's state")
         sizes = {f.name: f.stat().st_size for f in folder.iterdir() if f.suffix == ".distcp" and f.is_file()}
-        check_storage(meta, sizes, set(model), str(folder))
+        read = set(model) | ({COMMON_STATE} & set(meta.byte_items))
+        check_storage(meta, sizes, read, str(folder))
         aux = ([folder / COMMON] if (folder / COMMON).is_file() else []) + \
-            [folder / f for f in sorted(meta.files(set(model)))]
+            [folder / f for f in sorted(meta.files(read))]
         return SourceCheckpoint((folder / INDEX,), origin=str(path), format=TORCH_DIST, pp=1,
                                 iteration=folder.name, aux=tuple(aux))
 
@@ -170,11 +179,11 @@ class TorchDistFormat(CheckpointFormat):
         p = Path(path)
         meta = _metadata(p)
         folder = p.parent
-        common = load_shard(folder / COMMON) if (folder / COMMON).is_file() else {}
+        common = common_state(meta, folder)
         if getattr(common.get("args"), "moe_grouped_gemm", False) and any(EXPERTS in k for k in meta.keys):
             raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
                               "names (linear_fc1.weight{i}) are not written from torch_dist yet",
-                              culprit=str(folder / COMMON), hint="convert a per-rank checkpoint of this run instead")
+                              culprit=str(folder), hint="convert a per-rank checkpoint of this run instead")
         module = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
         out: dict[str, Any] = {}
         for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
@@ -297,8 +306,29 @@ def _skipped(meta: DcpMetadata) -> set[str]:
 
 
 def model_keys(meta: DcpMetadata) -> list[str]:
-    """The global keys that belong to the model (everything but optimizer and RNG state)."""
-    return [k for k in meta.keys if not any(k.startswith(p) for p in SKIPPED_ROOTS)]
+    """The global keys that belong to the model (everything but optimizer and RNG state, and the
+    common state: :func:`common_state`)."""
+    return [k for k in meta.keys if k != COMMON_STATE and not any(k.startswith(p) for p in SKIPPED_ROOTS)]
+
+
+def common_state(meta: DcpMetadata, folder: Path) -> dict[str, Any]:
+    """The checkpoint's common state (``args``, ``checkpoint_version``, ``iteration``, ...) as
+    megatron-core's ``load_common_state_dict`` finds it: ``common.pt`` where the folder has one,
+    else the :data:`COMMON_STATE` byte item (the list of one dict that megatron-core >= 0.19
+    saves), else nothing (a plain ``torch.distributed.checkpoint`` folder). Weights-only with the
+    allowlist, like any torch file reshard reads."""
+    if (folder / COMMON).is_file():
+        return load_shard(folder / COMMON)
+    item = meta.byte_items.get(COMMON_STATE)
+    if item is None:
+        return {}
+    path = folder / item.file
+    value = _load_blob(path, item.offset, item.length, f"{path} ({COMMON_STATE})", allowlist=True)
+    if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)):
+        raise CorruptCheckpointError(f"the common state holds a {type(value).__name__}, not the list of one dict "
+                                     "megatron-core saves", culprit=f"{path} ({COMMON_STATE})",
+                                     hint="the checkpoint is corrupt or was not written by megatron-core; re-copy it")
+    return value[0]
 
 
 def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> dict[str, Any]:
