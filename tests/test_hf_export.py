@@ -109,10 +109,33 @@ def test_megatron_cores_window_is_exported_as_mistrals_sliding_window(mcore, tmp
         assert (hf_logits(out) - want).abs().max() > 100 * TOL, wrong
 
 
-def test_the_saved_rotary_base_and_epsilon_are_exported(mcore, tmp_path):
-    config = json.loads((_export(mcore[("qwen", 2, 1)], tmp_path / "hf") / "config.json").read_text())
+def _as_019_args(run: Path, dst: Path) -> Path:
+    """A copy of ``run`` whose args spell the epsilon as Megatron-LM 0.19 saves it: generated from
+    megatron-core's TransformerConfig, ``layernorm_epsilon`` (no ``norm_epsilon``)."""
+    dst = Path(shutil.copytree(run, dst))
+    for f in dst.rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["args"].layernorm_epsilon = vars(sd["args"]).pop("norm_epsilon")
+        torch.save(sd, f)
+    return dst
+
+
+@pytest.mark.parametrize("spelling", ["norm_epsilon", "layernorm_epsilon"], ids=["0.16", "0.19"])
+def test_the_saved_rotary_base_and_epsilon_are_exported(mcore, tmp_path, spelling):
+    src = mcore[("qwen", 2, 1)] if spelling == "norm_epsilon" else _as_019_args(mcore[("qwen", 2, 1)], tmp_path / "s")
+    config = json.loads((_export(src, tmp_path / "hf") / "config.json").read_text())
     assert config["rope_theta"] == 50000.0 and config["rope_parameters"]["rope_theta"] == 50000.0
     assert config["rms_norm_eps"] == 1e-6
+
+
+@pytest.mark.parametrize("spelling", ["norm_epsilon", "layernorm_epsilon"], ids=["0.16", "0.19"])
+def test_a_flag_contradicting_the_saved_epsilon_is_refused_whatever_its_spelling(mcore, tmp_path, capsys, spelling):
+    """``--norm-epsilon`` fills in an epsilon the args lack; under 0.19's name the args have one
+    (was: the flag silently overrode the saved 1e-6 in the export)."""
+    src = mcore[("qwen", 2, 1)] if spelling == "norm_epsilon" else _as_019_args(mcore[("qwen", 2, 1)], tmp_path / "s")
+    _refused(capsys, src, tmp_path / "out", "norm_epsilon=1e-05 from the flags contradicts the checkpoint's saved "
+             "args (1e-06)", "--norm-epsilon", "1e-5")
+    assert main(["run", "--direct", str(src), str(tmp_path / "same"), "--to", "hf", "--norm-epsilon", "1e-6"]) == 0
 
 
 def test_pipeline_stages_export_with_global_layer_numbers(mcore, tmp_path):
@@ -253,12 +276,14 @@ def _refused(capsys, src: Path, dst: Path, needle: str, *extra: str) -> None:
     assert not dst.exists()
 
 
-def test_norm_weights_stored_off_by_one_are_refused(mcore, tmp_path, capsys):
+@pytest.mark.parametrize("saved_as", ["apply_layernorm_1p", "layernorm_zero_centered_gamma"], ids=["0.16", "0.19"])
+def test_norm_weights_stored_off_by_one_are_refused(mcore, tmp_path, capsys, saved_as):
     """Megatron's ``--apply-layernorm-1p`` stores every norm weight as ``w - 1``: exported as they are,
-    every norm would be off by one (an approximate export)."""
+    every norm would be off by one (an approximate export). Megatron-LM 0.19 saves the flag as
+    ``layernorm_zero_centered_gamma``."""
     from mcore_fixtures import copy_with_args
 
-    src = copy_with_args(mcore[("llama", 2, 1)], tmp_path / "src", apply_layernorm_1p=True)
+    src = copy_with_args(mcore[("llama", 2, 1)], tmp_path / "src", **{saved_as: True})
     _refused(capsys, src, tmp_path / "out", "norm weights stored as w - 1 (layernorm 1p) (apply_layernorm_1p)")
 
 

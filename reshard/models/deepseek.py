@@ -532,7 +532,7 @@ class DeepseekV3(HFArchitectureFamily):
             raise refuse(f"normalization {_arg(args, 'normalization')} (DeepseekV3 uses RMSNorm)")
         if not facts.swiglu:
             raise refuse("the MLP is not SwiGLU")
-        eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5))
+        eps = float(_arg(args, "norm_epsilon", default=1e-5))
         if eps != LATENT_NORM_EPS:
             raise refuse(f"norm epsilon {eps:g} (transformers fixes the latent norms' at {LATENT_NORM_EPS:g})")
         if not has(r"\.self_attention\.(?:kv_layernorm\.weight|linear_kv_up_proj\.layer_norm_weight)$"):

@@ -18,6 +18,30 @@ from reshard.core.rules import Kind, Place, QuantSlot
 from reshard.core.source import SourceCheckpoint, parse_version
 
 
+#: Model facts Megatron-LM saves in ``args`` under a name that depends on its version: megatron-core
+#: 0.19 generates Megatron-LM's arguments from its config dataclasses, so ``--norm-epsilon`` is saved
+#: as ``layernorm_epsilon`` and ``--apply-layernorm-1p`` as ``layernorm_zero_centered_gamma``;
+#: earlier versions saved the flag's name. Fact -> its names, the one reshard's flags and outputs
+#: use first.
+ARG_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "norm_epsilon": ("norm_epsilon", "layernorm_epsilon"),
+    "apply_layernorm_1p": ("apply_layernorm_1p", "layernorm_zero_centered_gamma"),
+}
+
+
+_SPELLINGS: dict[str, tuple[str, ...]] = {name: names for names in ARG_SPELLINGS.values() for name in names}
+
+
+def saved_arg(args: Any, name: str) -> Any:
+    """The saved value of the fact ``name`` (any of its names) under any of its names
+    (:data:`ARG_SPELLINGS`); None when ``args`` hold none."""
+    for spelling in _SPELLINGS.get(name, (name,)):
+        v = getattr(args, spelling, None) if args is not None else None
+        if v is not None:
+            return v
+    return None
+
+
 def int_arg(args: Any, name: str) -> int | None:
     v = getattr(args, name, None) if args is not None else None
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.errors import ConfigError, LayoutError
+from reshard.models.facts import saved_arg
 
 #: ``run_config.yaml`` beside a Megatron-Bridge checkpoint's files (in its iteration folder).
 RUN_CONFIG = "run_config.yaml"
@@ -116,7 +117,7 @@ def supplement(saved: Any, given: list[tuple[argparse.Namespace, str]], where: s
     taken: dict[str, str] = {}
     for facts, origin in given:
         for name, value in vars(facts).items():
-            have = getattr(merged, name, None)
+            have = saved_arg(merged, name)  # saved under any of its names (megatron-core 0.19's included)
             if have is None:
                 setattr(merged, name, value)
                 taken[name] = origin

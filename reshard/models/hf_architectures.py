@@ -72,6 +72,7 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
 from reshard.core.rules import layer_index
+from reshard.models.facts import saved_arg
 from reshard.models.megatron_gpt import core_name, expert_index, experts_per_layer
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
@@ -597,8 +598,9 @@ def with_token_ids(arch: HFArchitecture, args: Any) -> HFArchitecture:
 
 
 def _arg(args: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` the saved ``args`` hold (each under any of its spellings), else ``default``."""
     for n in names:
-        v = getattr(args, n, None) if args is not None else None
+        v = saved_arg(args, n)
         if v is not None:
             return v
     return default
@@ -682,8 +684,8 @@ def sliding_window(args: Any, num_layers: int) -> int | None:
 NOT_EXPORTED_FLAGS: tuple[tuple[str, str], ...] = (
     ("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
     ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
-    ("use_rope_scaling", "rotary scaling"), ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"),
-    ("layernorm_zero_centered_gamma", "norm weights stored as w - 1 (zero-centered gamma)"))
+    ("use_rope_scaling", "rotary scaling"),
+    ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"))
 
 
 def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
@@ -740,7 +742,7 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
     mlp_bias = has(r"linear_fc1\.bias$") or has(r"linear_fc2\.bias$")
     vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
     base = float(_arg(args, "rotary_base", default=ROPE_BASE_DEFAULT))
-    eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=NORM_EPS_DEFAULT))
+    eps = float(_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
     config: dict[str, Any] = {
         "vocab_size": vocab, "hidden_size": facts.hidden, "intermediate_size": ffn,
         "num_hidden_layers": facts.num_layers, "num_attention_heads": facts.heads,
@@ -754,8 +756,7 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
         config["max_position_embeddings"] = max_pos
     notes = (f"rope_theta {base:g}" + (" (megatron-core's default: args do not record it)"
                                        if _arg(args, "rotary_base") is None else ""),
-             f"rms_norm_eps {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon",
-                                                                              "layernorm_epsilon") is None else ""))
+             f"rms_norm_eps {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon") is None else ""))
     if qk_norm and (qkv_bias != proj_bias or mlp_bias):
         where = [n for n, b in (("QKV", qkv_bias), ("attention output", proj_bias), ("MLP", mlp_bias)) if b]
         raise refuse(f"query/key layer norms with biases on the {' and '.join(where)} layers (Qwen3 has them on "
@@ -805,7 +806,7 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
     if missing:
         raise refuse(f"no biases on the {' and '.join(missing)} layers (GPT-2 has them on every linear layer)")
     rows = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
-    eps = float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=NORM_EPS_DEFAULT))
+    eps = float(_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
     gelu = "gelu_new" if _arg(args, "openai_gelu", default=False) else "gelu"
     config: dict[str, Any] = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": rows, "n_embd": facts.hidden,
@@ -818,8 +819,8 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
     if isinstance(max_pos, int):
         config["n_positions"] = max_pos
     notes = (f"activation {gelu} ({'--openai-gelu' if gelu == 'gelu_new' else 'exact GELU, Megatron default'})",
-             f"layer_norm_epsilon {eps:g}" + (" (megatron-core's default)" if _arg(
-                 args, "norm_epsilon", "layernorm_epsilon") is None else ""))
+             f"layer_norm_epsilon {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon") is None
+                                              else ""))
     return HFArchitecture(name="GPT2LMHeadModel", config=config, notes=notes,
                           reason="LayerNorm, GELU, learned positions, biases on every linear layer, multi-head")
 
