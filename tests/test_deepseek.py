@@ -883,3 +883,67 @@ def test_the_run_summary_names_the_formats_every_changed_degree_and_the_quantiza
     assert head(str(bf16), str(tmp_path / "hf"), "--to", "hf").startswith("hf -> hf, 3 files, ")
     result = reshard.convert(str(fp8), str(tmp_path / "api"), target_tp=2, target_ep=2)
     assert result.summary.startswith("hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 5 files, ")
+
+
+def _bridge_run_config(config: dict) -> dict:
+    """The ``model`` section Megatron-Bridge 0.6.2 saves in ``run_config.yaml`` for a DeepSeek-V3
+    ``config``: its MLA provider (megatron-core's MLATransformerConfig field names) as its
+    ``CONFIG_MAPPING`` and ``MLA_ROPE_SCALING_MAPPING`` fill it from the Hugging Face config and
+    ``DeepSeekV3Bridge.provider_bridge`` sets the rest (``kv_channels`` is transformers'
+    ``head_dim``, the rope head width, as Megatron-Bridge maps it; the CPU-run settings its real
+    fixtures record: local spec, no grouped GEMM)."""
+    rope = config["rope_parameters"]
+    return {"_target_": "megatron.bridge.models.mla_provider.MLAModelProvider",
+            "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+            "ffn_hidden_size": config["intermediate_size"], "num_attention_heads": config["num_attention_heads"],
+            "num_query_groups": config["num_key_value_heads"], "kv_channels": config["qk_rope_head_dim"],
+            "vocab_size": config["vocab_size"], "seq_length": config["max_position_embeddings"],
+            "layernorm_epsilon": config["rms_norm_eps"], "rotary_base": rope["rope_theta"], "rotary_percent": 1.0,
+            "share_embeddings_and_output_weights": config["tie_word_embeddings"],
+            "num_moe_experts": config["n_routed_experts"], "moe_router_topk": config["num_experts_per_tok"],
+            "moe_ffn_hidden_size": config["moe_intermediate_size"], "moe_router_score_function": "sigmoid",
+            "moe_router_num_groups": config["n_group"], "moe_router_group_topk": config["topk_group"],
+            "moe_router_topk_scaling_factor": config["routed_scaling_factor"],
+            "q_lora_rank": config["q_lora_rank"], "kv_lora_rank": config["kv_lora_rank"],
+            "qk_head_dim": config["qk_nope_head_dim"], "qk_pos_emb_head_dim": config["qk_rope_head_dim"],
+            "v_head_dim": config["v_head_dim"], "mtp_num_layers": None, "rope_type": "yarn",
+            "rotary_scaling_factor": rope["factor"], "original_max_position_embeddings":
+                rope["original_max_position_embeddings"], "beta_fast": rope["beta_fast"],
+            "beta_slow": rope["beta_slow"], "mscale": rope["mscale"], "mscale_all_dim": rope["mscale_all_dim"],
+            "normalization": "RMSNorm", "gated_linear_unit": True,
+            "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
+            "add_bias_linear": False, "add_qkv_bias": False, "qk_layernorm": True, "multi_latent_attention": True,
+            "moe_grouped_gemm": False, "moe_router_pre_softmax": True, "moe_router_enable_expert_bias": True,
+            "moe_layer_freq": [0] * config["first_k_dense_replace"] + [1] * (config["num_hidden_layers"]
+                                                                         - config["first_k_dense_replace"]),
+            "moe_shared_expert_intermediate_size": config["moe_intermediate_size"] * config["n_shared_experts"],
+            "make_vocab_size_divisible_by": 128, "position_embedding_type": "rope",
+            "params_dtype": {"_target_": "torch.float32", "_call_": False}, "tensor_model_parallel_size": 1}
+
+
+def test_a_megatron_bridge_deepseek_v3_run_config_gives_every_mla_and_router_fact(tmp_path):
+    """Megatron-Bridge's DeepSeek-V3 torch_dist (megatron-core 0.19: the common state in the index,
+    no args) with its ``run_config.yaml``: the MLA widths, YaRN and group routing come from it
+    (was: ``kv_channels`` taken for the head width and the checkpoint refused), and the export
+    gives the source's tensors bit for bit and its config."""
+    import yaml
+
+    from mcore019 import as_019_dist
+
+    want = make_deepseek(_V3, tmp_path / "hf")
+    _run(tmp_path / "hf", tmp_path / "dist", "--to", "torch_dist")
+    src = as_019_dist(tmp_path / "dist", tmp_path / "bridge", args=None)
+    folder = next(p.parent for p in src.glob("*/.metadata"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (folder / "run_config.yaml").write_text(yaml.safe_dump({"model": _bridge_run_config(config)}))
+    ranks = _run(src, tmp_path / "ranks", "--target-tp", "2", "--target-ep", "2")  # the facts go into its args
+    source = _tensors(tmp_path / "hf")
+    for out in (_run(src, tmp_path / "out", "--to", "hf"), _run(ranks, tmp_path / "out2", "--to", "hf")):
+        got = _tensors(out)
+        assert sorted(got) == sorted(source) and all(torch.equal(got[k], source[k]) for k in source)
+        exported = json.loads((out / "config.json").read_text())
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                    "topk_group", "n_shared_experts", "routed_scaling_factor", "first_k_dense_replace",
+                    "rms_norm_eps"):
+            assert exported[key] == config[key], key
+        torch.testing.assert_close(hf_folder_logits(out), want, rtol=0, atol=1e-6)

@@ -19,6 +19,7 @@ Megatron-Bridge ``model`` field                   Megatron-LM ``args``
 ``gated_linear_unit``                             ``swiglu``
 ``share_embeddings_and_output_weights``           ``untie_embeddings_and_output_weights`` (negated)
 ``num_moe_experts``                               ``num_experts``
+``rope_scaling``                                  ``use_rope_scaling``
 every other field of :data:`BRIDGE_SAME`          the same name
 ================================================  ==============================================
 """
@@ -37,21 +38,34 @@ from reshard.models.facts import saved_arg
 
 #: ``run_config.yaml`` beside a Megatron-Bridge checkpoint's files (in its iteration folder).
 RUN_CONFIG = "run_config.yaml"
-#: Megatron-Bridge ``model`` fields under Megatron-LM's own name.
+#: Megatron-Bridge ``model`` fields under Megatron-LM's own name: its model providers are megatron-core's
+#: ``TransformerConfig`` (``MLATransformerConfig`` for DeepSeek's) with the provider's fields, whose
+#: names Megatron-LM's args share. Every one a family reads: the dense model's, the MoE router's
+#: (DeepSeek's group routing and routed scaling among them), multi-latent attention's widths and its
+#: YaRN rotary, the multi-token prediction depth, and the settings an export refuses by name.
 BRIDGE_SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "normalization", "add_bias_linear", "add_qkv_bias", "position_embedding_type",
                "rotary_base", "rotary_percent", "rotary_interleaved", "vocab_size", "make_vocab_size_divisible_by",
-               "seq_length", "max_position_embeddings", "qk_layernorm", "moe_router_topk", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
-               "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_gate",
-               "moe_grouped_gemm", "multi_latent_attention", "apply_layernorm_1p", "layernorm_zero_centered_gamma",
-               "window_size", "window_attn_skip_freq")
+               "seq_length", "max_position_embeddings", "qk_layernorm", "qk_l2_norm",
+               "apply_residual_connection_post_layernorm", "layernorm_zero_centered_gamma",
+               "window_size", "window_attn_skip_freq",
+               # mixture of experts
+               "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+               "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+               "moe_shared_expert_gate", "moe_grouped_gemm", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_input_jitter_eps",
+               # multi-latent attention and its rotary (MLATransformerConfig)
+               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+               "beta_slow", "mscale", "mscale_all_dim",
+               "mtp_num_layers")
 #: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map).
 BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
     "layernorm_epsilon": ("norm_epsilon", float),
     "gated_linear_unit": ("swiglu", bool),
     "share_embeddings_and_output_weights": ("untie_embeddings_and_output_weights", lambda v: not v),
     "num_moe_experts": ("num_experts", int),
+    "rope_scaling": ("use_rope_scaling", bool),  # Llama 3.1's rotary scaling (GPTModelProvider's flag)
 }
 #: ``args`` of the checkpoint's layout, never taken from a model description.
 LAYOUT_ARGS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
