@@ -249,7 +249,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         resumed = f" (resumed: {reused} of {steps} steps reused from an earlier run)" if reused else ""
         took = f", {summary['seconds']:.2f}s" if summary.get("seconds") is not None else ""
         print(f"committed {head}{took}{resumed}")
-    for w in summary["warnings"]:
+    for w in [] if summary["up_to_date"] else summary["warnings"]:  # told when it was converted
         print(f"warning: {w}")
     return 0
 
