@@ -35,7 +35,7 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
     """Run the flow in this process and return its summary, the flow's
     :class:`~reshard.result.ConversionResult` as plain data (raises the first task error).
     ``server``: the embedded server (:class:`reshard.flows.server.EmbeddedServer`) when the
-    caller started it already (the CLI does, first thing, so it boots while the flow imports);
+    caller started it already (the CLI does, before it imports the flow, so it boots meanwhile);
     without it and without ``PREFECT_API_URL`` one is started here."""
     from reshard.storage.cache import ShardCache
 

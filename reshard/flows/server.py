@@ -5,9 +5,10 @@ Without ``PREFECT_API_URL`` Prefect starts a temporary server the first time a c
 (``SubprocessASGIServer``): it imports the whole server package into the calling process first
 (about 2 s), then waits for the subprocess (2-3 s) while nothing else happens. reshard's CLI
 instead spawns the same subprocess — the same ``uvicorn ... prefect.server.api.server:create_app``
-command and environment — as its first step, before importing torch, Prefect's client or the
-flow, so the server comes up while those imports run, and points the run at it
-(:attr:`EmbeddedServer.api_url`). This module imports neither Prefect nor anything heavy.
+command and environment — once it has checked the input (a refusal or an up-to-date destination
+needs no server) and before importing Prefect's client or the flow, so the server comes up while
+those imports run, and points the run at it (:attr:`EmbeddedServer.api_url`). This module
+imports neither Prefect nor anything heavy.
 
 The server is this process's child: :mod:`reshard.flows.runner` settles with it before stopping
 it (every task run recorded). If this process dies without stopping it (``kill -9`` included) the
@@ -112,6 +113,26 @@ def database_error(stderr: str, status: int | None, env: dict[str, str], own: bo
                                    "another")
 
 
+def is_migrated(database: str) -> bool:
+    """Has a SQLite ``database`` (a path, as :func:`database_in_use` names it) been migrated by
+    some Prefect (it records its alembic revision)? Told without importing Prefect; another
+    database (a URL) is taken as migrated."""
+    import sqlite3
+
+    if "://" in database:
+        return True
+    if not Path(database).is_file():
+        return False
+    try:
+        db = sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=ro", uri=True, timeout=1)
+        try:
+            return db.execute("SELECT count(*) FROM alembic_version").fetchone()[0] > 0
+        finally:
+            db.close()
+    except sqlite3.Error as exc:  # busy, or not a database: another server has it, or the server will say
+        return "no such table" not in str(exc)
+
+
 def upgrade_database(cache_root: Path) -> int:
     """Migrate the database the embedded server will use (what ``make install`` runs once, so the
     first conversion's server starts quickly): 0, or one line on stderr and 2."""
@@ -154,6 +175,10 @@ class EmbeddedServer:
 
     def __init__(self, cache_root: Path) -> None:
         self.database = server_database(cache_root)  # reshard's own, unless the user chose theirs
+        #: Does this server create its database (the first run in this home): it then migrates it
+        #: before it answers, which takes long enough that the user should be told why.
+        self.database_path = database_in_use(dict(os.environ, **self.database))
+        self.creates_database = not is_migrated(self.database_path)
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         # what the server prints goes here, not to the user's terminal: read back when it fails to start
@@ -192,7 +217,7 @@ class EmbeddedServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise PrefectServerError(f"Prefect's server did not start within {timeout:.0f} s",
-                                         culprit=database_in_use(dict(os.environ, **self.database)),
+                                         culprit=self.database_path,
                                          hint="raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a busy machine")
             time.sleep(0.05)
 
