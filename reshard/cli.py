@@ -293,13 +293,15 @@ def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
 
         return ConversionResult.from_manifest(committed, ns.dst, up_to_date=True).model_dump(exclude={"manifest"})
     from reshard import progress
+    from reshard.flows.server import prefect_environment
+    from reshard.storage.cache import ShardCache
 
+    prefect_environment(ShardCache(ns.cache_dir).root)  # this process is the CLI's: its defaults
     server = None
     if os.environ.get("PREFECT_API_URL"):
         progress.status(f"connecting to Prefect at {os.environ['PREFECT_API_URL']}")
     else:
         from reshard.flows.server import start_embedded
-        from reshard.storage.cache import ShardCache
 
         server = start_embedded(ShardCache(ns.cache_dir).root)
         if server.creates_database:

@@ -171,16 +171,15 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     assert not (tmp_path / "dst").exists() or not any((tmp_path / "dst").rglob("*.pt"))
 
 
-def test_runs_on_the_embedded_server_send_no_heartbeats():
+def test_runs_on_the_embedded_server_send_no_heartbeats(tmp_path):
     """The embedded server dies with the process, so a heartbeat tells it nothing; without them a
     run's end does not wait for Prefect's heartbeat thread (up to 1 s). A configured server keeps them."""
     from prefect.settings import get_current_settings
 
-    from reshard.flows.runner import _no_heartbeats
+    from reshard.flows.session import embedded_settings
 
     default = get_current_settings().flows.heartbeat_frequency
     assert default is not None
-    with _no_heartbeats(True):
+    with embedded_settings("http://127.0.0.1:9/api", tmp_path):
         assert get_current_settings().flows.heartbeat_frequency is None
-    with _no_heartbeats(False):
-        assert get_current_settings().flows.heartbeat_frequency == default
+    assert get_current_settings().flows.heartbeat_frequency == default

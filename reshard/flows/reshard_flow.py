@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, get_run_logger
 from prefect.futures import wait
 
 from reshard import progress
@@ -48,10 +48,37 @@ from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, commit_checkpoin
                                         upload_target)
 
 
-@flow(name="reshard", validate_parameters=True)
+class ReshardFlow(Flow[Any, Any]):
+    """Prefect's flow, called from plain Python (no flow run around the call) on the Prefect
+    :func:`~reshard.flows.session.prefect_session` picks: the caller's server when
+    ``PREFECT_API_URL`` names one, else reshard's embedded server with the CLI's quiet, isolated
+    defaults instead of Prefect's temporary one on ``~/.prefect``. As a subflow, or run by a
+    deployment, it is Prefect's flow unchanged."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from reshard.flows.session import prefect_session
+
+        params = args[0] if args else kwargs.get("params")
+        cache_dir = params.get("cache_dir") if isinstance(params, dict) else getattr(params, "cache_dir", None)
+        with prefect_session(cache_dir):
+            return super().__call__(*args, **kwargs)
+
+    def with_options(self, **kwargs: Any) -> ReshardFlow:
+        new = super().with_options(**kwargs)
+        new.__class__ = type(self)  # Prefect builds a plain Flow
+        return new
+
+
+def _reshard_flow(**options: Any) -> Any:
+    """``@flow(**options)``, making a :class:`ReshardFlow`."""
+    return lambda fn: ReshardFlow(fn, **options)
+
+
+@_reshard_flow(name="reshard", validate_parameters=True)
 def reshard_flow(params: ReshardParams) -> ConversionResult:
     """Reshard ``params.source`` into ``params.destination`` at ``params.target_tp``; usable as a
-    subflow of a user's own flow (``reshard_flow(ReshardParams(...))``), its result a typed record."""
+    subflow of a user's own flow (``reshard_flow(ReshardParams(...))``), its result a typed record;
+    called on its own from Python, it runs as the CLI runs it (:class:`ReshardFlow`)."""
     log = get_run_logger()
     # None: each process (a Dask worker on another machine, say) uses its own default cache
     cache_dir = params.cache_dir

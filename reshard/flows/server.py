@@ -10,7 +10,7 @@ needs no server) and before importing Prefect's client or the flow, so the serve
 those imports run, and points the run at it (:attr:`EmbeddedServer.api_url`). This module
 imports neither Prefect nor anything heavy.
 
-The server is this process's child: :mod:`reshard.flows.runner` settles with it before stopping
+The server is this process's child: :mod:`reshard.flows.session` settles with it before stopping
 it (every task run recorded). If this process dies without stopping it (``kill -9`` included) the
 server stops itself: it holds the read end of a pipe whose only writer is this process, and the
 kernel closes that pipe however this process ends (see :data:`_SERVE`).
@@ -69,14 +69,32 @@ def server_database(cache_root: Path) -> dict[str, str]:
         return {}
     db = own_database(cache_root)
     db.parent.mkdir(parents=True, exist_ok=True)
-    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}"}
+    # the memo of the server's block registration too, which would go to ~/.prefect
+    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}", "PREFECT_MEMO_STORE_PATH": str(db.parent / "memo_store.toml")}
+
+
+#: How long a server reshard starts may take to answer, unless the setting below says: the first
+#: start in a home migrates its database, which a busy machine takes long over.
+STARTUP_TIMEOUT = 120
+STARTUP_TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
+def startup_timeout() -> float:
+    """Seconds to wait for a server reshard starts (:data:`STARTUP_TIMEOUT` unless set)."""
+    return float(os.environ.get(STARTUP_TIMEOUT_SETTING) or STARTUP_TIMEOUT)
+
+
+#: reshard's defaults for the Prefect it runs: no telemetry (offline, a server prints a traceback
+#: per failed attempt to send it). An explicit setting always wins.
+QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
 
 
 def prefect_environment(cache_root: Path) -> None:
-    """Defaults for running offline on a small machine; an explicit setting always wins."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    """The CLI's process: defaults for running offline on a small machine (:data:`QUIET`, results
+    beside the shard cache); an explicit setting always wins."""
+    for name, value in QUIET.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault(STARTUP_TIMEOUT_SETTING, str(STARTUP_TIMEOUT))
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(cache_root / "prefect-results"))
 
 
@@ -190,8 +208,8 @@ class EmbeddedServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _spawn(self) -> None:
-        env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
-                   **self.database)
+        env = dict(QUIET, **os.environ)
+        env.update(PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1", **self.database)
         env.pop("PREFECT_API_URL", None)
         # the pipe exists before the child does: there is no moment at which this process could
         # die and leave a server that does not know whom it serves
@@ -218,7 +236,7 @@ class EmbeddedServer:
                 self.stop()
                 raise PrefectServerError(f"Prefect's server did not start within {timeout:.0f} s",
                                          culprit=self.database_path,
-                                         hint="raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a busy machine")
+                                         hint=f"raise {STARTUP_TIMEOUT_SETTING} on a busy machine")
             time.sleep(0.05)
 
     def _printed(self) -> str:
