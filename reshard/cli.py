@@ -240,12 +240,25 @@ def cmd_run(ns: argparse.Namespace) -> int:
         how = (f"; {reused} of {steps} steps served from Prefect's cache" if steps else "")
         print(f"up to date {head} (already holds this exact conversion: nothing written{how})")
     else:
-        resumed = f" (resumed: {reused} of {steps} steps reused from an earlier run)" if reused else ""
+        resumed = _resumed_note(summary)
         took = f", {summary['seconds']:.2f}s" if summary.get("seconds") is not None else ""
         print(f"committed {head}{took}{resumed}")
     for w in [] if summary["up_to_date"] else summary["warnings"]:  # told when it was converted
         print(f"warning: {w}")
     return 0
+
+
+def _resumed_note(summary: dict[str, Any]) -> str:
+    """What an earlier, interrupted run of this conversion had made that this one reused, and
+    where it lay (a flow run's ``resumed``); nothing for a run that made every output itself."""
+    resumed = summary.get("resumed") or {}
+    if not resumed:
+        return ""
+    where = {"staged": "staged at the destination", "converted": "converted in the shard cache's work folder"}
+    parts = [f"{n} {text}" for kind, text in where.items() if (n := list(resumed.values()).count(kind))]
+    outputs = len(summary.get("converted_on") or resumed)
+    return (f" (resumed an interrupted run of this conversion: {len(resumed)} of {outputs} outputs reused as it "
+            f"left them, {' and '.join(parts)})")
 
 
 def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
@@ -290,7 +303,9 @@ def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
     committed = _preflight(params)
     if committed is not None:
         from reshard.result import ConversionResult
+        from reshard.storage.cache import ShardCache
 
+        ShardCache(ns.cache_dir).finish_work(committed["conversion_id"])  # what an earlier run may have left
         return ConversionResult.from_manifest(committed, ns.dst, up_to_date=True).model_dump(exclude={"manifest"})
     from reshard import progress
     from reshard.flows.server import prefect_environment

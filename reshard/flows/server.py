@@ -70,7 +70,8 @@ def server_database(cache_root: Path) -> dict[str, str]:
     db = own_database(cache_root)
     db.parent.mkdir(parents=True, exist_ok=True)
     # the memo of the server's block registration too, which would go to ~/.prefect
-    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}", "PREFECT_MEMO_STORE_PATH": str(db.parent / "memo_store.toml")}
+    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}",
+            "PREFECT_MEMO_STORE_PATH": str(db.parent / "memo_store.toml")}
 
 
 #: How long a server reshard starts may take to answer, unless the setting below says: the first
