@@ -7,7 +7,7 @@ offline machine: a ``Failed to send telemetry`` traceback per attempt, and ``dat
 ones while the run writes) and lets it print on the caller's terminal. :func:`prefect_session`
 instead runs the block on the server :mod:`reshard.flows.server` starts: reshard's own database
 (unless the caller chose one), no telemetry, its output kept out of the caller's terminal, task
-results beside the shard cache — and only when the caller chose no server: with
+results beside the shard cache. It does so only when the caller chose no server: with
 ``PREFECT_API_URL`` set (environment or profile), or inside a flow run (a subflow runs on its
 parent's server), nothing changes. The caller's settings and environment are left as they were
 (the block's settings are Prefect's temporary settings).
@@ -161,8 +161,8 @@ class _EmbeddedServer:
         return cls(server)
 
     def note_events(self) -> None:
-        """Note each task-run event this process sends (inside :meth:`settings`: the events
-        worker made now sends to this server)."""
+        """Note each task-run event this process sends (inside :func:`embedded_settings`: the
+        events worker made now sends to this server)."""
         from prefect.events.worker import EventsWorker
 
         if EventsWorker._client_override is not None:  # events go elsewhere (tests): leave that alone
