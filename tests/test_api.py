@@ -273,7 +273,7 @@ def test_the_post_training_example_runs_reshard_as_a_subflow_on_a_real_server(sa
     from prefect_server import PrefectServer
 
     src = sample_factory(4)
-    with PrefectServer(tmp_path / "server").start() as server:
+    with PrefectServer(tmp_path / "server") as server:  # __enter__ starts it, __exit__ stops it
         env = server.client_env()
         res = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "post_training.py"), str(src),
                               str(tmp_path / "hf")], capture_output=True, text=True, env=env, timeout=600)
