@@ -231,13 +231,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     from reshard.cli_progress import ProgressDisplay
 
-    if ns.direct:
-        status = "reading the source"
-    elif os.environ.get("PREFECT_API_URL"):
-        status = f"connecting to Prefect at {os.environ['PREFECT_API_URL']}"
-    else:
-        status = "starting Prefect's embedded server"
-    display = ProgressDisplay(live=False if ns.json else None, status=status)
+    display = ProgressDisplay(live=False if ns.json else None, status="reading the source")
     if ns.json:  # machine-readable: stdout holds the summary, stderr nothing but an error
         display = contextlib.nullcontext()  # type: ignore[assignment]
     with display:
@@ -253,10 +247,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
         how = (f"; {reused} of {steps} steps served from Prefect's cache" if steps else "")
         print(f"up to date {head} (already holds this exact conversion: nothing written{how})")
     else:
-        resumed = f" (resumed: {reused} of {steps} steps reused from an earlier run)" if reused else ""
+        resumed = _resumed_note(summary)
         took = f", {summary['seconds']:.2f}s" if summary.get("seconds") is not None else ""
         print(f"committed {head}{took}{resumed}")
-    for w in summary["warnings"]:
+    for w in [] if summary["up_to_date"] else summary["warnings"]:  # told when it was converted
         print(f"warning: {w}")
     return 0
 
@@ -266,6 +260,19 @@ def _checked_flags(ns: argparse.Namespace) -> None:
     from reshard.core.options import ReshardOptions
 
     ReshardOptions.checked(**_option_fields(ns))
+
+
+def _resumed_note(summary: dict[str, Any]) -> str:
+    """What an earlier, interrupted run of this conversion had made that this one reused, and
+    where it lay (a flow run's ``resumed``); nothing for a run that made every output itself."""
+    resumed = summary.get("resumed") or {}
+    if not resumed:
+        return ""
+    where = {"staged": "staged at the destination", "converted": "converted in the shard cache's work folder"}
+    parts = [f"{n} {text}" for kind, text in where.items() if (n := list(resumed.values()).count(kind))]
+    outputs = len(summary.get("converted_on") or resumed)
+    return (f" (resumed an interrupted run of this conversion: {len(resumed)} of {outputs} outputs reused as it "
+            f"left them, {' and '.join(parts)})")
 
 
 def _run_direct(ns: argparse.Namespace) -> dict[str, Any]:
@@ -301,41 +308,75 @@ def _credentials_to_env(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
+    """The flow, with every input error it could meet refused first, in this process
+    (:func:`reshard.direct.preflight`: at ``--direct``'s speed, before any server starts), and a
+    destination that holds this conversion already told so at once: no flow runs for either.
+    Only then is the embedded server spawned: it boots while the flow imports."""
     import os
 
-    server = None
-    if not os.environ.get("PREFECT_API_URL"):  # the embedded server boots while the flow imports
-        from reshard.flows.server import start_embedded
+    params = _flow_params(ns)
+    committed = _preflight(params)
+    if committed is not None:
+        from reshard.result import ConversionResult
         from reshard.storage.cache import ShardCache
 
+        ShardCache(ns.cache_dir).finish_work(committed["conversion_id"])  # what an earlier run may have left
+        return ConversionResult.from_manifest(committed, ns.dst, up_to_date=True).model_dump(exclude={"manifest"})
+    from reshard import progress
+    from reshard.flows.server import prefect_environment
+    from reshard.storage.cache import ShardCache
+
+    prefect_environment(ShardCache(ns.cache_dir).root)  # this process is the CLI's: its defaults
+    server = None
+    if os.environ.get("PREFECT_API_URL"):
+        progress.status(f"connecting to Prefect at {os.environ['PREFECT_API_URL']}")
+    else:
+        from reshard.flows.server import start_embedded
+
         server = start_embedded(ShardCache(ns.cache_dir).root)
+        if server.creates_database:
+            progress.status("creating Prefect's database (first run only)")
+            if not ns.json:
+                print(f"reshard: first run: creating Prefect's database {server.database_path} (once; this takes "
+                      f"a while)", file=sys.stderr, flush=True)
+        else:
+            progress.status("starting Prefect's embedded server")
     try:
-        return _run_flow(ns, server)
+        return _run_flow(ns, params, server)
     finally:
         if server is not None:
             server.stop()  # run_flow stops it once settled; here only when it never got there
 
 
-def _run_flow(ns: argparse.Namespace, server: Any) -> dict[str, Any]:
+def _flow_params(ns: argparse.Namespace) -> Any:
+    """The flow's parameters from the command line (credentials moved to the environment first)."""
     from pydantic import ValidationError
 
     from reshard.core.options import option_error
     from reshard.flows.params import ReshardParams
-    from reshard.flows.runner import run_flow
-    from reshard.storage.location import open_location
-    from reshard.discovery import check_source_exists
 
-    # a missing source is told in a second, not after the embedded server has started
     storage_options = _credentials_to_env(_storage(ns))
-    check_source_exists(open_location(ns.src, storage_options))
-
     try:
-        params = ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
-                               storage_options=storage_options, overwrite=ns.overwrite, device=ns.device,
-                               target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir,
-                               cache_sources=ns.cache_sources)
+        return ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
+                             storage_options=storage_options, overwrite=ns.overwrite, device=ns.device,
+                             target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir,
+                             cache_sources=ns.cache_sources)
     except ValidationError as exc:
         raise option_error(exc) from None
+
+
+def _preflight(params: Any) -> dict[str, Any] | None:
+    from reshard.direct import preflight
+    from reshard.storage.cache import ShardCache
+
+    return preflight(params.source, params.destination, params.options(), overwrite=params.overwrite,
+                     storage_options=params.storage_options, cache=ShardCache(params.cache_dir),
+                     target_config=params.target_config, cache_sources=params.cache_sources)
+
+
+def _run_flow(ns: argparse.Namespace, params: Any, server: Any) -> dict[str, Any]:
+    from reshard.flows.runner import run_flow
+
     summary = run_flow(params, dask_address=ns.dask_address, dask_workers=ns.dask_workers,
                        console_level="INFO" if ns.verbose else "WARNING", server=server)
     summary.pop("manifest", None)

@@ -73,6 +73,8 @@ class ProgressDisplay:
         elif kind == progress.BYTES:
             if self._rich is not None and event["name"] in self._rows:
                 self._bytes_live(event["name"], event["done"])
+        elif kind == progress.STATUS:
+            self.status(event["text"])
         elif kind == progress.TARGET_DONE:
             self.done[event["name"]] = event["size"]
             if self._rich is not None:

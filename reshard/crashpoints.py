@@ -2,7 +2,8 @@
 SIGKILL itself the n-th time it passes ``name`` — a real, unclean death at a precise point.
 
 Unset (the normal case) this is one dictionary lookup. Points, in pipeline order: ``fetching``
-(a remote shard download is about to start), ``fetched``, ``planned``, ``converted``,
+(a remote shard download is about to start), ``fetched``, ``planned``, ``writing`` (a flow's
+output for a local destination, after each tensor record written), ``converted``,
 ``uploading`` (a staged output is about to be uploaded), ``uploaded``, ``staged-all`` (every
 output staged, nothing moved), ``copying`` (the first output moved into place),
 ``committed-files`` (all moved, manifest not yet written).

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reshard import progress
@@ -29,9 +30,10 @@ from reshard.execution.planner import build_plan
 from reshard.core.zero_config import ZeroDecision
 from reshard.formats import get_format
 from reshard.storage.cache import ShardCache
+from reshard.storage.destination import Destination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
-from reshard.discovery import discover, materialize
+from reshard.discovery import LocalSource, discover, materialize
 from reshard.tasks.identity import conversion_id
 
 
@@ -52,6 +54,73 @@ class RunReport:
     up_to_date: bool = False
 
 
+@dataclass
+class Checked:
+    """What the checks made before any byte is written found (:func:`check_conversion`). ``plan``
+    is None when the destination holds this exact conversion already (``committed``: its manifest;
+    nothing else was checked)."""
+
+    conversion_id: str
+    destination: Destination
+    committed: dict[str, Any] | None = None
+    plan: Plan | None = None
+    local: LocalSource | None = None
+    zero: ZeroDecision | None = None
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.plan is None
+
+
+def check_conversion(src: str, dst: str, options: ReshardOptions, *, overwrite: bool = False,
+                     storage_options: Mapping[str, Any] | None = None, cache: ShardCache | None = None,
+                     workdir: Path | None = None, target_config: Mapping[str, Any] | None = None,
+                     cache_sources: bool = False) -> Checked:
+    """Every refusal a conversion can make before it writes a byte, in the order a run meets them:
+    the source listed (a listing: sizes and ETags), the destination's committed checkpoint (this
+    exact conversion: up to date, nothing more to check), the destination itself, every source
+    file's structure planned (:func:`~reshard.execution.planner.build_plan`: layout, shapes, a
+    truncated file), the ZeRO gate and the loading job's config, the destination outside the
+    source's folders. ``workdir``: where a remote source's view (and a remote destination's local
+    side) lies, needed unless both are local."""
+    src_loc = open_location(src, storage_options)
+    disc = discover(src, storage_options, options)
+    cid = conversion_id([dataclasses.asdict(o) for o in disc.objects], options.to_record())
+    dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir, source=src_loc,
+                            check=False)
+    committed = dest.committed_manifest()
+    if committed and committed.get("conversion_id") == cid:  # this exact conversion is there already
+        return Checked(cid, dest, committed=committed)
+    dest.check(src_loc)
+    local = materialize(src, storage_options, cache, workdir, disc=disc, stream=streams_sources(options, cache_sources))
+    with urls_in_errors(local.path, src):
+        plan = build_plan(str(local.path), options)
+        zero = zero_gate(plan, target_config)
+    dest.check_outside(src_loc, source_folders(plan, local))
+    return Checked(cid, dest, plan=plan, local=local, zero=zero)
+
+
+def preflight(src: str, dst: str, options: ReshardOptions, *, overwrite: bool = False,
+              storage_options: Mapping[str, Any] | None = None, cache: ShardCache | None = None,
+              target_config: Mapping[str, Any] | None = None, cache_sources: bool = False) -> dict[str, Any] | None:
+    """:func:`check_conversion` for a conversion that runs elsewhere (the CLI's Prefect flow): its
+    refusals come from this process, before an orchestrator has started, at ``--direct``'s speed.
+    Returns the committed manifest when ``dst`` holds this exact conversion already, else None.
+    Nothing is written but a remote source's structure, into the shard cache, where the flow's
+    fetches find it."""
+    src_local, dst_local = (open_location(u, storage_options).is_local for u in (src, dst))
+    workdir = None if src_local and dst_local else (cache or ShardCache()).new_workdir("check")
+    try:
+        checked = check_conversion(src, dst, options, overwrite=overwrite, storage_options=storage_options,
+                                   cache=cache, workdir=workdir, target_config=target_config,
+                                   cache_sources=cache_sources)
+    finally:
+        if workdir is not None:
+            remote.detach(workdir)
+            shutil.rmtree(workdir, ignore_errors=True)
+    return checked.committed
+
+
 def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool = False,
                device: str | None = None, storage_options: Mapping[str, Any] | None = None,
                cache: ShardCache | None = None, target_config: Mapping[str, Any] | None = None,
@@ -69,22 +138,16 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
         cache = cache or ShardCache()
         workdir = cache.new_workdir("run")
     try:
-        disc = discover(src, storage_options, options)  # a listing: sizes and ETags, no tensor bytes
-        cid = conversion_id([dataclasses.asdict(o) for o in disc.objects], options.to_record())
-        dest = open_destination(dst, dict(storage_options or {}), overwrite=overwrite, workdir=workdir,
-                                source=src_loc, check=False)
-        committed = dest.committed_manifest()
-        if committed and committed.get("conversion_id") == cid:  # this exact conversion is there already
-            return RunReport(None, dst, manifest=committed, up_to_date=True,
+        checked = check_conversion(src, dst, options, overwrite=overwrite, storage_options=storage_options,
+                                   cache=cache, workdir=workdir, target_config=target_config,
+                                   cache_sources=cache_sources)
+        dest, cid = checked.destination, checked.conversion_id
+        if checked.committed is not None:  # this exact conversion is there already
+            return RunReport(None, dst, manifest=checked.committed, up_to_date=True,
                              seconds=time.perf_counter() - t0)
-        dest.check(src_loc)
-        local = materialize(src, storage_options, cache, workdir, disc=disc,
-                            stream=streams_sources(options, cache_sources))
-        with urls_in_errors(local.path, src):
-            plan = build_plan(str(local.path), options)
-            report = RunReport(plan, dst, fetched=local.fetched, cached=local.cached)
-            report.zero = zero_gate(plan, target_config)
-        dest.check_outside(src_loc, source_folders(plan, local))
+        plan, local = checked.plan, checked.local
+        assert plan is not None and local is not None
+        report = RunReport(plan, dst, fetched=local.fetched, cached=local.cached, zero=checked.zero)
         dev = pick_device(device)
         try:
             dest.acquire(uuid.uuid4().hex, cid)  # before touching staging: it may be another run's

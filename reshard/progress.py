@@ -11,6 +11,7 @@ Events (plain dicts, ``event`` says which):
 ``planned``      ``targets``: [{``name``, ``rank``, ``bytes``}] — what will be written (estimates)
 ``bytes``        ``name``, ``done``: bytes of that output produced so far
 ``target-done``  ``name``, ``rank``, ``sources``, ``size``, ``seconds``: one output finished
+``status``       ``text``: what happens before the plan's first byte (starting Prefect's server)
 ===============  ==============================================================================
 """
 
@@ -20,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-PLANNED, BYTES, TARGET_DONE = "planned", "bytes", "target-done"
+PLANNED, BYTES, TARGET_DONE, STATUS = "planned", "bytes", "target-done", "status"
 
 _lock = threading.Lock()
 _listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -61,3 +62,7 @@ def bytes_reporter(name: str) -> Callable[[int], None] | None:
 
 def target_done(record: dict[str, Any]) -> None:
     notify(dict(record, event=TARGET_DONE))
+
+
+def status(text: str) -> None:
+    notify({"event": STATUS, "text": text})

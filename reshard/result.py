@@ -59,6 +59,10 @@ class ConversionResult(BaseModel):
     flow_run_id: str | None = Field(default=None, description="the Prefect flow run that converted it")
     steps: int | None = Field(default=None, description="the flow's fetch/check/convert/upload steps")
     reused: int = Field(default=0, description="steps served from an earlier run's cached results")
+    resumed: dict[str, str] = Field(default_factory=dict,
+                                    description="output file -> how an earlier, interrupted run of this conversion to "
+                                                "this destination had left it, reused instead of made again: 'staged' "
+                                                "(at the destination) or 'converted' (in the work folder)")
     converted_on: dict[str, str | None] = Field(default_factory=dict,
                                                 description="output file -> the worker that converted it")
 

@@ -312,7 +312,7 @@ def test_the_post_training_example_runs_reshard_as_a_subflow_on_a_real_server(sa
     from prefect_server import PrefectServer
 
     src = sample_factory(4)
-    with PrefectServer(tmp_path / "server").start() as server:
+    with PrefectServer(tmp_path / "server") as server:  # __enter__ starts it, __exit__ stops it
         env = server.client_env()
         res = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "post_training.py"), str(src),
                               str(tmp_path / "hf")], capture_output=True, text=True, env=env, timeout=600)
@@ -326,6 +326,49 @@ def test_the_post_training_example_runs_reshard_as_a_subflow_on_a_real_server(sa
                    "parent_flow": "post-training"}
     assert out["files"] == ["model.safetensors", "config.json"] and out["loss"] > 0
     assert (tmp_path / "hf" / "reshard_manifest.json").is_file()
+
+
+# A user's script that calls reshard's flow from plain Python (no flow around it, no Prefect
+# setting): it must leave its process's environment and Prefect settings as they were.
+_DIRECT_CALL = r"""
+import json, os, sys
+from prefect.settings import PREFECT_API_URL
+from reshard.flows.params import ReshardParams
+from reshard.flows.reshard_flow import reshard_flow
+
+before = dict(os.environ)
+result = reshard_flow(ReshardParams(source=sys.argv[1], destination=sys.argv[2], target_tp=2))
+print(json.dumps({"files": len(result.files), "env_kept": dict(os.environ) == before,
+                  "api_url": PREFECT_API_URL.value()}))
+"""
+
+
+@pytest.mark.slow
+def test_the_flow_from_python_and_the_example_run_quietly_on_reshards_own_prefect(sample_factory, tmp_path):
+    """With no Prefect setting (a new user's environment: no PREFECT_*, telemetry not turned
+    off), a direct ``reshard_flow(...)`` call and docs/examples/post_training.py run on reshard's
+    embedded server as the CLI does: reshard's own database, not ``~/.prefect/prefect.db``; no
+    traceback or telemetry noise on stderr (Prefect's temporary server printed ~100 lines of
+    "database is locked" and "Failed to send telemetry" tracebacks); the caller's environment
+    and settings unchanged."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RESHARD_")) and k != "DO_NOT_TRACK"}
+    env["HOME"] = str(home)
+    src = sample_factory(4)
+    runs = [subprocess.run([sys.executable, "-c", _DIRECT_CALL, str(src), str(tmp_path / "tp2")], env=env,
+                           capture_output=True, text=True, timeout=600),
+            subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "post_training.py"), str(src),
+                            str(tmp_path / "hf")], env=env, capture_output=True, text=True, timeout=600)]
+    for res in runs:
+        assert res.returncode == 0, res.stderr[-3000:]
+        noise = [line for line in res.stderr.splitlines()
+                 if re.search(r"Traceback|telemetry|database is locked|ERROR|Error", line)]
+        assert not noise, res.stderr[-3000:]
+    assert json.loads(runs[0].stdout) == {"files": 3, "env_kept": True, "api_url": None}
+    assert json.loads(runs[1].stdout.strip().splitlines()[-1])["files"] == ["model.safetensors", "config.json"]
+    assert not (home / ".prefect" / "prefect.db").exists()
+    assert (home / ".cache" / "reshard" / "prefect" / "prefect.db").is_file()
 
 
 _READ_RUN = r"""

@@ -68,6 +68,14 @@ def task_run_states(home: Path, flow_run_id: str) -> list[tuple[str, str]]:
     return sorted((name.rsplit("-", 1)[0], state or "") for name, state in rows)
 
 
+def flow_run_count(home: Path) -> int:
+    """Flow runs in the embedded server's database (0 before it exists)."""
+    if not (home / "prefect.db").is_file():
+        return 0
+    with sqlite3.connect(home / "prefect.db") as db:
+        return db.execute("SELECT count(*) FROM flow_run").fetchone()[0]
+
+
 def server_pids(home: Path) -> list[int]:
     """Live (not zombie) embedded Prefect servers whose PREFECT_HOME is ``home``."""
     marker = f"PREFECT_HOME={home}".encode()
@@ -109,22 +117,28 @@ def kill_all(pids: list[int]) -> None:
 # --- 1: the embedded server stops idle -------------------------------------------------------
 
 def test_embedded_server_records_every_task_run_and_stops_quietly(sample_factory, tmp_path):
-    """Two runs (the second served from the cache) against the embedded server, whose recorder
-    is slow: each leaves every task run recorded in a final state, nothing on stderr."""
+    """Two conversions of one source (the second's per-shard steps served from the cache) against
+    the embedded server, whose recorder is slow: each leaves every task run recorded in a final
+    state, nothing on stderr. An identical re-run is told up to date before any server starts."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_RECORDER)
     env = embedded_env(tmp_path, RESHARD_TEST_RECORDER_DELAY="0.1",
                        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     home = Path(env["PREFECT_HOME"])
-    src, dst = sample_factory(8, 2.0), tmp_path / "dst"
+    src = sample_factory(8, 2.0)
     seen = []
-    for attempt in ("fresh", "cached"):
+    for attempt in ("fresh", "fetches cached", "up to date"):
+        dst = tmp_path / ("dst2" if attempt == "fetches cached" else "dst")
+        runs_before = flow_run_count(home)
         res = run_reshard_cli(["run", str(src), str(dst), "--target-tp", "2", "--json"], env, timeout=240)
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.stderr == "", f"{attempt} run printed on stderr:\n{res.stderr[-3000:]}"
         summary = json.loads(res.stdout)
-        assert summary["up_to_date"] is (attempt == "cached")
+        assert summary["up_to_date"] is (attempt == "up to date")
+        if attempt == "up to date":  # no flow ran, no server was started
+            assert summary["flow_run_id"] is None and flow_run_count(home) == runs_before
+            continue
         states = task_run_states(home, summary["flow_run_id"])
         unfinished = [s for s in states if s[1] not in ("Completed", "Cached")]
         assert states and not unfinished, f"{attempt} run: the server lost task runs' last states: {unfinished}"
@@ -219,22 +233,64 @@ def _truncated_copy(folder: Path, dst: Path) -> Path:
 
 
 def test_a_failing_run_prints_one_line_unless_verbose(sample_factory, tmp_path):
-    """The truncated-shard run on the embedded server: only reshard's line without ``-v``; with
-    ``-v`` Prefect's task-run lines too."""
-    src = _truncated_copy(sample_factory(4, 2.0), tmp_path / "src")
-    env = embedded_env(tmp_path)
-    res = run_reshard_cli(["run", str(src), str(tmp_path / "out"), "--target-tp", "2"], env, timeout=240)
+    """A run that fails inside the flow (its first conversion raises) on the embedded server: only
+    reshard's line without ``-v``; with ``-v`` Prefect's task-run lines too."""
+    env = embedded_env(tmp_path, RESHARD_TEST_FAIL_CONVERT="1")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING_CONVERT)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    args = ["run", str(sample_factory(4, 2.0)), str(tmp_path / "out"), "--target-tp", "2"]
+    res = run_reshard_cli(args, env, timeout=240)
     assert res.returncode == 2, res.stderr[-3000:]
-    lines = res.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reshard: error: ") and "mp_rank_03" in lines[0], res.stderr
-    assert not (tmp_path / "out").exists()
+    lines = [line for line in res.stderr.splitlines() if not line.startswith("reshard: first run: ")]
+    assert len(lines) == 1 and lines[0].startswith("reshard: error: ") and "injected" in lines[0], res.stderr
+    assert not (tmp_path / "out" / "reshard_manifest.json").exists()
 
-    res = run_reshard_cli(["run", str(src), str(tmp_path / "out"), "--target-tp", "2", "-v"], env, timeout=240)
+    res = run_reshard_cli([*args, "-v"], env, timeout=240)
     assert res.returncode == 2, res.stderr[-3000:]
     lines = res.stderr.splitlines()
     assert any("Task run '" in line for line in lines), res.stderr  # Prefect's own lines, with -v
     assert len([line for line in lines if line.startswith("reshard: error: ")]) == 1, res.stderr
     assert "Traceback" not in res.stderr
+
+
+# Loaded into every Python process started with this folder on PYTHONPATH: with
+# RESHARD_TEST_FAIL_CONVERT set, the flow's conversion step raises a reshard error, as a shard
+# unreadable only while its tensors are read would (no check before the flow can see it).
+FAILING_CONVERT = """
+import os, sys
+if os.environ.get("RESHARD_TEST_FAIL_CONVERT") and sys.argv[1:2] == ["run"]:
+    import reshard.execution.engine as _engine
+    from reshard.core.errors import CorruptCheckpointError
+
+    def _fails(*args, **kwargs):
+        raise CorruptCheckpointError("injected read failure", culprit="mp_rank_00_model_states.pt")
+
+    _engine.convert_target = _fails
+"""
+
+
+@pytest.mark.parametrize("case", ["missing", "indivisible", "truncated"])
+def test_bad_input_on_the_flow_path_is_refused_before_any_prefect_server_starts(sample_factory, tmp_path, case):
+    """What the plan can see is refused in the CLI's own process, at ``--direct``'s speed: no
+    server is spawned (the first thing it does is make its database's folder under the cache),
+    nothing is created for Prefect, one line."""
+    src = {"missing": tmp_path / "nope", "indivisible": sample_factory(4, 2.0),
+           "truncated": _truncated_copy(sample_factory(4, 2.0), tmp_path / "src")}[case]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_"))}
+    (tmp_path / "home").mkdir()
+    env.update(HOME=str(tmp_path / "home"), RESHARD_CACHE_DIR=str(tmp_path / "cache"), DO_NOT_TRACK="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    target = "3" if case == "indivisible" else "2"
+    res = run_reshard_cli(["run", str(src), str(tmp_path / "out"), "--target-tp", target], env, timeout=240)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), res.stderr
+    assert {"missing": "no such file or folder", "indivisible": "cannot be divided evenly over 3",
+            "truncated": "mp_rank_03"}[case] in lines[0]
+    assert not (tmp_path / "cache" / "prefect").exists(), "a Prefect server was started for a refused input"
+    assert not (tmp_path / "home" / ".prefect").exists() and not (tmp_path / "out").exists()
 
 
 def test_a_failing_run_from_s3_prints_one_line(sample_factory, s3_server, s3_bucket, prefect_env, tmp_path):

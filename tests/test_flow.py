@@ -87,6 +87,51 @@ def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, pr
         assert states["convert-target"].count("Cached") == written.count("convert"), (states, written)
         assert states["upload-target"].count("Cached") == written.count("upload"), (states, written)
         assert states["fetch-shard"] == ["Cached"] * 2
+        # the summary names the outputs the killed run had staged, and says so
+        assert list(summary["resumed"].values()).count("staged") == written.count("upload"), (summary, written)
+    assert _leftovers(tmp_path / "cache") == [], "the resumed commit left its work folder behind"
+
+
+def _leftovers(cache: Path) -> list[str]:
+    """Everything under the shard cache's work folders."""
+    work = cache / "work"
+    return sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) if work.exists() else []
+
+
+def test_killed_runs_leave_one_partial_output_each_at_most_and_the_commit_leaves_nothing(sample_factory, tmp_path,
+                                                                                        prefect_env):
+    """Two runs killed with their outputs half-written: the second's attempts reclaim the first's
+    partial files, so at most one per output is left (it was one per attempt, forever); the run
+    that commits removes the conversion's work folder; so does an up-to-date re-run's check."""
+    src = sample_factory(8, 2.0)
+    args = ["run", str(src), str(tmp_path / "dst"), "--target-tp", "2", "--cache-dir", str(tmp_path / "cache"),
+            "--json"]
+    for _ in range(2):
+        killed = _cli(args, prefect_env, crash="writing:2")
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        partial = [p for p in _leftovers(tmp_path / "cache") if "/.partial/" in p and p.endswith(".pt")]
+        assert 1 <= len(partial) <= 2, partial  # two outputs, one partial each at most
+    resumed = _cli(args, prefect_env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _leftovers(tmp_path / "cache") == []
+    run_direct(str(src), str(tmp_path / "clean"), ReshardOptions(target_tp=2))
+    assert _files(tmp_path / "dst") == _files(tmp_path / "clean")
+    left = tmp_path / "cache" / "work" / json.loads(resumed.stdout)["conversion_id"][:24] / "out" / ".partial"
+    left.mkdir(parents=True)  # as a run killed after this one's commit, before its own, would leave
+    assert _cli(args, prefect_env).returncode == 0  # up to date
+    assert _leftovers(tmp_path / "cache") == []
+
+
+def test_a_new_destinations_first_conversion_is_no_resume(sample_factory, tmp_path, prefect_env):
+    """A second destination of the same source reuses the per-shard steps (fetch, check) of the
+    first: that is no resume, and the summary does not call it one."""
+    src = sample_factory(8, 2.0)
+    for dst in ("a", "b"):
+        res = _cli(["run", str(src), str(tmp_path / dst), "--target-tp", "2", "--cache-dir", str(tmp_path / "cache")],
+                   prefect_env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        line = res.stdout.splitlines()[0]
+        assert line.startswith(f"committed {tmp_path / dst}") and "resumed" not in line, line
 
 
 def test_dask_runner_gives_the_same_output(sample_factory, tmp_path):
@@ -171,16 +216,15 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     assert not (tmp_path / "dst").exists() or not any((tmp_path / "dst").rglob("*.pt"))
 
 
-def test_runs_on_the_embedded_server_send_no_heartbeats():
+def test_runs_on_the_embedded_server_send_no_heartbeats(tmp_path):
     """The embedded server dies with the process, so a heartbeat tells it nothing; without them a
     run's end does not wait for Prefect's heartbeat thread (up to 1 s). A configured server keeps them."""
     from prefect.settings import get_current_settings
 
-    from reshard.flows.runner import _no_heartbeats
+    from reshard.flows.session import embedded_settings
 
     default = get_current_settings().flows.heartbeat_frequency
     assert default is not None
-    with _no_heartbeats(True):
+    with embedded_settings("http://127.0.0.1:9/api", tmp_path):
         assert get_current_settings().flows.heartbeat_frequency is None
-    with _no_heartbeats(False):
-        assert get_current_settings().flows.heartbeat_frequency == default
+    assert get_current_settings().flows.heartbeat_frequency == default

@@ -96,27 +96,39 @@ def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
 def test_an_identical_direct_rerun_is_up_to_date_and_writes_nothing(sample_factory, tmp_path, capsys):
     src, dst = str(sample_factory(8, 2.0)), tmp_path / "dst"
     assert main(["run", "--direct", src, str(dst), "--target-tp", "2"]) == 0
-    assert capsys.readouterr().out.startswith(f"committed {dst}: deepspeed -> deepspeed, TP 8 -> 2, 3 files")
+    first = capsys.readouterr().out
+    assert first.startswith(f"committed {dst}: deepspeed -> deepspeed, TP 8 -> 2, 3 files")
+    assert "warning: dropped training state" in first
     before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
     assert main(["run", "--direct", src, str(dst), "--target-tp", "2"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith(f"up to date {dst}: deepspeed -> deepspeed, TP 8 -> 2, 3 files")
     assert "nothing written" in out.out
-    assert out.err == ""
+    assert len(out.out.splitlines()) == 1 and out.err == ""  # the conversion's warning was told when it ran
     assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before
     assert main(["run", "--direct", src, str(dst), "--target-tp", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
 
 
-def test_the_flows_second_run_says_it_was_served_from_cache(sample_factory, tmp_path, prefect_env):
+def test_the_flows_second_run_is_up_to_date_without_running_the_flow(sample_factory, tmp_path, prefect_env):
+    """The flow path's identical re-run is told up to date by the checks made before Prefect is
+    reached: no flow run (none is recorded on the server), nothing written, no warning repeated."""
+    from prefect.client.orchestration import get_client
+
     args = ["run", str(sample_factory(4, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
             "--cache-dir", str(tmp_path / "cache")]
     first = _cli(args, prefect_env)
     assert first.returncode == 0 and first.stdout.startswith("committed"), first.stderr[-2000:]
+    assert "warning: dropped training state" in first.stdout
+    with get_client(sync_client=True) as client:
+        runs = client.count_flow_runs()
     second = _cli(args, prefect_env)
     assert second.returncode == 0, second.stderr[-2000:]
-    # 4 fetches + 4 checks + 2 conversions + 2 uploads
-    assert "nothing written; 12 of 12 steps served from Prefect's cache" in second.stdout.splitlines()[0]
+    lines = second.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"up to date {tmp_path / 'dst'}: TP 4 -> 2, 3 files"), lines
+    assert "nothing written" in lines[0] and second.stderr == "", second.stderr
+    with get_client(sync_client=True) as client:
+        assert client.count_flow_runs() == runs
 
 
 def test_plain_progress_counts_every_output_of_the_plan(tmp_path):
@@ -141,9 +153,11 @@ def test_live_display_follows_bytes_of_every_output():
     from reshard.cli_progress import ProgressDisplay
 
     stream = io.StringIO()
-    with ProgressDisplay(stream, live=True, status="starting Prefect's embedded server") as display:
+    with ProgressDisplay(stream, live=True, status="reading the source") as display:
         overall = display._rich.tasks[0]
-        assert overall.description == "starting Prefect's embedded server" and overall.total is None
+        assert overall.description == "reading the source" and overall.total is None
+        progress.status("starting Prefect's embedded server")  # the flow path, once the input is checked
+        assert overall.description == "starting Prefect's embedded server"
         progress.planned([("a.pt", 0, 100), ("b.pt", 1, 300)])
         assert overall.total == 400 and overall.description == "0/2 outputs"
         assert display.live and progress.bytes_reporter("a.pt") is not None

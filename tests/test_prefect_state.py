@@ -72,7 +72,9 @@ def test_make_demo_works_beside_another_prefects_database(foreign_home, tmp_path
                          cwd=tmp_path, env=_env(foreign_home), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Traceback" not in res.stdout + res.stderr
-    assert "served from Prefect's cache" in res.stdout and "ok: " in res.stdout
+    assert "up to date demo-output/tp2" in res.stdout and "ok: " in res.stdout
+    # the plan's preview and the conversion tell what it drops; the up-to-date re-run does not
+    assert res.stdout.count("warning: dropped training state") == 2, res.stdout
     assert (foreign_home / ".cache" / "reshard" / "prefect" / "prefect.db").is_file()  # reshard's own
     assert (foreign_home / ".prefect" / "prefect.db").read_bytes() == before
     assert _revision(foreign_home) == FOREIGN_REVISION
@@ -118,3 +120,23 @@ def test_reshards_own_database_left_by_a_newer_prefect_is_named_with_its_fix(tmp
     assert res.stderr.startswith(f"reshard: error: {own}: ") and "(fix: delete it" in res.stderr
     assert server.own_database(home / ".cache" / "reshard") == own
     shutil.rmtree(home)
+
+
+def test_a_new_homes_first_run_says_it_creates_the_database_once(tmp_path):
+    """A HOME that never ran ``make install``: the first run's server creates reshard's own
+    database, and the run says so in one line (instead of minutes of "0/? bytes"); later runs,
+    whose database is migrated, do not."""
+    from reshard.sample import write_sample_checkpoint
+
+    write_sample_checkpoint(tmp_path / "src", tp=2)
+    home = tmp_path / "home"
+    env = _env(home)
+    own = home / ".cache" / "reshard" / "prefect" / "prefect.db"
+    said = []
+    for out in ("a", "b"):
+        res = subprocess.run([sys.executable, "-m", "reshard.cli", "run", str(tmp_path / "src"), str(tmp_path / out),
+                              "--target-tp", "1"], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+        said.append([line for line in res.stderr.splitlines() if "database" in line])
+    assert said == [[f"reshard: first run: creating Prefect's database {own} (once; this takes a while)"], []]
+    assert own.is_file() and not (home / ".prefect" / "prefect.db").exists()

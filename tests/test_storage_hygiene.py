@@ -360,3 +360,49 @@ def test_a_flow_that_fails_after_its_claim_releases_the_destination(tp4, tmp_pat
         run_flow(ReshardParams(source=str(tp4), destination=str(tmp_path / "out"), target_tp=2,
                                cache_dir=str(tmp_path / "cache")))
     assert not (tmp_path / "out" / LOCK_NAME).exists()
+
+
+# --- 4. a conversion's work folder: bounded while it runs, gone once it is committed ---------------
+
+def _dead_attempt(parent: Path, name: str = "dead") -> Path:
+    """What an attempt killed while writing leaves: its lock file (no process holds it) and its
+    folder with a half-written output."""
+    parent.mkdir(parents=True, exist_ok=True)
+    (parent / f"{name}.lock").write_bytes(b"")
+    (parent / name).mkdir()
+    (parent / name / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+    return parent / name
+
+
+def test_an_attempt_reclaims_dead_attempts_scratch_but_never_a_live_one(tmp_path):
+    from reshard.storage.workdirs import scratch_folder
+
+    parent = tmp_path / ".partial"
+    dead = _dead_attempt(parent)
+    legacy = parent / "0123abcd"  # a folder without a lock (written before locks, or its lock just went)
+    legacy.mkdir()
+    with scratch_folder(parent) as live:
+        (live / "out.pt").write_bytes(b"y")
+        assert not dead.exists() and not legacy.exists() and not (parent / "dead.lock").exists()
+        with scratch_folder(parent) as other:  # a second attempt meanwhile: the live one is left alone
+            assert (live / "out.pt").is_file() and other != live
+        assert not other.exists()
+    assert os.listdir(parent) == []
+
+
+def test_the_run_that_finishes_a_conversion_removes_its_work_folder_unless_another_holds_it(tmp_path):
+    from reshard.storage.workdirs import WorkUse
+
+    cache = ShardCache(tmp_path / "cache")
+    folder = cache.conversion_work("c" * 64)
+    _dead_attempt(folder / "out" / ".partial")
+    first, second = WorkUse(folder), WorkUse(folder)  # two runs of one conversion at once
+    assert not first.finish() and folder.is_dir()  # the other still works there
+    first.close()
+    assert second.finish() and not folder.exists()
+    second.close()
+    assert os.listdir(cache.work) == []
+    third = WorkUse(folder)  # a later run of the same conversion starts afresh
+    assert third.lock.is_file()
+    third.close()
+    assert cache.finish_work("c" * 64) and os.listdir(cache.work) == []

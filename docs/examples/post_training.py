@@ -2,9 +2,13 @@
 to Hugging Face by reshard's own flow, run as a subflow (per-shard tasks, retries, caching,
 resume), and the export is evaluated by a task of yours.
 
-Run it once by hand (against your Prefect server, or Prefect's temporary one)::
+Run it once by hand::
 
     python docs/examples/post_training.py /ckpt/run7/iter_0001000 /exports/run7-1000
+
+against your Prefect server when ``PREFECT_API_URL`` names one; without it, on the server
+reshard's CLI uses (``prefect_session``: reshard's own database beside its cache, no telemetry,
+stopped at the end) rather than Prefect's temporary one on ``~/.prefect``.
 
 or deploy ``post_training`` with a trigger on the event a training job emits when it finishes
 (``reshard emit-training-completed URL --tp 8 --step 1000``; docs/deployments.md)::
@@ -27,6 +31,7 @@ from prefect import flow, task
 
 from reshard.flows.params import ReshardParams
 from reshard.flows.reshard_flow import reshard_flow
+from reshard.flows.session import prefect_session
 from reshard.result import ConversionResult
 
 
@@ -51,4 +56,6 @@ def post_training(checkpoint: str, output: str) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(post_training(sys.argv[1], sys.argv[2])))
+    with prefect_session():  # your server if PREFECT_API_URL is set, else reshard's embedded one
+        result = post_training(sys.argv[1], sys.argv[2])
+    print(json.dumps(result))

@@ -5,11 +5,12 @@ Without ``PREFECT_API_URL`` Prefect starts a temporary server the first time a c
 (``SubprocessASGIServer``): it imports the whole server package into the calling process first
 (about 2 s), then waits for the subprocess (2-3 s) while nothing else happens. reshard's CLI
 instead spawns the same subprocess — the same ``uvicorn ... prefect.server.api.server:create_app``
-command and environment — as its first step, before importing torch, Prefect's client or the
-flow, so the server comes up while those imports run, and points the run at it
-(:attr:`EmbeddedServer.api_url`). This module imports neither Prefect nor anything heavy.
+command and environment — once it has checked the input (a refusal or an up-to-date destination
+needs no server) and before importing Prefect's client or the flow, so the server comes up while
+those imports run, and points the run at it (:attr:`EmbeddedServer.api_url`). This module
+imports neither Prefect nor anything heavy.
 
-The server is this process's child: :mod:`reshard.flows.runner` settles with it before stopping
+The server is this process's child: :mod:`reshard.flows.session` settles with it before stopping
 it (every task run recorded). If this process dies without stopping it (``kill -9`` included) the
 server stops itself: it holds the read end of a pipe whose only writer is this process, and the
 kernel closes that pipe however this process ends (see :data:`_SERVE`).
@@ -68,14 +69,33 @@ def server_database(cache_root: Path) -> dict[str, str]:
         return {}
     db = own_database(cache_root)
     db.parent.mkdir(parents=True, exist_ok=True)
-    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}"}
+    # the memo of the server's block registration too, which would go to ~/.prefect
+    return {DATABASE_SETTING: f"sqlite+aiosqlite:///{db}",
+            "PREFECT_MEMO_STORE_PATH": str(db.parent / "memo_store.toml")}
+
+
+#: How long a server reshard starts may take to answer, unless the setting below says: the first
+#: start in a home migrates its database, which a busy machine takes long over.
+STARTUP_TIMEOUT = 120
+STARTUP_TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
+def startup_timeout() -> float:
+    """Seconds to wait for a server reshard starts (:data:`STARTUP_TIMEOUT` unless set)."""
+    return float(os.environ.get(STARTUP_TIMEOUT_SETTING) or STARTUP_TIMEOUT)
+
+
+#: reshard's defaults for the Prefect it runs: no telemetry (offline, a server prints a traceback
+#: per failed attempt to send it). An explicit setting always wins.
+QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
 
 
 def prefect_environment(cache_root: Path) -> None:
-    """Defaults for running offline on a small machine; an explicit setting always wins."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    """The CLI's process: defaults for running offline on a small machine (:data:`QUIET`, results
+    beside the shard cache); an explicit setting always wins."""
+    for name, value in QUIET.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault(STARTUP_TIMEOUT_SETTING, str(STARTUP_TIMEOUT))
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(cache_root / "prefect-results"))
 
 
@@ -110,6 +130,26 @@ def database_error(stderr: str, status: int | None, env: dict[str, str], own: bo
                               hint="check that the database is readable and writable and not used by another "
                                    "Prefect version; PREFECT_HOME or PREFECT_SERVER_DATABASE_CONNECTION_URL choose "
                                    "another")
+
+
+def is_migrated(database: str) -> bool:
+    """Has a SQLite ``database`` (a path, as :func:`database_in_use` names it) been migrated by
+    some Prefect (it records its alembic revision)? Told without importing Prefect; another
+    database (a URL) is taken as migrated."""
+    import sqlite3
+
+    if "://" in database:
+        return True
+    if not Path(database).is_file():
+        return False
+    try:
+        db = sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=ro", uri=True, timeout=1)
+        try:
+            return db.execute("SELECT count(*) FROM alembic_version").fetchone()[0] > 0
+        finally:
+            db.close()
+    except sqlite3.Error as exc:  # busy, or not a database: another server has it, or the server will say
+        return "no such table" not in str(exc)
 
 
 def upgrade_database(cache_root: Path) -> int:
@@ -154,6 +194,10 @@ class EmbeddedServer:
 
     def __init__(self, cache_root: Path) -> None:
         self.database = server_database(cache_root)  # reshard's own, unless the user chose theirs
+        #: Does this server create its database (the first run in this home): it then migrates it
+        #: before it answers, which takes long enough that the user should be told why.
+        self.database_path = database_in_use(dict(os.environ, **self.database))
+        self.creates_database = not is_migrated(self.database_path)
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         # what the server prints goes here, not to the user's terminal: read back when it fails to start
@@ -165,8 +209,8 @@ class EmbeddedServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _spawn(self) -> None:
-        env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
-                   **self.database)
+        env = dict(QUIET, **os.environ)
+        env.update(PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1", **self.database)
         env.pop("PREFECT_API_URL", None)
         # the pipe exists before the child does: there is no moment at which this process could
         # die and leave a server that does not know whom it serves
@@ -192,8 +236,8 @@ class EmbeddedServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise PrefectServerError(f"Prefect's server did not start within {timeout:.0f} s",
-                                         culprit=database_in_use(dict(os.environ, **self.database)),
-                                         hint="raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a busy machine")
+                                         culprit=self.database_path,
+                                         hint=f"raise {STARTUP_TIMEOUT_SETTING} on a busy machine")
             time.sleep(0.05)
 
     def _printed(self) -> str:

@@ -263,6 +263,19 @@ class ShardCache:
             freed += size
         return freed
 
+    def conversion_work(self, conversion_id: str) -> Path:
+        """The work folder of one conversion: every run of it (a resumed one included) works
+        there, and the run that commits it removes it (:mod:`reshard.storage.workdirs`)."""
+        return self.work / conversion_id[:24]
+
+    def finish_work(self, conversion_id: str) -> bool:
+        """Conversion ``conversion_id`` is committed: remove its work folder unless a run of it
+        is still using it. True when removed (or there was none)."""
+        from reshard.storage.workdirs import WorkUse
+
+        with WorkUse(self.conversion_work(conversion_id)) as use:
+            return use.finish()
+
     def new_workdir(self, label: str) -> Path:
         """A private folder for one run (hard-linked source view, staged outputs)."""
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)[:60]

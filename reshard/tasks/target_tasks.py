@@ -41,17 +41,20 @@ from reshard.storage.cache import ShardCache, is_skeleton
 from reshard.storage.destination import Destination, LocalDestination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
+from reshard.storage.workdirs import scratch_folder
 from reshard.discovery import (Discovery, LocalSource, attach_streamed, fetch, link_into_view,
                                          skeleton_view)
 from reshard.tasks.cache_keys import target_key
 from reshard.tasks.shard_tasks import TRANSIENT_RETRIES
 
 GPU_TAG = "reshard-gpu"
+#: Under a conversion's ``out`` folder: each attempt's scratch folder for the output it writes.
+PARTIAL_DIR = ".partial"
 
 
 def _workdir(job: dict[str, Any]) -> Path:
     """This conversion's private work folder in this process's shard cache."""
-    return ShardCache(job["cache_dir"]).work / job["conversion_id"][:24]
+    return ShardCache(job["cache_dir"]).conversion_work(job["conversion_id"])
 
 
 def _view_root(job: dict[str, Any]) -> Path:
@@ -246,22 +249,32 @@ def convert_target_rank(job: dict[str, Any], name: str, rank: int, sources: dict
     if job.get("publishes"):
         return _convert_and_publish(job, plan, name, rank)
     out = converted_path(job, name)
-    # a private folder per attempt (two runs of one conversion may convert the same target at
-    # once), and the final basename: torch.save records it inside the zip, so keeping it makes
-    # the bytes identical to the direct path's
-    partial = out.parent / ".partial" / uuid.uuid4().hex / out.name
-    partial.parent.mkdir(parents=True, exist_ok=True)
     device = pick_device(job.get("device"))
     t0 = time.perf_counter()
-    try:
+    # a private folder per attempt (two runs of one conversion may convert the same target at
+    # once; a killed attempt's is reclaimed by the next), and the final basename: torch.save
+    # records it inside the zip, so keeping it makes the bytes identical to the direct path's
+    with scratch_folder(out.parent / PARTIAL_DIR) as scratch:
+        partial = scratch / out.name
         with urls_in_errors(_view_path(job), job["source"]), _gpu_slot(job):
-            res = convert_target(plan, rank, partial, device, sha256=True, on_bytes=progress.bytes_reporter(name))
+            res = convert_target(plan, rank, partial, device, sha256=True, on_bytes=_on_bytes(name))
         os.replace(partial, out)
-    finally:
-        shutil.rmtree(partial.parent, ignore_errors=True)
     crash_point("converted")
     return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
             "seconds": round(time.perf_counter() - t0, 3), "worker": worker_label()}
+
+
+def _on_bytes(name: str) -> Any:
+    """The writer's progress callback for output ``name``: the progress display's, and the crash
+    point ``writing`` (a run killed with the output half-written)."""
+    report = progress.bytes_reporter(name)
+
+    def on_bytes(done: int) -> None:
+        crash_point("writing")
+        if report is not None:
+            report(done)
+
+    return on_bytes
 
 
 def worker_label() -> str:
@@ -288,15 +301,10 @@ def _convert_and_publish(job: dict[str, Any], plan: Any, name: str, rank: int) -
         crash_point("converted")
         record = dest.publish(name, res.sha256)
     else:
-        scratch = converted_path(job, name).parent / ".partial" / uuid.uuid4().hex / Path(name).name
-        scratch.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with _gpu_slot(job):
-                res, record = convert_streamed(plan, rank, scratch, device,
-                                               dest.open_stream(name, plan.targets[rank].bytes_written),
-                                               _view_path(job), job["source"])
-        finally:
-            shutil.rmtree(scratch.parent, ignore_errors=True)
+        with scratch_folder(converted_path(job, name).parent / PARTIAL_DIR) as scratch, _gpu_slot(job):
+            res, record = convert_streamed(plan, rank, scratch / Path(name).name, device,
+                                           dest.open_stream(name, plan.targets[rank].bytes_written),
+                                           _view_path(job), job["source"])
     return {"rank": rank, "name": name, "size": res.size, "sources": list(res.sources), "sha256": res.sha256,
             "seconds": round(time.perf_counter() - t0, 3), "record": record, "worker": worker_label()}
 
