@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_hf import agree, report, timed  # noqa: E402
-from bench_torch_dist import SETTLE, log, reshard, size  # noqa: E402
+from bench_torch_dist import SETTLE, reshard, size  # noqa: E402
 
 #: The floor: read every source byte once, write as many bytes as the output holds (``argv[3]``).
 FLOOR = [sys.executable, "-c", """

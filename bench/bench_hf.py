@@ -31,8 +31,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from contention import busy, load_note  # noqa: E402
 from bench_torch_dist import FLOOR, SETTLE, log, measure, parse_bench_args, reshard, settle, size, source_for, warm  # noqa: E402
+from contention import busy, load_note  # noqa: E402
 
 #: The naive peer: the whole model in memory, merged with the TP rules of this Llama shape.
 NAIVE = [sys.executable, "-c", """

@@ -312,7 +312,7 @@ def report(res: dict[str, Any]) -> str:
                   f"{nb / 1e9 / f_in:.2f} GB/s."]
     a = res["aws"]
     lines += ["", f"aws: {a['version']}; default transfer config ({', '.join(f'{k} {v}' for k, v in AWS_DEFAULTS.items())}); "
-                  "reshard: s3fs " + res["s3fs"] + f", ShardCache 32 MiB ranges x 8 threads x 4 files, "
+                  "reshard: s3fs " + res["s3fs"] + ", ShardCache 32 MiB ranges x 8 threads x 4 files, "
                   "S3Destination multipart uploads to the final keys with a sliding window of 10 x 8 MiB parts per "
                   "file; commit: CompleteMultipartUpload per file (8 at once), manifest last.", "",
               "Target (fetch + upload >= 0.8x aws s3 cp --recursive):", ""]

@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
-from bench_reshard import finish, log, machine, med, tool  # noqa: E402
+from bench_reshard import finish, log, machine, tool  # noqa: E402
 
 TARGET_TP = 2
 

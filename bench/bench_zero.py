@@ -49,7 +49,7 @@ def make_source(root: Path, layers: int, hidden: int, heads: int, vocab: int, se
     step.mkdir(parents=True)
     cfg = GPTConfig(layers=1, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
     one = shard_state_dicts(cfg, full_weights(cfg, 0), 1, 2.0, dtype=torch.bfloat16)[0]
-    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
     layer0 = [(k, v) for k, v in one.items() if ".layers.0." in k]
     for k, v in one.items():  # layer 0 repeated as layers 0..L-1, in Megatron's key order
         if ".layers.0." not in k:

@@ -31,9 +31,9 @@ def config(quick: bool) -> GPTConfig:
     return GPTConfig(layers=1, hidden=4096, heads=32, vocab=50304, seq=2048)
 
 
-def deepen(module: "OrderedDict[str, torch.Tensor]", layers: int) -> "OrderedDict[str, torch.Tensor]":
+def deepen(module: OrderedDict[str, torch.Tensor], layers: int) -> OrderedDict[str, torch.Tensor]:
     """Layer 0's tensors repeated as layers 0..layers-1, in Megatron's key order."""
-    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
     layer0 = [(k, v) for k, v in module.items() if ".layers.0." in k]
     done = False
     for k, v in module.items():

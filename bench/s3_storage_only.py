@@ -45,9 +45,9 @@ def _opts(items: list[str]) -> dict:
 
 
 def fetch(ns: argparse.Namespace) -> dict:
+    from reshard.discovery import discover, materialize
     from reshard.storage.cache import ShardCache
     from reshard.storage.location import open_location
-    from reshard.discovery import discover, materialize
 
     kind, *nums = ns.variant.split(":")
     chunk, conc, files = (int(n) for n in nums) if nums else (32, 8, 4)

@@ -18,10 +18,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from reshard.core.errors import (CheckpointFormatError, ConfigError, CorruptCheckpointError, DestinationError,
-                                 InconsistentShardsError, LayoutError, ManifestMismatchError, MissingModelFactError,
-                                 PrefectServerError, ReshardError, StorageError, UnknownParameterError,
-                                 UnsafeCheckpointError)
+from reshard.core.errors import (
+    CheckpointFormatError,
+    ConfigError,
+    CorruptCheckpointError,
+    DestinationError,
+    InconsistentShardsError,
+    LayoutError,
+    ManifestMismatchError,
+    MissingModelFactError,
+    PrefectServerError,
+    ReshardError,
+    StorageError,
+    UnknownParameterError,
+    UnsafeCheckpointError,
+)
 
 __version__ = "0.1.0"
 

@@ -187,9 +187,9 @@ def local_view(src: str, storage_options: Mapping[str, Any] | None, cache_dir: s
     tensors, not the checkpoint), through the shard cache."""
     from reshard.conversion import streams_sources
     from reshard.core import remote
+    from reshard.discovery import check_source_exists, materialize
     from reshard.storage.cache import ShardCache
     from reshard.storage.location import open_location
-    from reshard.discovery import check_source_exists, materialize
 
     so = dict(storage_options or {})
     loc = open_location(src, so)

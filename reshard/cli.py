@@ -19,7 +19,6 @@ from reshard import __version__
 from reshard.cli_progress import fmt_bytes
 from reshard.core.errors import ReshardError
 
-
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
           "quantization": "quantization (int8 per-rank, fp8 with --to hf)",
@@ -227,7 +226,6 @@ def _target_config(path: str | None) -> dict[str, Any] | None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    import os
 
     from reshard.cli_progress import ProgressDisplay
 

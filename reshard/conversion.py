@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from reshard import __version__, progress
-from reshard.execution.engine import TargetResult, convert_target
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan
 from reshard.core.zero_config import ZeroDecision, decide_conversion
+from reshard.crashpoints import crash_point
+from reshard.discovery import LocalSource
+from reshard.execution.engine import TargetResult, convert_target
 from reshard.formats.output import weights_read
 from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT
-from reshard.crashpoints import crash_point
-from reshard.discovery import LocalSource
 from reshard.tasks.identity import code_version
+
 
 def side_files(plan: Plan, names: list[str]) -> dict[str, bytes]:
     """Small files written beside the outputs, as the output's format wants them (Megatron's

@@ -176,11 +176,10 @@ def _schedule(raw: dict[str, Any]) -> Any:
 
 def runner_deployments(path: str | os.PathLike[str] | None = None, names: list[str] | None = None) -> list[Any]:
     """The file's deployments as ``RunnerDeployment`` objects for ``prefect.serve``."""
-    from pydantic import TypeAdapter
-
     from prefect.deployments.runner import EntrypointType
     from prefect.events import DeploymentTriggerTypes
     from prefect.utilities.templating import apply_values
+    from pydantic import TypeAdapter
 
     triggers_adapter: TypeAdapter[Any] = TypeAdapter(DeploymentTriggerTypes)
     out = []

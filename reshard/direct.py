@@ -18,22 +18,30 @@ from pathlib import Path
 from typing import Any
 
 from reshard import progress
-from reshard.core.zero_master import forget_optimizer_files
-from reshard.conversion import (convert_streamed, manifest_for, side_files, source_folders, source_record,
-                                streams_sources, urls_in_errors, zero_gate)
+from reshard.conversion import (
+    convert_streamed,
+    manifest_for,
+    side_files,
+    source_folders,
+    source_record,
+    streams_sources,
+    urls_in_errors,
+    zero_gate,
+)
 from reshard.core import remote
-from reshard.execution.engine import TargetResult, convert_target, pick_device
 from reshard.core.errors import DestinationError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan
-from reshard.execution.planner import build_plan
 from reshard.core.zero_config import ZeroDecision
+from reshard.core.zero_master import forget_optimizer_files
+from reshard.discovery import LocalSource, discover, materialize
+from reshard.execution.engine import TargetResult, convert_target, pick_device
+from reshard.execution.planner import build_plan
 from reshard.formats import get_format
 from reshard.storage.cache import ShardCache
 from reshard.storage.destination import Destination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
-from reshard.discovery import LocalSource, discover, materialize
 from reshard.tasks.identity import conversion_id
 
 

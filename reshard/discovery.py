@@ -30,11 +30,18 @@ from typing import Any
 from reshard.core.errors import StorageError
 from reshard.core.options import ReshardOptions
 from reshard.crashpoints import crash_point
-from reshard.formats import (ObjectClass, classify, descriptor_entries, listing_patterns, locate, needed_ranges,
-                             select_objects, skeleton_ranges)
+from reshard.formats import (
+    ObjectClass,
+    classify,
+    descriptor_entries,
+    listing_patterns,
+    locate,
+    needed_ranges,
+    select_objects,
+    skeleton_ranges,
+)
 from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import Location, open_location, storage_errors
-
 
 
 @dataclass

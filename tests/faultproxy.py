@@ -50,7 +50,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["FaultProxy", "FAULT_KINDS"]
 
@@ -132,7 +132,7 @@ class FaultProxy:
         self.reset_counters()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         if self._server is not None:
             return self
         self._server = _Server(self._bind, _Handler)
@@ -153,7 +153,7 @@ class FaultProxy:
         self._thread.join(5)
         self._server = self._thread = None
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -165,7 +165,7 @@ class FaultProxy:
                   predicate: Callable[[str, str, object], bool] | None = None,
                   latency_s: float = 1.0, max_faults: int | None = None,
                   truncate_fraction: float = 0.5, reset_after_upstream: bool = False,
-                  reset_counters: bool = True) -> "FaultProxy":
+                  reset_counters: bool = True) -> FaultProxy:
         """Inject ``kind`` into every ``every``-th matching request (see module docstring).
 
         The matching requests numbered ``start, start+every, start+2*every, ...`` (1-based;

@@ -39,9 +39,9 @@ import math
 import os
 import random
 import socket
-import zlib
 import sys
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +157,9 @@ def _mla_shims() -> None:
     so ``kv_channels`` plays no part — as in Megatron-LM, which ignores it under MLA and saves its
     default ``hidden / heads`` there. ``multi_latent_attention.HAVE_TE`` is True even without TE
     (TE is a mock whose ``isinstance`` raises): set False."""
+    import megatron.core.transformer.multi_latent_attention as mla
     from megatron.core.models import backends
     from megatron.core.transformer import dot_product_attention as dpa
-    import megatron.core.transformer.multi_latent_attention as mla
 
     class LocalMLAAttention(dpa.DotProductAttention):
         def __init__(self, *a: Any, k_channels: Any = None, v_channels: Any = None, **k: Any) -> None:

@@ -22,8 +22,17 @@ from typing import Any
 from reshard.core.errors import LayoutError
 from reshard.core.lazy import LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (LLAMA_NAMES, ByteTransform, HFArchitecture, HFArchitectureFamily,
-                                             HFModel, NameRow, OutTensor, Run, Same)
+from reshard.models.hf_architectures import (
+    LLAMA_NAMES,
+    ByteTransform,
+    HFArchitecture,
+    HFArchitectureFamily,
+    HFModel,
+    NameRow,
+    OutTensor,
+    Run,
+    Same,
+)
 from reshard.models.hf_import import read_llama_like
 
 _L, _H = "decoder.layers.{layer}.", "model.layers.{layer}."

@@ -111,7 +111,7 @@ class PrefectServer:
         except OSError:
             return False
 
-    def start(self) -> "PrefectServer":
+    def start(self) -> PrefectServer:
         self.port = free_port()
         t0 = time.monotonic()
         self.proc = spawn([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
@@ -129,7 +129,7 @@ class PrefectServer:
     def stop(self) -> None:
         stop(self.proc, grace=15.0)
 
-    def __enter__(self) -> "PrefectServer":
+    def __enter__(self) -> PrefectServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,9 +22,9 @@ found, so tests can skip cleanly where it is missing.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
-import atexit
 import os
 import re
 import shutil
@@ -177,7 +177,7 @@ class SeaweedS3:
         ]}
         (self.root / "s3.json").write_text(json.dumps(cfg, indent=1))
 
-    def start(self) -> "SeaweedS3":
+    def start(self) -> SeaweedS3:
         if self.proc is not None:
             return self
         if not self.weed:
@@ -303,7 +303,7 @@ class SeaweedS3:
         if self.root is not None and not os.environ.get("RESHARD_KEEP_WEED_DIR"):
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "SeaweedS3":
+    def __enter__(self) -> SeaweedS3:
         return self.start()
 
     def __exit__(self, *exc) -> None:

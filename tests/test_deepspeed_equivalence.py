@@ -11,9 +11,9 @@ from deepspeed.runtime.weight_quantizer import WeightQuantization
 from deepspeed.utils import logger as ds_logger
 
 from conftest import rank_files
-from reshard.execution.plan import ReshardOptions
 from reshard.core.quantize import QUANT_KEY
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 
 ds_logger.setLevel(logging.WARNING)
 

@@ -378,8 +378,8 @@ def test_checkpoint_saved_by_real_deepspeed(tmp_path):
 
 
 def test_run_direct_commits_layer_and_rank_files(pipe, tmp_path):
-    from reshard.execution.plan import ReshardOptions
     from reshard.direct import run_direct
+    from reshard.execution.plan import ReshardOptions
 
     report = run_direct(str(pipe(2, 2)), str(tmp_path / "out"), ReshardOptions(target_tp=1, target_pp=1))
     assert [r["path"] for r in report.manifest["files"]] == ["mp_rank_00_model_states.pt"] + layer_names(1)
@@ -393,8 +393,8 @@ def test_prefect_flow_s3_to_s3_equals_direct(pipe, tmp_path, s3_server, s3_bucke
     all of them (not the headers-only shortcut), the same bytes as --direct on local files."""
     import s3fs
 
-    from reshard.execution.plan import ReshardOptions
     from reshard.direct import run_direct
+    from reshard.execution.plan import ReshardOptions
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
 

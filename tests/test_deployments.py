@@ -309,8 +309,8 @@ def stack(tmp_path_factory, s3_server):
 
 
 def _expected_shards(sample: Path, tmp_path: Path, target_tp: int) -> dict[str, str]:
-    from reshard.execution.plan import ReshardOptions
     from reshard.direct import run_direct
+    from reshard.execution.plan import ReshardOptions
 
     report = run_direct(str(sample), str(tmp_path / f"expected-tp{target_tp}"), ReshardOptions(target_tp=target_tp))
     return {f["path"]: f["sha256"] for f in report.manifest["files"] if f["path"].endswith(".pt")}

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cache_records, read_task_runs, record_kinds, run_reshard_cli, task_name, task_states
-from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 from reshard.flows.params import ReshardParams
 from reshard.flows.runner import run_flow
 from reshard.storage.manifest import MANIFEST_NAME
@@ -200,9 +200,9 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     """8 -> 2 with rank file 7 corrupt: target 0 (sources 0-3) still converts — it does not wait
     for every shard — while target 1 never starts, the cross-rank checks refuse the run, and
     nothing is published at the destination."""
-    from reshard.core.errors import CorruptCheckpointError
-
     import shutil
+
+    from reshard.core.errors import CorruptCheckpointError
 
     src = shutil.copytree(sample_factory(8, 2.0), tmp_path / "src")  # the factory's samples are shared
     bad = src / "mp_rank_07_model_states.pt"

@@ -13,8 +13,8 @@ import torch
 
 from conftest import task_states, upload_to_s3
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError
-from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 from reshard.flows.params import ReshardParams
 from reshard.flows.runner import run_flow
 from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint

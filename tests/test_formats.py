@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from conftest import load_modules
@@ -16,8 +15,16 @@ from plugin_format import SafetensorsPerRank, read_modules, write_as_safetensors
 from reshard.cli import main
 from reshard.core.options import ReshardOptions
 from reshard.direct import run_direct
-from reshard.formats import (CheckpointFormat, available, get_format, listing_patterns, locate, register_format,
-                             registry, unregister_format)
+from reshard.formats import (
+    CheckpointFormat,
+    available,
+    get_format,
+    listing_patterns,
+    locate,
+    register_format,
+    registry,
+    unregister_format,
+)
 from reshard.storage.manifest import MANIFEST_NAME
 
 

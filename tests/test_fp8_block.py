@@ -11,9 +11,19 @@ import pytest
 import torch
 
 from reshard.core.errors import CheckpointFormatError
-from reshard.core.fp8_block import (E4M3, E4M3_MAX, Fp8BlockDequantized, band_workers, check_scale, dequantize,
-                                    quantization_config, quantize, quantize_chunks, read_quantization_config,
-                                    scale_shape)
+from reshard.core.fp8_block import (
+    E4M3,
+    E4M3_MAX,
+    Fp8BlockDequantized,
+    band_workers,
+    check_scale,
+    dequantize,
+    quantization_config,
+    quantize,
+    quantize_chunks,
+    read_quantization_config,
+    scale_shape,
+)
 
 #: (weight shape, block): whole blocks, partial edges in rows, columns and both.
 CASES = [((256, 256), (128, 128)), ((192, 96), (128, 128)), ((320, 256), (128, 128)), ((300, 200), (64, 48)),

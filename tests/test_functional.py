@@ -8,8 +8,8 @@ import torch
 
 from conftest import CFG, load_modules
 from gpt_reference import logits_from_shards
-from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 
 TOKENS = torch.tensor([3, 17, 64, 127, 0, 99, 42, 5, 77, 120, 31, 8])
 PAIRS = [(8, 1), (8, 2), (8, 4), (4, 8), (2, 8), (1, 4), (1, 8), (4, 2), (2, 1)]

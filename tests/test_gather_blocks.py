@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.execution import engine
 from reshard.core.layouts import PartitionSpec
 from reshard.core.lazy import Converted, LazyTensor
 from reshard.core.zero_master import FlatSlice
+from reshard.execution import engine
 
 
 class _Recording(engine.ScratchBuffers):

@@ -307,11 +307,11 @@ def test_the_flow_exports_from_s3_like_direct_and_reports_the_architecture(mcore
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
+    from conftest import upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from conftest import upload_to_s3
     from test_flow_formats import _outputs
 
     src, opts = mcore[("qwen", 2, 1)], {"to": "hf", "max_shard_size": "100KB"}

@@ -316,9 +316,9 @@ def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path,
 def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_bucket, monkeypatch, prefect_env):
     """Through the Prefect flow, from S3 (the weights fetched after the plan is laid out from
     config.json and the index): the same files as ``--direct``."""
+    from conftest import upload_to_s3
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from conftest import upload_to_s3
     from test_flow_formats import _outputs
 
     url, so = upload_to_s3(imported["hf"]["llama"], s3_server, s3_bucket, monkeypatch)

@@ -17,8 +17,16 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import (MODELS, TOKENS, iteration_folder, mcore_checkpoints, mcore_forward, model_options,
-                            needs_mcore, rank_module)
+from mcore_fixtures import (
+    MODELS,
+    TOKENS,
+    iteration_folder,
+    mcore_checkpoints,
+    mcore_forward,
+    model_options,
+    needs_mcore,
+    rank_module,
+)
 from mcore_reference import Arch, core_logits
 from reshard.core.errors import LayoutError
 from reshard.core.safe_load import load_shard

@@ -6,10 +6,9 @@ no edit inside reshard."""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 from collections.abc import Sequence
-
-import argparse
 from typing import Any
 
 import pytest
@@ -17,9 +16,9 @@ import torch
 
 from reshard.core.errors import MissingModelFactError, UnknownParameterError
 from reshard.core.options import ReshardOptions
-from reshard.execution.planner import build_plan
 from reshard.core.plan_types import CanonicalParam
 from reshard.core.rules import Kind, Place, Rule
+from reshard.execution.planner import build_plan
 from reshard.models import ModelFamily, families, register_family, registry, resolve_family, unregister_family
 from reshard.models.megatron_gpt import MEGATRON_GPT_RULES, MegatronGPT
 

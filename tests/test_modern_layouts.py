@@ -29,13 +29,12 @@ from mcore019 import CudaGraphModule, InferenceCudaGraphScope, serve_019_enums
 from mcore_reference import Arch, core_logits
 from reshard.cli import main
 from reshard.core import foreign
-from reshard.core.errors import (CheckpointFormatError, LayoutError, MissingModelFactError,
-                                 UnsafeCheckpointError)
+from reshard.core.errors import CheckpointFormatError, LayoutError, MissingModelFactError, UnsafeCheckpointError
 from reshard.core.layouts import pieces_for_target
-from reshard.execution.plan import ReshardOptions
-from reshard.execution.planner import build_plan
 from reshard.core.quantize import QUANT_KEY, dequantize_piece
 from reshard.core.safe_load import load_shard
+from reshard.execution.plan import ReshardOptions
+from reshard.execution.planner import build_plan
 from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint
 
 # 48 heads in 24 query groups: every TP in {2, 3, 4, 6, 8} holds whole groups

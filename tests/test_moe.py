@@ -28,8 +28,14 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import (copy_with_args, mcore_forward_moe, mcore_moe_checkpoints, mcore_moe_dist_checkpoints,
-                            mcore_moe_etp_checkpoints, needs_mcore)
+from mcore_fixtures import (
+    copy_with_args,
+    mcore_forward_moe,
+    mcore_moe_checkpoints,
+    mcore_moe_dist_checkpoints,
+    mcore_moe_etp_checkpoints,
+    needs_mcore,
+)
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
 
@@ -744,10 +750,10 @@ def test_an_expert_tp_that_cannot_split_the_experts_names_target_etp():
     """Experts 6 rows wide cannot be split over an expert TP of 4, whatever the target TP: the
     error names ``--target-etp``, not a target TP (a target TP hint could not fix it)."""
     from reshard.core.errors import LayoutError
-    from reshard.models.facts import Vocab
     from reshard.core.plan_types import CanonicalParam
     from reshard.execution.specs import _expert_spec, _SpecContext
     from reshard.models import resolve_family
+    from reshard.models.facts import Vocab
 
     key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
     _, resolution = resolve_family(["embedding.word_embeddings.weight", key])

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from layout_helpers import convert, legacy_names
-from mcore_fixtures import (TOKENS, iteration_folder, mcore_checkpoints, mcore_forward, model_options,
-                            needs_mcore)
+from mcore_fixtures import TOKENS, iteration_folder, mcore_checkpoints, mcore_forward, model_options, needs_mcore
 from mcore_reference import Arch, core_logits
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.safe_load import load_shard
@@ -151,8 +150,8 @@ def test_uneven_source_stages_are_renumbered(samples, tmp_path):
 
 
 def test_run_direct_writes_pipeline_stages_under_their_planned_names(samples, tmp_path):
-    from reshard.execution.plan import ReshardOptions
     from reshard.direct import run_direct
+    from reshard.execution.plan import ReshardOptions
 
     report = run_direct(str(samples("tied", 2, 1)), str(tmp_path / "out"), ReshardOptions(target_tp=1, target_pp=2))
     assert [t.name for t in report.plan.targets] == ["iter_0000100/mp_rank_00_000/model_optim_rng.pt",

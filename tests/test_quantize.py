@@ -8,10 +8,10 @@ from deepspeed.runtime.weight_quantizer import WeightQuantization
 
 from conftest import CFG, load_modules
 from reshard.core.errors import LayoutError
-from reshard.execution.plan import ReshardOptions
 from reshard.core.quantize import QUANT_KEY, dequantize_piece, quantize_groups
 from reshard.core.rules import QUANT_SLOT_ORDER
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 from reshard.sample import GPTConfig
 
 SLOT_SUFFIX = {"qkv": "query_key_value.weight", "dense": "attention.dense.weight",

@@ -15,11 +15,20 @@ import torch
 
 from conftest import cache_records, record_kinds, run_reshard_cli, task_states
 from reshard.cli import main
-from reshard.core.errors import (CheckpointFormatError, ConfigError, CorruptCheckpointError, DestinationError,
-                                 InconsistentShardsError, LayoutError, ManifestMismatchError, StorageError,
-                                 UnknownParameterError, UnsafeCheckpointError)
-from reshard.execution.plan import ReshardOptions
+from reshard.core.errors import (
+    CheckpointFormatError,
+    ConfigError,
+    CorruptCheckpointError,
+    DestinationError,
+    InconsistentShardsError,
+    LayoutError,
+    ManifestMismatchError,
+    StorageError,
+    UnknownParameterError,
+    UnsafeCheckpointError,
+)
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import ShardCache
 from reshard.storage.location import open_location

@@ -13,8 +13,9 @@ transformers (``save_pretrained`` with ``max_shard_size``) and DeepSpeed's engin
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

@@ -32,11 +32,10 @@ import time
 import urllib.parse
 import uuid
 
-import pytest
-
-import s3fs  # noqa: E402  (required test dependency)
 import aiohttp  # noqa: E402
 import botocore.exceptions  # noqa: E402
+import pytest
+import s3fs  # noqa: E402  (required test dependency)
 
 from faultproxy import FaultProxy  # noqa: E402
 

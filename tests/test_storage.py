@@ -12,13 +12,13 @@ import pytest
 
 from reshard.cli import main
 from reshard.core.errors import DestinationError, ManifestMismatchError, StorageError
-from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
+from reshard.discovery import list_objects
+from reshard.execution.plan import ReshardOptions
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import RemoteObject, ShardCache
-from reshard.storage.manifest import MANIFEST_NAME, verify
-from reshard.discovery import list_objects
 from reshard.storage.location import open_location
+from reshard.storage.manifest import MANIFEST_NAME, verify
 
 BIG = GPTConfig(layers=2, hidden=256, heads=8, vocab=512, seq=16)  # ~1.6 MB per TP-8 shard
 
@@ -285,8 +285,8 @@ def test_multipart_uploads_are_byte_exact_and_invisible_until_completed(s3_serve
     import os
 
     import s3fs
-    from faultproxy import FaultProxy
 
+    from faultproxy import FaultProxy
     from reshard.storage import s3_transfer
 
     data = os.urandom(11 << 20)  # parts of 5 MiB (the minimum): 5 + 5 + 1

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
-from reshard.execution.plan import ReshardOptions
 from reshard.direct import run_direct
+from reshard.execution.plan import ReshardOptions
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import ShardCache
 from reshard.storage.destination import LOCK_NAME, STAGING_DIR

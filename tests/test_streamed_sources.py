@@ -198,9 +198,9 @@ def test_a_remote_source_converts_from_its_skeletons_byte_for_byte(fmt, tmp_path
 
 
 def test_an_object_replaced_while_it_is_read_fails_the_read(tmp_path, s3_server, s3_bucket, monkeypatch):
+    from reshard.discovery import list_objects
     from reshard.storage.location import open_location
     from reshard.storage.remote_read import RangeReader
-    from reshard.discovery import list_objects
 
     path = tmp_path / "src" / "mp_rank_00_model_states.pt"
     path.parent.mkdir()

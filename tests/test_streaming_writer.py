@@ -31,12 +31,12 @@ import torch
 
 from reshard.core import cpus as cpus_module
 from reshard.core import foreign, torch_writer
+from reshard.core.safe_load import load_shard
+from reshard.core.torch_writer import PendingTensor, WriterError
 from reshard.execution import engine
 from reshard.execution.engine import build_target, convert_target
 from reshard.execution.plan import ReshardOptions
 from reshard.execution.planner import build_plan
-from reshard.core.safe_load import load_shard
-from reshard.core.torch_writer import PendingTensor, WriterError
 from reshard.sample import CoreGPTConfig, GPTConfig, write_core_sample_checkpoint, write_sample_checkpoint
 
 NAME = "mp_rank_00_model_states.pt"
@@ -472,7 +472,7 @@ def test_an_archive_written_at_an_offset_is_torch_saves_buffer_bytes_and_its_siz
     import hashlib
     import io
 
-    from reshard.core.torch_writer import PendingTensor, saved_size, save
+    from reshard.core.torch_writer import PendingTensor, save, saved_size
 
     t = torch.randn(3, 5, 7).to(torch.bfloat16)
     pending = PendingTensor(tuple(t.shape), t.dtype, lambda sink: sink.write(t, keep=t), name="w")

@@ -473,12 +473,11 @@ def test_the_flow_reads_and_writes_torch_dist_from_s3_like_direct(direction, dis
                                                                   s3_bucket, monkeypatch, prefect_env):
     """in: a torch_dist run folder on S3 -> per-rank TP 2; out: megatron-core per-rank files on S3 ->
     torch_dist. The flow's output equals ``--direct``'s, file for file (side files included)."""
-    from conftest import task_states
+    from conftest import task_states, upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from conftest import upload_to_s3
     from test_flow_formats import _outputs
 
     src, opts = ((dist[("gqa_swiglu", 2, 1)], {"target_tp": 2}) if direction == "in"
@@ -517,12 +516,12 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
     ``cache_sources``, and by default as the model's blobs' structure only (skeletons: the tensors
     are read while converting), by the direct path and by the flow; the output is what the local
     source gives."""
+    from conftest import upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
     from reshard.storage.cache import ShardCache
-    from conftest import upload_to_s3
     from test_flow_formats import _outputs
 
     src = dist[("gqa_swiglu", 2, 1)]  # carries Adam moments: two thirds of its .distcp bytes
@@ -668,8 +667,14 @@ def test_the_written_index_is_torchs_own_metadata_and_reads_back(tmp_path):
     """metadata_bytes names torch's DCP records without importing them; torch's unpickling of it
     equals the Metadata torch builds itself, and the safe reader gets the records back."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from reshard.core.dcp_metadata import metadata_bytes
 

@@ -251,9 +251,9 @@ def test_the_flow_writes_it_from_s3(zero_checkpoint, config, tmp_path, request, 
     request.getfixturevalue("prefect_env")
     from conftest import upload_to_s3
     from reshard.core.options import ReshardOptions
+    from reshard.discovery import discover
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from reshard.discovery import discover
 
     step = zero_checkpoint(*config)
     source, so = upload_to_s3(step, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),

@@ -20,8 +20,14 @@ import pytest
 import torch
 
 from layout_helpers import convert
-from mcore_fixtures import (PIPELINES, STAGE_CONFIGS, STAGE_TABLE, mcore_pipeline_checkpoints, mcore_pipeline_forward,
-                            needs_mcore)
+from mcore_fixtures import (
+    PIPELINES,
+    STAGE_CONFIGS,
+    STAGE_TABLE,
+    mcore_pipeline_checkpoints,
+    mcore_pipeline_forward,
+    needs_mcore,
+)
 from reshard.cli import main
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.pipeline_stages import STAGE_ARG_NAMES, StageLayout, parse_layout

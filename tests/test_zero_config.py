@@ -17,21 +17,28 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
-
 from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig as DSZenFlowConfig
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
-from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                   DeepSpeedZeroOffloadParamConfig)
-from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig as DSZenFlowConfig
+from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+from pydantic import ValidationError
 
 from reshard.core.errors import ConfigError, LayoutError
-from reshard.core.zero_config import (LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                                      ZenFlowConfig, ZeroDecision, ZeroOptimizationConfig,
-                                      ZeroPartitionedCheckpointError, decide_conversion,
-                                      load_deepspeed_config_text, run_validate_config,
-                                      validate_deepspeed_config, validate_zero_section)
+from reshard.core.zero_config import (
+    LeafModuleConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZenFlowConfig,
+    ZeroDecision,
+    ZeroOptimizationConfig,
+    ZeroPartitionedCheckpointError,
+    decide_conversion,
+    load_deepspeed_config_text,
+    run_validate_config,
+    validate_deepspeed_config,
+    validate_zero_section,
+)
 
 DEPRECATED = {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
               "stage3_gather_fp16_weights_on_model_save"}

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ZERO_TAG as TAG, upload_to_s3
+from conftest import ZERO_TAG as TAG
+from conftest import upload_to_s3
 from reshard.cli import main
 from reshard.core.options import ReshardOptions
 from reshard.core.safe_load import load_shard
@@ -185,9 +186,9 @@ def test_master_weights_need_optimizer_files_and_a_layout_that_has_them(sample_f
 def test_the_flow_reads_master_weights_from_s3(zero_ckpts, config, tmp_path, request, monkeypatch):
     """Discovery fetches the optimizer files only when --weights master asks for them."""
     request.getfixturevalue("prefect_env")
+    from reshard.discovery import discover
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from reshard.discovery import discover
 
     step = zero_ckpts[config]
     source, so = upload_to_s3(step, request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"),

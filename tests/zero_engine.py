@@ -27,10 +27,10 @@ RESUME = sys.argv[8] if len(sys.argv) > 8 else None
 base, _, variant = dtype.partition("-")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
 
+import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import deepspeed  # noqa: E402
 from reshard.sample import GPTConfig, full_weights, shard_state_dicts  # noqa: E402
 
 FROZEN = "position_embeddings.weight"

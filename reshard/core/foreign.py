@@ -34,7 +34,7 @@ class Foreign:
     qualname: ClassVar[str] = ""
     __slots__ = ("foreign_args", "foreign_state", "foreign_newobj")
 
-    def __new__(cls, *args: Any) -> "Foreign":
+    def __new__(cls, *args: Any) -> Foreign:
         obj = super().__new__(cls)
         obj.foreign_args = args
         obj.foreign_state = None
@@ -119,7 +119,7 @@ class ForeignMember(Foreign):
     qualname = "builtins.getattr"
     __slots__ = ()
 
-    def __new__(cls, *args: Any) -> "Foreign":
+    def __new__(cls, *args: Any) -> Foreign:
         if (len(args) != 2 or not (isinstance(args[0], type) and issubclass(args[0], Foreign))
                 or issubclass(args[0], ForeignMember) or type(args[1]) is not str):
             raise pickle.UnpicklingError(
@@ -170,7 +170,7 @@ class _ForeignPickler(pickle._Pickler):  # type: ignore[name-defined]
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if isinstance(obj, type) and issubclass(obj, Foreign) and obj.qualname:
             module, _, attr = obj.qualname.rpartition(".")
-            self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode("utf-8"))
+            self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode())
             self.memoize(obj)
             return
         super().save_global(obj, name)

@@ -48,7 +48,6 @@ import torch
 
 from reshard.core.errors import LayoutError
 
-
 #: ``Piece.src`` of rows that no source holds (vocabulary re-padding): zero-filled.
 FILL = -1
 

@@ -13,9 +13,8 @@ Values are checked here, once, into the error type every front end reports as on
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 

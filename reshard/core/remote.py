@@ -160,7 +160,7 @@ def _disjoint(spans: dict[int, bytes]) -> dict[int, bytes]:
     return out
 
 
-_structures: "weakref.WeakKeyDictionary[Any, dict[int, bytes]]" = weakref.WeakKeyDictionary()
+_structures: weakref.WeakKeyDictionary[Any, dict[int, bytes]] = weakref.WeakKeyDictionary()
 
 
 def structure(source: ByteSource, ranges: Callable[[Callable[[int, int], bytes]], Sequence[tuple[int, int]]]

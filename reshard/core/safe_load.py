@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import contextlib
+import dataclasses
 import io
 import os
 import pickle

@@ -23,8 +23,8 @@ import torch
 from reshard.core import remote
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.lazy import LazyTensor
-from reshard.core.torch_writer import contiguous_strides
 from reshard.core.pages import PageDropper
+from reshard.core.torch_writer import contiguous_strides
 
 #: safetensors' dtype names (one table for reading and writing).
 ST_DTYPES: dict[torch.dtype, str] = {

@@ -25,8 +25,8 @@ import torch
 
 from reshard.core.errors import CheckpointFormatError, ReshardError
 from reshard.core.lazy import LazyTensor
-from reshard.core.safe_load import load_shard
 from reshard.core.pipeline_stages import chunk_keys
+from reshard.core.safe_load import load_shard
 from reshard.core.source import AUTO, MODULE_KEYS, choose_module_key, parse_version
 
 RANK, PIPE_RANK, LAYER, METADATA = "rank", "pipe-rank", "layer", "metadata"

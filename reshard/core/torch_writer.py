@@ -126,7 +126,7 @@ class _PendingStorage:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: "PendingTensor") -> None:
+    def __init__(self, tensor: PendingTensor) -> None:
         self.tensor = tensor
 
 
@@ -538,7 +538,7 @@ class _Stage:
     to the producer by :meth:`put` / :meth:`close`."""
 
     def __init__(self, name: str, work: Callable[[memoryview, int | None], None], depth: int,
-                 after: "_Stage | None" = None) -> None:
+                 after: _Stage | None = None) -> None:
         self.work = work
         self.after = after
         self.q: queue.Queue[Any] = queue.Queue(maxsize=depth)
@@ -790,7 +790,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
          depth: int = QUEUE_DEPTH, sha256: bool = False,
          on_bytes: Callable[[int], None] | None = None, offset: int | None = None,
          digest: Any = None, stream: Any = None, keep_data: bool = True,
-         pipeline: "_Stage | None" = None) -> SaveStats:
+         pipeline: _Stage | None = None) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
     pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
 
@@ -820,7 +820,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
 
 def _save(obj: Any, path: str, *, pickle_module: Any, depth: int, sha256: bool,
           on_bytes: Callable[[int], None] | None, offset: int | None, digest: Any, stream: Any,
-          keep_data: bool, pipeline: "_Stage | None") -> SaveStats:
+          keep_data: bool, pipeline: _Stage | None) -> SaveStats:
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
     if offset is None:

@@ -27,8 +27,16 @@ from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
 import annotated_types
-from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from reshard.core.errors import ConfigError, LayoutError
 
@@ -91,7 +99,7 @@ class OffloadParamConfig(_DSModel):
     """``offload_param``: where ZeRO-3 keeps parameters between uses."""
 
     device: OffloadDevice = OffloadDevice.NONE
-    nvme_path: Optional[Path] = None
+    nvme_path: Path | None = None
     buffer_count: int = Field(5, ge=0)
     buffer_size: int = Field(100_000_000, ge=0)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
@@ -102,7 +110,7 @@ class OffloadOptimizerConfig(_DSModel):
     """``offload_optimizer``: optimizer states (and the step) on CPU or NVMe."""
 
     device: OffloadDevice = OffloadDevice.NONE
-    nvme_path: Optional[Path] = None
+    nvme_path: Path | None = None
     buffer_count: int = Field(4, ge=0)
     pin_memory: bool = True
     pipeline_read: bool = False
@@ -123,15 +131,15 @@ class ZenFlowConfig(_DSModel):
 
     topk_ratio: float = Field(0.1, gt=0.0, lt=1.0)
     select_strategy: str = "auto"
-    select_interval: Union[str, int] = "auto"
-    update_interval: Union[str, int] = "auto"
+    select_interval: str | int = "auto"
+    update_interval: str | int = "auto"
     overlap_step: bool = False
     offload: bool = False
     auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
     full_warm_up_rounds: int = 0
     pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)
     # Filled in by DeepSpeed at run time; accepted but never part of the normalized output.
-    steps_per_epoch: Optional[int] = Field(None, exclude=True)
+    steps_per_epoch: int | None = Field(None, exclude=True)
 
     @field_validator("select_strategy")
     @classmethod
@@ -142,7 +150,7 @@ class ZenFlowConfig(_DSModel):
 
     @field_validator("select_interval", "update_interval")
     @classmethod
-    def _interval(cls, value: Union[str, int], info: ValidationInfo) -> Union[str, int]:
+    def _interval(cls, value: str | int, info: ValidationInfo) -> str | int:
         if isinstance(value, str) and value != "auto":
             raise ValueError('a string here must be "auto"; otherwise give a whole number')
         if info.field_name == "update_interval" and isinstance(value, int) and value < 1:
@@ -176,7 +184,7 @@ class LeafModuleConfig(_DSModel):
                 for k, v in data.items()}
 
     @model_validator(mode="after")
-    def _dedupe(self) -> "LeafModuleConfig":
+    def _dedupe(self) -> LeafModuleConfig:
         for name in ("classes", "names", "name_suffixes"):
             object.__setattr__(self, name, list(dict.fromkeys(str(x) for x in getattr(self, name))))
         return self
@@ -196,13 +204,13 @@ class ZeroOptimizationConfig(_DSModel):
     use_multi_rank_bucket_allreduce: bool = True
     allgather_partitions: bool = True
     allgather_bucket_size: int = Field(500_000_000, ge=0)
-    overlap_comm: Optional[bool] = None  # null/absent → (stage == 3), resolved below
+    overlap_comm: bool | None = None  # null/absent → (stage == 3), resolved below
     compute_grad_norm: bool = True
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
-    offload_param: Optional[OffloadParamConfig] = None
-    offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    zenflow: Optional[ZenFlowConfig] = None
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    zenflow: ZenFlowConfig | None = None
     sub_group_size: int = Field(1_000_000_000, ge=0)
     prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
     param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
@@ -241,7 +249,7 @@ class ZeroOptimizationConfig(_DSModel):
         return data
 
     @model_validator(mode="after")
-    def _resolve_and_cross_check(self, info: ValidationInfo) -> "ZeroOptimizationConfig":
+    def _resolve_and_cross_check(self, info: ValidationInfo) -> ZeroOptimizationConfig:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == ZeroStage.WEIGHTS)
         if not (info.context or {}).get("reshard_defer_cross_checks"):
@@ -256,7 +264,7 @@ class ZeroOptimizationConfig(_DSModel):
 
 # Deprecated key → (replacement field, how the old value becomes the new one). ``None`` as the
 # replacement means: warn only (DeepSpeed keeps the value but nothing reads it).
-_DEPRECATED: dict[str, tuple[Optional[str], Any]] = {
+_DEPRECATED: dict[str, tuple[str | None, Any]] = {
     "cpu_offload_param": ("offload_param", lambda v: {"device": "cpu"} if v else None),
     "cpu_offload_use_pin_memory": (None, None),
     "cpu_offload": ("offload_optimizer", lambda v: {"device": "cpu"} if v else None),
@@ -285,7 +293,7 @@ _TOP_LEVEL_HINTS = frozenset({
 })
 
 
-def _field_for_key(model: type[BaseModel], key: str) -> Optional[tuple[str, Any]]:
+def _field_for_key(model: type[BaseModel], key: str) -> tuple[str, Any] | None:
     """(field name, FieldInfo) for a key given by bare name or alias."""
     for name, info in model.model_fields.items():
         if key == name or (info.alias and key == info.alias):
@@ -311,7 +319,7 @@ def _is_zero_key(key: str) -> bool:
 # --------------------------------------------------------------------------- message helpers
 
 
-def _join(path: str, key: Union[str, int]) -> str:
+def _join(path: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"
     return f"{path}.{key}" if path else str(key)
@@ -325,7 +333,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _suggest(key: str, candidates: list[str]) -> Optional[str]:
+def _suggest(key: str, candidates: list[str]) -> str | None:
     lowered = {c.lower(): c for c in candidates}
     if key.lower() in lowered:
         return lowered[key.lower()]
@@ -409,9 +417,9 @@ def _describe(info: Any) -> str:
     return text
 
 
-def _loc_target(model: type[BaseModel], loc: tuple) -> tuple[Optional[type[BaseModel]], Any]:
+def _loc_target(model: type[BaseModel], loc: tuple) -> tuple[type[BaseModel] | None, Any]:
     """Walk an error location: (model holding the last key, FieldInfo of the last key or None)."""
-    current: Optional[type[BaseModel]] = model
+    current: type[BaseModel] | None = model
     info = None
     for i, part in enumerate(loc):
         if current is None or not isinstance(part, str):
@@ -457,7 +465,7 @@ def _pydantic_problems(err: ValidationError, model: type[BaseModel], path: str) 
     return problems
 
 
-def _cross_field_problems(stage: Any, ratio: Optional[float], compute_grad_norm: Any, path: str) -> list[str]:
+def _cross_field_problems(stage: Any, ratio: float | None, compute_grad_norm: Any, path: str) -> list[str]:
     """DeepSpeed's cross-field rules (it stops at the first; we list all)."""
     problems = []
     if ratio is not None and stage is not None and ratio < 1.0 and int(stage) != ZeroStage.WEIGHTS:
@@ -548,11 +556,11 @@ class ZeroDecision:
     source_stage: int
     source_gathered_16bit: bool
     verify_full_tensors: bool
-    target: Optional[ZeroValidation]
+    target: ZeroValidation | None
     notes: tuple[str, ...] = ()
 
     @property
-    def target_stage(self) -> Optional[int]:
+    def target_stage(self) -> int | None:
         """The target's ZeRO stage, or None when no target config was given."""
         return None if self.target is None else self.target.stage
 
@@ -560,7 +568,7 @@ class ZeroDecision:
 # --------------------------------------------------------------------------- public API
 
 
-def _raise(problems: list[str], path: str, source: Optional[str]) -> typing.NoReturn:
+def _raise(problems: list[str], path: str, source: str | None) -> typing.NoReturn:
     count = len(problems)
     noun = "problem" if count == 1 else "problems"
     raise ConfigError(f"{count} {noun} in {path or 'ZeRO config'}: " + "; ".join(problems),
@@ -613,8 +621,8 @@ def load_deepspeed_config_text(text: str, source: str) -> dict:
     return result
 
 
-def validate_zero_section(section: Union[dict, bool, None], path: str = SECTION, *,
-                          root: Optional[dict] = None, source: Optional[str] = None) -> ZeroValidation:
+def validate_zero_section(section: dict | bool | None, path: str = SECTION, *,
+                          root: dict | None = None, source: str | None = None) -> ZeroValidation:
     """Validate one ``zero_optimization`` value exactly as DeepSpeed would, reporting all problems.
 
     ``section`` is the value of the key (``None`` = key absent → all defaults; ``true/false`` =
@@ -657,7 +665,7 @@ def validate_zero_section(section: Union[dict, bool, None], path: str = SECTION,
     notes.extend(dep_notes)
     problems.extend(dep_problems)
 
-    model: Optional[ZeroOptimizationConfig] = None
+    model: ZeroOptimizationConfig | None = None
     context = {"reshard_defer_cross_checks": True}
     try:
         model = ZeroOptimizationConfig.model_validate(data, context=context)
@@ -701,7 +709,7 @@ def _split_config(config: dict) -> tuple[bool, Any]:
     return False, None
 
 
-def validate_deepspeed_config(config: dict, *, source: Optional[str] = None) -> ZeroValidation:
+def validate_deepspeed_config(config: dict, *, source: str | None = None) -> ZeroValidation:
     """Validate the ZeRO part of a whole DeepSpeed config (other sections are not checked)."""
     if not isinstance(config, dict):
         raise ConfigError(f"a DeepSpeed config must be a JSON object, found {type(config).__name__}",
@@ -722,7 +730,7 @@ def validate_deepspeed_config(config: dict, *, source: Optional[str] = None) -> 
     return ZeroValidation(result.normalized, result.deprecations, result.model, result.warnings + extra)
 
 
-def run_validate_config(path: str, as_json: bool, out: Optional[TextIO] = None) -> int:
+def run_validate_config(path: str, as_json: bool, out: TextIO | None = None) -> int:
     """``reshard validate-config FILE [--json]``: check a DeepSpeed config before a job uses it.
 
     Prints the normalized ZeRO section and any deprecations; returns 0. Invalid input raises
@@ -796,7 +804,7 @@ def _source_facts(ds_config: Any) -> tuple[int, bool, list[str]]:
     return int(stage), gathered, notes
 
 
-def decide_conversion(ds_config: Optional[dict], target_config: Optional[dict] = None, *,
+def decide_conversion(ds_config: dict | None, target_config: dict | None = None, *,
                       allow_zero3_target: bool = False, weights_elsewhere: str | None = None) -> ZeroDecision:
     """Decide, before any transfer, whether the source's model states hold real weights.
 

@@ -28,17 +28,24 @@ import dataclasses
 from typing import Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
-from reshard.models.facts import bool_arg, decide_version
 from reshard.core.layouts import source_ranks_for_target
 from reshard.core.options import ReshardOptions
+from reshard.core.plan_types import (
+    DROPPED_ENTRIES,
+    LAYER_FILE,
+    PIPE_RANK_FILE,
+    ParamPlan,
+    Plan,
+    TargetParam,
+    TargetPlan,
+    dropped_warning,
+)
+from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, layer_file_name, rank_file_name
 from reshard.execution.placement import target_ranks_needed, target_size
 from reshard.execution.plan import decide_parameters
-from reshard.core.plan_types import (DROPPED_ENTRIES, LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetParam,
-                                     TargetPlan, dropped_warning)
-from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, layer_file_name, rank_file_name
-from reshard.formats.deepspeed_pipeline import (EMBEDDING, LM_HEAD, PARALLEL_DIMS, PP_DEGREE, TP_DEGREE,
-                                                TRANSFORMER)
+from reshard.formats.deepspeed_pipeline import EMBEDDING, LM_HEAD, PARALLEL_DIMS, PP_DEGREE, TP_DEGREE, TRANSFORMER
 from reshard.formats.registry import get_format
+from reshard.models.facts import bool_arg, decide_version
 
 
 def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int) -> Plan:

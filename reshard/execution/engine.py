@@ -41,18 +41,18 @@ import torch
 from reshard.core import foreign
 from reshard.core.cpus import usable_cores
 from reshard.core.errors import CorruptCheckpointError
-from reshard.core.lazy import LazyTensor, materialized
-from reshard.core.remote import materialize_lazy
 from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
+from reshard.core.lazy import LazyTensor, materialized
 from reshard.core.pages import PageDropper
-from reshard.execution.ds_pipe import retarget_rank_file
 from reshard.core.plan_types import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan
-from reshard.execution.specs import quant_groups_for
 from reshard.core.quantize import QUANT_KEY, combine_piece_scales, scale_table
 from reshard.core.quantize_blocked import quantize_groups_blocked
+from reshard.core.remote import materialize_lazy
 from reshard.core.rules import QUANT_SLOT_ORDER
-from reshard.formats.registry import get_format
 from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, RecordSink, WriterError, tensor_bytes
+from reshard.execution.ds_pipe import retarget_rank_file
+from reshard.execution.specs import quant_groups_for
+from reshard.formats.registry import get_format
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
@@ -130,7 +130,7 @@ def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
 
 
 def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], device: torch.device,
-                   pages: "PageDropper") -> dict[str, Any]:
+                   pages: PageDropper) -> dict[str, Any]:
     """Target ``tgt``'s state dict with every produced tensor still a :class:`PendingTensor`
     (shape and dtype known, bytes streamed on demand, in the order torch.save writes them)."""
     tp = plan.targets[tgt]
@@ -144,7 +144,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             first = shards[i]
             break
 
-    chunks: list["OrderedDict[str, Any]"] = [OrderedDict() for _ in range(plan.target_vpp)]
+    chunks: list[OrderedDict[str, Any]] = [OrderedDict() for _ in range(plan.target_vpp)]
     scratch = _thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
     quant = _QuantState(plan, tp) if opts.int8 else None
     degrees = plan.degrees
@@ -224,7 +224,7 @@ def _streamable(t: torch.Tensor) -> bool:
             and not torch._utils._get_obj_state(t))
 
 
-def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: "PageDropper") -> Any:
+def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: PageDropper) -> Any:
     """A replicated or carried tensor, copied from the base rank (owning exactly its bytes)."""
     if not _streamable(value):
         with _read_errors(culprit):
@@ -257,7 +257,7 @@ def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
 
 
 def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
-                            name: str, culprit: str, scratch: "ScratchBuffers | None") -> PendingTensor:
+                            name: str, culprit: str, scratch: ScratchBuffers | None) -> PendingTensor:
     """A partitioned parameter's target slice from lazy sources, each segment along ``spec.dim``
     read as boxes (only the rows this target needs). Along dim 0 a box that is regions of
     mapped files (one, or a run per fused part: :meth:`LazyTensor.views`) is written from the
@@ -345,7 +345,7 @@ def _blocks(rows: int, row_bytes: int, whole: bool = False) -> list[tuple[int, i
     return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
 
 
-def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: "PageDropper") -> None:
+def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor, pages: PageDropper) -> None:
     """Write ``nbytes`` of a (memory-mapped) source from address ``addr`` in chunks; each chunk's
     pages are dropped from this process once written."""
     off = 0
@@ -364,7 +364,7 @@ def _segments(spec: PartitionSpec, part_len: int, n: int, m: int, tgt: int) -> l
 
 
 def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n: int, m: int, tgt: int,
-                       name: str, culprit: str, pages: "PageDropper", scratch: "ScratchBuffers | None" = None) -> Any:
+                       name: str, culprit: str, pages: PageDropper, scratch: ScratchBuffers | None = None) -> Any:
     """A partitioned parameter's target slice, written piece by piece, never assembled whole:
     along dim 0 each piece is one contiguous byte range of a source; along a later dim the
     output is built in blocks of rows (``CHUNK_BYTES`` each)."""
@@ -461,7 +461,7 @@ class _QuantState:
         self.shape = (len(self.layers), len(QUANT_SLOT_ORDER), width)
 
     def pending(self, p: ParamPlan, srcs: dict[int, torch.Tensor], tgt: int, device: torch.device, culprit: str,
-                pages: "PageDropper") -> PendingTensor:
+                pages: PageDropper) -> PendingTensor:
         plan = self.plan
         shape = list(p.shape)
         part_len = p.shape[p.spec.dim] // p.spec.parts  # type: ignore[union-attr]
@@ -508,7 +508,7 @@ class ScratchBuffers:
     def __init__(self, limit: int = IN_FLIGHT + 1) -> None:
         self.limit = limit
         self.made = 0
-        self.free: "queue.Queue[torch.Tensor]" = queue.Queue()
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
         self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -569,22 +569,22 @@ def retarget_args(args: Any, plan: Plan) -> Any:
         if hasattr(new, name):
             setattr(new, name, plan.target_tp)
     if hasattr(new, "pipeline_model_parallel_size"):
-        setattr(new, "pipeline_model_parallel_size", plan.target_pp)
+        new.pipeline_model_parallel_size = plan.target_pp
     if getattr(new, "expert_model_parallel_size", None) is not None or plan.target_ep > 1:
-        setattr(new, "expert_model_parallel_size", plan.target_ep)
+        new.expert_model_parallel_size = plan.target_ep
     if getattr(new, "expert_tensor_parallel_size", None) is not None or plan.target_etp is not None:
-        setattr(new, "expert_tensor_parallel_size", plan.degrees.target_etp)
+        new.expert_tensor_parallel_size = plan.degrees.target_etp
     facts = plan.facts
     if facts is not None and hasattr(new, "padded_vocab_size") and facts.padded_vocab_target is not None:
-        setattr(new, "padded_vocab_size", facts.padded_vocab_target)
+        new.padded_vocab_size = facts.padded_vocab_target
     if facts is not None and facts.make_vocab_size_divisible_by is not None and \
             getattr(new, "make_vocab_size_divisible_by", None) is None:  # the padding now needs it to be reproduced
-        setattr(new, "make_vocab_size_divisible_by", facts.make_vocab_size_divisible_by)
+        new.make_vocab_size_divisible_by = facts.make_vocab_size_divisible_by
     ckpt_format = get_format(plan.output_format).ckpt_format
     if ckpt_format is not None and hasattr(new, "ckpt_format"):
-        setattr(new, "ckpt_format", ckpt_format)
+        new.ckpt_format = ckpt_format
     if hasattr(new, "transformer_pipeline_model_parallel_size"):
-        setattr(new, "transformer_pipeline_model_parallel_size", plan.target_pp)
+        new.transformer_pipeline_model_parallel_size = plan.target_pp
     target, source = plan.target_stages, plan.source_stages
     kept = target is not None and source is not None and target == source and source.saved
     if target is not None and not kept and hasattr(new, "__dict__"):  # as saved when they describe the output
@@ -592,9 +592,9 @@ def retarget_args(args: Any, plan: Plan) -> Any:
             if hasattr(new, name) or (value is not None and value is not False):
                 setattr(new, name, value)
         if target.vpp == 1 and getattr(new, "overlap_p2p_comm", False):
-            setattr(new, "overlap_p2p_comm", False)  # Megatron-LM's validate_args turns it off without them
+            new.overlap_p2p_comm = False  # Megatron-LM's validate_args turns it off without them
         elif target.vpp > 1 and (source is None or source.vpp == 1) and hasattr(new, "overlap_p2p_comm"):
-            setattr(new, "overlap_p2p_comm", True)  # its default with virtual stages (False needs PP > 2)
+            new.overlap_p2p_comm = True  # its default with virtual stages (False needs PP > 2)
     return new
 
 

@@ -28,21 +28,29 @@ import torch
 from reshard.core.checks import check_replicated
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.experts import check_expert_ranks, check_expert_tp, rank_files
-from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.core.lazy import LazyTensor
 from reshard.core.options import ReshardOptions, flag_of
 from reshard.core.pipeline_stages import StageLayout
+from reshard.core.plan_types import (
+    DROPPED_ENTRIES,
+    CanonicalParam,
+    ModelFacts,
+    ParamPlan,
+    Plan,
+    SourceRead,
+    SourceStage,
+    TensorDegrees,
+    dropped_warning,
+)
+from reshard.core.rules import MTP_STAGE_COPY, Kind, Place, Resolution, Rule, holds_mtp_layers, layer_index, with_layer
 from reshard.core.safe_load import refuse_foreign_entries
-from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
-from reshard.core.plan_types import (DROPPED_ENTRIES, CanonicalParam, ModelFacts, ParamPlan, Plan, SourceRead,
-                                     SourceStage, TensorDegrees, dropped_warning)
-from reshard.core.rules import (MTP_STAGE_COPY, Kind, Place, Resolution, Rule, holds_mtp_layers, layer_index,
-                                with_layer)
 from reshard.core.source import SourceCheckpoint
+from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
 from reshard.execution.specs import check_quantization, target_specs
-from reshard.formats.registry import get_format
 from reshard.formats.output import carried_files, output_format
+from reshard.formats.registry import get_format
 from reshard.models import ModelFamily, resolve_family
+from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.models.megatron_gpt import expert_index, experts_per_layer, rank_experts, with_expert
 
 if TYPE_CHECKING:

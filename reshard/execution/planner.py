@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from reshard.execution.ds_pipe import build_pipe_plan
-from reshard.execution.engine import target_state
+from reshard.core.errors import LayoutError
 from reshard.core.options import ReshardOptions, flag_of
-from reshard.execution.plan import build_grid_plan
 from reshard.core.plan_types import Plan
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint
-from reshard.core.errors import LayoutError
+from reshard.execution.ds_pipe import build_pipe_plan
+from reshard.execution.engine import target_state
+from reshard.execution.plan import build_grid_plan
 from reshard.formats import locate
 from reshard.formats.output import output_format
 

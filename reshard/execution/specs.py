@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError, MissingModelFactError, ReshardError
-from reshard.models.facts import Vocab
 from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import ParamPlan, CanonicalParam, elems
+from reshard.core.plan_types import CanonicalParam, ParamPlan, elems
 from reshard.core.rules import Kind, QKVLayout, Rule
+from reshard.models.facts import Vocab
 
 if TYPE_CHECKING:
     from reshard.models.base import ModelFamily
@@ -24,7 +24,7 @@ MAX_SUGGESTED_TP = 256
 def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, version: float, heads: int | None,
                  groups: int | None, head_dim: int | None, n: int, m: int, origin: dict[str, str], where: str,
                  family: ModelFamily, padded_for: int | None = None, default_divisor: int | None = None,
-                 experts: tuple[int, int | None] | None = None) -> tuple[bool | None, "Vocab", list[ParamPlan]]:
+                 experts: tuple[int, int | None] | None = None) -> tuple[bool | None, Vocab, list[ParamPlan]]:
     """The facts and partition specs that depend on the target TP ``m``: gated MLP, vocabulary
     padding, and every parameter's spec. A target TP that some tensor cannot be divided over is
     refused with the target TPs that satisfy *every* tensor at once (heads, query groups, FFN

@@ -8,7 +8,6 @@ from pydantic import Field, field_validator
 
 from reshard.core.options import ReshardOptions
 
-
 #: Storage-option names that carry credentials. Flow parameters are stored in Prefect's
 #: database and shown in its UI, so these are refused there (use the environment/profiles).
 SECRET_OPTION_NAMES = frozenset({"secret", "password", "token", "session_token", "aws_secret_access_key",

@@ -44,9 +44,18 @@ from reshard.storage.cache import RemoteObject, ShardCache
 from reshard.storage.workdirs import WorkUse
 from reshard.tasks.identity import conversion_id
 from reshard.tasks.shard_tasks import check_shard, discover_shards, fetch_shard
-from reshard.tasks.target_tasks import (GPU_TAG, abandon_claim, commit_checkpoint, convert_target_rank,
-                                        locate_source, output_present, plan_conversion, plan_layout, report,
-                                        upload_target)
+from reshard.tasks.target_tasks import (
+    GPU_TAG,
+    abandon_claim,
+    commit_checkpoint,
+    convert_target_rank,
+    locate_source,
+    output_present,
+    plan_conversion,
+    plan_layout,
+    report,
+    upload_target,
+)
 
 
 class ReshardFlow(Flow[Any, Any]):

@@ -28,9 +28,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
-import re
 import subprocess
 import sys
 import tempfile
@@ -167,7 +167,7 @@ def upgrade_database(cache_root: Path) -> int:
     return 0
 
 
-def start_embedded(cache_root: Path) -> "EmbeddedServer":
+def start_embedded(cache_root: Path) -> EmbeddedServer:
     """The environment's defaults set (the server inherits them), the server spawned: it comes up
     while the caller goes on (see :meth:`EmbeddedServer.wait_ready`)."""
     prefect_environment(cache_root)

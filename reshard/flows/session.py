@@ -59,8 +59,12 @@ def embedded_settings(api_url: str, cache_root: Path) -> Any:
     crashed; this server dies with this process, so they tell it nothing, and each run's end
     would wait for the heartbeat thread's 1 s sleep (Prefect joins it). Runs on a configured
     server keep them."""
-    from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-                                  PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings)
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        temporary_settings,
+    )
 
     updates: dict[Any, Any] = {PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     if not os.environ.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH"):
@@ -151,7 +155,7 @@ class _EmbeddedServer:
         self.ledger: _TaskRunLedger | None = None  # set by note_events
 
     @classmethod
-    def attach(cls, server: Any, cache_root: Any) -> "_EmbeddedServer":
+    def attach(cls, server: Any, cache_root: Any) -> _EmbeddedServer:
         """Use ``server`` (started early by the CLI), or start one, and wait until it answers."""
         from reshard.flows.server import EmbeddedServer, startup_timeout
 

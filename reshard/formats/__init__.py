@@ -21,8 +21,8 @@ from reshard.core.options import ReshardOptions
 from reshard.core.shard_check import METADATA
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
-from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
 from reshard.formats.output import weights_read
+from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
 
 __all__ = ["CheckpointFormat", "ObjectClass", "available", "check_file", "classify", "descriptor_entries",
            "get_format", "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",

@@ -18,10 +18,17 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, StorageError
-from reshard.core.source import (DEEPSPEED, DEEPSPEED_ZERO3, RANK_FILE_RE, ZERO3_MODEL_FILE_RE, SourceCheckpoint, choose_module_key,
-                                 parse_version, rank_file_name)
-from reshard.core.zero_master import (OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, master_module_zero3,
-                                      optim_files)
+from reshard.core.source import (
+    DEEPSPEED,
+    DEEPSPEED_ZERO3,
+    RANK_FILE_RE,
+    ZERO3_MODEL_FILE_RE,
+    SourceCheckpoint,
+    choose_module_key,
+    parse_version,
+    rank_file_name,
+)
+from reshard.core.zero_master import OPTIM_FILE_PATTERN, OPTIM_FILE_RE, master_module, master_module_zero3, optim_files
 from reshard.formats.base import CheckpointFormat, check_contiguous
 
 if TYPE_CHECKING:

@@ -22,12 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.core.checks import check_same_keys
 from reshard.core.errors import CheckpointFormatError
-from reshard.models.facts import int_arg
 from reshard.core.plan_types import SourceRead, SourceStage
 from reshard.core.shard_check import LAYER, PIPE_RANK
-from reshard.core.source import (DEEPSPEED_PIPE, LAYER_FILE_NO_MODEL_RE, LAYER_FILE_RE, RANK_FILE_RE,
-                                 SourceCheckpoint, choose_module_key, layer_file_name, rank_file_name)
+from reshard.core.source import (
+    DEEPSPEED_PIPE,
+    LAYER_FILE_NO_MODEL_RE,
+    LAYER_FILE_RE,
+    RANK_FILE_RE,
+    SourceCheckpoint,
+    choose_module_key,
+    layer_file_name,
+    rank_file_name,
+)
 from reshard.formats.base import CheckpointFormat, check_contiguous
+from reshard.models.facts import int_arg
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions

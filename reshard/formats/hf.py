@@ -35,17 +35,46 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
-from reshard.core.fp8_block import (DEFAULT_BLOCK, E4M3, NonFiniteWeightError, band_workers, dequantized_tensors,
-                                    quantization_config, quantize_chunks, read_quantization_config, scale_name,
-                                    scale_shape)
+from reshard.core.fp8_block import (
+    DEFAULT_BLOCK,
+    E4M3,
+    NonFiniteWeightError,
+    band_workers,
+    dequantized_tensors,
+    quantization_config,
+    quantize_chunks,
+    read_quantization_config,
+    scale_name,
+    scale_shape,
+)
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
-from reshard.core.torch_writer import (PUNCH_BYTES, QUEUE_DEPTH, PendingTensor, RecordSink, SaveStats, WriterError,
-                                      _Stage, as_bytes, file_digest, punch_hole, tensor_bytes, writer_pipeline)
+from reshard.core.torch_writer import (
+    PUNCH_BYTES,
+    QUEUE_DEPTH,
+    PendingTensor,
+    RecordSink,
+    SaveStats,
+    WriterError,
+    _Stage,
+    as_bytes,
+    file_digest,
+    punch_hole,
+    tensor_bytes,
+    writer_pipeline,
+)
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.models.hf_architectures import (HF_DTYPES, Export, HFArchitecture, Transform, export_of,
-                                             ffn_widths, linear_weight, with_token_ids)
 from reshard.models.given_facts import with_flags
+from reshard.models.hf_architectures import (
+    HF_DTYPES,
+    Export,
+    HFArchitecture,
+    Transform,
+    export_of,
+    ffn_widths,
+    linear_weight,
+    with_token_ids,
+)
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import decide_export, export_as, hf_architecture, hf_architectures, read_config
 from reshard.models.megatron_gpt import FLOAT32_BUFFER, MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name

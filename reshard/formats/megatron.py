@@ -17,11 +17,19 @@ from reshard.core.errors import CheckpointFormatError
 from reshard.core.experts import check_expert_tp, rank_files
 from reshard.core.options import ReshardOptions
 from reshard.core.pipeline_stages import STAGE_ARG_NAMES, StageLayout, chunk_keys
-from reshard.models.facts import int_arg
-from reshard.core.source import (ITER_DIR_RE, MEGATRON, MEGATRON_FILE, MEGATRON_LATEST, MEGATRON_RANK_DIR_RE, SourceCheckpoint,
-                                 iteration_dir, iteration_text, megatron_file_name)
+from reshard.core.source import (
+    ITER_DIR_RE,
+    MEGATRON,
+    MEGATRON_FILE,
+    MEGATRON_LATEST,
+    MEGATRON_RANK_DIR_RE,
+    SourceCheckpoint,
+    iteration_dir,
+    iteration_text,
+    megatron_file_name,
+)
 from reshard.formats.base import CheckpointFormat
-
+from reshard.models.facts import int_arg
 
 #: The folder of tokenizer files in a Megatron-LM iteration folder (Megatron-LM's and Megatron-Bridge's
 #: ``save_tokenizer_assets``; Megatron-LM's ``HuggingFaceTokenizer`` loads it as ``--tokenizer-model``):

@@ -47,7 +47,6 @@ whole index, follow from the shapes alone (:func:`index_bytes`, :func:`write_dis
 
 from __future__ import annotations
 
-
 import copy
 import functools
 import io
@@ -65,20 +64,37 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core import foreign, remote, torch_writer
-from reshard.core.dcp_metadata import (ChunkRef, DcpBytes, DcpMetadata, DcpTensor, check_storage, metadata_bytes,
-                                       read_metadata)
+from reshard.core.dcp_metadata import (
+    ChunkRef,
+    DcpBytes,
+    DcpMetadata,
+    DcpTensor,
+    check_storage,
+    metadata_bytes,
+    read_metadata,
+)
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.lazy import LazyTensor
-from reshard.core.remote import RemoteStorage, RemoteTensor
 from reshard.core.pages import PageDropper
+from reshard.core.remote import RemoteStorage, RemoteTensor
 from reshard.core.safe_load import load_shard, refusal_reason, safe_torch_load, tensor_record
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.formats.megatron import TOKENIZER_FILE, iteration_folder, tokenizer_files, tokenizer_name
-from reshard.models.megatron_gpt import (EXPERTS, LAYERS, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MIN_CORE_COMPATIBLE_VERSION,
-                                         PER_RANK_ONLY, as_megatron_core, core_module, expert_index, has_spec_keys_map,
-                                         is_megatron_core)
+from reshard.models.megatron_gpt import (
+    EXPERTS,
+    LAYERS,
+    LOCAL_EXPERT,
+    LOCAL_SPEC_NAMES,
+    MIN_CORE_COMPATIBLE_VERSION,
+    PER_RANK_ONLY,
+    as_megatron_core,
+    core_module,
+    expert_index,
+    has_spec_keys_map,
+    is_megatron_core,
+)
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -652,7 +668,7 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
                        mtp_experts={k: len(e) for k, e in mtp_experts.items()})
 
 
-def plan_layout(plan: "Plan") -> ModelLayout:
+def plan_layout(plan: Plan) -> ModelLayout:
     """The :class:`ModelLayout` of the model a plan writes, over all its files."""
     return model_layout([tp.out_key for t in plan.targets for tp in t.params])
 
@@ -661,7 +677,7 @@ def plan_layout(plan: "Plan") -> ModelLayout:
 class DistcpFile:
     """What one ``.distcp`` file of the output holds: its entries, keyed for the whole model."""
 
-    items: list["GlobalItem"]
+    items: list[GlobalItem]
 
 
 @dataclass(frozen=True)

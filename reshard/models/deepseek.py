@@ -47,14 +47,29 @@ import torch
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import CanonicalParam, ModelFacts
 from reshard.core.pipeline_stages import LAYOUT_ARG
+from reshard.core.plan_types import CanonicalParam, ModelFacts
 from reshard.core.rules import Kind, Place, Rule, holds_mtp_layers, layer_index
 from reshard.models.base import ModelFamily
 from reshard.models.facts import hidden_and_heads, int_arg
-from reshard.models.hf_architectures import (HF_DTYPES, LINEAR, MTP_HF, NOT_EXPORTED_FLAGS, GatedSplit, HFArchitecture, HFArchitectureFamily,
-                                             HFModel, NameTable, OutTensor, Run, Same, VocabRows, _arg, _table,
-                                             mtp_to_hf)
+from reshard.models.hf_architectures import (
+    HF_DTYPES,
+    LINEAR,
+    MTP_HF,
+    NOT_EXPORTED_FLAGS,
+    GatedSplit,
+    HFArchitecture,
+    HFArchitectureFamily,
+    HFModel,
+    NameTable,
+    OutTensor,
+    Run,
+    Same,
+    VocabRows,
+    _arg,
+    _table,
+    mtp_to_hf,
+)
 from reshard.models.megatron_gpt import DECODER_LAYER, MEGATRON_GPT_RULES, experts_per_layer
 
 _D = DECODER_LAYER + r"self_attention\."

@@ -13,10 +13,9 @@ from typing import Any
 from reshard.core.checks import bit_equal
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError, MissingModelFactError
 from reshard.core.options import ReshardOptions
-from reshard.core.plan_types import ParamPlan, CanonicalParam, SourceStage
+from reshard.core.plan_types import CanonicalParam, ParamPlan, SourceStage
 from reshard.core.rules import Kind, Place, QuantSlot
 from reshard.core.source import SourceCheckpoint, parse_version
-
 
 #: Model facts Megatron-LM saves in ``args`` under a name that depends on its version: megatron-core
 #: 0.19 generates Megatron-LM's arguments from its config dataclasses, so ``--norm-epsilon`` is saved

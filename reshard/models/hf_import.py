@@ -36,9 +36,21 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import LazyTensor
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (MTP_HF, MTP_SHARED_COPIES, NAME_TABLES, ROPE_BASE_DEFAULT, HFArchitecture,
-                                             HFArchitectureFamily, HFModel, NameTable, decide_architecture, hf_to_mtp,
-                                             mtp_to_hf, sliding_window, window_args)
+from reshard.models.hf_architectures import (
+    MTP_HF,
+    MTP_SHARED_COPIES,
+    NAME_TABLES,
+    ROPE_BASE_DEFAULT,
+    HFArchitecture,
+    HFArchitectureFamily,
+    HFModel,
+    NameTable,
+    decide_architecture,
+    hf_to_mtp,
+    mtp_to_hf,
+    sliding_window,
+    window_args,
+)
 from reshard.models.megatron_gpt import core_module
 
 #: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).

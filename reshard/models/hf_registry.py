@@ -20,8 +20,15 @@ import torch
 
 from reshard.core.errors import LayoutError
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (TOKEN_IDS_ARG, HFArchitecture, HFArchitectureFamily, HFModel,
-                                             decide_architecture, sliding_window, token_ids)
+from reshard.models.hf_architectures import (
+    TOKEN_IDS_ARG,
+    HFArchitecture,
+    HFArchitectureFamily,
+    HFModel,
+    decide_architecture,
+    sliding_window,
+    token_ids,
+)
 from reshard.plugins import PluginRegistry
 
 #: Built-in architectures, as "module:instance" (imported on first use).

@@ -36,7 +36,7 @@ def file_record(path: Path, name: str) -> dict[str, Any]:
     return {"path": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def read_manifest(loc: "Location") -> dict[str, Any]:
+def read_manifest(loc: Location) -> dict[str, Any]:
     """Load a committed checkpoint's manifest; a folder without one is not committed."""
     from reshard.storage.location import storage_errors
 
@@ -55,7 +55,7 @@ def read_manifest(loc: "Location") -> dict[str, Any]:
     return data
 
 
-def sha256_at(loc: "Location", path: str) -> str:
+def sha256_at(loc: Location, path: str) -> str:
     """Streaming sha256 of an object on any filesystem."""
     h = hashlib.sha256()
     with loc.fs.open(path, "rb", block_size=_CHUNK) as f:

@@ -21,12 +21,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from reshard.core.errors import StorageError
 from reshard.storage.cache import RemoteObject
-from reshard.storage.location import Location, is_transient_error, storage_errors
 from reshard.storage.if_match import changed, changed_error, get_range, if_match_of
+from reshard.storage.location import Location, is_transient_error, storage_errors
 
 #: Bytes per cached block (one ranged GET).
 BLOCK = 4 << 20
@@ -48,7 +47,7 @@ class _Blocks:
         self.blocks: OrderedDict[tuple[int, int], Future[bytes]] = OrderedDict()
         self.pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="reshard-read")
 
-    def get(self, reader: "RangeReader", index: int, *, wait: bool) -> Future[bytes] | None:
+    def get(self, reader: RangeReader, index: int, *, wait: bool) -> Future[bytes] | None:
         """The block's future (started if new); None when it is new and ``wait`` is False but
         the cache has no room for it (a read-ahead that would push out blocks still to be read)."""
         key = (reader.key, index)
@@ -73,7 +72,7 @@ class _Blocks:
                 del self.blocks[key]
                 over -= 1
 
-    def forget(self, reader: "RangeReader") -> None:
+    def forget(self, reader: RangeReader) -> None:
         with self.lock:
             for key in [k for k in self.blocks if k[0] == reader.key]:
                 self.blocks.pop(key).cancel()

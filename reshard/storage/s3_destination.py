@@ -41,8 +41,16 @@ from reshard.crashpoints import crash_point
 from reshard.storage.destination import UPLOAD_ATTEMPTS, RemoteDestination, _record
 from reshard.storage.location import storage_errors
 from reshard.storage.manifest import MANIFEST_NAME
-from reshard.storage.s3_transfer import (MultipartStream, PendingUpload, abort_incomplete_uploads, abort_upload,
-                                         complete_upload, upload_parts, upload_state, uploaded_bytes)
+from reshard.storage.s3_transfer import (
+    MultipartStream,
+    PendingUpload,
+    abort_incomplete_uploads,
+    abort_upload,
+    complete_upload,
+    upload_parts,
+    upload_state,
+    uploaded_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +125,7 @@ class S3Destination(RemoteDestination):
             local.unlink()
             return record
 
-    def open_stream(self, name: str, size_hint: int | None = None) -> "S3OutputStream":
+    def open_stream(self, name: str, size_hint: int | None = None) -> S3OutputStream:
         """An upload of output ``name`` fed while it is written (see :class:`S3OutputStream`)."""
         crash_point("uploading")
         with storage_errors(self.url):

@@ -70,7 +70,7 @@ class PendingUpload:
         return {"path": self.path, "upload_id": self.upload_id, "etags": list(self.etags), "size": self.size}
 
     @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> "PendingUpload":
+    def from_record(cls, rec: dict[str, Any]) -> PendingUpload:
         return cls(str(rec["path"]), str(rec["upload_id"]), tuple(str(e) for e in rec["etags"]), int(rec["size"]))
 
     @property

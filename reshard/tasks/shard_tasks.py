@@ -12,11 +12,11 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from reshard.core.options import ReshardOptions
-from reshard.formats import ObjectClass, check_file
 from reshard.crashpoints import crash_point
+from reshard.discovery import attach_streamed, discover, fetch
+from reshard.formats import ObjectClass, check_file
 from reshard.storage.cache import RemoteObject, ShardCache, is_skeleton
 from reshard.storage.location import open_location
-from reshard.discovery import attach_streamed, discover, fetch
 from reshard.tasks.cache_keys import check_key, fetch_key
 from reshard.tasks.retry import retry_if_transient
 

@@ -26,24 +26,32 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from reshard.execution.engine import convert_target, pick_device
+from reshard import progress
+from reshard.conversion import (
+    convert_streamed,
+    manifest_for,
+    side_files,
+    side_files_from_record,
+    side_files_record,
+    source_folders,
+    source_record,
+    urls_in_errors,
+    zero_gate,
+)
 from reshard.core.errors import DestinationError, StorageError
 from reshard.core.options import ReshardOptions
-from reshard.execution.planner import build_plan
+from reshard.core.zero_master import forget_optimizer_files
 from reshard.crashpoints import crash_point
+from reshard.discovery import Discovery, LocalSource, attach_streamed, fetch, link_into_view, skeleton_view
+from reshard.execution.engine import convert_target, pick_device
+from reshard.execution.planner import build_plan
 from reshard.formats import get_format, locate
 from reshard.formats.output import weights_read
-from reshard.core.zero_master import forget_optimizer_files
-from reshard.conversion import (convert_streamed, manifest_for, side_files, side_files_from_record, side_files_record, source_folders,
-                                source_record, urls_in_errors, zero_gate)
-from reshard import progress
 from reshard.storage.cache import ShardCache, is_skeleton
 from reshard.storage.destination import Destination, LocalDestination
 from reshard.storage.destinations import open_destination
 from reshard.storage.location import open_location
 from reshard.storage.workdirs import scratch_folder
-from reshard.discovery import (Discovery, LocalSource, attach_streamed, fetch, link_into_view,
-                                         skeleton_view)
 from reshard.tasks.cache_keys import target_key
 from reshard.tasks.shard_tasks import TRANSIENT_RETRIES
 
