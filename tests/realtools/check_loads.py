@@ -2,8 +2,8 @@
 ``make check-realtools OUT=FOLDER [FLAGS='...'] [HF=FOLDER] [FIXTURE=FOLDER]``.
 
 1. **megatron-core 0.19** (Megatron-LM's own loader): the ranks start as ``pretrain_gpt.py`` would
-   with the model's command line (``--flags``, or a Megatron-LM fixture's own from its
-   ``fixture.json``) plus ``--load OUT --no-load-optim --no-load-rng``, build the model, and call
+   with the model's command line (``--flags``, or a fixture's from its ``fixture.json``: a Megatron-LM
+   fixture's own, a Megatron-Bridge fixture's ``megatron_lm_flags`` for its model) plus ``--load OUT --no-load-optim --no-load-rng``, build the model, and call
    ``megatron.training.checkpointing.load_checkpoint`` at its default strictness (``strict=True``;
    torch_dist at ``--dist-ckpt-strictness``'s default), which also checks the saved ``args`` against the
    command line. Then a forward on the fixtures' tokens; the logits are printed (and compared with
@@ -11,7 +11,8 @@
    come from the ``mp_rank_*`` folder names); torch_dist at TP 1.
 2. **Megatron-Bridge 0.6** ``AutoBridge.export_ckpt(OUT, tmp)`` with a bridge made from ``--hf`` (a
    Hugging Face folder of the same model, with its tokenizer), then transformers' forward of the
-   export (float32) against ``--reference``.
+   export (float32) against ``--reference``. A run folder that fails is tried again at its iteration
+   folder (Megatron-Bridge finds ``iter_*`` folders only; ``release/`` it does not).
 
 Each step prints ``PASS`` or ``FAIL: <the tool's error, last line>``; the exit status is 1 when a step
 failed. Nothing is written into OUT.
@@ -91,7 +92,9 @@ def _mcore_load(args: Any, payload: dict[str, Any]) -> None:
 
     model = megatron_lm.build_model(args)
     iteration, _ = load_checkpoint(model, None, None)
-    out = megatron_lm.logits(model[0], TOKENS)
+    # the forward in float32 (a --bf16 model's weights upcast), to compare with float32 references
+    inner = getattr(model[0], "module", model[0]).float()
+    out = megatron_lm.logits(inner, TOKENS)
     if args.rank == 0:
         torch.save({"iteration": iteration, "logits": out}, payload["out"])
 
@@ -131,6 +134,16 @@ def _bridge_export(ckpt: str, hf: str, out: str, errors: Any) -> None:
 
 
 def check_bridge_export(ckpt: Path, hf: Path, reference: dict[str, Any] | None) -> str:
+    """export_ckpt of ``ckpt``; of its iteration folder too when a run folder fails (Megatron-Bridge
+    looks for ``iter_*`` folders only, so a user then hands it the iteration folder)."""
+    verdict = export_once(ckpt, hf, reference)
+    it = iteration_dir(ckpt)
+    if verdict.startswith("FAIL") and it != ckpt:
+        verdict = f"{verdict}; on {it.name}/: {export_once(it, hf, reference)}"
+    return verdict
+
+
+def export_once(ckpt: Path, hf: Path, reference: dict[str, Any] | None) -> str:
     import torch.multiprocessing as mp
     import transformers
 
@@ -161,7 +174,12 @@ def compare(logits: torch.Tensor, reference: dict[str, Any] | None) -> str:
 
 
 def last_line(text: str) -> str:
+    """The tool's error from a traceback: its last ``SomeError: message`` line (with the next line
+    when the message starts on it), else the last line."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", lines[i]):
+            return lines[i] if lines[i].rstrip(":").count(":") or i + 1 == len(lines) else f"{lines[i]} {lines[i + 1]}"
     return lines[-1] if lines else text
 
 
@@ -179,8 +197,9 @@ def main() -> None:
     reference_file = a.reference
     if a.fixture:
         meta = json.loads((a.fixture / "fixture.json").read_text())
-        if "command_line" in meta:
-            flags = shlex.split(meta["command_line"])[1:] + flags
+        line = meta.get("command_line") or meta.get("megatron_lm_flags")  # its own, or its model's
+        if line:
+            flags = shlex.split(line)[1:] + flags
         reference_file = reference_file or a.fixture / "logits.pt"
         if a.hf is None and (a.fixture / "hf").is_dir():
             a.hf = a.fixture / "hf"

@@ -7,7 +7,9 @@ realtools-fixtures``). Every checkpoint is saved by the tool's own code on this 
   folder (``latest_checkpointed_iteration.txt``, ``iter_0000020/``).
 * ``megatron-bridge-<v>/<model>/``: ``hf/`` a tiny Hugging Face model made here with transformers (a
   config, random weights, ``save_pretrained``, and a word-level tokenizer built offline), and
-  ``checkpoint/`` what Megatron-Bridge's ``AutoBridge.import_ckpt(hf, checkpoint)`` writes.
+  ``checkpoint/`` what Megatron-Bridge's ``AutoBridge.import_ckpt(hf, checkpoint)`` writes;
+  ``llama-lora/``: a PEFT (LoRA) checkpoint Megatron-Bridge's ``save_checkpoint`` writes for that
+  Llama (adapters only), and ``hf_adapter/`` its ``export_adapter_ckpt``.
 
 Beside each: ``fixture.json`` (versions, how it was made, tokens, vocabulary) and ``logits.pt``
 (``tokens`` and the source model's ``logits`` on them, float32, computed by the tool's own forward:
@@ -67,13 +69,14 @@ LLAMA = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-
 #: Mixtral-like experts on the Llama body: 4 experts, top-2, expert parallel 2.
 MOE = LLAMA + ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --expert-model-parallel-size 2").split()
 
-#: DeepSeek-V3-like: MLA (q and kv low-rank, q/kv norms, yarn rope as DeepSeek-V3's scripts set it),
+#: DeepSeek-V3-like: MLA (q and kv low-rank, q/kv norms, yarn rope and norm epsilon 1e-6 as DeepSeek-V3's
+#: scripts set them: transformers' DeepseekV3 fixes its latent norms at 1e-6, so only then is there an exact export),
 #: a dense first layer then MoE with a shared expert, sigmoid router with expert bias and group-limited
 #: routing, expert parallel 2. kv_channels and the yarn betas stay Megatron-LM's defaults (kv_channels,
 #: hidden / heads = 8, is then neither head width, as in DeepSeek-V3: 7168 / 128 = 56 against 128).
 DEEPSEEK = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 8 --swiglu "
-            "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
-            "--disable-bias-linear --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
+            "--normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+            "--untie-embeddings-and-output-weights --disable-bias-linear --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
             "--qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --mscale 1.0 "
             "--mscale-all-dim 1.0 --num-experts 4 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 "
             "--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
@@ -173,6 +176,29 @@ def hf_config(name: str) -> Any:
 
 BRIDGE_MODELS = ("llama", "deepseek-v3")
 
+#: Megatron-LM command lines of the same models as the Hugging Face configs above (for checking, with
+#: check_loads.py, that Megatron-LM loads a Megatron checkpoint of them): checked by loading reshard's
+#: torch_dist and TP 2 outputs of each hf/ folder with them, to the hf/ logits within 3e-7.
+HF_AS_MEGATRON_LM = {
+    "llama": "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+             "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 "
+             "--position-embedding-type rope --rotary-base 10000 --untie-embeddings-and-output-weights "
+             "--disable-bias-linear --max-position-embeddings 64",
+    "deepseek-v3": "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 8 --swiglu "
+                   "--normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+                   "--untie-embeddings-and-output-weights --disable-bias-linear --multi-latent-attention "
+                   "--q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 "
+                   "--qk-layernorm --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --rotary-base 10000 "
+                   "--num-experts 4 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 "
+                   "--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                   "--moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 2 --moe-router-group-topk 1 "
+                   "--moe-router-pre-softmax --moe-router-dtype fp32 --moe-layer-freq ([0]*1+[1]*1) "
+                   "--max-position-embeddings 64",
+}
+#: what a run of either adds: the batch, and the checkpoints' dtype and vocabulary
+HF_RUN_FLAGS = ("--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-4 --tokenizer-type NullTokenizer "
+                f"--vocab-size {HF_VOCAB} --bf16")
+
 
 def tokenizer(vocab: int) -> Any:
     """A word-level tokenizer of ``vocab`` entries built offline (``<unk>``, ``<s>``, ``</s>``, ``t3``...)."""
@@ -234,6 +260,108 @@ def _bridge_rank(name: str, fixture: str, errors: Any) -> None:
         raise
 
 
+#: The PEFT fixture: LoRA on the Llama fixture's model (Megatron-Bridge's default targets: linear_qkv,
+#: linear_proj, linear_fc1, linear_fc2), rank 4, alpha 8; the step its save records.
+LORA = {"dim": 4, "alpha": 8}
+LORA_STEP = 10
+
+
+def _lora_rank(base: str, fixture: str, errors: Any) -> None:
+    """Megatron-Bridge's PEFT checkpoint of LoRA on the ``base`` fixture's model: the model as a
+    fine-tuning run builds it (the provider's pre-wrap hook applies LoRA), its adapters drawn at
+    random (LoRA starts with B = 0: a no-op), saved by Megatron-Bridge's own ``save_checkpoint`` with
+    ``peft`` set, which keeps the adapter weights only; then Bridge's ``export_adapter_ckpt`` of the
+    iteration folder to a Hugging Face PEFT adapter, and the logits of transformers + peft with it."""
+    try:
+        import cpu_shims
+
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        cpu_shims.install_for_bridge()
+        import peft as hf_peft
+        import torch.distributed as dist
+        import transformers
+        from megatron.bridge import AutoBridge
+        from megatron.bridge.peft.lora import LoRA
+        from megatron.bridge.training.checkpointing import save_checkpoint
+        from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
+        from megatron.bridge.training.state import GlobalState
+        from megatron.bridge.training.tokenizers.config import TokenizerConfig
+        from megatron.core.optimizer import OptimizerConfig
+
+        root, hf = Path(fixture), Path(base) / "hf"
+        ckpt = root / "checkpoint"
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{megatron_lm.free_port()}", world_size=1,
+                                rank=0)
+        bridge = AutoBridge.from_hf_pretrained(str(hf))
+        provider = bridge.to_megatron_provider(load_weights=True)
+        provider.finalize()
+        lora = LoRA(**LORA)
+        provider.register_pre_wrap_hook(lambda chunks: lora(chunks, training=True))
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        with torch.no_grad():
+            for name, p in model[0].named_parameters():
+                if ".adapter." in name:
+                    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        state = GlobalState()
+        state.cfg = ConfigContainer(
+            model=provider, train=None, optimizer=OptimizerConfig(use_distributed_optimizer=False), ddp=None,
+            scheduler=None, dataset=None, logger=LoggerConfig(),
+            tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf)),
+            checkpoint=CheckpointConfig(save=str(ckpt), save_optim=False, save_rng=False, ckpt_format="torch_dist",
+                                        pretrained_checkpoint=str(Path(base) / "checkpoint")),
+            dist=None, peft=lora)
+        state.train_state.step = LORA_STEP
+        save_checkpoint(state=state, model=model, optimizer=None, opt_param_scheduler=None,
+                        num_floating_point_operations_so_far=0)
+        # the saved model's forward in float32 (its bf16 weights upcast), as the references are
+        mcore_logits = megatron_lm.logits(getattr(model[0], "module", model[0]).float(), TOKENS)
+        adapter = root / "hf_adapter"
+        bridge.export_adapter_ckpt(str(ckpt / f"iter_{LORA_STEP:07d}"), str(adapter), show_progress=False)
+        base_model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+        with torch.no_grad():
+            peft_model = hf_peft.PeftModel.from_pretrained(base_model, str(adapter)).eval()
+            hf_logits = peft_model(torch.tensor([TOKENS])).logits[0].float()
+        torch.save({"tokens": torch.tensor(TOKENS), "logits": hf_logits, "megatron_logits": mcore_logits},
+                   root / "logits.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        errors.put(traceback.format_exc())
+        raise
+
+
+def write_lora(base: Path, root: Path) -> Path:
+    """The LoRA fixture on the committed ``base`` fixture (its hf/ and checkpoint/)."""
+    import torch.multiprocessing as mp
+
+    fixture = root / f"{base.name}-lora"
+    fixture.mkdir(parents=True)
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    proc = ctx.Process(target=_lora_rank, args=(str(base), str(fixture), errors))
+    proc.start()
+    proc.join()
+    if proc.exitcode:
+        raise RuntimeError(f"LoRA of {base.name} failed:\n" + (errors.get() if not errors.empty() else ""))
+    ref = torch.load(fixture / "logits.pt", weights_only=True)
+    gap = (ref["megatron_logits"][:, :HF_VOCAB] - ref["logits"]).abs().max().item()
+    meta = {"tool": "megatron-bridge", "versions": versions(), "format": "torch_dist (adapters only)",
+            "world_size": 1, "base_fixture": f"../{base.name}", "lora": LORA, "step": LORA_STEP,
+            "made_by": f"LoRA({LORA}) applied by the provider's pre-wrap hook to the model AutoBridge builds from "
+                       f"../{base.name}/hf, adapter weights drawn N(0, 0.1); megatron.bridge.training.checkpointing"
+                       f".save_checkpoint with cfg.peft set (pretrained_checkpoint = ../{base.name}/checkpoint) "
+                       f"-> checkpoint/; AutoBridge.export_adapter_ckpt(checkpoint/iter_{LORA_STEP:07d}) -> "
+                       "hf_adapter/ (Hugging Face PEFT)",
+            "tokens": TOKENS, "vocab_size": HF_VOCAB,
+            "logits": "transformers + peft forward (float32) of the base hf/ with hf_adapter/; megatron_logits: "
+                      "megatron-core forward (float32, bf16 weights upcast) of the LoRA model that was saved",
+            "max_abs_logit_gap_megatron_vs_hf": gap}
+    finish(fixture, meta)
+    return fixture
+
+
 def write_bridge(name: str, root: Path) -> Path:
     import torch.multiprocessing as mp
 
@@ -256,7 +384,9 @@ def write_bridge(name: str, root: Path) -> Path:
             "tokens": TOKENS, "vocab_size": HF_VOCAB,
             "logits": "transformers forward (float32) of hf/; megatron_logits: megatron-core forward (float32) "
                       "of the model Megatron-Bridge builds from hf/ (columns = padded vocabulary)",
-            "max_abs_logit_gap_megatron_vs_hf": gap}
+            "max_abs_logit_gap_megatron_vs_hf": gap,
+            "megatron_lm_flags": shlex.join(["pretrain_gpt.py", *shlex.split(HF_AS_MEGATRON_LM[name]),
+                                             *shlex.split(HF_RUN_FLAGS)])}
     finish(fixture, meta)
     return fixture
 
@@ -305,6 +435,7 @@ def main() -> None:
     jobs = [(f"{m}-{f.replace('_', '-')}", mlm_root, lambda root, m=m, f=f: write_mlm(m, f, root))
             for m in MLM_MODELS for f in FORMATS]
     jobs += [(b, bridge_root, lambda root, b=b: write_bridge(b, root)) for b in BRIDGE_MODELS]
+    jobs.append(("llama-lora", bridge_root, lambda root: write_lora(bridge_root / "llama", root)))
     for fixture_name, root, job in jobs:
         if a.only and fixture_name not in a.only:
             continue
