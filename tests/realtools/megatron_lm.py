@@ -18,8 +18,9 @@ import socket
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -99,7 +100,10 @@ def initialize(argv: list[str]) -> Any:
 def model_provider(args: Any, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
     """Megatron-LM's GPT builder for ``--transformer-impl local`` (``gpt_builders.py``'s choices)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)

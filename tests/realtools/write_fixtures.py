@@ -43,7 +43,7 @@ REPO = HERE.parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "realtools"
 sys.path.insert(0, str(HERE))
 
-import megatron_lm  # noqa: E402
+import megatron_lm
 
 #: The tokens every fixture's logits are computed on (below every fixture's vocabulary).
 TOKENS = [1, 7, 42, 3, 99, 15, 64, 2]
@@ -100,7 +100,7 @@ def perturb(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     with torch.no_grad():
         for name, t in named:
             leaf = name.rsplit(".", 1)[-1]
-            is_norm = "norm" in name and leaf == "weight" or leaf == "layer_norm_weight"
+            is_norm = ("norm" in name and leaf == "weight") or leaf == "layer_norm_weight"
             is_bias = leaf in ("expert_bias", "e_score_correction_bias")
             if not (is_norm or is_bias):
                 continue
@@ -283,7 +283,11 @@ def _lora_rank(base: str, fixture: str, errors: Any) -> None:
         from megatron.bridge import AutoBridge
         from megatron.bridge.peft.lora import LoRA
         from megatron.bridge.training.checkpointing import save_checkpoint
-        from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
+        from megatron.bridge.training.config import (
+            CheckpointConfig,
+            ConfigContainer,
+            LoggerConfig,
+        )
         from megatron.bridge.training.state import GlobalState
         from megatron.bridge.training.tokenizers.config import TokenizerConfig
         from megatron.core.optimizer import OptimizerConfig
