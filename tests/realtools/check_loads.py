@@ -3,12 +3,17 @@
 
 1. **megatron-core 0.19** (Megatron-LM's own loader): the ranks start as ``pretrain_gpt.py`` would
    with the model's command line (``--flags``, or a fixture's from its ``fixture.json``: a Megatron-LM
-   fixture's own, a Megatron-Bridge fixture's ``megatron_lm_flags`` for its model) plus ``--load OUT --no-load-optim --no-load-rng``, build the model, and call
+   fixture's own, a Megatron-Bridge fixture's ``megatron_lm_flags`` for its model) plus ``--load OUT
+   --no-load-optim --no-load-rng``, build the model, and call
    ``megatron.training.checkpointing.load_checkpoint`` at its default strictness (``strict=True``;
    torch_dist at ``--dist-ckpt-strictness``'s default), which also checks the saved ``args`` against the
    command line. Then a forward on the fixtures' tokens; the logits are printed (and compared with
-   ``--reference``, a fixture's ``logits.pt``). Per-rank folders load at their own layout (the ranks
-   come from the ``mp_rank_*`` folder names); torch_dist at TP 1.
+   ``--reference``, a fixture's ``logits.pt``). Megatron-LM's strict per-rank load falls back to
+   ``strict=False`` on a key mismatch and only prints it: the check loads each rank's file strictly
+   again and fails on missing or unexpected keys (``_extra_state`` aside, which Megatron-LM and
+   Transformer Engine add and drop between versions). Per-rank folders load at their own layout
+   (the ranks come from the ``mp_rank_*`` folder names); torch_dist at ``--tp`` (default 1). Logits are compared
+   over the model's vocabulary (a fixture's ``vocab_size``, or ``--vocab``): padding rows are free.
 2. **Megatron-Bridge 0.6** ``AutoBridge.export_ckpt(OUT, tmp)`` with a bridge made from ``--hf`` (a
    Hugging Face folder of the same model, with its tokenizer), then transformers' forward of the
    export (float32) against ``--reference``. A run folder that fails is tried again at its iteration
@@ -92,6 +97,8 @@ def _mcore_load(args: Any, payload: dict[str, Any]) -> None:
 
     model = megatron_lm.build_model(args)
     iteration, _ = load_checkpoint(model, None, None)
+    if args.ckpt_format == "torch":
+        strict_per_rank(args, model[0])
     # the forward in float32 (a --bf16 model's weights upcast), to compare with float32 references
     inner = getattr(model[0], "module", model[0]).float()
     out = megatron_lm.logits(inner, TOKENS)
@@ -99,8 +106,32 @@ def _mcore_load(args: Any, payload: dict[str, Any]) -> None:
         torch.save({"iteration": iteration, "logits": out}, payload["out"])
 
 
-def check_megatron_core(ckpt: Path, flags: list[str], reference: dict[str, Any] | None, ep_hint: int) -> str:
+def strict_per_rank(args: Any, model: Any) -> None:
+    """Megatron-LM 0.19's ``load_checkpoint(strict=True)`` of a per-rank file falls back to
+    ``strict=False`` when the strict load raises (for Transformer Engine's changing extra states) and
+    only prints the result, so a missing or misnamed tensor stays at its initial value. Load this
+    rank's file strictly again, as ``strict=True`` means: any missing or unexpected key is an error."""
+    from megatron.training.checkpointing import (
+        get_checkpoint_name,
+        get_checkpoint_tracker_filename,
+        read_metadata,
+    )
+
+    iteration, release = read_metadata(get_checkpoint_tracker_filename(args.load))
+    state = torch.load(get_checkpoint_name(args.load, iteration, release), map_location="cpu", weights_only=False)
+    inner = getattr(model, "module", model)
+    result = inner.load_state_dict(state["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"load_checkpoint fell back to strict=False: missing {missing}, unexpected {unexpected}")
+
+
+def check_megatron_core(ckpt: Path, flags: list[str], reference: dict[str, Any] | None, ep_hint: int,
+                        dist_tp: int) -> str:
     fmt, tp, pp, ep = layout(ckpt, ep_hint)
+    if fmt == "torch_dist":  # any layout loads it: the one asked for
+        tp = dist_tp
     world = tp * pp * ep
     argv = [*model_flags(flags), *[f for f in CPU_FLAGS if f not in flags], "--load", str(ckpt), "--no-load-optim",
             "--no-load-rng", "--ckpt-format", fmt, "--tensor-model-parallel-size", str(tp),
@@ -167,7 +198,8 @@ def compare(logits: torch.Tensor, reference: dict[str, Any] | None) -> str:
     if reference is None:
         return "PASS (loaded; no --reference to compare)"
     ref = reference["logits"]
-    n = min(ref.shape[-1], logits.shape[-1])
+    # the model's own vocabulary: the padding rows past it are free (a conversion may re-pad them)
+    n = min(ref.shape[-1], logits.shape[-1], reference.get("vocab_size") or ref.shape[-1])
     gap = (logits[:, :n].float() - ref[:, :n].float()).abs().max().item()
     verdict = "PASS" if gap <= 1e-3 * max(1.0, ref.abs().max().item()) else "FAIL"
     return f"{verdict}: max |logits - reference| = {gap:.3g} over {n} vocabulary columns"
@@ -190,13 +222,16 @@ def main() -> None:
     p.add_argument("--fixture", type=Path, help="a fixture folder: its fixture.json's command line and logits.pt")
     p.add_argument("--hf", type=Path, help="a Hugging Face folder of the model (config and tokenizer) for export_ckpt")
     p.add_argument("--reference", type=Path, help="a logits.pt to compare with (default: the fixture's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to load a torch_dist folder at (default 1)")
+    p.add_argument("--vocab", type=int, help="logit columns to compare: the model's vocabulary, padding past "
+                   "it left out (default: a fixture's vocab_size, else all)")
     p.add_argument("--ep", type=int, help="expert-parallel ranks of a per-rank folder named mp_rank_TT_EEE "
                    "(default: the command line's --expert-model-parallel-size, else 1)")
     a = p.parse_args()
     flags = shlex.split(a.flags)
     reference_file = a.reference
+    meta = json.loads((a.fixture / "fixture.json").read_text()) if a.fixture else {}
     if a.fixture:
-        meta = json.loads((a.fixture / "fixture.json").read_text())
         line = meta.get("command_line") or meta.get("megatron_lm_flags")  # its own, or its model's
         if line:
             flags = shlex.split(line)[1:] + flags
@@ -204,12 +239,14 @@ def main() -> None:
         if a.hf is None and (a.fixture / "hf").is_dir():
             a.hf = a.fixture / "hf"
     reference = torch.load(reference_file, weights_only=True) if reference_file else None
+    if reference is not None:
+        reference["vocab_size"] = a.vocab or meta.get("vocab_size")
     if a.ep is None:
         given = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--expert-model-parallel-size"]
         a.ep = int(given[-1]) if given else 1
     results = {}
     if flags:
-        results["megatron-core load_checkpoint"] = check_megatron_core(a.out, flags, reference, a.ep)
+        results["megatron-core load_checkpoint"] = check_megatron_core(a.out, flags, reference, a.ep, a.tp)
     else:
         results["megatron-core load_checkpoint"] = "SKIPPED: no --flags or Megatron-LM --fixture (model command line)"
     if a.hf:
