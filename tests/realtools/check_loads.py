@@ -206,12 +206,14 @@ def compare(logits: torch.Tensor, reference: dict[str, Any] | None) -> str:
 
 
 def last_line(text: str) -> str:
-    """The tool's error from a traceback: its last ``SomeError: message`` line (with the next line
-    when the message starts on it), else the last line."""
+    """The tool's error from a traceback: its last ``SomeError: message`` line, with the next lines
+    when the message goes on there (ends with a colon, or is empty), else the last line."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     for i in range(len(lines) - 1, -1, -1):
         if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", lines[i]):
-            return lines[i] if lines[i].rstrip(":").count(":") or i + 1 == len(lines) else f"{lines[i]} {lines[i + 1]}"
+            if lines[i].endswith(":") or ":" not in lines[i]:
+                return " ".join(lines[i:i + 3])
+            return lines[i]
     return lines[-1] if lines else text
 
 
