@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test install install-dev bytecode clean
+.PHONY: demo test install install-dev bytecode clean side-env realtools-fixtures check-realtools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,26 @@ demo: install bytecode
 
 test: install-dev bytecode
 	$(PY) -m pytest
+
+# The side environment of the real-tool fixtures (tests/realtools/README.md): Python 3.12 with
+# megatron-core 0.19, Megatron-Bridge 0.6, transformers and torch as pinned there. Not needed by `make test`.
+SIDE_VENV ?= .side-venv
+SIDE_PY := $(SIDE_VENV)/bin/python
+
+$(SIDE_VENV)/.installed: tests/realtools/requirements.txt tests/realtools/setup_env.sh
+	bash tests/realtools/setup_env.sh $(SIDE_VENV)
+
+side-env: $(SIDE_VENV)/.installed
+
+# (re)write tests/fixtures/realtools/ with the real tools (ONLY='name ...' for a few)
+realtools-fixtures: side-env
+	$(SIDE_PY) tests/realtools/write_fixtures.py $(if $(ONLY),--only $(ONLY))
+
+# do megatron-core 0.19 and Megatron-Bridge 0.6 load OUT? (FLAGS: the model's Megatron-LM command
+# line, or FIXTURE: a Megatron-LM fixture's; HF: a Hugging Face folder of the model for export_ckpt)
+check-realtools: side-env
+	$(SIDE_PY) tests/realtools/check_loads.py $(OUT) $(if $(FLAGS),--flags "$(FLAGS)") \
+		$(if $(FIXTURE),--fixture $(FIXTURE)) $(if $(HF),--hf $(HF)) $(if $(REFERENCE),--reference $(REFERENCE))
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache
