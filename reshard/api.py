@@ -95,6 +95,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
     its tokenizer), what converting it drops (``warnings``), and the ZeRO optimizer state beside
     it. ``version`` and ``module_key`` are None for a layout that records neither (a Hugging Face
     folder)."""
+    from reshard.core.plan_types import dropped_warning
     from reshard.core.options import ReshardOptions
     from reshard.execution.planner import build_plan
     from reshard.formats import get_format, locate
@@ -127,7 +128,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
             **family.summary(args, built.facts, experts),
             "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
             "skipped": sorted(built.dropped), "optimizer": _optimizer(source), "facts": built.facts.to_record(),
-            "warnings": list(built.warnings), "carried": carried, "files": list(source.relative_distinct_files)}
+            # what a conversion would drop is ``skipped``; said once, not again as a warning
+            "warnings": [w for w in built.warnings if w not in dropped_warning(built.dropped)], "carried": carried, "files": list(source.relative_distinct_files)}
 
 
 def verify(dst: str, *, storage_options: Mapping[str, Any] | None = None) -> ConversionResult:
@@ -208,9 +210,17 @@ def local_view(src: str, storage_options: Mapping[str, Any] | None, cache_dir: s
 
 def plan_record(built: Any) -> dict[str, Any]:
     """JSON-able description of a plan (``plan``'s result, the CLI's ``plan --json``)."""
+    from reshard.formats import get_format
+
+    source_quant = get_format(built.source.format).quantization(built.source)
     return {
-        "source": built.source.origin, "layout": built.source.format, "source_tp": built.source_tp,
-        "target_tp": built.target_tp, "source_pp": built.source_pp, "target_pp": built.target_pp,
+        "source": built.source.origin, "layout": built.source.format, "source_format": built.source.format,
+        "target_format": built.output_format, "source_tp": built.source_tp,
+        "target_tp": built.target_tp if get_format(built.output_format).per_rank else None,
+        "source_pp": built.source_pp, "target_pp": built.target_pp,
+        "source_ep": built.source.ep, "target_ep": built.target_ep, "source_etp": built.source.expert_tp,
+        "target_etp": built.target_etp, "source_quantized": (source_quant or {}).get("method"),
+        "quantized": built.options.quantize,
         "source_vpp": built.source.chunks, "target_vpp": built.target_vpp,
         "source_stages": built.source_stages.describe() if built.source_stages is not None else None,
         "target_stages": built.target_stages.describe() if built.target_stages is not None else None,

@@ -390,13 +390,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         print(json.dumps(rec, indent=2))
         return 0
     from reshard.formats import get_format
+    from reshard.result import conversion_head
 
-    if get_format(rec["output_format"]).per_rank:
-        print(f"{rec['source']}: TP {rec['source_tp']} -> {rec['target_tp']}, PP {rec['source_pp']} -> "
-              f"{rec['target_pp']} ({rec['layout']} layout, checkpoint version {rec['version']})")
-    else:  # global tensors: no degrees on the output side
-        print(f"{rec['source']}: TP {rec['source_tp']}, PP {rec['source_pp']} ({rec['layout']} layout, checkpoint "
-              f"version {rec['version']}) -> {rec['output_format']}")
+    recorded = rec["version"] is not None and get_format(rec["source_format"]).state_dicts  # not a Hugging Face folder
+    version = f" (checkpoint version {rec['version']})" if recorded else ""
+    print(f"{ns.src}: {conversion_head(rec)}{version}")
     if rec["source_stages"] and (rec["source_pp"] > 1 or rec["target_pp"] > 1):
         print(f"  stages: {rec['source_stages']} -> {rec['target_stages']}")
     for t in rec["targets"]:

@@ -8,6 +8,7 @@ summary line and its ``--json`` are made from it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,25 +91,35 @@ class ConversionResult(BaseModel):
 
     @property
     def summary(self) -> str:
-        """The conversion in one line (what ``reshard run`` prints after the destination): the
-        source's and the output's format with their quantization, every parallel degree that
-        changed (a per-rank output), or the degrees a layout of global tensors gathered, and what
-        was written: ``hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2, 9 files, 1.2 MiB``."""
+        """The conversion in one line (what ``reshard run`` prints after the destination): its
+        :func:`conversion_head` and what was written: ``hf fp8 -> megatron, TP 1 -> 2, EP 1 -> 2,
+        9 files, 1.2 MiB``."""
         from reshard.cli_progress import fmt_bytes
 
-        def named(fmt: str | None, quantized: str | None, held: list[str]) -> str:
-            return " ".join(x for x in (fmt or "?", quantized, f"({', '.join(held)})" if held else None) if x)
+        head = conversion_head(self.model_dump())
+        return ", ".join([head, f"{len(self.files)} files", fmt_bytes(self.total_bytes)])
 
-        etp_apart = self.target_etp is not None or self.source_etp not in (None, self.source_tp)
-        degrees = [("TP", self.source_tp, self.target_tp), ("PP", self.source_pp, self.target_pp),
-                   ("EP", self.source_ep, self.target_ep),
-                   ("ETP", self.source_etp, self.target_etp or self.target_tp) if etp_apart else ("ETP", None, None)]
-        if self.target_tp is None:  # global tensors: the source's degrees are gathered
-            held = [f"{name} {a}" for name, a, _ in degrees[:3] if a is not None and a > 1]
-            changed = []
-        else:
-            held = []
-            changed = [f"{name} {a} -> {b}" for name, a, b in degrees if a is not None and b is not None and a != b]
-        head = named(self.source_format, self.source_quantized, held) + " -> " + \
-            named(self.target_format, self.quantized, [])
-        return ", ".join([head, *changed, f"{len(self.files)} files", fmt_bytes(self.total_bytes)])
+
+def conversion_head(rec: Mapping[str, Any]) -> str:
+    """A conversion in words, from a record with :class:`ConversionResult`'s fields (a result, or
+    ``reshard plan``'s record): the source's and the output's format with their quantization, then
+    every parallel degree that changed (a per-rank output) or, for a layout of global tensors, the
+    degrees it gathers: ``megatron (TP 2, EP 2) -> hf fp8``."""
+
+    def named(fmt: str | None, quantized: str | None, held: list[str]) -> str:
+        return " ".join(x for x in (fmt or "?", quantized, f"({', '.join(held)})" if held else None) if x)
+
+    tp, ttp, etp, tetp = rec.get("source_tp"), rec.get("target_tp"), rec.get("source_etp"), rec.get("target_etp")
+    etp_apart = tetp is not None or etp not in (None, tp)
+    degrees = [("TP", tp, ttp), ("PP", rec.get("source_pp"), rec.get("target_pp")),
+               ("EP", rec.get("source_ep"), rec.get("target_ep")),
+               ("ETP", etp, tetp or ttp) if etp_apart else ("ETP", None, None)]
+    if ttp is None:  # global tensors: the source's degrees are gathered
+        held = [f"{name} {a}" for name, a, _ in degrees[:3] if a is not None and a > 1]
+        changed = []
+    else:
+        held = []
+        changed = [f"{name} {a} -> {b}" for name, a, b in degrees if a is not None and b is not None and a != b]
+    head = named(rec.get("source_format"), rec.get("source_quantized"), held) + " -> " + \
+        named(rec.get("target_format"), rec.get("quantized"), [])
+    return ", ".join([head, *changed])

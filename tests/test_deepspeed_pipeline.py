@@ -190,7 +190,7 @@ def test_inspect_and_plan_show_the_layout(pipe, capsys):
     assert (rec["format"], rec["tp"], rec["pp"]) == ("deepspeed-pipeline", 2, 2)
     assert rec["files"][:4] == [f"mp_rank_{k:02d}_model_states.pt" for k in range(4)]
     assert main(["plan", str(pipe(2, 2)), "--target-tp", "1", "--target-pp", "1"]) == 0
-    assert "PP 2 -> 1 (deepspeed-pipeline layout" in capsys.readouterr().out
+    assert ": deepspeed-pipeline -> deepspeed-pipeline, TP 2 -> 1, PP 2 -> 1" in capsys.readouterr().out
 
 
 def _copy(pipe, tmp_path: Path, tp: int = 2, pp: int = 2) -> Path:

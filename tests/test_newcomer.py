@@ -125,7 +125,7 @@ def test_the_flows_second_run_is_up_to_date_without_running_the_flow(sample_fact
     second = _cli(args, prefect_env)
     assert second.returncode == 0, second.stderr[-2000:]
     lines = second.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"up to date {tmp_path / 'dst'}: TP 4 -> 2, 3 files"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"up to date {tmp_path / 'dst'}: deepspeed -> deepspeed, TP 4 -> 2, 3 files"), lines
     assert "nothing written" in lines[0] and second.stderr == "", second.stderr
     with get_client(sync_client=True) as client:
         assert client.count_flow_runs() == runs
@@ -339,3 +339,22 @@ def test_dir_lists_the_public_api():
     names = dir(reshard)
     assert {"convert", "plan", "inspect", "verify", "Progress", "ConversionResult", "ReshardError"} <= set(names)
     assert not {"Any", "TYPE_CHECKING", "annotations"} & set(names)
+
+
+def test_plan_names_the_conversion_as_run_does_and_inspect_says_a_drop_once(sample_factory, tmp_path, capsys):
+    """`plan`'s first line names both formats and only the degrees that change (it said `PP 1 -> 1`
+    and the layout in other words than the run's summary); `inspect`'s `skipped` line is the one
+    place it tells what a conversion drops (a warning line said it again)."""
+    from reshard.sample import write_mixtral_sample
+
+    src = str(sample_factory(8, 2.0))
+    assert main(["plan", src, "--target-tp", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"{src}: deepspeed -> deepspeed, TP 8 -> 2 (checkpoint version 2.0)"
+    hf = str(write_mixtral_sample(tmp_path / "hf"))
+    assert main(["plan", hf, "--target-tp", "2", "--target-ep", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"{hf}: hf -> megatron, TP 1 -> 2, EP 1 -> 2"
+    assert main(["plan", hf, "--to", "hf", "--quantize", "fp8"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"{hf}: hf -> hf fp8"
+    assert main(["inspect", src]) == 0
+    out = capsys.readouterr().out
+    assert "skipped      lr_scheduler, optimizer, random_rng_state" in out and "warning:" not in out
