@@ -53,6 +53,7 @@ from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, Rec
 from reshard.execution.ds_pipe import retarget_rank_file
 from reshard.execution.specs import quant_groups_for
 from reshard.formats.registry import get_format
+from reshard.models.megatron_args import MadeArgs, complete
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
@@ -563,12 +564,15 @@ def retarget_args(args: Any, plan: Plan) -> Any:
     """A copy of the saved Megatron ``args`` describing the output: TP, PP and EP degrees, the padded
     vocabulary, the checkpoint format, and every pipeline stage field (virtual stages, uneven
     first/last stages, accounting, layout string) as Megatron-LM needs it to build the output's
-    stages, stale ones cleared (:meth:`~reshard.core.pipeline_stages.StageLayout.args`)."""
+    stages, stale ones cleared (:meth:`~reshard.core.pipeline_stages.StageLayout.args`). ``args`` reshard made
+    (:class:`~reshard.models.megatron_args.MadeArgs`) are then completed as Megatron-LM's own (every
+    key its parser leaves, its defaults where the model decides none)."""
     new = copy.copy(args)
+    made = isinstance(args, MadeArgs)
     for name in TP_ARG_NAMES:
         if hasattr(new, name):
             setattr(new, name, plan.target_tp)
-    if hasattr(new, "pipeline_model_parallel_size"):
+    if hasattr(new, "pipeline_model_parallel_size") or made:
         new.pipeline_model_parallel_size = plan.target_pp
     if getattr(new, "expert_model_parallel_size", None) is not None or plan.target_ep > 1:
         new.expert_model_parallel_size = plan.target_ep
@@ -595,7 +599,7 @@ def retarget_args(args: Any, plan: Plan) -> Any:
             new.overlap_p2p_comm = False  # Megatron-LM's validate_args turns it off without them
         elif target.vpp > 1 and (source is None or source.vpp == 1) and hasattr(new, "overlap_p2p_comm"):
             new.overlap_p2p_comm = True  # its default with virtual stages (False needs PP > 2)
-    return new
+    return complete(new) if made else new
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,10 @@ torch_dist                                         per-rank module entry
 (absent)                                           ``output_layer._extra_state`` = None
 =================================================  ================================================
 
-The local-spec renames apply when the saved ``args.transformer_impl`` is ``local`` (Transformer
-Engine's fused layer norms keep the torch_dist names). Optimizer state (``optimizer.*``) and RNG
+The local-spec renames apply when the saved ``args.transformer_impl`` is ``local``, or, where no
+``args`` were saved (Megatron-Bridge), its ``run_config.yaml`` records megatron-core's local layer spec
+(Transformer Engine's fused layer norms keep the torch_dist names): a per-rank output's names are
+those of the spec its ``args`` name. Optimizer state (``optimizer.*``) and RNG
 state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
 Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
 asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
@@ -82,6 +84,7 @@ from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, ite
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.formats.megatron import TOKENIZER_FILE, iteration_folder, tokenizer_files, tokenizer_name
+from reshard.models.given_facts import run_config_facts
 from reshard.models.megatron_gpt import (
     EXPERTS,
     LAYERS,
@@ -200,7 +203,7 @@ class TorchDistFormat(CheckpointFormat):
             raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
                               "names (linear_fc1.weight{i}) are not written from torch_dist yet",
                               culprit=str(folder), hint="convert a per-rank checkpoint of this run instead")
-        module = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
+        module = per_rank_module(meta, folder, _transformer_impl(common.get("args"), p))
         out: dict[str, Any] = {}
         for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
             if k != "model":
@@ -282,6 +285,16 @@ class TorchDistFormat(CheckpointFormat):
 
     def writes_streams(self) -> bool:
         return True
+
+
+def _transformer_impl(args: Any, path: Path) -> Any:
+    """The layer implementation the checkpoint was saved with: its saved ``args``, else (none saved)
+    Megatron-Bridge's ``run_config.yaml`` beside it; None when neither says (Megatron-LM's default,
+    Transformer Engine, whose names torch_dist keeps)."""
+    if args is not None:
+        return getattr(args, "transformer_impl", None)
+    facts = run_config_facts(path)
+    return getattr(facts, "transformer_impl", None)
 
 
 def _core_args(args: Any) -> Any:
