@@ -72,7 +72,8 @@ BRIDGE_SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
                "beta_slow", "mscale", "mscale_all_dim",
                "mtp_num_layers")
-#: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map).
+#: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map; the map
+#: is its own inverse: a number, a flag, or a negated flag).
 BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
     "layernorm_epsilon": ("norm_epsilon", float),
     "gated_linear_unit": ("swiglu", bool),
@@ -80,6 +81,12 @@ BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
     "num_moe_experts": ("num_experts", int),
     "rope_scaling": ("use_rope_scaling", bool),  # Llama 3.1's rotary scaling (GPTModelProvider's flag)
 }
+#: :data:`BRIDGE_SAME` fields of multi-latent attention's provider only (Megatron-Bridge's ``MLAModelProvider``)
+BRIDGE_MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                   "rotary_scaling_factor",
+                   "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+#: :data:`BRIDGE_SAME` names no Megatron-Bridge provider has (it builds its model for ``seq_length`` positions)
+NOT_BRIDGE_FIELDS = ("max_position_embeddings",)
 #: ``args`` of the checkpoint's layout, never taken from a model description.
 LAYOUT_ARGS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                          "expert_tensor_parallel_size", "ckpt_format", "transformer_impl", "use_legacy_models",
@@ -201,11 +208,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def given_args(state: dict[str, Any], options: Any, path: Path) -> dict[str, Any]:
     """``state`` (one opened checkpoint file) with its ``args`` supplemented by the flags,
-    ``--model-config`` and a ``run_config.yaml`` beside ``path``; unchanged when none gives any."""
+    ``--model-config`` and a ``run_config.yaml`` beside ``path``; unchanged when none gives any.
+    A ``run_config.yaml`` is read only where no ``args`` were saved (Megatron-Bridge saves none): beside
+    saved ``args`` it describes the checkpoint for Megatron-Bridge alone (reshard's torch_dist outputs
+    carry one, its vocabulary the padded rows: :mod:`reshard.models.bridge_config`)."""
     described: list[tuple[argparse.Namespace, str]] = []
     if getattr(options, "hf_model_config", None):
         described.append((from_hf_config(options.hf_model_config, "--model-config"), "--model-config"))
-    facts = run_config_facts(path)
+    facts = run_config_facts(path) if state.get("args") is None else None
     if facts is not None:
         described.append((facts, str(run_config_beside(path))))
     if state.get("args") is None and not described:
