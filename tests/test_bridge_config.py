@@ -45,7 +45,8 @@ def test_a_torch_dist_import_is_an_iteration_folder_with_megatron_bridges_run_co
               if f not in OURS and theirs.get(f, "<absent>") != v}
     assert not differ, f"(reshard's, Megatron-Bridge's): {differ}"
     spec = ours["transformer_layer_spec"]
-    assert (spec["_target_"].rsplit(".", 1)[-1], spec["use_transformer_engine"]) == ("get_gpt_decoder_block_spec", False)
+    assert (spec["_target_"].rsplit(".", 1)[-1], spec["use_transformer_engine"]) == \
+        ("get_gpt_decoder_block_spec", False)
 
 
 def test_a_torch_dist_output_keeps_its_sources_iteration(tmp_path):
