@@ -565,9 +565,9 @@ def retarget_args(args: Any, plan: Plan, holds: set[str] | None = None) -> Any:
     vocabulary, the checkpoint format, and every pipeline stage field (virtual stages, uneven
     first/last stages, accounting, layout string) as Megatron-LM needs it to build the output's
     stages, stale ones cleared (:meth:`~reshard.core.pipeline_stages.StageLayout.args`); with
-    ``holds`` (the output's top-level entries), that it saved no optimizer or RNG state where it holds
-    none (``no_save_optim``, ``no_save_rng``: Megatron-LM's torch_dist loader then reads the weights
-    alone, in an ``iter_`` folder too). ``args`` reshard made
+    ``holds`` (the output's top-level entries), that a Megatron-LM output saved no optimizer or RNG
+    state where it holds none (``no_save_optim``, ``no_save_rng``: Megatron-LM's torch_dist loader then
+    reads the weights alone, in an ``iter_`` folder too). ``args`` reshard made
     (:class:`~reshard.models.megatron_args.MadeArgs`) are then completed as Megatron-LM's own (every
     key its parser leaves, its defaults where the model decides none)."""
     new = copy.copy(args)
@@ -602,7 +602,7 @@ def retarget_args(args: Any, plan: Plan, holds: set[str] | None = None) -> Any:
             new.overlap_p2p_comm = False  # Megatron-LM's validate_args turns it off without them
         elif target.vpp > 1 and (source is None or source.vpp == 1) and hasattr(new, "overlap_p2p_comm"):
             new.overlap_p2p_comm = True  # its default with virtual stages (False needs PP > 2)
-    if holds is not None and hasattr(new, "__dict__"):
+    if holds is not None and ckpt_format is not None and hasattr(new, "__dict__"):  # read by Megatron-LM
         if "optimizer" not in holds:
             new.no_save_optim = True
         if "rng_state" not in holds:
