@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test install install-dev bytecode clean side-env realtools-fixtures check-realtools
+.PHONY: demo test install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ side-env: $(SIDE_VENV)/.installed
 # (re)write tests/fixtures/realtools/ with the real tools (ONLY='name ...' for a few)
 realtools-fixtures: side-env
 	$(SIDE_PY) tests/realtools/write_fixtures.py $(if $(ONLY),--only $(ONLY))
+
+# (re)write Megatron-LM's own args for each model kind reshard writes (tests/fixtures/realtools/megatron-lm-args/)
+# and the defaults reshard completes args from (reshard/models/megatron_args.json)
+realtools-args: side-env
+	$(SIDE_PY) tests/realtools/args_snapshots.py
+	$(SIDE_PY) tests/realtools/args_snapshots.py --defaults
 
 # do megatron-core 0.19 and Megatron-Bridge 0.6 load OUT? (FLAGS: the model's Megatron-LM command
 # line, or FIXTURE: a Megatron-LM fixture's; HF: a Hugging Face folder of the model for export_ckpt)

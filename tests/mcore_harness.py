@@ -277,7 +277,8 @@ def options_from_args(a: Any) -> dict[str, Any]:
     return {"layers": a.num_layers, "hidden": a.hidden_size, "heads": a.num_attention_heads,
             "groups": a.num_query_groups if a.group_query_attention else None, "ffn": a.ffn_hidden_size,
             "swiglu": a.swiglu, "openai_gelu": getattr(a, "openai_gelu", False), "norm": a.normalization,
-            "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False), "eps": a.norm_epsilon,
+            "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False),
+            "eps": getattr(a, "norm_epsilon", getattr(a, "layernorm_epsilon", None)),  # megatron-core 0.19's name
             "rope_base": getattr(a, "rotary_base", 10000), "pos": a.position_embedding_type,
             "qk_norm": getattr(a, "qk_layernorm", False), "kv_channels": a.kv_channels,
             "window_size": getattr(a, "window_size", None), "window_attn_skip_freq": getattr(a, "window_attn_skip_freq",
@@ -401,7 +402,24 @@ def _stage_table(job: dict[str, Any]) -> None:
     Path(job["out"]).write_text(json.dumps(table))
 
 
+def _serve_019_enums() -> None:
+    """The two enums megatron-core 0.19 saves in ``args`` (:mod:`mcore019`), under megatron-core's
+    module where the installed 0.16.1 lacks them, and on torch's safe globals as 0.19 lists them
+    (``megatron.core.safe_globals``), so a checkpoint that carries 0.19's ``args`` unpickles here as
+    it would there (``dist_checkpointing``'s common state is loaded weights-only)."""
+    from megatron.core.transformer import enums
+
+    import mcore019
+
+    for cls in (mcore019.InferenceCudaGraphScope, mcore019.CudaGraphModule):
+        if not hasattr(enums, cls.__name__):
+            cls.__module__ = enums.__name__
+            setattr(enums, cls.__name__, cls)
+            torch.serialization.add_safe_globals([cls])
+
+
 def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
+    _serve_019_enums()
     if job["kind"] == "stage_table":
         return _stage_table(job)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]

@@ -118,7 +118,9 @@ def test_reshard_equals_megatron_core_at_the_target_tp(mcore, tmp_path, name, n,
             else:
                 assert ours["model"][k] is None and v is None, k  # _extra_state of local-spec layers
         assert set(ours) == set(theirs) - DROPPED
-        assert vars(ours["args"]) == vars(theirs["args"]) | {"world_size": n}  # tp/pp/padding updated; rest kept
+        # tp/pp/padding updated, what the output holds said (no optimizer or RNG state); the rest kept
+        assert vars(ours["args"]) == vars(theirs["args"]) | {"world_size": n, "no_save_optim": True,
+                                                             "no_save_rng": True}
         assert ours["iteration"] == 7 and ours["checkpoint_version"] == 3.0
     assert [list(t.sources) for t in plan.targets] == [
         [s for s in range(n) if s * m < (t + 1) * n and (s + 1) * m > t * n] for t in range(m)]

@@ -53,6 +53,7 @@ from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, Rec
 from reshard.execution.ds_pipe import retarget_rank_file
 from reshard.execution.specs import quant_groups_for
 from reshard.formats.registry import get_format
+from reshard.models.megatron_args import MadeArgs, complete
 
 #: ``args`` attributes that name the tensor-parallel degree; updated in the output.
 TP_ARG_NAMES: tuple[str, ...] = ("tensor_model_parallel_size", "model_parallel_size")
@@ -192,7 +193,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
     if "mp_world_size" in out:
         out["mp_world_size"] = m
     if "args" in out and out["args"] is not None:
-        out["args"] = retarget_args(out["args"], plan)
+        out["args"] = retarget_args(out["args"], plan, holds=set(out))
     if tp.kind == PIPE_RANK_FILE:
         retarget_rank_file(out, plan, first.get("mp_world_size"))
     if quant is not None:
@@ -559,16 +560,22 @@ def _assemble_quantized(p: ParamPlan, srcs: dict[int, torch.Tensor], n: int, m: 
     return q, combine_piece_scales(piece_scales, p.spec.dim)
 
 
-def retarget_args(args: Any, plan: Plan) -> Any:
+def retarget_args(args: Any, plan: Plan, holds: set[str] | None = None) -> Any:
     """A copy of the saved Megatron ``args`` describing the output: TP, PP and EP degrees, the padded
     vocabulary, the checkpoint format, and every pipeline stage field (virtual stages, uneven
     first/last stages, accounting, layout string) as Megatron-LM needs it to build the output's
-    stages, stale ones cleared (:meth:`~reshard.core.pipeline_stages.StageLayout.args`)."""
+    stages, stale ones cleared (:meth:`~reshard.core.pipeline_stages.StageLayout.args`); with
+    ``holds`` (the output's top-level entries), that a Megatron-LM output saved no optimizer or RNG
+    state where it holds none (``no_save_optim``, ``no_save_rng``: Megatron-LM's torch_dist loader then
+    reads the weights alone, in an ``iter_`` folder too). ``args`` reshard made
+    (:class:`~reshard.models.megatron_args.MadeArgs`) are then completed as Megatron-LM's own (every
+    key its parser leaves, its defaults where the model decides none)."""
     new = copy.copy(args)
+    made = isinstance(args, MadeArgs)
     for name in TP_ARG_NAMES:
         if hasattr(new, name):
             setattr(new, name, plan.target_tp)
-    if hasattr(new, "pipeline_model_parallel_size"):
+    if hasattr(new, "pipeline_model_parallel_size") or made:
         new.pipeline_model_parallel_size = plan.target_pp
     if getattr(new, "expert_model_parallel_size", None) is not None or plan.target_ep > 1:
         new.expert_model_parallel_size = plan.target_ep
@@ -595,7 +602,12 @@ def retarget_args(args: Any, plan: Plan) -> Any:
             new.overlap_p2p_comm = False  # Megatron-LM's validate_args turns it off without them
         elif target.vpp > 1 and (source is None or source.vpp == 1) and hasattr(new, "overlap_p2p_comm"):
             new.overlap_p2p_comm = True  # its default with virtual stages (False needs PP > 2)
-    return new
+    if holds is not None and ckpt_format is not None and hasattr(new, "__dict__"):  # read by Megatron-LM
+        if "optimizer" not in holds:
+            new.no_save_optim = True
+        if "rng_state" not in holds:
+            new.no_save_rng = True
+    return complete(new) if made else new
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,10 @@ torch_dist                                         per-rank module entry
 (absent)                                           ``output_layer._extra_state`` = None
 =================================================  ================================================
 
-The local-spec renames apply when the saved ``args.transformer_impl`` is ``local`` (Transformer
-Engine's fused layer norms keep the torch_dist names). Optimizer state (``optimizer.*``) and RNG
+The local-spec renames apply when the saved ``args.transformer_impl`` is ``local``, or, where no
+``args`` were saved (Megatron-Bridge), its ``run_config.yaml`` records megatron-core's local layer spec
+(Transformer Engine's fused layer norms keep the torch_dist names): a per-rank output's names are
+those of the spec its ``args`` name. Optimizer state (``optimizer.*``) and RNG
 state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
 Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
 asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
@@ -81,7 +83,9 @@ from reshard.core.safe_load import load_shard, refusal_reason, safe_torch_load, 
 from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, iteration_text
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
-from reshard.formats.megatron import TOKENIZER_FILE, iteration_folder, tokenizer_files, tokenizer_name
+from reshard.formats.megatron import TOKENIZER_DIR, TOKENIZER_FILE, iteration_folder, tokenizer_files
+from reshard.models.bridge_config import RUN_CONFIG, run_config
+from reshard.models.given_facts import run_config_facts
 from reshard.models.megatron_gpt import (
     EXPERTS,
     LAYERS,
@@ -200,7 +204,7 @@ class TorchDistFormat(CheckpointFormat):
             raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
                               "names (linear_fc1.weight{i}) are not written from torch_dist yet",
                               culprit=str(folder), hint="convert a per-rank checkpoint of this run instead")
-        module = per_rank_module(meta, folder, getattr(common.get("args"), "transformer_impl", None))
+        module = per_rank_module(meta, folder, _transformer_impl(common.get("args"), p))
         out: dict[str, Any] = {}
         for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
             if k != "model":
@@ -232,10 +236,10 @@ class TorchDistFormat(CheckpointFormat):
                                                           "Hugging Face folder (drop --to torch_dist)")
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
-        return f"{source.iteration or 'release'}/{DISTCP_NAME}"
+        return f"{output_iteration(source)}/{DISTCP_NAME}"
 
     def extra_files(self, source: SourceCheckpoint) -> dict[str, str]:
-        iteration = source.iteration or "release"
+        iteration = output_iteration(source)
         return {MEGATRON_LATEST: iteration_text(iteration),
                 f"{iteration}/{CONFIG}": json.dumps({"sharded_backend": TORCH_DIST, "sharded_backend_version": 1,
                                                      "common_backend": "torch", "common_backend_version": 1})}
@@ -244,23 +248,29 @@ class TorchDistFormat(CheckpointFormat):
         return tokenizer_files(Path(source.files[0]).parent)  # the index is in the iteration folder
 
     def carried_name(self, source: SourceCheckpoint, name: str) -> str | None:
-        return tokenizer_name(source, name)
+        return f"{output_iteration(source)}/{TOKENIZER_DIR}/{name}"
 
     def side_files(self, plan: Plan, names: list[str]) -> dict[str, str | bytes]:
-        """The index (from the shapes: blob sizes do not depend on the bytes) and ``common.pt``
-        (the top-level entries, ``args`` describing the output)."""
+        """The index (from the shapes: blob sizes do not depend on the bytes), ``common.pt`` (the
+        top-level entries, ``args`` describing the output, which holds no optimizer or RNG state:
+        the engine's ``retarget_args``) and, where there are ``args``, Megatron-Bridge's
+        ``run_config.yaml`` of the model (without which Megatron-Bridge loads no Megatron-LM
+        checkpoint: :mod:`reshard.models.bridge_config`)."""
         sd = plan.target_state(0)
         folder = names[0].rsplit("/", 1)[0]
         layout = plan_layout(plan)
         files = [(name.rsplit("/", 1)[1], global_items((sd if tgt == 0 else plan.target_state(tgt))[plan.module_key],
                                                        layout)) for tgt, name in enumerate(names)]
         top = {k: v for k, v in sd.items() if k != plan.module_key}
-        if plan.facts.naming != "megatron-core" and top.get("args") is not None:
-            top["args"] = _core_args(top["args"])
+        out: dict[str, str | bytes] = {f"{folder}/{INDEX}": index_bytes(files)}
+        if top.get("args") is not None:
+            if plan.facts.naming != "megatron-core":
+                top["args"] = _core_args(top["args"])
+            out[f"{folder}/{RUN_CONFIG}"] = run_config(top["args"])
         buf = io.BytesIO()
         torch.save(top, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(top) else pickle)
-        return {f"{folder}/{INDEX}": index_bytes(files),
-                f"{folder}/{COMMON}": buf.getvalue()}
+        out[f"{folder}/{COMMON}"] = buf.getvalue()
+        return out
 
     def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
         """Files of at most ``--max-shard-size`` bytes (see :func:`~reshard.formats.base.size_groups`):
@@ -282,6 +292,32 @@ class TorchDistFormat(CheckpointFormat):
 
     def writes_streams(self) -> bool:
         return True
+
+
+#: The iteration folder of a torch_dist output whose source has no numbered one (a Hugging Face folder,
+#: a Megatron-LM ``release``): Megatron-Bridge loads ``iter_*`` folders only (``load_megatron_model``
+#: skips ``release/``), as its own ``import_ckpt`` writes them, and Megatron-LM loads it as the weights
+#: alone since its ``args`` say no optimizer or RNG state was saved (its torch_dist loader honours
+#: ``no_save_optim`` / ``no_save_rng``). Per-rank outputs keep ``release``: Megatron-LM loads their
+#: weights alone only there (no flags needed), and Megatron-Bridge reads torch_dist only.
+UNNUMBERED = "iter_0000000"
+
+
+def output_iteration(source: SourceCheckpoint) -> str:
+    """The iteration folder a torch_dist output of ``source`` is written in: the source's own, or
+    :data:`UNNUMBERED` for none or ``release``."""
+    iteration = source.iteration or "release"
+    return UNNUMBERED if iteration == "release" else iteration
+
+
+def _transformer_impl(args: Any, path: Path) -> Any:
+    """The layer implementation the checkpoint was saved with: its saved ``args``, else (none saved)
+    Megatron-Bridge's ``run_config.yaml`` beside it; None when neither says (Megatron-LM's default,
+    Transformer Engine, whose names torch_dist keeps)."""
+    if args is not None:
+        return getattr(args, "transformer_impl", None)
+    facts = run_config_facts(path)
+    return getattr(facts, "transformer_impl", None)
 
 
 def _core_args(args: Any) -> Any:

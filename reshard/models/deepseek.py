@@ -484,11 +484,12 @@ class DeepseekV3(HFArchitectureFamily):
         scaling = float(c["routed_scaling_factor"] or 1.0)
         args = argparse.Namespace(
             num_layers=layers, hidden_size=hidden, ffn_hidden_size=need("intermediate_size"),
-            num_attention_heads=heads, kv_channels=v_dim, group_query_attention=False, num_query_groups=heads,
+            # kv_channels as Megatron-LM and Megatron-Bridge leave it (hidden / heads): MLA's widths are its own
+            num_attention_heads=heads, kv_channels=hidden // heads, group_query_attention=False,
             multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=need("kv_lora_rank"),
             qk_head_dim=need("qk_nope_head_dim"), qk_pos_emb_head_dim=need("qk_rope_head_dim"), v_head_dim=v_dim,
             qk_layernorm=True, normalization="RMSNorm", norm_epsilon=eps, swiglu=True,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_interleaved=False, apply_rope_fusion=False,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_interleaved=False,
             **rope, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=not tied,
             vocab_size=vocab, padded_vocab_size=vocab, max_position_embeddings=max_pos, seq_length=max_pos,
             num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
@@ -496,7 +497,8 @@ class DeepseekV3(HFArchitectureFamily):
             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
             moe_router_num_groups=groups if groups > 1 else None,
             moe_router_group_topk=topk_group if groups > 1 else None,
-            moe_router_topk_scaling_factor=scaling, moe_router_pre_softmax=False,
+            # pre-softmax as Megatron-Bridge's DeepSeek-V3 records it (with sigmoid scores megatron-core reads it not)
+            moe_router_topk_scaling_factor=scaling, moe_router_pre_softmax=True,
             moe_router_load_balancing_type="none", moe_layer_freq=[0] * dense + [1] * (layers - dense),
             expert_model_parallel_size=1, expert_tensor_parallel_size=1, moe_grouped_gemm=False,
             mtp_num_layers=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

@@ -10,7 +10,9 @@ they fill in what the saved ``args`` lack, in this order of precedence: flags, `
 ``run_config.yaml``. A given fact that contradicts a saved one is refused, never overridden.
 
 Layout fields (parallel degrees, the checkpoint format, the transformer implementation) are the
-checkpoint's own and are never taken from a model description.
+checkpoint's own and are never taken from a model description; ``run_config.yaml`` is the
+checkpoint's own record, so its layer spec and dtype are read (below). Args made here are
+:class:`~reshard.models.megatron_args.MadeArgs`: written complete as Megatron-LM's own.
 
 ================================================  ==============================================
 Megatron-Bridge ``model`` field                   Megatron-LM ``args``
@@ -20,6 +22,13 @@ Megatron-Bridge ``model`` field                   Megatron-LM ``args``
 ``share_embeddings_and_output_weights``           ``untie_embeddings_and_output_weights`` (negated)
 ``num_moe_experts``                               ``num_experts``
 ``rope_scaling``                                  ``use_rope_scaling``
+``seq_length``                                    also ``max_position_embeddings`` (Bridge has none)
+``num_query_groups`` equal to the heads           none (Megatron-LM's 1: no grouped-query attention)
+``make_vocab_size_divisible_by``                  only with ``should_pad_vocab`` (else Megatron-LM's
+                                                  default: Megatron-Bridge padded nothing)
+``params_dtype`` (a reference to a torch dtype)    ``params_dtype``, ``bf16``, ``fp16``
+``transformer_layer_spec``                        ``transformer_impl`` (``local`` for megatron-core's
+                                                  local spec, else ``transformer_engine``)
 every other field of :data:`BRIDGE_SAME`          the same name
 ================================================  ==============================================
 """
@@ -33,7 +42,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from reshard.core.errors import ConfigError, LayoutError
+from reshard.models import megatron_args
 from reshard.models.facts import saved_arg
 
 #: ``run_config.yaml`` beside a Megatron-Bridge checkpoint's files (in its iteration folder).
@@ -54,12 +66,14 @@ BRIDGE_SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                "moe_shared_expert_gate", "moe_grouped_gemm", "moe_router_num_groups", "moe_router_group_topk",
                "moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_input_jitter_eps",
+               "moe_router_dtype", "moe_router_load_balancing_type",
                # multi-latent attention and its rotary (MLATransformerConfig)
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
                "beta_slow", "mscale", "mscale_all_dim",
                "mtp_num_layers")
-#: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map).
+#: Megatron-Bridge ``model`` fields under another Megatron-LM name: (args name, value map; the map
+#: is its own inverse: a number, a flag, or a negated flag).
 BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
     "layernorm_epsilon": ("norm_epsilon", float),
     "gated_linear_unit": ("swiglu", bool),
@@ -67,6 +81,12 @@ BRIDGE_RENAMED: dict[str, tuple[str, Any]] = {
     "num_moe_experts": ("num_experts", int),
     "rope_scaling": ("use_rope_scaling", bool),  # Llama 3.1's rotary scaling (GPTModelProvider's flag)
 }
+#: :data:`BRIDGE_SAME` fields of multi-latent attention's provider only (Megatron-Bridge's ``MLAModelProvider``)
+BRIDGE_MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                   "rotary_scaling_factor",
+                   "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+#: :data:`BRIDGE_SAME` names no Megatron-Bridge provider has (it builds its model for ``seq_length`` positions)
+NOT_BRIDGE_FIELDS = ("max_position_embeddings",)
 #: ``args`` of the checkpoint's layout, never taken from a model description.
 LAYOUT_ARGS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                          "expert_tensor_parallel_size", "ckpt_format", "transformer_impl", "use_legacy_models",
@@ -106,7 +126,41 @@ def from_run_config(path: Path) -> argparse.Namespace | None:
             out[name] = convert(model[field])
     if "num_attention_heads" in out and "num_query_groups" in out:
         out["group_query_attention"] = out["num_query_groups"] != out["num_attention_heads"]
+        if not out["group_query_attention"]:
+            del out["num_query_groups"]  # Megatron-LM's args keep their default (1) without grouped-query attention
+    if "max_position_embeddings" not in out and isinstance(model.get("seq_length"), int):
+        out["max_position_embeddings"] = model["seq_length"]  # the positions Megatron-Bridge builds its model for
+    if not model.get("should_pad_vocab") and "make_vocab_size_divisible_by" in out:
+        # Megatron-Bridge pads the vocabulary only with should_pad_vocab: its rows are then the true
+        # vocabulary, and Megatron-LM pads them by its own default divisor (an output's args say so)
+        out["make_vocab_size_divisible_by"] = megatron_args.default("make_vocab_size_divisible_by")
+    dtype = _dtype(model.get("params_dtype"))
+    if dtype is not None:
+        out.update(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    impl = transformer_impl(model.get("transformer_layer_spec"))
+    if impl is not None:
+        out["transformer_impl"] = impl
     return argparse.Namespace(**out)
+
+
+def transformer_impl(spec: Any) -> str | None:
+    """Megatron-LM's ``--transformer-impl`` for the layer spec Megatron-Bridge records (its
+    ``transformer_layer_spec``: a function by name, or a partial with ``use_transformer_engine``):
+    ``local`` for megatron-core's local spec, ``transformer_engine`` for the others Megatron-Bridge
+    has (its default, Transformer Engine's); None when no spec is recorded."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
+        return None
+    if "use_transformer_engine" in spec:
+        return "transformer_engine" if spec["use_transformer_engine"] else "local"
+    return "local" if spec["_target_"].rsplit(".", 1)[-1] == "local_layer_spec" else "transformer_engine"
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    """A dtype Megatron-Bridge records as an object reference (``{_target_: torch.bfloat16, _call_: false}``)."""
+    target = value.get("_target_") if isinstance(value, dict) else None
+    if isinstance(target, str) and target in ("torch.float32", "torch.bfloat16", "torch.float16"):
+        return getattr(torch, target.split(".")[1])
+    return None
 
 
 def with_flags(args: Any, options: Any, where: str) -> Any:
@@ -126,8 +180,9 @@ def supplement(saved: Any, given: list[tuple[argparse.Namespace, str]], where: s
     from), first wins); a given fact that differs from a saved one is refused, naming both."""
     if not any(vars(facts) for facts, _ in given):
         return saved
-    # args made from given facts alone hold the layout fields the engine sets for the output
-    merged = copy.copy(saved) if saved is not None else argparse.Namespace(**dict.fromkeys(OUTPUT_LAYOUT_ARGS))
+    # args made from given facts alone hold the layout fields the engine sets for the output, and when
+    # written every other key of Megatron-LM's own args (MadeArgs)
+    merged = copy.copy(saved) if saved is not None else megatron_args.MadeArgs(**dict.fromkeys(OUTPUT_LAYOUT_ARGS))
     taken: dict[str, str] = {}
     for facts, origin in given:
         for name, value in vars(facts).items():
@@ -153,22 +208,32 @@ def _same(a: Any, b: Any) -> bool:
 
 def given_args(state: dict[str, Any], options: Any, path: Path) -> dict[str, Any]:
     """``state`` (one opened checkpoint file) with its ``args`` supplemented by the flags,
-    ``--model-config`` and a ``run_config.yaml`` beside ``path``; unchanged when none gives any."""
+    ``--model-config`` and a ``run_config.yaml`` beside ``path``; unchanged when none gives any.
+    A ``run_config.yaml`` is read only where no ``args`` were saved (Megatron-Bridge saves none): beside
+    saved ``args`` it describes the checkpoint for Megatron-Bridge alone (reshard's torch_dist outputs
+    carry one, its vocabulary the padded rows: :mod:`reshard.models.bridge_config`)."""
     described: list[tuple[argparse.Namespace, str]] = []
     if getattr(options, "hf_model_config", None):
         described.append((from_hf_config(options.hf_model_config, "--model-config"), "--model-config"))
-    run_config = run_config_beside(path)
-    if run_config is not None:
-        stat = run_config.stat()
-        facts = _run_config_facts(str(run_config), stat.st_mtime_ns, stat.st_size)
-        if facts is not None:
-            described.append((facts, str(run_config)))
+    facts = run_config_facts(path) if state.get("args") is None else None
+    if facts is not None:
+        described.append((facts, str(run_config_beside(path))))
     if state.get("args") is None and not described:
         return state  # flags alone never invent args for the outputs (an export reads them: with_flags)
     args = supplement(state.get("args"), [(from_flags(options), "the flags"), *described], str(path))
     if args is state.get("args"):
         return state
     return {**state, "args": args}
+
+
+def run_config_facts(path: Path) -> argparse.Namespace | None:
+    """The model facts of the ``run_config.yaml`` beside the checkpoint file ``path`` (None without
+    one, or without a ``model`` section)."""
+    run_config = run_config_beside(path)
+    if run_config is None:
+        return None
+    stat = run_config.stat()
+    return _run_config_facts(str(run_config), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=16)

@@ -51,6 +51,7 @@ from reshard.models.hf_architectures import (
     sliding_window,
     window_args,
 )
+from reshard.models.megatron_args import MadeArgs
 from reshard.models.megatron_gpt import core_module
 
 #: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
@@ -222,7 +223,8 @@ def read_llama_like(arch: str, names: NameTable, c: Mapping[str, Any], where: st
     tied = bool(c["tie_word_embeddings"])
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-        kv_channels=head_dim, group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=head_dim, group_query_attention=groups != heads,
+        **({"num_query_groups": groups} if groups != heads else {}),  # Megatron-LM's 1 (a default) without GQA
         untie_embeddings_and_output_weights=not tied, vocab_size=vocab, padded_vocab_size=vocab,
         seq_length=arch_args["max_position_embeddings"], tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
@@ -343,11 +345,13 @@ def _check_layers(module: Mapping[str, Any], model: HFModel) -> None:
 
 def megatron_state(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str, Any]:
     """What Megatron-LM's per-rank file of a TP 1 ``release`` checkpoint holds for this model:
-    ``args`` (with the weights' dtype), the checkpoint version, the module (:func:`core_tensors`)."""
+    ``args`` (with the weights' dtype; completed as Megatron-LM's own when written:
+    :class:`~reshard.models.megatron_args.MadeArgs`),
+    the checkpoint version, the module (:func:`core_tensors`)."""
     module = core_tensors(tensors, model)
     dtype = module["embedding.word_embeddings.weight"].dtype
-    args = argparse.Namespace(**vars(model.args), params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                              fp16=dtype == torch.float16)
+    args = MadeArgs(**vars(model.args), params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                    fp16=dtype == torch.float16)
     mtp = {int(k.split(".")[2]) for k in module if k.startswith("mtp.layers.")}
     for i in sorted(mtp):  # a layer beyond num_hidden_layers is one only with its own modules
         if f"mtp.layers.{i}.eh_proj.weight" not in module or i >= len(mtp):

@@ -17,7 +17,8 @@
 2. **Megatron-Bridge 0.6** ``AutoBridge.export_ckpt(OUT, tmp)`` with a bridge made from ``--hf`` (a
    Hugging Face folder of the same model, with its tokenizer), then transformers' forward of the
    export (float32) against ``--reference``. A run folder that fails is tried again at its iteration
-   folder (Megatron-Bridge finds ``iter_*`` folders only; ``release/`` it does not).
+   folder (Megatron-Bridge finds ``iter_*`` folders only; ``release/`` it does not). Per-rank folders
+   are skipped: ``export_ckpt`` reads torch_dist only.
 
 Each step prints ``PASS`` or ``FAIL: <the tool's error, last line>``; the exit status is 1 when a step
 failed. Nothing is written into OUT.
@@ -251,7 +252,9 @@ def main() -> None:
         results["megatron-core load_checkpoint"] = check_megatron_core(a.out, flags, reference, a.ep, a.tp)
     else:
         results["megatron-core load_checkpoint"] = "SKIPPED: no --flags or Megatron-LM --fixture (model command line)"
-    if a.hf:
+    if layout(a.out, a.ep)[0] != "torch_dist":
+        results["megatron-bridge export_ckpt"] = "SKIPPED: per-rank files (export_ckpt reads torch_dist)"
+    elif a.hf:
         results["megatron-bridge export_ckpt"] = check_bridge_export(a.out, a.hf, reference)
     else:
         results["megatron-bridge export_ckpt"] = "SKIPPED: no --hf (a Hugging Face folder of the model)"
