@@ -75,7 +75,7 @@ def make_source(folder: Path, layers: int, hidden: int, ffn: int, heads: int, gr
     for r in range(tp):
         g = torch.Generator().manual_seed(r)
 
-        def rnd(*shape: int) -> torch.Tensor:
+        def rnd(*shape: int, g: torch.Generator = g) -> torch.Tensor:
             return torch.randn(*shape, generator=g, dtype=torch.float32).to(torch.float16)
 
         model: dict[str, Any] = {"embedding.word_embeddings.weight": rnd(vocab // tp, hidden)}

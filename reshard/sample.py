@@ -81,10 +81,10 @@ def shard_state_dicts(cfg: GPTConfig, w: dict[str, torch.Tensor], tp: int, versi
     """The module state dict of every rank, legacy Megatron names."""
     out = []
     for rank in range(tp):
-        def col(x: torch.Tensor) -> torch.Tensor:
+        def col(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
             return x.chunk(tp, dim=0)[rank]
 
-        def row(x: torch.Tensor) -> torch.Tensor:
+        def row(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
             return x.chunk(tp, dim=1)[rank]
 
         sd: dict[str, torch.Tensor] = {"word_embeddings.weight": col(w["word_embeddings"]),

@@ -399,7 +399,7 @@ def test_two_conversions_claiming_one_destination_at_once_exactly_one_wins(backe
         outcomes = [None, None]
         both_checked.reset()
 
-        def claim(i):
+        def claim(i, dests=dests, outcomes=outcomes):
             try:
                 dests[i].acquire(uuid.uuid4().hex, f"conversion-{i}")
                 outcomes[i] = "won"

@@ -343,22 +343,24 @@ def test_each_converting_thread_runs_its_own_torch_threads_and_gets_its_count_ba
             plan = build_plan(str(tmp_path / "src"), options)
             fmt = engine.get_format(plan.output_format)
             during, after = [], []
+            real_write = type(fmt).write
 
-            def write(*args, real_write=type(fmt).write, fmt=fmt, **kwargs):
+            def write(*args, real_write=real_write, fmt=fmt, during=during, **kwargs):
                 during.append(torch.get_num_threads())
                 return real_write(fmt, *args, **kwargs)
 
             monkeypatch.setattr(fmt, "write", write)
+            jobs = [(t.rank, i) for t in plan.targets for i in range(3)]
+            ready = threading.Barrier(len(jobs))
 
-            def convert(t: int, i: int) -> None:
+            def convert(t: int, i: int, plan=plan, ready=ready, after=after) -> None:
                 torch.get_num_threads()  # a thread takes the process-wide count (7) at its first use ...
                 ready.wait()  # ... here before any conversion has set another
                 convert_target(plan, t, tmp_path / f"{t}-{i}.pt")
                 after.append(torch.get_num_threads())
 
             torch.set_num_threads(7)
-            threads = [threading.Thread(target=convert, args=(t.rank, i)) for t in plan.targets for i in range(3)]
-            ready = threading.Barrier(len(threads))
+            threads = [threading.Thread(target=convert, args=job) for job in jobs]
             [t.start() for t in threads]
             [t.join() for t in threads]
             assert len(during) == len(after) == len(threads)
