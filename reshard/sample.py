@@ -379,8 +379,10 @@ def write_mixtral_sample(folder: str | os.PathLike[str], cfg: MixtralConfig | No
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
         w |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-              p + "self_attn.q_proj.weight": r(cfg.heads * hn, h), p + "self_attn.k_proj.weight": r(cfg.kv_heads * hn, h),
-              p + "self_attn.v_proj.weight": r(cfg.kv_heads * hn, h), p + "self_attn.o_proj.weight": r(h, cfg.heads * hn),
+              p + "self_attn.q_proj.weight": r(cfg.heads * hn, h),
+              p + "self_attn.k_proj.weight": r(cfg.kv_heads * hn, h),
+              p + "self_attn.v_proj.weight": r(cfg.kv_heads * hn, h),
+              p + "self_attn.o_proj.weight": r(h, cfg.heads * hn),
               p + "block_sparse_moe.gate.weight": r(cfg.experts, h)}
         for e in range(cfg.experts):
             x = f"{p}block_sparse_moe.experts.{e}."

@@ -163,7 +163,8 @@ def read_task_runs(flow_run_id: str, timeout: float = 30.0, expect: dict[str, in
     deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+            this_run = FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)]))
+            runs = client.read_task_runs(flow_run_filter=this_run)
             names = [task_name(r) for r in runs]
             # "NotReady": never ran because an upstream task failed (a Pending state that stays)
             settled = runs and all(r.state is not None and (r.state.is_final() or r.state.name == "NotReady")

@@ -337,7 +337,8 @@ def mcore_pipeline_forward(cases: list[tuple[str, Path, int, int, int]], workdir
     chunk by chunk, the pipeline run in order (a label starting with ``dist:``: a torch_dist folder,
     through ``dist_checkpointing.load``). A label starting with ``fails:`` is a twin that must not
     load: its value is each rank's load error ("" where the rank loaded). One harness run."""
-    jobs = [{"kind": "forward_dist" if label.startswith("dist:") else "forward", "ckpt": str(ckpt), "tp": tp, "pp": pp, "ep": ep, "from_args": True, "model": {},
+    jobs = [{"kind": "forward_dist" if label.startswith("dist:") else "forward", "ckpt": str(ckpt),
+             "tp": tp, "pp": pp, "ep": ep, "from_args": True, "model": {},
              "expect_failure": label.startswith("fails:"), "tokens": TOKENS,
              "out": str(workdir / f"pipe_logits_{i}.pt")} for i, (label, ckpt, tp, pp, ep) in enumerate(cases)]
     _run_harness(jobs, workdir)

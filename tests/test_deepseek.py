@@ -544,7 +544,8 @@ def test_a_transformer_engine_mla_checkpoint_is_read(mcore_written, tmp_path):
     te = as_transformer_engine_saves(mcore_written / "write", tmp_path / "te")
     module = torch.load(te / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)["model"]
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in module
-    assert module["decoder.layers.0.self_attention.linear_q_down_proj.weight"].shape[0] == MCORE_MODEL["mla"]["q_lora_rank"]
+    q_down = module["decoder.layers.0.self_attention.linear_q_down_proj.weight"]
+    assert q_down.shape[0] == MCORE_MODEL["mla"]["q_lora_rank"]
     local = _run(mcore_written / "write", tmp_path / "local_hf", "--to", "hf")
     ours = _run(te, tmp_path / "te_hf", "--to", "hf")
     a, b = load_file(local / "model.safetensors"), load_file(ours / "model.safetensors")

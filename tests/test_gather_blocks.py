@@ -113,9 +113,11 @@ def test_a_fused_qkv_is_written_from_its_parts_mappings_not_gathered():
     half = want.shape[0] // 2
     for tgt in range(2):
         pool = _Recording()
-        got = engine._pending_lazy_assembled(PartitionSpec(dim=0), {0: fused}, 1, 2, tgt, "qkv", "here", pool).materialize()
+        got = engine._pending_lazy_assembled(PartitionSpec(dim=0), {0: fused}, 1, 2, tgt, "qkv", "here",
+                                             pool).materialize()
         assert torch.equal(got, want[tgt * half:(tgt + 1) * half])
         assert pool.largest == 0  # written from the views
-    starts = {x: {x.t[r].data_ptr() for r in range(0, x.shape[0], n)} for x, n in ((q, q_rows), (k, kv_rows), (v, kv_rows))}
+    starts = {x: {x.t[r].data_ptr() for r in range(0, x.shape[0], n)}
+              for x, n in ((q, q_rows), (k, kv_rows), (v, kv_rows))}
     for x in (q, k, v):
         assert sorted(x.released) == sorted(starts[x])  # every run of x given back to x, and only those

@@ -233,8 +233,10 @@ WRONG = {
     "gelu instead of silu": {"config": {"hidden_act": "gelu"}},
     "rotary base 10000 instead of 50000": {"config": {"rope_theta": 10000.0}},
     "epsilon 1e-5 instead of 1e-6": {"config": {"rms_norm_eps": 1e-5}},
-    "K and V swapped": {"tensors": _swap("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")},
-    "gate and up swapped": {"tensors": _swap("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")},
+    "K and V swapped": {"tensors": _swap("model.layers.0.self_attn.k_proj.weight",
+                                         "model.layers.0.self_attn.v_proj.weight")},
+    "gate and up swapped": {"tensors": _swap("model.layers.1.mlp.gate_proj.weight",
+                                             "model.layers.1.mlp.up_proj.weight")},
     "a misplaced query row": {"tensors": _misplace_row("model.layers.0.self_attn.q_proj.weight")},
 }
 

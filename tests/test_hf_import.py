@@ -4,8 +4,9 @@ Sources are tiny random models made by transformers from a config (fixed seed; n
 distinct from ones), saved with ``save_pretrained``: Llama with GQA (untied, a vocabulary of 200
 that Megatron pads to 256, a rotary base and epsilon other than the defaults, sharded into
 several files), Llama tied, Qwen2 (QKV biases), GPT-2 (gelu_new, Conv1D weights, tied). Each is
-imported at TP 1 and 2 (Llama also into torch_dist); megatron-core builds the model **from the checkpoint's own saved args** (as
-``--use-checkpoint-args`` would), loads it strictly and must give transformers' logits on the
+imported at TP 1 and 2 (Llama also into torch_dist); megatron-core builds the model **from the
+checkpoint's own saved args** (as ``--use-checkpoint-args`` would), loads it strictly and must
+give transformers' logits on the
 true vocabulary within 2e-5. The same comparison catches each plausible wrong import far above
 that bound: :func:`test_the_logits_comparison_catches_each_plausible_wrong_import`.
 """

@@ -69,7 +69,8 @@ def state_dicts():
     shared = torch.randn(6, 4)
     yield "mixed", {
         "module": collections.OrderedDict(
-            w16=torch.randn(5, 3).half(), wbf=torch.randn(7).bfloat16(), w8=torch.arange(6, dtype=torch.int8).view(2, 3),
+            w16=torch.randn(5, 3).half(), wbf=torch.randn(7).bfloat16(),
+            w8=torch.arange(6, dtype=torch.int8).view(2, 3),
             empty=torch.zeros(0, 4), empty2=torch.zeros(3, 0, 2), scalar=torch.tensor(3.5),
             u16=torch.arange(5, dtype=torch.int32).to(torch.uint16), flag=torch.tensor([True, False]),
             grad=torch.ones(3, requires_grad=True), extra=None, te=io.BytesIO(b"fp8")),
@@ -506,8 +507,8 @@ def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_
 
     tensors = {f"layer{i}.w": torch.randn(64, 96) for i in range(40)}  # 40 records, 24 KiB each
     tensors["small"] = torch.arange(3)
-    obj = {"module": {k: torch_writer.PendingTensor(tuple(v.shape), v.dtype, lambda sink, v=v: sink.write(v)) for k, v in
-                      tensors.items()}, "args": {"lr": 0.5}}
+    obj = {"module": {k: torch_writer.PendingTensor(tuple(v.shape), v.dtype, lambda sink, v=v: sink.write(v))
+                      for k, v in tensors.items()}, "args": {"lr": 0.5}}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     torch.save({"module": tensors, "args": {"lr": 0.5}}, tmp_path / "a" / "out.pt")

@@ -64,7 +64,8 @@ CASES = [  # (model, source tp, target tp, extra options)
 ]
 
 
-@pytest.mark.parametrize("name,n,m,extra", CASES, ids=[f"{c[0]}-tp{c[1]}-to{c[2]}{'-v' if c[3] else ''}" for c in CASES])
+@pytest.mark.parametrize("name,n,m,extra", CASES,
+                         ids=[f"{c[0]}-tp{c[1]}-to{c[2]}{'-v' if c[3] else ''}" for c in CASES])
 def test_read_equals_megatron_cores_own_shards(dist, mcore, tmp_path, name, n, m, extra):
     out = tmp_path / "out"
     plan = convert(dist[(name, n, 1)], out, target_tp=m, **extra)
@@ -408,7 +409,8 @@ def test_each_distcp_file_is_written_through_one_pipeline_and_hashed_as_written(
     (["--to", "torch_dist", "--quantize"], "--quantize: torch_dist has no place"),
     (["--to", "deepspeed"], "--to: cannot write a torch_dist checkpoint in the DeepSpeed"),
     (["--to", "nope"], "--to: unknown output format 'nope'"),
-    (["--target-tp", "2", "--max-shard-size", "1MB"], "--max-shard-size: the megatron layout is not written in size-limited shards"),
+    (["--target-tp", "2", "--max-shard-size", "1MB"],
+     "--max-shard-size: the megatron layout is not written in size-limited shards"),
     ([], "--target-tp: needs a target tensor-parallel degree to write the megatron layout"),
 ])
 def test_output_requests_that_cannot_be_written_are_refused(dist, tmp_path, capsys, args, needle):

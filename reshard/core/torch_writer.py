@@ -800,8 +800,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     ``offset``: write the archive into the existing file ``path`` at this offset instead of
     creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place, nothing else of the
     file touched (a ``torch.distributed.checkpoint`` file is such archives back to back; archives
-    at disjoint places may be written concurrently). ``SaveStats.size`` is then the archive's length. ``digest``: a hash object to feed the archive's bytes to, in
-    file order (instead of ``sha256``), so consecutive archives hash as one file.
+    at disjoint places may be written concurrently). ``SaveStats.size`` is then the archive's length.
+    ``digest``: a hash object to feed the archive's bytes to, in file order (instead of
+    ``sha256``), so consecutive archives hash as one file.
     ``stream``: also feed the file's bytes, in order, to ``stream.update`` (with the SHA-256, see
     :class:`FileDigest`): an upload of the file while it is written. The tensors' bytes then go
     only there, not to ``path``, which keeps the archive's structure alone (its records are

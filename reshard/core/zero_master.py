@@ -181,7 +181,8 @@ def optim_files(folder: Path, tp_rank: int, where: str) -> list[Path]:
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
         raise CheckpointFormatError(f"ZeRO optimizer files of data-parallel ranks {ranks} for TP rank {tp_rank}"
                                     + (f": missing {missing}" if missing else ": a rank appears twice"),
-                                    culprit=str(folder), hint="supply one *_optim_states.pt file per data-parallel rank")
+                                    culprit=str(folder),
+                                    hint="supply one *_optim_states.pt file per data-parallel rank")
     return [by_dp[r][0] for r in ranks]
 
 

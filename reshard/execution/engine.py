@@ -375,8 +375,8 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
     part_len = any_src.shape[d] // spec.parts
     segs = _segments(spec, part_len, n, m, tgt)
     used = {s for s, _, _ in segs if s != FILL}
-    if not all(_streamable(sources[s]) for s in used) or \
-            len({(tuple(sources[s].shape), sources[s].dtype) for s in used} | {(tuple(any_src.shape), any_src.dtype)}) != 1:
+    kinds = {(tuple(sources[s].shape), sources[s].dtype) for s in used} | {(tuple(any_src.shape), any_src.dtype)}
+    if not all(_streamable(sources[s]) for s in used) or len(kinds) != 1:
         with _read_errors(culprit):
             return assemble(spec, sources, n, m, tgt)
     shape = list(any_src.shape)

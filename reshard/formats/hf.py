@@ -517,7 +517,8 @@ class SafetensorsFile:
             if stream is not None:
                 writer = _Stage("reshard-writer", _InOrderHasher(fd, digest, write_ahead=True), QUEUE_DEPTH)
             else:
-                writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=None if digest is None else _InOrderHasher(fd, digest))
+                hasher = None if digest is None else _InOrderHasher(fd, digest)
+                writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=hasher)
             try:
                 writer.put((memoryview(self.header), 0, None, None))
                 for (exp, value, _dtype, block), (first, stop) in zip(self.exports, self.spans):

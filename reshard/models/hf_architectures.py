@@ -682,7 +682,8 @@ def sliding_window(args: Any, num_layers: int) -> int | None:
 
 #: Megatron-LM ``args`` flags no exported architecture computes (each refused by name, with what it does).
 NOT_EXPORTED_FLAGS: tuple[tuple[str, str], ...] = (
-    ("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
+    ("squared_relu", "squared ReLU"),
+    ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
     ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
     ("use_rope_scaling", "rotary scaling"),
     ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"))

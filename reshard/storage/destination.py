@@ -391,7 +391,8 @@ class RemoteDestination(Destination):
         return self.staged_remote_size(name)
 
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
-        """Hash the staged file (unless the writer did), upload it to the staging prefix, check the size, free the disk."""
+        """Hash the staged file (unless the writer did), upload it to the staging prefix, check the
+        size, free the disk."""
         local = self.staged(name)
         remote = f"{self.staging_prefix}/{name}"
         if not local.exists():

@@ -140,7 +140,8 @@ class S3Destination(RemoteDestination):
             raise StorageError(f"upload of {record['path']} failed verification (the server holds {held} of "
                                f"{record['size']} bytes)", culprit=self.url, hint="retry; check the storage endpoint",
                                transient=True)
-        self.loc.fs.pipe_file(self._record_path(record["path"]), json.dumps(dict(record, upload=up.to_record())).encode())
+        uploaded = json.dumps(dict(record, upload=up.to_record())).encode()
+        self.loc.fs.pipe_file(self._record_path(record["path"]), uploaded)
         return record
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
