@@ -13,11 +13,14 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard import __version__
 from reshard.cli_progress import fmt_bytes
 from reshard.core.errors import ReshardError
+
+if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
 
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
@@ -206,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(ns: argparse.Namespace, target_tp: int) -> Any:
+def parsed_options(ns: argparse.Namespace, target_tp: int | None) -> ReshardOptions:
+    """The conversion options the parsed flags ``ns`` give (checked: a bad value is the flag's one
+    error line), at the target TP ``target_tp``."""
     from reshard.core.options import ReshardOptions
 
     return ReshardOptions.from_fields({**vars(ns), "target_tp": target_tp})
@@ -360,7 +365,7 @@ def _flow_params(ns: argparse.Namespace) -> Any:
 
     storage_options = _credentials_to_env(_storage(ns))
     try:
-        return ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
+        return ReshardParams(source=ns.src, destination=ns.dst, **parsed_options(ns, ns.target_tp).to_record(),
                              storage_options=storage_options, overwrite=ns.overwrite, device=ns.device,
                              target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir,
                              cache_sources=ns.cache_sources)

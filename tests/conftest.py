@@ -220,3 +220,12 @@ def run_reshard_cli(args: list[str], env: dict[str, str], crash: str | None = No
         e["RESHARD_CRASH_AT"] = crash
     return subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=e, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def output_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file a conversion wrote under ``folder`` (by its path there) with its bytes, the
+    manifest left out (it records the run: two equal conversions differ in it)."""
+    from reshard.storage.manifest import MANIFEST_NAME
+
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST_NAME}

@@ -317,15 +317,14 @@ def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path,
 def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_bucket, monkeypatch, prefect_env):
     """Through the Prefect flow, from S3 (the weights fetched after the plan is laid out from
     config.json and the index): the same files as ``--direct``."""
-    from conftest import upload_to_s3
+    from conftest import output_bytes, upload_to_s3
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs
 
     url, so = upload_to_s3(imported["hf"]["llama"], s3_server, s3_bucket, monkeypatch)
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so, target_tp=2,
                            cache_dir=str(tmp_path / "cache")))
-    assert _outputs(tmp_path / "flow") == _outputs(imported["runs"][("llama", 2)])
+    assert output_bytes(tmp_path / "flow") == output_bytes(imported["runs"][("llama", 2)])
     # listed and fetched with config.json: the generation config transformers saved, carried
     carried = tmp_path / "flow" / "release" / "tokenizer" / "generation_config.json"
     assert carried.read_bytes() == (imported["hf"]["llama"] / "generation_config.json").read_bytes()

@@ -128,7 +128,7 @@ def test_foreign_stand_ins_and_non_ascii_path(tmp_path):
         ref.parent.mkdir(exist_ok=True)
         out.parent.mkdir(exist_ok=True)
         foreign.save(sd, ref)
-        torch_writer.save(pend_all(sd), out, pickle_module=foreign._ForeignPickleModule)
+        torch_writer.save(pend_all(sd), out, pickle_module=foreign.ForeignPickleModule)
         assert out.read_bytes() == ref.read_bytes(), name
     with zipfile.ZipFile(out) as z:
         assert z.namelist()[0] == "archive/data.pkl"
@@ -258,7 +258,7 @@ def test_engine_never_assembles_a_whole_tensor(tmp_path, monkeypatch):
         raise AssertionError("assembled a whole tensor")
 
     monkeypatch.setattr(engine, "assemble", forbidden)
-    monkeypatch.setattr(engine, "_owned", forbidden)
+    monkeypatch.setattr(engine, "owned_copy", forbidden)
     monkeypatch.setattr(PendingTensor, "materialize", forbidden)
     plans = {}
     for m in (1, 2, 8):

@@ -399,6 +399,12 @@ def forget_optimizer_files() -> None:
     _optimizer_state_of.cache_clear()
 
 
+def kept_optimizer_files() -> int:
+    """How many optimizer files are kept loaded now (see :func:`optimizer_state`): none once a
+    conversion has ended."""
+    return _optimizer_state_of.cache_info().currsize
+
+
 @functools.lru_cache(maxsize=OPEN_FILES)
 def _optimizer_state_of(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     sd = load_shard(path)

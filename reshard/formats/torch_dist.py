@@ -259,7 +259,7 @@ class TorchDistFormat(CheckpointFormat):
         if plan.facts.naming != "megatron-core" and top.get("args") is not None:
             top["args"] = _core_args(top["args"])
         buf = io.BytesIO()
-        torch.save(top, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(top) else pickle)
+        torch.save(top, buf, pickle_module=foreign.ForeignPickleModule if foreign.contains_foreign(top) else pickle)
         return {f"{folder}/{INDEX}": index_bytes(files),
                 f"{folder}/{COMMON}": buf.getvalue()}
 
@@ -765,7 +765,7 @@ def _byte_blob(value: Any) -> bytes:
     """A byte item as megatron-core saves one: the list of the rank's objects under the key."""
     buf = io.BytesIO()
     obj = [value]
-    torch.save(obj, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(obj) else pickle)
+    torch.save(obj, buf, pickle_module=foreign.ForeignPickleModule if foreign.contains_foreign(obj) else pickle)
     return buf.getvalue()
 
 
