@@ -114,7 +114,7 @@ def test_a_fused_qkv_is_written_from_its_parts_mappings_not_gathered():
     for tgt in range(2):
         pool = _Recording()
         got = engine.pending_lazy_assembled(PartitionSpec(dim=0), {0: fused}, 1, 2, tgt, "qkv", "here",
-                                             pool).materialize()
+                                            pool).materialize()
         assert torch.equal(got, want[tgt * half:(tgt + 1) * half])
         assert pool.largest == 0  # written from the views
     starts = {x: {x.t[r].data_ptr() for r in range(0, x.shape[0], n)}

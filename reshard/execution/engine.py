@@ -257,7 +257,7 @@ def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
 
 
 def pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
-                            name: str, culprit: str, scratch: ScratchBuffers | None) -> PendingTensor:
+                           name: str, culprit: str, scratch: ScratchBuffers | None) -> PendingTensor:
     """A partitioned parameter's target slice from lazy sources, each segment along ``spec.dim``
     read as boxes (only the rows this target needs). Along dim 0 a box that is regions of
     mapped files (one, or a run per fused part: :meth:`LazyTensor.views`) is written from the
