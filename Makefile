@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
+.PHONY: demo test lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,12 @@ demo: install bytecode
 	$(VENV)/bin/reshard verify demo-output/tp2
 	$(VENV)/bin/reshard inspect demo-output/tp2
 
-test: install-dev bytecode
+# ruff (pinned in the dev extras, configured in pyproject.toml) first: a lint finding fails in
+# seconds, before the tests start.
+lint: install-dev
+	$(VENV)/bin/ruff check reshard tests bench
+
+test: install-dev lint bytecode
 	$(PY) -m pytest
 
 # The side environment of the real-tool fixtures (tests/realtools/README.md): Python 3.12 with

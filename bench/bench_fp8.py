@@ -151,7 +151,8 @@ def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) 
               a + "kv_b_proj.weight": w(heads * (nope + v), kv_lora), a + "o_proj.weight": w(h, heads * v),
               p + "mlp.gate.weight": w(experts, h), p + "mlp.gate.e_score_correction_bias": torch.zeros(experts)}
         for q in [f"{p}mlp.experts.{e}." for e in range(experts)] + [f"{p}mlp.shared_experts."]:
-            sd |= {q + "gate_proj.weight": w(ffn, h), q + "up_proj.weight": w(ffn, h), q + "down_proj.weight": w(h, ffn)}
+            sd |= {q + "gate_proj.weight": w(ffn, h), q + "up_proj.weight": w(ffn, h),
+                   q + "down_proj.weight": w(h, ffn)}
         shards.append(sd)
     shards.append({"model.norm.weight": ones(h), "lm_head.weight": w(vocab, h)})
     weight_map, total = {}, 0
@@ -180,6 +181,7 @@ def make_source(folder: Path, layers: int, experts: int, shape: dict[str, int]) 
 
 def same_tensors(a: Path, b: Path) -> bool:
     """The same names and bytes (an FP8 tensor compared as its bits)."""
+    import torch
     from safetensors import safe_open
 
     def load(folder: Path) -> dict[str, Any]:
@@ -193,8 +195,10 @@ def same_tensors(a: Path, b: Path) -> bool:
     if sorted(x) != sorted(y):
         print("names differ:", sorted(set(x) ^ set(y))[:5])
         return False
-    bad = [k for k in x if x[k].dtype != y[k].dtype or not (x[k].view(-1).view(dtype=__import__("torch").uint8)
-                                                            == y[k].view(-1).view(dtype=__import__("torch").uint8)).all()]
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1).view(dtype=torch.uint8)
+
+    bad = [k for k in x if x[k].dtype != y[k].dtype or not (bits(x[k]) == bits(y[k])).all()]
     print("differ:", bad[:5]) if bad else None
     return not bad
 

@@ -318,7 +318,8 @@ def report(ns: argparse.Namespace, res: dict[str, Any]) -> str:
         lines += ["", "int8 quantization (8 bits, 64 groups, MLP 128), layer-0 weights of one source rank "
                       f"({q['bytes'] / 2**20:.0f} MiB fp16), bit-identical results:", "",
                   "| quantizer | GB/s | speedup |", "|---|---:|---:|",
-                  f"| reshard `quantize_groups_blocked` (the engine's) | {q['reshard_gbps']:.2f} | {q['speedup']:.1f}x |",
+                  f"| reshard `quantize_groups_blocked` (the engine's) | {q['reshard_gbps']:.2f} | "
+                  f"{q['speedup']:.1f}x |",
                   f"| reshard `quantize_groups` (one vectorized expression) | {q['reshard_vectorized_gbps']:.2f} | "
                   f"{q['vectorized_speedup']:.1f}x |",
                   f"| DeepSpeed `WeightQuantization.quantize_data` | {q['deepspeed_gbps']:.3f} | 1x |"]
@@ -403,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"need ~{3 * src_bytes / 1e9:.1f} GB free under {b.work}, have {free / 1e9:.1f} GB")
         methods = [FLOOR, CP, ENGINE, DIRECT] + ([] if ns.skip_flow else [FLOW, EMPTY_FLOW]) + \
             ([] if ns.skip_deepspeed else [DS])
-        res: dict[str, Any] = {"layers": ns.layers, "source_gb": src_bytes / 1e9, "target_tp": TARGET_TP, "busy": ns.busy,
+        res: dict[str, Any] = {"layers": ns.layers, "source_gb": src_bytes / 1e9, "target_tp": TARGET_TP,
+                               "busy": ns.busy,
                                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
         res["main"] = b.series(src, methods, ns.runs, check_identical=not ns.skip_flow)
         if ns.deep_layers:

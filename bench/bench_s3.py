@@ -267,8 +267,8 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"Source: {nb / 1e9:.2f} GB in {res['files']} files (fp16, TP 8); SeaweedFS {res['weed']} "
              f"`weed mini` on 127.0.0.1 (same machine, sharing its {res['machine']['nproc']} CPUs); "
              f"{res['runs']} runs each, interleaved, median (min–max); wall and peak RSS of each command's "
-             f"process (wait4), CPU s = its user + system, server CPU s = the weed process's during the run; 1-min load average before "
-             f"runs {min(loads):.1f}–{max(loads):.1f}.", "",
+             "process (wait4), CPU s = its user + system, server CPU s = the weed process's during the run; "
+             f"1-min load average before runs {min(loads):.1f}–{max(loads):.1f}.", "",
              "| method | wall s | range s | GB/s | CPU s | server CPU s | peak RSS MiB | vs aws |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
@@ -293,7 +293,8 @@ def report(res: dict[str, Any]) -> str:
         row(RS_LOCAL, None)
         rs = main_[RS_RUN]
         lines.append(f"| {RS_RUN} | {med(rs, 'wall'):.2f} | {spread(rs, 'wall')} | {gbps(rs, nb):.2f} | "
-                     f"{med(rs, 'cpu'):.1f} | {med(rs, 'server_cpu'):.1f} | {med(rs, 'rss_mib'):.0f} | {base / med(rs, 'wall'):.2f}x "
+                     f"{med(rs, 'cpu'):.1f} | {med(rs, 'server_cpu'):.1f} | {med(rs, 'rss_mib'):.0f} | "
+                     f"{base / med(rs, 'wall'):.2f}x "
                      f"(vs aws down + local run + aws up = {base:.1f} s) |")
     for label in (RS_UP, RS_UP2, RS_UPS):
         up = main_.get(label, [])
@@ -311,7 +312,8 @@ def report(res: dict[str, Any]) -> str:
         lines += [f"reshard fetch in-process (without interpreter start-up/imports): {f_in:.2f} s = "
                   f"{nb / 1e9 / f_in:.2f} GB/s."]
     a = res["aws"]
-    lines += ["", f"aws: {a['version']}; default transfer config ({', '.join(f'{k} {v}' for k, v in AWS_DEFAULTS.items())}); "
+    aws_config = ", ".join(f"{k} {v}" for k, v in AWS_DEFAULTS.items())
+    lines += ["", f"aws: {a['version']}; default transfer config ({aws_config}); "
                   "reshard: s3fs " + res["s3fs"] + ", ShardCache 32 MiB ranges x 8 threads x 4 files, "
                   "S3Destination multipart uploads to the final keys with a sliding window of 10 x 8 MiB parts per "
                   "file; commit: CompleteMultipartUpload per file (8 at once), manifest last.", "",

@@ -222,14 +222,14 @@ def deepseek_rows(b: Bench, ns: argparse.Namespace) -> list[dict[str, Any]]:
     sizes = [tuple(map(int, s.split("x"))) for s in ns.deepseek_size] if ns.deepseek_size else DEEPSEEK_SIZES
     conversions = [c for c in DEEPSEEK_CONVERSIONS if not ns.deepseek_conversion or c[0] in ns.deepseek_conversion]
     for layers, experts in sizes:
-        folders = dict(zip(("bf16", "fp8"), bench_fp8.sources(argparse.Namespace(quick=ns.quick, data_dir=HERE / "data"),
-                                                              layers, experts, shape)))
+        where = argparse.Namespace(quick=ns.quick, data_dir=HERE / "data")
+        folders = dict(zip(("bf16", "fp8"), bench_fp8.sources(where, layers, experts, shape)))
         urls = {k: b.upload(v) for k, v in folders.items()}
         for label, kind, target in conversions:
             r = b.convert(f"{layers} layers x {experts} experts: {label}", urls[kind], ["--direct"], target=target)
             nbytes = sum(f.stat().st_size for f in folders[kind].glob("*.safetensors"))
-            rows.append({"layers": f"{layers} layers x {experts} experts", "bytes": nbytes, "method": f"{label} (--direct)",
-                         **{k: r[k] for k in ("wall", "rss_mib", "disk_mib")}})
+            rows.append({"layers": f"{layers} layers x {experts} experts", "bytes": nbytes,
+                         "method": f"{label} (--direct)", **{k: r[k] for k in ("wall", "rss_mib", "disk_mib")}})
         for url in urls.values():
             b.drop_bucket(url[5:].split("/")[0])
     return rows
@@ -237,7 +237,8 @@ def deepseek_rows(b: Bench, ns: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
-    lines = ["| source | method | wall s | GB/s | peak RSS MiB | peak local disk MiB |", "|---|---|---:|---:|---:|---:|"]
+    lines = ["| source | method | wall s | GB/s | peak RSS MiB | peak local disk MiB |",
+             "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         size = r["layers"] if isinstance(r["layers"], str) else f"{r['layers']} layers"
         lines.append(f"| {size}, {r['bytes'] / 1e9:.2f} GB | {r['method']} | {r['wall']:.2f} | "

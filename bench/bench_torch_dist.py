@@ -9,8 +9,9 @@ Not part of the tests. Every command runs as its own process: wall time around i
 ``ru_maxrss`` (as in bench_reshard.py). Methods run interleaved, medians of ``--runs`` reported;
 the source is read once before each run (warm cache), outputs are deleted and synced between
 runs, and each run starts after a pause (``--settle``, see :func:`settle`). ``--deep-layers``
-repeats the reshard runs on a model with twice the layers: peak RSS must stay flat. Sources are generated under ``bench/data/`` (git-ignored) by this script, rank by rank
-(random tensors of the right shapes; replicated ones equal on every rank).
+repeats the reshard runs on a model with twice the layers: peak RSS must stay flat. Sources are
+generated under ``bench/data/`` (git-ignored) by this script, rank by rank (random tensors of the
+right shapes; replicated ones equal on every rank).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def make_source(folder: Path, layers: int, hidden: int, ffn: int, heads: int, gr
     for r in range(tp):
         g = torch.Generator().manual_seed(r)
 
-        def rnd(*shape: int) -> torch.Tensor:
+        def rnd(*shape: int, g: torch.Generator = g) -> torch.Tensor:
             return torch.randn(*shape, generator=g, dtype=torch.float32).to(torch.float16)
 
         model: dict[str, Any] = {"embedding.word_embeddings.weight": rnd(vocab // tp, hidden)}
@@ -160,7 +161,8 @@ def parse_bench_args(argv: list[str], description: str) -> tuple[argparse.Namesp
     ns = ap.parse_args(argv)
     shape = dict(hidden=3072, ffn=8192, heads=24, groups=8, vocab=32768, tp=8)
     if ns.quick:
-        shape, ns.layers, ns.deep_layers, ns.runs = dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8), 2, 4, 1
+        shape = dict(hidden=256, ffn=512, heads=16, groups=8, vocab=1024, tp=8)
+        ns.layers, ns.deep_layers, ns.runs = 2, 4, 1
         ns.settle = min(ns.settle, 0.5)
     return ns, shape
 
@@ -192,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             "per-rank TP 8 -> torch_dist": (reshard(str(src), "{out}", "--to", "torch_dist"), src),
             # the same output cut into ~4 files (targets of their own: one after the other here, in
             # parallel in the flow and over its workers)
-            "per-rank TP 8 -> torch_dist, 4 files": (reshard(str(src), "{out}", "--to", "torch_dist", "--max-shard-size",
-                                                             str(max(1, size(src) // 4))), src),
+            "per-rank TP 8 -> torch_dist, 4 files": (reshard(str(src), "{out}", "--to", "torch_dist",
+                                                             "--max-shard-size", str(max(1, size(src) // 4))), src),
             "floor (torch_dist bytes)": (FLOOR + [str(dist)], dist),
             "torch_dist -> per-rank TP 2": (reshard(str(dist), "{out}", "--target-tp", "2"), dist),
             "torch dcp_to_torch_save": (DCP_TO_TORCH + [str(dist / "iter_0000001"), "{out}"], dist),

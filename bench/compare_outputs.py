@@ -51,7 +51,7 @@ def _sources(root: Path) -> dict[str, Path]:
     root.mkdir(parents=True)
     write_sample_checkpoint(out["ds_legacy_tp4"], tp=4, cfg=GPTConfig(), version=3.0, dtype=torch.float16)
 
-    from mcore_fixtures import TOKENS, _run_harness, model_options, moe_options
+    from mcore_fixtures import TOKENS, model_options, moe_options, run_harness
 
     jobs = [{"kind": "write", "out": str(out["llama_tp2"]), "tp": 2, "pp": 1, "model": model_options("llama"),
              "tokens": TOKENS},
@@ -63,7 +63,7 @@ def _sources(root: Path) -> dict[str, Path]:
              "tokens": TOKENS},
             {"kind": "write_dist", "out": str(out["moe_dist_tp2_ep2"]), "tp": 2, "ep": 2, "model": moe_options("moe"),
              "tokens": TOKENS}]
-    _run_harness(jobs, root / "harness")
+    run_harness(jobs, root / "harness")
 
     from test_hf_import import make_hf_model
 

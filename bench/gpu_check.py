@@ -122,7 +122,8 @@ def kernel_times(device: str) -> dict[str, Any]:
     wd, qd, sd = w.to(dev), q.to(dev), s.to(dev)
     gb = w.numel() * w.element_size() / 1e9
     rec = {"tensor": "bf16 [2048, 7168]", "h2d s": timed(lambda: w.to(dev)),
-           "fp8 quantize s": timed(lambda: quantize(wd)), "fp8 dequantize s": timed(lambda: dequantize(qd, sd, (128, 128))),
+           "fp8 quantize s": timed(lambda: quantize(wd)),
+           "fp8 dequantize s": timed(lambda: dequantize(qd, sd, (128, 128))),
            "int8 quantize s": timed(lambda: quantize_groups_blocked(wd, 8, 64)),
            "d2h s": timed(lambda: wd.cpu())}
     rec["GB/s"] = {k[:-2]: round(gb / v, 2) for k, v in rec.items() if k.endswith(" s") and v > 0}

@@ -95,8 +95,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
     its tokenizer), what converting it drops (``warnings``), and the ZeRO optimizer state beside
     it. ``version`` and ``module_key`` are None for a layout that records neither (a Hugging Face
     folder)."""
-    from reshard.core.plan_types import dropped_warning
     from reshard.core.options import ReshardOptions
+    from reshard.core.plan_types import dropped_warning
     from reshard.execution.planner import build_plan
     from reshard.formats import get_format, locate
     from reshard.models import resolve_family
@@ -129,7 +129,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
             "zero_stage": zero.get("stage") if isinstance(zero, dict) else None,
             "skipped": sorted(built.dropped), "optimizer": _optimizer(source), "facts": built.facts.to_record(),
             # what a conversion would drop is ``skipped``; said once, not again as a warning
-            "warnings": [w for w in built.warnings if w not in dropped_warning(built.dropped)], "carried": carried, "files": list(source.relative_distinct_files)}
+            "warnings": [w for w in built.warnings if w not in dropped_warning(built.dropped)],
+            "carried": carried, "files": list(source.relative_distinct_files)}
 
 
 def verify(dst: str, *, storage_options: Mapping[str, Any] | None = None) -> ConversionResult:

@@ -13,11 +13,14 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard import __version__
 from reshard.cli_progress import fmt_bytes
 from reshard.core.errors import ReshardError
+
+if TYPE_CHECKING:
+    from reshard.core.options import ReshardOptions
 
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
@@ -29,12 +32,13 @@ OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_vpp": "la
                  "target_first_stage_layers": "layout", "target_last_stage_layers": "layout",
                  "target_pipeline_layout": "layout", "target_ep": "layout", "target_etp": "layout",
                  "to": "output", "hf_architecture": "output", "max_shard_size": "output", "weights": "output",
-                 "quantize": "quantization", "fp8_block": "quantization", "bits": "quantization", "groups": "quantization",
-                 "mlp_extra_grouping": "quantization", "version": "model facts", "module_key": "model facts",
+                 "quantize": "quantization", "fp8_block": "quantization", "bits": "quantization",
+                 "groups": "quantization", "mlp_extra_grouping": "quantization",
+                 "version": "model facts", "module_key": "model facts",
                  "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",
                  "vocab_size": "model facts", "make_vocab_size_divisible_by": "model facts",
-                 "hf_model_config": "model facts", "normalization": "model facts", "position_embedding_type": "model facts",
-                 "rotary_base": "model facts", "norm_epsilon": "model facts"}
+                 "hf_model_config": "model facts", "normalization": "model facts",
+                 "position_embedding_type": "model facts", "rotary_base": "model facts", "norm_epsilon": "model facts"}
 
 SRC_HELP = ("the checkpoint: a Megatron-LM run or iteration folder (per-rank files or torch_dist), a folder of "
             "DeepSpeed mp_rank_XX files or its descriptor JSON, a DeepSpeed pipeline folder, a ZeRO checkpoint "
@@ -178,15 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a Hugging Face folder instead: a small MixtralForCausalLM (4 experts, top 2, bf16 "
                         "safetensors); --tp and --version do not apply")
 
-    p = sub.add_parser("deploy", help="register the Prefect deployments of deployments/prefect.yaml (prefect deploy)")
-    p.add_argument("names", nargs="*", metavar="NAME", help="only these deployments (8to2 or reshard/8to2); default all")
-    p.add_argument("--file", default=None, help="prefect.yaml to use (default: the repository's deployments/prefect.yaml)")
+    p = sub.add_parser("deploy",
+                       help="register the Prefect deployments of deployments/prefect.yaml (prefect deploy)")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="only these deployments (8to2 or reshard/8to2); default all")
+    p.add_argument("--file", default=None,
+                   help="prefect.yaml to use (default: the repository's deployments/prefect.yaml)")
     p.add_argument("--no-create-pool", dest="create_pool", action="store_false",
                    help="do not create missing work pools (type process)")
 
     p = sub.add_parser("serve", help="serve the deployments of deployments/prefect.yaml from this process (no worker)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these deployments; default all")
-    p.add_argument("--file", default=None, help="prefect.yaml to use (default: the repository's deployments/prefect.yaml)")
+    p.add_argument("--file", default=None,
+                   help="prefect.yaml to use (default: the repository's deployments/prefect.yaml)")
     p.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: Prefect's)")
 
     p = sub.add_parser("emit-training-completed",
@@ -201,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(ns: argparse.Namespace, target_tp: int) -> Any:
+def parsed_options(ns: argparse.Namespace, target_tp: int | None) -> ReshardOptions:
+    """The conversion options the parsed flags ``ns`` give (checked: a bad value is the flag's one
+    error line), at the target TP ``target_tp``."""
     from reshard.core.options import ReshardOptions
 
     return ReshardOptions.from_fields({**vars(ns), "target_tp": target_tp})
@@ -355,7 +365,7 @@ def _flow_params(ns: argparse.Namespace) -> Any:
 
     storage_options = _credentials_to_env(_storage(ns))
     try:
-        return ReshardParams(source=ns.src, destination=ns.dst, **_options(ns, ns.target_tp).to_record(),
+        return ReshardParams(source=ns.src, destination=ns.dst, **parsed_options(ns, ns.target_tp).to_record(),
                              storage_options=storage_options, overwrite=ns.overwrite, device=ns.device,
                              target_config=_target_config(ns.target_config), cache_dir=ns.cache_dir,
                              cache_sources=ns.cache_sources)

@@ -61,8 +61,10 @@ def load_specs(path: str | os.PathLike[str] | None = None, names: list[str] | No
         if not spec.get("name") or not spec.get("entrypoint"):
             raise ConfigError("every deployment needs a name and an entrypoint", culprit=str(file))
         flow_name = _load_flow(spec["entrypoint"]).name if import_flows else None
-        spec = {**spec, "flow_name": flow_name, "full_name": f"{flow_name}/{spec['name']}" if flow_name else spec["name"]}
-        if not names or any(n in (spec["name"], spec["full_name"]) or (flow_name is None and n.rsplit("/", 1)[-1] == spec["name"])
+        short = spec["name"]
+        full_name = f"{flow_name}/{short}" if flow_name else short
+        spec = {**spec, "flow_name": flow_name, "full_name": full_name}
+        if not names or any(n in (short, full_name) or (flow_name is None and n.rsplit("/", 1)[-1] == short)
                             for n in names):
             specs.append(spec)
     if names and not specs:

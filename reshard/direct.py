@@ -167,7 +167,8 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-publish") as uploader:
                 pending: list[Future[dict[str, Any]]] = []
                 for tp in plan.targets:
-                    stream = dest.open_stream(tp.name, tp.bytes_written) if streams else None  # an upload while it is written
+                    # an upload while it is written
+                    stream = dest.open_stream(tp.name, tp.bytes_written) if streams else None
                     if stream is not None:
                         res, record = convert_streamed(plan, tp.rank, dest.staged(tp.name), dev, stream,
                                                        local.path, src)

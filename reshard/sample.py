@@ -81,10 +81,10 @@ def shard_state_dicts(cfg: GPTConfig, w: dict[str, torch.Tensor], tp: int, versi
     """The module state dict of every rank, legacy Megatron names."""
     out = []
     for rank in range(tp):
-        def col(x: torch.Tensor) -> torch.Tensor:
+        def col(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
             return x.chunk(tp, dim=0)[rank]
 
-        def row(x: torch.Tensor) -> torch.Tensor:
+        def row(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
             return x.chunk(tp, dim=1)[rank]
 
         sd: dict[str, torch.Tensor] = {"word_embeddings.weight": col(w["word_embeddings"]),
@@ -379,8 +379,10 @@ def write_mixtral_sample(folder: str | os.PathLike[str], cfg: MixtralConfig | No
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
         w |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-              p + "self_attn.q_proj.weight": r(cfg.heads * hn, h), p + "self_attn.k_proj.weight": r(cfg.kv_heads * hn, h),
-              p + "self_attn.v_proj.weight": r(cfg.kv_heads * hn, h), p + "self_attn.o_proj.weight": r(h, cfg.heads * hn),
+              p + "self_attn.q_proj.weight": r(cfg.heads * hn, h),
+              p + "self_attn.k_proj.weight": r(cfg.kv_heads * hn, h),
+              p + "self_attn.v_proj.weight": r(cfg.kv_heads * hn, h),
+              p + "self_attn.o_proj.weight": r(h, cfg.heads * hn),
               p + "block_sparse_moe.gate.weight": r(cfg.experts, h)}
         for e in range(cfg.experts):
             x = f"{p}block_sparse_moe.experts.{e}."

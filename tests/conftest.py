@@ -163,7 +163,8 @@ def read_task_runs(flow_run_id: str, timeout: float = 30.0, expect: dict[str, in
     deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+            this_run = FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)]))
+            runs = client.read_task_runs(flow_run_filter=this_run)
             names = [task_name(r) for r in runs]
             # "NotReady": never ran because an upstream task failed (a Pending state that stays)
             settled = runs and all(r.state is not None and (r.state.is_final() or r.state.name == "NotReady")
@@ -219,3 +220,12 @@ def run_reshard_cli(args: list[str], env: dict[str, str], crash: str | None = No
         e["RESHARD_CRASH_AT"] = crash
     return subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=e, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def output_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file a conversion wrote under ``folder`` (by its path there) with its bytes, the
+    manifest left out (it records the run: two equal conversions differ in it)."""
+    from reshard.storage.manifest import MANIFEST_NAME
+
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST_NAME}

@@ -45,7 +45,7 @@ def rewrite_run(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     for f in dst.rglob("model_optim_rng.pt"):
         sd = edit(load_shard(f, mmap=False))
-        torch.save(sd, f, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(sd) else pickle)
+        torch.save(sd, f, pickle_module=foreign.ForeignPickleModule if foreign.contains_foreign(sd) else pickle)
     return dst
 
 

@@ -76,7 +76,10 @@ def model_options(name: str) -> dict[str, Any]:
 _CACHE: dict[str, dict[Any, Path]] = {}
 
 
-def _run_harness(jobs: list[dict[str, Any]], workdir: Path) -> None:
+def run_harness(jobs: list[dict[str, Any]], workdir: Path) -> None:
+    """Run ``jobs`` (``mcore_harness.py``'s job dicts) in one harness process, megatron-core
+    imported once for all of them; its job file and outputs go under ``workdir``. A failed run
+    raises RuntimeError with the end of the harness's output."""
     workdir.mkdir(parents=True, exist_ok=True)
     jobs_file = workdir / f"jobs_{len(list(workdir.glob('jobs_*.json')))}.json"
     jobs_file.write_text(json.dumps(jobs))
@@ -95,7 +98,7 @@ def _written_once(key: str, root: Path, out: dict[Any, Path], job: Callable[[Any
     """``out`` (layout -> folder), each folder written by the harness job ``job(layout, folder)`` —
     all in one harness run, the first time ``key`` is asked for in this session."""
     if key not in _CACHE:
-        _run_harness([job(lay, folder) for lay, folder in out.items()], root)
+        run_harness([job(lay, folder) for lay, folder in out.items()], root)
         _CACHE[key] = out
     return _CACHE[key]
 
@@ -144,7 +147,7 @@ def mcore_forward(cases: list[tuple[str | None, Path, int]], workdir: Path) -> l
         model = {"from_args": True, "model": {}} if name is None else {"model": model_options(name)}
         jobs.append({"kind": "forward", "ckpt": str(ckpt), "tp": tp, **model,
                      "tokens": TOKENS, "out": str(workdir / f"logits_{i}.pt")})
-    _run_harness(jobs, workdir)
+    run_harness(jobs, workdir)
     return [torch.load(j["out"]) for j in jobs]
 
 
@@ -154,7 +157,7 @@ def mcore_forward_dist(cases: list[tuple[str | None, Path, int]], workdir: Path)
     jobs = [{"kind": "forward_dist", "ckpt": str(ckpt), "tp": tp, "tokens": TOKENS,
              **({"from_args": True, "model": {}} if name is None else {"model": model_options(name)}),
              "out": str(workdir / f"logits_dist_{i}.pt")} for i, (name, ckpt, tp) in enumerate(cases)]
-    _run_harness(jobs, workdir)
+    run_harness(jobs, workdir)
     return [torch.load(j["out"]) for j in jobs]
 
 
@@ -240,7 +243,7 @@ def mcore_forward_moe(cases: list[tuple[Any, ...]], workdir: Path, *, dist: bool
              "etp": c[4] if len(c) > 4 else None, "tokens": TOKENS,
              **({"from_args": True, "model": {}} if c[0] is None else {"model": moe_options(c[0])}),
              "out": str(workdir / f"logits_moe_{n + i}.pt")} for i, c in enumerate(cases)]
-    _run_harness(jobs, workdir)
+    run_harness(jobs, workdir)
     return [(torch.load(j["out"]), torch.load(j["out"] + ".routing")) for j in jobs]
 
 
@@ -337,9 +340,10 @@ def mcore_pipeline_forward(cases: list[tuple[str, Path, int, int, int]], workdir
     chunk by chunk, the pipeline run in order (a label starting with ``dist:``: a torch_dist folder,
     through ``dist_checkpointing.load``). A label starting with ``fails:`` is a twin that must not
     load: its value is each rank's load error ("" where the rank loaded). One harness run."""
-    jobs = [{"kind": "forward_dist" if label.startswith("dist:") else "forward", "ckpt": str(ckpt), "tp": tp, "pp": pp, "ep": ep, "from_args": True, "model": {},
+    jobs = [{"kind": "forward_dist" if label.startswith("dist:") else "forward", "ckpt": str(ckpt),
+             "tp": tp, "pp": pp, "ep": ep, "from_args": True, "model": {},
              "expect_failure": label.startswith("fails:"), "tokens": TOKENS,
              "out": str(workdir / f"pipe_logits_{i}.pt")} for i, (label, ckpt, tp, pp, ep) in enumerate(cases)]
-    _run_harness(jobs, workdir)
+    run_harness(jobs, workdir)
     return {label: json.loads(Path(j["out"]).read_text()) if j["expect_failure"] else torch.load(j["out"])
             for (label, *_), j in zip(cases, jobs)}

@@ -94,7 +94,8 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
                   moe_shared_expert_intermediate_size=m.get("shared_ffn"),
                   moe_router_enable_expert_bias=m.get("expert_bias", False),
                   moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
-                  moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
+                  moe_router_pre_softmax=m.get("pre_softmax", False),
+                  moe_shared_expert_gate=m.get("shared_gate", False))
         kw.update({k: v for k, v in m.get("router", {}).items() if v is not None})  # DeepSeek's group routing
         spec_kw.update(num_experts=m["experts"])
     config_class: Any = TransformerConfig
@@ -134,7 +135,8 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
     if m.get("mtp"):  # multi-token prediction layers, after the decoder (megatron-core's spec of its last layer)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=vp_stage)  # None off its stage
+        # None off its stage
+        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=vp_stage)
     model = GPTModel(cfg, spec, mtp_block_spec=mtp_spec,
                     vocab_size=padded_vocab(m["vocab"], m["divisible_by"], tp), max_sequence_length=m["seq"],
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -218,7 +220,8 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
                    expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
                    moe_router_enable_expert_bias=m.get("expert_bias", False),
                    moe_router_score_function="sigmoid" if m.get("expert_bias") else "softmax",
-                   moe_router_pre_softmax=m.get("pre_softmax", False), moe_shared_expert_gate=m.get("shared_gate", False))
+                   moe_router_pre_softmax=m.get("pre_softmax", False),
+                   moe_shared_expert_gate=m.get("shared_gate", False))
 
     if m.get("mla"):  # Megatron-LM's MLA and DeepSeek-router args (its CLI names are the config's)
         moe |= dict(multi_latent_attention=True, **m["mla"], **{k: v for k, v in m.get("router", {}).items()},
@@ -625,7 +628,8 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
         for moment in ("exp_avg", "exp_avg_sq"):
             for name, sh in model_sd.items():
                 if isinstance(sh, ShardedTensor):
-                    state[f"{moment}.{name}"] = sh.__class__(**{**sh.__dict__, "key": f"optimizer.state.{moment}.{sh.key}",
+                    state[f"{moment}.{name}"] = sh.__class__(**{**sh.__dict__,
+                                                               "key": f"optimizer.state.{moment}.{sh.key}",
                                                                "data": torch.randn_like(sh.data)})
         sd["optimizer"] = {"state": state, "param_groups": [{"lr": 1e-4, "step": ITERATION}]}
     dist_checkpointing.save(sd, str(folder))

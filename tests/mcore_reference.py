@@ -3,9 +3,10 @@
 Covers what megatron-core's local spec computes: grouped QKV (GQA; MHA is groups = heads),
 gated SwiGLU fc1 ``[W_r; V_r]`` per rank, LayerNorm or RMSNorm, learned or rotary positions,
 biases or none, tied or untied output, query/key RMSNorm per head (``qk_norm``), a head dim of
-its own (``head_dim``) and a sliding window on every layer (``window``). Each rank works on its own query groups / FFN slice; the
-row-parallel outputs are summed and the vocab-parallel logits concatenated, as under TP. It is
-checked against megatron-core's own logits in ``test_megatron_core.py``.
+its own (``head_dim``) and a sliding window on every layer (``window``). Each rank works on its
+own query groups / FFN slice; the row-parallel outputs are summed and the vocab-parallel logits
+concatenated, as under TP. It is checked against megatron-core's own logits in
+``test_megatron_core.py``.
 """
 
 from __future__ import annotations

@@ -384,5 +384,5 @@ def _stop_leftovers() -> None:  # never leave a weed process behind if a test ru
 
 if __name__ == "__main__":  # quick manual check: python tests/s3server.py
     with SeaweedS3() as srv:
-        print("endpoint", srv.endpoint_url, "started in %.2fs" % srv.startup_s)
+        print("endpoint", srv.endpoint_url, f"started in {srv.startup_s:.2f}s")
         print(" ".join(srv.command()))

@@ -123,7 +123,8 @@ def test_split_without_head_count_names_the_flag(sample_factory, tmp_path, capsy
 
 def test_wrong_head_count_flag_is_refused(sample_factory, tmp_path, capsys):
     src = sample_factory(2, 2.0, save_args=False)
-    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(tmp_path / "d"), "--target-tp", "4", "--num-heads", "6"])
+    code, err = _run_cli(capsys, ["run", "--direct", str(src), str(tmp_path / "d"), "--target-tp", "4",
+                                  "--num-heads", "6"])
     assert code == 2 and "heads" in err
 
 
@@ -137,7 +138,8 @@ def test_committed_destination_is_refused_without_overwrite(sample_factory, tmp_
     assert _snapshot(dst) == before
     assert main(["run", "--direct", str(src), str(dst), "--target-tp", "4", "--overwrite"]) == 0
     names = sorted(p.name for p in dst.iterdir())
-    assert names == sorted([f"mp_rank_{r:02d}_model_states.pt" for r in range(4)] + ["ds_checkpoint.json", MANIFEST_NAME])
+    ranks = [f"mp_rank_{r:02d}_model_states.pt" for r in range(4)]
+    assert names == sorted(ranks + ["ds_checkpoint.json", MANIFEST_NAME])
     assert main(["verify", str(dst)]) == 0
 
 

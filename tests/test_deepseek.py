@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_fixtures import TOKENS, _run_harness, copy_with_args, edit_saved_args, iteration_folder, needs_mcore
+from mcore_fixtures import TOKENS, copy_with_args, edit_saved_args, iteration_folder, needs_mcore, run_harness
 from reshard.cli import main
 from reshard.core.lazy import RowConcat
 from reshard.models import deepseek
-from test_hf_export import _tensors
+from test_hf_export import hf_tensors
 from test_hf_import import make_fp8_folder
 
 pytestmark = needs_mcore
@@ -208,7 +208,7 @@ def mcore_written(tmp_path_factory):
     # and over two pipeline stages: the MTP layer and megatron-core's copy of the embeddings on the last
     jobs.append({"kind": "write", "out": str(root / "write_pp2"), "tp": 1, "pp": 2, "ep": 1, "model": MCORE_MODEL,
                  "tokens": TOKENS})
-    _run_harness(jobs, root)
+    run_harness(jobs, root)
     return root
 
 
@@ -287,7 +287,7 @@ def deepseek_runs(tmp_path_factory, mcore_written):
             for tp, ep, pp in [layouts.get(key, (*key[1:], 1) if isinstance(key, tuple) else (2, 2, 1))]]
     jobs += [{"kind": "forward_dist", "ckpt": str(run), "tp": 2, "ep": 2, "from_args": True, "model": {},
               "tokens": TOKENS, "out": str(root / f"forward_{name}.pt")} for name, run in dists.items()]
-    _run_harness(jobs, root)  # one megatron-core start-up for every model
+    run_harness(jobs, root)  # one megatron-core start-up for every model
     got = {}
     for key, job in zip([*runs, *dists], jobs):
         got[key] = (torch.load(job["out"]), torch.load(job["out"] + ".routing"))
@@ -400,7 +400,7 @@ def test_the_transformers_logits_move_under_each_wrong_router(deepseek_runs, wha
 @pytest.mark.parametrize("name", [*MODELS, "v3_mtp"])
 def test_the_export_gives_back_every_tensor_bit_for_bit_and_transformers_logits(deepseek_runs, name, tmp_path):
     out = _run(deepseek_runs["runs"][(name, 2, 2)], tmp_path / "hf", "--to", "hf")
-    want, got = _tensors(deepseek_runs["hf"][name]), _tensors(out)
+    want, got = hf_tensors(deepseek_runs["hf"][name]), hf_tensors(out)
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     config = json.loads((out / "config.json").read_text())
@@ -414,7 +414,7 @@ def test_the_export_gives_back_every_tensor_bit_for_bit_and_transformers_logits(
 
 def test_the_fp8_export_of_a_deepseek_model_encodes_every_linear_weight(deepseek_runs, tmp_path):
     out = _run(deepseek_runs["runs"][("v3", 2, 2)], tmp_path / "fp8", "--to", "hf", "--quantize", "fp8")
-    got = _tensors(out)
+    got = hf_tensors(out)
     fp8 = sorted(k for k, v in got.items() if v.dtype == torch.float8_e4m3fn)
     assert {k.split(".")[-2] for k in fp8} == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                                                "gate_proj", "up_proj", "down_proj"}
@@ -499,7 +499,7 @@ def test_a_bf16_model_keeps_its_float32_expert_bias_both_ways(deepseek_runs, tmp
     assert module["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
     assert module["decoder.layers.1.self_attention.linear_kv_up_proj.weight"].dtype == torch.bfloat16
     out = _run(ranks, tmp_path / "hf", "--to", "hf")
-    want, got = _tensors(src), _tensors(out)
+    want, got = hf_tensors(src), hf_tensors(out)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
                                                for k in want)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -544,7 +544,8 @@ def test_a_transformer_engine_mla_checkpoint_is_read(mcore_written, tmp_path):
     te = as_transformer_engine_saves(mcore_written / "write", tmp_path / "te")
     module = torch.load(te / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)["model"]
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in module
-    assert module["decoder.layers.0.self_attention.linear_q_down_proj.weight"].shape[0] == MCORE_MODEL["mla"]["q_lora_rank"]
+    q_down = module["decoder.layers.0.self_attention.linear_q_down_proj.weight"]
+    assert q_down.shape[0] == MCORE_MODEL["mla"]["q_lora_rank"]
     local = _run(mcore_written / "write", tmp_path / "local_hf", "--to", "hf")
     ours = _run(te, tmp_path / "te_hf", "--to", "hf")
     a, b = load_file(local / "model.safetensors"), load_file(ours / "model.safetensors")
@@ -636,7 +637,7 @@ def test_a_kimi_k2_config_is_read_as_deepseek_v3(deepseek_runs, tmp_path):
     assert (args.moe_router_num_groups, args.moe_router_topk_scaling_factor, args.rope_type,
             args.rotary_scaling_factor) == (None, 2.827, "yarn", 40.0)
     out = _run(ranks, tmp_path / "hf", "--to", "hf")
-    got, want = _tensors(out), _tensors(src)
+    got, want = hf_tensors(out), hf_tensors(src)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     back = json.loads((out / "config.json").read_text())
     assert (back["n_group"], back["routed_scaling_factor"], back["rope_parameters"]["factor"]) == (1, 2.827, 40.0)
@@ -669,7 +670,7 @@ def _fp8_export_logits(run: Path, plain: Path, tmp_path: Path) -> tuple[torch.Te
     from test_fp8_export import dequantized
 
     out = _run(run, tmp_path / "fp8", "--to", "hf", "--quantize", "fp8", "--fp8-block", "4")
-    fp8, weights = _tensors(out), _tensors(plain)
+    fp8, weights = hf_tensors(out), hf_tensors(plain)
     encoded = tmp_path / "encoded"
     encoded.mkdir()
     (encoded / "config.json").write_text((plain / "config.json").read_text())
@@ -737,7 +738,7 @@ def test_mtp_layers_over_pipeline_stages_keep_megatron_cores_embedding_copy(mcor
     jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
              "tokens": TOKENS, "out": str(tmp_path / f"forward_{i}.pt")}
             for i, (run, tp, ep, pp) in enumerate(runs.values())]
-    _run_harness(jobs, tmp_path / "work")
+    run_harness(jobs, tmp_path / "work")
     for src, job in zip(runs, jobs):
         torch.testing.assert_close(torch.load(job["out"]), torch.load(src / "logits.pt"), rtol=0, atol=TOL)
         (got,) = torch.load(job["out"] + ".mtp")
@@ -937,9 +938,9 @@ def test_a_megatron_bridge_deepseek_v3_run_config_gives_every_mla_and_router_fac
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (folder / "run_config.yaml").write_text(yaml.safe_dump({"model": _bridge_run_config(config)}))
     ranks = _run(src, tmp_path / "ranks", "--target-tp", "2", "--target-ep", "2")  # the facts go into its args
-    source = _tensors(tmp_path / "hf")
+    source = hf_tensors(tmp_path / "hf")
     for out in (_run(src, tmp_path / "out", "--to", "hf"), _run(ranks, tmp_path / "out2", "--to", "hf")):
-        got = _tensors(out)
+        got = hf_tensors(out)
         assert sorted(got) == sorted(source) and all(torch.equal(got[k], source[k]) for k in source)
         exported = json.loads((out / "config.json").read_text())
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",

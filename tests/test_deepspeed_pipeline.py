@@ -128,7 +128,7 @@ def test_tp_and_pp_change_equals_the_pipeline_written_there(pipe, tmp_path, move
     want = pipe(m, tpp)
     for name in layer_names(m):
         same_tensors(out / name, want / name)
-    for k, name in enumerate(ranks):
+    for name in ranks:
         sd = load_shard(out / name, mmap=False)
         assert sd["module"] is None and "optimizer" not in sd
         assert sd["mp_world_size"] == m * tpp and sd["checkpoint_parallel_dimensions"] == {"pp_degree": tpp,

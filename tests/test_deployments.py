@@ -175,7 +175,8 @@ def test_sweep_scan_finds_finished_checkpoints_only(tmp_path):
                    "runH/iter_0000040": ("latest_checkpointed_iteration.txt", None)}
     assert found[0]["source"] == str(src / "runA" / "global_step900")
     assert sorted((Path(i["path"]).relative_to(src).as_posix(), i["reason"]) for i in ignored) == [
-        ("runE/global_step7", "latest present but no model-state files"), ("runF/latest", "names '../../etc', not a folder")]
+        ("runE/global_step7", "latest present but no model-state files"),
+        ("runF/latest", "names '../../etc', not a folder")]
 
 
 def test_serve_builds_what_the_file_declares(monkeypatch):
@@ -510,9 +511,11 @@ def test_reshard_serve_registers_the_same_and_runs_it(stack, sample_factory):
     def snapshot(name: str) -> tuple[Any, ...]:
         dep = stack.deployment(name)
         with stack.client() as c:
-            autos = [a for a in c.read_automations() if a.actions and getattr(a.actions[0], "deployment_id", None) == dep.id]
+            autos = [a for a in c.read_automations()
+                     if a.actions and getattr(a.actions[0], "deployment_id", None) == dep.id]
         return (dep.parameters, sorted((s.schedule.cron, s.active) for s in dep.schedules),
-                [(a.trigger.model_dump(mode="json"), a.actions[0].parameters) for a in autos], dep.entrypoint.replace(":", "."))
+                [(a.trigger.model_dump(mode="json"), a.actions[0].parameters) for a in autos],
+                dep.entrypoint.replace(":", "."))
 
     names = ("reshard/8to1", "reshard-sweep/post-training")
     deployed = {n: (snapshot(n), stack.deployment(n).updated) for n in names}

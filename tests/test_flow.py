@@ -167,6 +167,7 @@ def test_cli_through_prefect_gives_one_line_errors(sample_factory, tmp_path, cap
 def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_factory, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 
     name = f"reshard-gpu-{os.getpid()}"
     with get_client(sync_client=True) as client:
@@ -177,7 +178,8 @@ def test_gpu_concurrency_limit_is_used_and_a_missing_one_fails_loudly(sample_fac
     assert _convert_tags(out["flow_run_id"], 4) == [["reshard-gpu"]] * 4
     plain = run_flow(_params(src, tmp_path / "plain", tmp_path, target_tp=4))
     assert _convert_tags(plain["flow_run_id"], 4) == [[]] * 4  # no GPU option: no tag, no slot round trip
-    with pytest.raises(Exception):  # strict=True: a missing limit fails the run (never runs unlimited)
+    # strict=True: a missing limit fails the run (never runs unlimited)
+    with pytest.raises(ConcurrencySlotAcquisitionError, match="no-such-limit.*must be created"):
         run_flow(_params(src, tmp_path / "nolimit", tmp_path / "c2", target_tp=4,
                          gpu_concurrency_limit="no-such-limit"))
     assert not (tmp_path / "nolimit" / MANIFEST_NAME).exists()

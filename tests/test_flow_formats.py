@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import task_states, upload_to_s3
+from conftest import output_bytes, task_states, upload_to_s3
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError
 from reshard.direct import run_direct
 from reshard.execution.plan import ReshardOptions
@@ -53,11 +53,6 @@ def _pipeline(root: Path, _sample_factory) -> tuple[Path, dict]:
 FORMATS = {"deepspeed": _deepspeed, "descriptor": _descriptor, "megatron": _megatron, "pipeline": _pipeline}
 
 
-def _outputs(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST_NAME}
-
-
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_every_format_through_the_flow_equals_direct(fmt, where, sample_factory, tmp_path, request, monkeypatch):
@@ -69,7 +64,7 @@ def test_every_format_through_the_flow_equals_direct(fmt, where, sample_factory,
                             monkeypatch)
     out = run_flow(ReshardParams(source=source, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
-    assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
+    assert output_bytes(tmp_path / "flow") == output_bytes(tmp_path / "direct")
     if fmt == "megatron":
         first = torch.load(tmp_path / "flow" / "iter_0000100" / "mp_rank_00_000" / "model_optim_rng.pt",
                            weights_only=False)

@@ -107,8 +107,11 @@ def test_a_mapped_fp8_weight_decodes_whole_rows_where_they_lie_and_gives_their_p
     released, copied = [], []
     monkeypatch.setattr(MappedSafetensors, "release", lambda self, t: released.append((t.data_ptr(), t.numel())))
     read_box = safetensors_read.SafeTensor.read_box
-    monkeypatch.setattr(safetensors_read.SafeTensor, "read_box",
-                        lambda self, o, z, out=None: copied.append((self.entry.name, o, z)) or read_box(self, o, z, out))
+    def recorded_read_box(self, o, z, out=None):
+        copied.append((self.entry.name, o, z))
+        return read_box(self, o, z, out)
+
+    monkeypatch.setattr(safetensors_read.SafeTensor, "read_box", recorded_read_box)
     rows = file.tensor("w").view_box((70, 0), (100, 200))
     assert torch.equal(lazy.read_box((70, 0), (100, 200)), whole[70:170])
     assert (rows.data_ptr(), rows.numel()) in released and all(name != "w" for name, *_ in copied)

@@ -23,7 +23,7 @@ import torch
 from mcore_fixtures import mcore_checkpoints, mcore_moe_checkpoints, needs_mcore
 from reshard.cli import main
 from reshard.formats import hf as hf_format
-from test_hf_export import _tensors, hf_logits
+from test_hf_export import hf_logits, hf_tensors
 
 pytestmark = needs_mcore
 
@@ -82,10 +82,10 @@ def test_fp8_export_is_the_block_formula_of_the_plain_export(sources, tmp_path, 
     # the codes streamed out two block rows at a time (a real export's chunks are ~16 MiB), so these
     # small weights go through the chunking, partial last block rows included, and on two cores each
     # chunk's two bands through the two quantizing threads
-    monkeypatch.setattr(hf_format, "_fp8_chunk_rows", lambda columns, block_rows: 2 * block_rows)
+    monkeypatch.setattr(hf_format, "fp8_chunk_rows", lambda columns, block_rows: 2 * block_rows)
     fp8_dir = _export(sources[name], tmp_path / "fp8", "--quantize", "fp8", "--fp8-block", "32x48",
                       "--max-shard-size", "60KB")
-    plain, fp8 = _tensors(plain_dir), _tensors(fp8_dir)
+    plain, fp8 = hf_tensors(plain_dir), hf_tensors(fp8_dir)
     linear = sorted(k for k in plain if LINEAR.search(k))
     assert linear and sorted(fp8) == sorted([*plain, *(k + "_scale_inv" for k in linear)])
     for key, w in plain.items():
@@ -123,7 +123,7 @@ def test_transformers_loads_the_fp8_export_as_the_model_it_encodes(sources, tmp_
     fp8_dir = _export(sources[name], tmp_path / "fp8", "--quantize", "fp8", "--fp8-block", "16")
     from safetensors.torch import save_file
 
-    fp8, plain = _tensors(fp8_dir), _tensors(plain_dir)
+    fp8, plain = hf_tensors(fp8_dir), hf_tensors(plain_dir)
     encoded = tmp_path / "encoded"  # the plain export with the formula's dequantized linear weights
     encoded.mkdir()
     (encoded / "config.json").write_text((plain_dir / "config.json").read_text())
@@ -137,8 +137,8 @@ def test_transformers_loads_the_fp8_export_as_the_model_it_encodes(sources, tmp_
 
 def test_reshard_reads_its_fp8_export_back_as_the_model_it_encodes(sources, tmp_path):
     fp8_dir = _export(sources["mixtral"], tmp_path / "fp8", "--quantize", "fp8", "--fp8-block", "32x48")
-    back = _tensors(_export(fp8_dir, tmp_path / "back"))
-    fp8 = _tensors(fp8_dir)
+    back = hf_tensors(_export(fp8_dir, tmp_path / "back"))
+    fp8 = hf_tensors(fp8_dir)
     assert sorted(back) == sorted(k for k in fp8 if not k.endswith("_scale_inv"))
     for key, t in back.items():
         want = dequantized(fp8[key], fp8[key + "_scale_inv"], BLOCK) if LINEAR.search(key) else fp8[key]
@@ -187,7 +187,7 @@ def test_a_weight_fp8_cannot_scale_is_refused_in_one_line_naming_it(sources, tmp
     name = "model.layers.1.mlp.down_proj.weight"
     tensors[name][40, 3] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
-    monkeypatch.setattr(hf_format, "_FP8_CHUNK_BYTES", 1)
+    monkeypatch.setattr(hf_format, "FP8_CHUNK_BYTES", 1)
     _refused(capsys, [str(hf), str(tmp_path / "fp8"), "--to", "hf", "--quantize", "fp8", "--fp8-block", "32x48"],
              tmp_path / "fp8", f"{name}: rows 32..63 hold a NaN or an infinity, which FP8 cannot scale")
 
@@ -198,12 +198,11 @@ def test_fp8_through_the_flow_to_and_from_s3_equals_direct(sources, tmp_path, s3
     order), and an FP8 folder read from S3 by ranged reads: the same files as ``--direct``."""
     import s3fs
 
-    from conftest import upload_to_s3
+    from conftest import output_bytes, upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs
 
     opts = {"to": "hf", "quantize": "fp8", "fp8_block": "32x48", "max_shard_size": "60KB"}
     run_direct(str(sources["llama"]), str(tmp_path / "direct"), ReshardOptions(**opts))
@@ -212,8 +211,8 @@ def test_fp8_through_the_flow_to_and_from_s3_equals_direct(sources, tmp_path, s3
                            cache_dir=str(tmp_path / "cache"), **opts))
     fs = s3fs.S3FileSystem(**s3_server.storage_options())
     fs.get(f"{s3_bucket}/fp8/", str(tmp_path / "flow"), recursive=True)
-    assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
+    assert output_bytes(tmp_path / "flow") == output_bytes(tmp_path / "direct")
     run_direct(str(tmp_path / "direct"), str(tmp_path / "bf16_direct"), ReshardOptions(to="hf"))
     run_flow(ReshardParams(source=f"{s3_bucket}/fp8", destination=str(tmp_path / "bf16_flow"), storage_options=so,
                            cache_dir=str(tmp_path / "cache2"), to="hf"))
-    assert _outputs(tmp_path / "bf16_flow") == _outputs(tmp_path / "bf16_direct")
+    assert output_bytes(tmp_path / "bf16_flow") == output_bytes(tmp_path / "bf16_direct")

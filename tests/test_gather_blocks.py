@@ -38,7 +38,7 @@ def test_gathered_in_blocks_bytes_unchanged(monkeypatch, dim):
         a, b = a.reshape(20, 8), b.reshape(20, 8)
     sources = {0: _straddling(a, 37), 1: _straddling(b, 101)}
     pool = _Recording()
-    got = engine._pending_lazy_assembled(PartitionSpec(dim=dim), sources, 2, 1, 0, "w", "here", pool).materialize()
+    got = engine.pending_lazy_assembled(PartitionSpec(dim=dim), sources, 2, 1, 0, "w", "here", pool).materialize()
     assert torch.equal(got, torch.cat([a, b], dim=dim))
     assert pool.largest <= 256  # whole, it would be 1280 bytes
 
@@ -57,7 +57,7 @@ def test_a_source_that_converts_the_whole_tensor_is_read_once(monkeypatch):
     monkeypatch.setattr(engine, "GATHER_BYTES", 64)
     raw = [_Counting(torch.randn(16, 10)) for _ in range(2)]
     sources = {i: Converted(r, lambda x: x.t().contiguous(), (10, 16)) for i, r in enumerate(raw)}
-    got = engine._pending_lazy_assembled(PartitionSpec(dim=1), sources, 2, 1, 0, "w", "here", None).materialize()
+    got = engine.pending_lazy_assembled(PartitionSpec(dim=1), sources, 2, 1, 0, "w", "here", None).materialize()
     assert torch.equal(got, torch.cat([r.t.t() for r in raw], dim=1))
     assert [r.reads for r in raw] == [1, 1]  # one block: each read converts the whole tensor
 
@@ -67,8 +67,8 @@ def test_scratch_buffers_are_kept_per_thread_and_dropped_when_a_target_fails(sam
     from reshard.execution.planner import build_plan
     from reshard.formats.registry import get_format
 
-    first = engine._thread_scratch()
-    assert engine._thread_scratch() is first  # the next target reuses them
+    first = engine.thread_scratch()
+    assert engine.thread_scratch() is first  # the next target reuses them
     plan = build_plan(str(sample_factory(2)), ReshardOptions(target_tp=1))
 
     def broken(*args, **kwargs):
@@ -77,7 +77,7 @@ def test_scratch_buffers_are_kept_per_thread_and_dropped_when_a_target_fails(sam
     monkeypatch.setattr(type(get_format(plan.output_format)), "write", broken)
     with pytest.raises(OSError):
         engine.convert_target(plan, 0, tmp_path / "out.pt")
-    assert engine._thread_scratch() is not first
+    assert engine.thread_scratch() is not first
 
 
 class _Mapped(LazyTensor):
@@ -113,9 +113,11 @@ def test_a_fused_qkv_is_written_from_its_parts_mappings_not_gathered():
     half = want.shape[0] // 2
     for tgt in range(2):
         pool = _Recording()
-        got = engine._pending_lazy_assembled(PartitionSpec(dim=0), {0: fused}, 1, 2, tgt, "qkv", "here", pool).materialize()
+        got = engine.pending_lazy_assembled(PartitionSpec(dim=0), {0: fused}, 1, 2, tgt, "qkv", "here",
+                                            pool).materialize()
         assert torch.equal(got, want[tgt * half:(tgt + 1) * half])
         assert pool.largest == 0  # written from the views
-    starts = {x: {x.t[r].data_ptr() for r in range(0, x.shape[0], n)} for x, n in ((q, q_rows), (k, kv_rows), (v, kv_rows))}
+    starts = {x: {x.t[r].data_ptr() for r in range(0, x.shape[0], n)}
+              for x, n in ((q, q_rows), (k, kv_rows), (v, kv_rows))}
     for x in (q, k, v):
         assert sorted(x.released) == sorted(starts[x])  # every run of x given back to x, and only those

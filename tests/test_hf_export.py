@@ -48,7 +48,9 @@ def _export(src: Path, out: Path, *extra: str) -> Path:
     return out
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files by name, each file's metadata
+    checked to be transformers' (``format: pt``) and each name stored once."""
     from safetensors import safe_open
 
     out = {}
@@ -77,7 +79,7 @@ def test_transformers_runs_the_export_with_megatron_cores_logits(mcore, tmp_path
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [arch]
     assert config["tie_word_embeddings"] is tied
-    assert ("lm_head.weight" in _tensors(out)) is not tied
+    assert ("lm_head.weight" in hf_tensors(out)) is not tied
     want = torch.load(mcore[(name, tp, pp)] / "logits.pt")
     want = want[:, :config["vocab_size"]]  # Megatron's padding rows are not exported
     torch.testing.assert_close(hf_logits(out), want, atol=TOL, rtol=0)
@@ -87,8 +89,8 @@ def test_a_legacy_megatron_gpt_exports_as_gpt2(mcore, tmp_path):
     """A legacy-named GPT (LayerNorm, GELU, learned positions, biases) exports the tensors its
     megatron-core original does, which transformers' GPT-2 runs with megatron-core's logits."""
     legacy = rewrite_run(mcore[("mha", 2, 1)], tmp_path / "legacy", as_legacy())
-    got = _tensors(_export(legacy, tmp_path / "from_legacy"))
-    want = _tensors(_export(mcore[("mha", 2, 1)], tmp_path / "from_core"))
+    got = hf_tensors(_export(legacy, tmp_path / "from_legacy"))
+    want = hf_tensors(_export(mcore[("mha", 2, 1)], tmp_path / "from_core"))
     assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
     torch.testing.assert_close(hf_logits(tmp_path / "from_legacy"), torch.load(mcore[("mha", 2, 1)] / "logits.pt"),
                                atol=TOL, rtol=0)
@@ -140,7 +142,7 @@ def test_a_flag_contradicting_the_saved_epsilon_is_refused_whatever_its_spelling
 
 def test_pipeline_stages_export_with_global_layer_numbers(mcore, tmp_path):
     src = mcore[("llama", 1, 2)]
-    got = _tensors(_export(src, tmp_path / "hf"))
+    got = hf_tensors(_export(src, tmp_path / "hf"))
     first, last = rank_module(src, 0, 0), rank_module(src, 0, 1)
     assert torch.equal(got["model.embed_tokens.weight"], first["embedding.word_embeddings.weight"])
     assert torch.equal(got["model.layers.0.self_attn.o_proj.weight"],
@@ -153,12 +155,12 @@ def test_pipeline_stages_export_with_global_layer_numbers(mcore, tmp_path):
 
 def test_every_source_format_exports_the_same_tensors(mcore, tmp_path):
     """torch_dist and a legacy-named twin export exactly the per-rank TP 2 files' tensors."""
-    want = _tensors(_export(mcore[("llama", 2, 1)], tmp_path / "direct"))
+    want = hf_tensors(_export(mcore[("llama", 2, 1)], tmp_path / "direct"))
     dist = tmp_path / "dist"
     assert main(["run", "--direct", str(mcore[("llama", 2, 1)]), str(dist), "--to", "torch_dist"]) == 0
     legacy = rewrite_run(mcore[("llama", 2, 1)], tmp_path / "legacy", as_legacy())
     for label, src in (("torch_dist", dist), ("legacy names", legacy)):
-        got = _tensors(_export(src, tmp_path / label.replace(" ", "_")))
+        got = hf_tensors(_export(src, tmp_path / label.replace(" ", "_")))
         assert list(got) == list(want), label
         for k, v in want.items():
             assert torch.equal(got[k], v), f"{label}: {k}"
@@ -172,7 +174,7 @@ def test_a_sharded_export_loads_with_the_same_logits(mcore, tmp_path):
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    tensors = _tensors(out)
+    tensors = hf_tensors(out)
     assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(files)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     for f in files:
@@ -194,12 +196,15 @@ def test_the_vocabulary_is_trimmed_to_its_true_size(mcore, tmp_path):
     src = rewrite_run(mcore[("llama", 2, 1)], tmp_path / "src", _unrecorded_vocab)
     out = _export(src, tmp_path / "hf", "--vocab-size", "100")
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 100
-    assert _tensors(out)["model.embed_tokens.weight"].shape[0] == 100
+    assert hf_tensors(out)["model.embed_tokens.weight"].shape[0] == 100
     want = torch.load(mcore[("llama", 2, 1)] / "logits.pt")[:, :100]
     torch.testing.assert_close(hf_logits(out), want, atol=TOL, rtol=0)
 
 
-def _mutated(src: Path, dst: Path, *, config: dict | None = None, tensors=None) -> Path:
+def mutated_copy(src: Path, dst: Path, *, config: dict | None = None, tensors=None) -> Path:
+    """A copy of the Hugging Face folder ``src`` at ``dst`` with ``config`` entries replaced and
+    ``tensors(state_dict)`` applied to its tensors (saved back as one file): a plausible wrong
+    export, for checks that must tell it from the right one."""
     from safetensors.torch import save_file
 
     shutil.copytree(src, dst)
@@ -211,7 +216,7 @@ def _mutated(src: Path, dst: Path, *, config: dict | None = None, tensors=None) 
                 cfg["rope_parameters"]["rope_theta"] = v
         (dst / "config.json").write_text(json.dumps(cfg))
     if tensors:
-        sd = _tensors(dst)
+        sd = hf_tensors(dst)
         tensors(sd)
         save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
@@ -233,8 +238,10 @@ WRONG = {
     "gelu instead of silu": {"config": {"hidden_act": "gelu"}},
     "rotary base 10000 instead of 50000": {"config": {"rope_theta": 10000.0}},
     "epsilon 1e-5 instead of 1e-6": {"config": {"rms_norm_eps": 1e-5}},
-    "K and V swapped": {"tensors": _swap("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")},
-    "gate and up swapped": {"tensors": _swap("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")},
+    "K and V swapped": {"tensors": _swap("model.layers.0.self_attn.k_proj.weight",
+                                         "model.layers.0.self_attn.v_proj.weight")},
+    "gate and up swapped": {"tensors": _swap("model.layers.1.mlp.gate_proj.weight",
+                                             "model.layers.1.mlp.up_proj.weight")},
     "a misplaced query row": {"tensors": _misplace_row("model.layers.0.self_attn.q_proj.weight")},
 }
 
@@ -264,7 +271,7 @@ def test_the_logits_comparison_catches_each_plausible_wrong_export(mcore, tmp_pa
     want = torch.load(src / "logits.pt")
     assert (hf_logits(good) - want).abs().max() < TOL
     for i, (label, change) in enumerate(wrong.items()):
-        diff = (hf_logits(_mutated(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
+        diff = (hf_logits(mutated_copy(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
         assert diff > 10 * TOL, f"{label}: logits moved only {diff:.2e}"
 
 
@@ -307,19 +314,18 @@ def test_the_flow_exports_from_s3_like_direct_and_reports_the_architecture(mcore
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from conftest import upload_to_s3
+    from conftest import output_bytes, upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs
 
     src, opts = mcore[("qwen", 2, 1)], {"to": "hf", "max_shard_size": "100KB"}
     run_direct(str(src), str(tmp_path / "direct"), ReshardOptions(**opts))
     url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     out = run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
-    assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
+    assert output_bytes(tmp_path / "flow") == output_bytes(tmp_path / "direct")
     assert (tmp_path / "flow" / "model.safetensors.index.json").is_file()
     with get_client(sync_client=True) as client:
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -354,7 +360,7 @@ def test_the_gelu_variant_is_caught_where_it_matters(mcore, tmp_path):
                        torch.tensor(TOKENS))
     good = _export(src, tmp_path / "good")
     assert (hf_logits(good) - want).abs().max() < TOL
-    bad = _mutated(good, tmp_path / "bad", config={"activation_function": "gelu_new"})
+    bad = mutated_copy(good, tmp_path / "bad", config={"activation_function": "gelu_new"})
     diff = (hf_logits(bad) - want).abs().max().item()
     assert diff > 10 * TOL, f"gelu_new moved the logits only {diff:.2e}"
 
@@ -395,7 +401,7 @@ def test_the_manifest_hashes_are_the_files_hashes(mcore, tmp_path, shard):
 def test_every_byte_reaches_every_run_that_covers_it(runs, chunk):
     """The writer's scatter of a tensor's bytes (in chunks of any size) to its outputs' byte runs,
     where runs overlap (DeepSeek's copies of the embeddings are runs of the same bytes)."""
-    from reshard.formats.hf import _ScatterSink
+    from reshard.formats.hf import ScatterSink
 
     class Writer:
         def __init__(self) -> None:
@@ -409,7 +415,7 @@ def test_every_byte_reaches_every_run_that_covers_it(runs, chunk):
 
     data = bytes(range(1, 13))
     writer = Writer()
-    sink = _ScatterSink(writer, sorted(runs), "t")
+    sink = ScatterSink(writer, sorted(runs), "t")
     for lo in range(0, len(data), chunk):
         sink.write(torch.frombuffer(bytearray(data[lo:lo + chunk]), dtype=torch.uint8))
     sink.finish(len(data))

@@ -4,8 +4,9 @@ Sources are tiny random models made by transformers from a config (fixed seed; n
 distinct from ones), saved with ``save_pretrained``: Llama with GQA (untied, a vocabulary of 200
 that Megatron pads to 256, a rotary base and epsilon other than the defaults, sharded into
 several files), Llama tied, Qwen2 (QKV biases), GPT-2 (gelu_new, Conv1D weights, tied). Each is
-imported at TP 1 and 2 (Llama also into torch_dist); megatron-core builds the model **from the checkpoint's own saved args** (as
-``--use-checkpoint-args`` would), loads it strictly and must give transformers' logits on the
+imported at TP 1 and 2 (Llama also into torch_dist); megatron-core builds the model **from the
+checkpoint's own saved args** (as ``--use-checkpoint-args`` would), loads it strictly and must
+give transformers' logits on the
 true vocabulary within 2e-5. The same comparison catches each plausible wrong import far above
 that bound: :func:`test_the_logits_comparison_catches_each_plausible_wrong_import`.
 """
@@ -316,15 +317,14 @@ def test_folders_that_cannot_be_imported_exactly_are_refused(imported, tmp_path,
 def test_the_flow_imports_from_s3_like_direct(imported, tmp_path, s3_server, s3_bucket, monkeypatch, prefect_env):
     """Through the Prefect flow, from S3 (the weights fetched after the plan is laid out from
     config.json and the index): the same files as ``--direct``."""
-    from conftest import upload_to_s3
+    from conftest import output_bytes, upload_to_s3
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs
 
     url, so = upload_to_s3(imported["hf"]["llama"], s3_server, s3_bucket, monkeypatch)
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so, target_tp=2,
                            cache_dir=str(tmp_path / "cache")))
-    assert _outputs(tmp_path / "flow") == _outputs(imported["runs"][("llama", 2)])
+    assert output_bytes(tmp_path / "flow") == output_bytes(imported["runs"][("llama", 2)])
     # listed and fetched with config.json: the generation config transformers saved, carried
     carried = tmp_path / "flow" / "release" / "tokenizer" / "generation_config.json"
     assert carried.read_bytes() == (imported["hf"]["llama"] / "generation_config.json").read_bytes()

@@ -228,3 +228,129 @@ def test_the_name_check_catches_a_name_in_code_but_not_in_a_docstring(tmp_path):
     f.write_text('"""Places ``output_layer.weight`` last."""\n\ndef f(k):\n    """On ``decoder.layers``."""\n'
                  '    return k.startswith("output_layer.")\n')
     assert family_names_in(f) == ["placement.py:5 'output_layer.'"]
+
+
+# -- no module reaches into another module's private names ---------------------------------------------
+ROOT = PACKAGE.parent
+#: Folders of helper modules imported by their file names (``from mcore_fixtures import ...``,
+#: ``import bench_fp8``): the tests' and the benchmarks'.
+HELPER_FOLDERS = ("tests", "bench")
+#: The calls that reach a module's name given as a string (``monkeypatch.setattr(engine, "_x", ...)``).
+_BY_NAME = ("setattr", "getattr", "delattr", "hasattr")
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project under the name it is imported by: the package's, and the tests'
+    and benchmarks' helper modules."""
+    out = _modules()
+    for folder in HELPER_FOLDERS:
+        out |= {f.stem: f for f in sorted((ROOT / folder).glob("*.py"))}
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str | None:
+    """The module ``from ... import`` names, relative imports resolved against ``module``."""
+    if not node.level:
+        return node.module
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else [])) or None
+
+
+def private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Where ``path`` (the module ``module``) uses another project module's private (``_name``)
+    module-level names: imports one (``from reshard.x import _y``), reads one through a module
+    object (``x._y``, ``reshard.x._y``) or reaches one by name (``monkeypatch.setattr(x, "_y", v)``,
+    ``monkeypatch.setattr("reshard.x._y", v)``). Attributes of an object or a class (``self._y``,
+    ``display._rich``, ``Destination._lock``) are not a module's names and not looked at. A name
+    counts as a module wherever it is bound to one by an import in the file (functions included)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}  # a name in this file -> the module of ours an import binds it to
+    found: list[tuple[int, str]] = []
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                top = a.name.split(".")[0]
+                bound[a.asname or top] = a.name if a.asname else top
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path)
+            for a in node.names:
+                if source in modules and _private(a.name):
+                    found.append((node.lineno, f"from {source} import {a.name}"))
+                elif f"{source}.{a.name}" in modules:
+                    bound[a.asname or a.name] = f"{source}.{a.name}"
+
+    def module_of(expr: ast.AST) -> str | None:
+        if isinstance(expr, ast.Name):
+            return bound.get(expr.id) if bound.get(expr.id) in modules else None
+        if isinstance(expr, ast.Attribute):
+            outer = module_of(expr.value)
+            return f"{outer}.{expr.attr}" if outer and f"{outer}.{expr.attr}" in modules else None
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and (owner := module_of(node.value)):
+            found.append((node.lineno, f"{owner}.{node.attr}"))
+        elif isinstance(node, ast.Call) and node.args and \
+                (node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)) in _BY_NAME:
+            first, second = node.args[0], node.args[1] if len(node.args) > 1 else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):  # "reshard.x._y"
+                owner, _, name = first.value.rpartition(".")
+            else:
+                owner = module_of(first) or ""
+                name = second.value if isinstance(second, ast.Constant) and isinstance(second.value, str) else ""
+            if owner in modules and _private(name):
+                found.append((node.lineno, f"{owner}.{name} (by name)"))
+    return [f"{where}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name shared between modules is public (documented, kept stable); a private one may
+    change with its module alone. Tests included: they use the same public names."""
+    modules = project_modules()
+    assert [hit for name, path in modules.items() for hit in private_uses(name, path, modules)] == []
+
+
+def test_the_private_name_check_catches_each_way_in_and_nothing_else(tmp_path):
+    f = tmp_path / "user.py"
+    f.write_text(
+        "import reshard.core.foreign\n"
+        "import reshard.execution.engine as eng\n"
+        "from reshard.core import zero_master\n"
+        "from reshard.core.torch_writer import _Stage, save, __doc__\n"
+        "from helper import _shared\n"
+        "import torch\n"
+        "def f(monkeypatch, self, display, Destination):\n"
+        "    from reshard.formats import hf\n"
+        "    reshard.core.foreign._Pickler\n"
+        "    eng._owned(zero_master.optimizer_state)\n"
+        "    monkeypatch.setattr(hf, '_FP8_CHUNK_BYTES', 1)\n"
+        "    monkeypatch.setattr('reshard.execution.engine._owned', None)\n"
+        # not a module's names: an object's, a class's, a third party's, a module's dunder, a public one
+        "    self._x, display._rich, torch._utils, hf.__file__, hf.HFFormat\n"
+        "    monkeypatch.setattr(Destination, '_write_lock', None)\n")
+    modules = {name: tmp_path / "m.py" for name in (
+        "reshard", "reshard.core", "reshard.core.foreign", "reshard.core.zero_master", "reshard.core.torch_writer",
+        "reshard.execution", "reshard.execution.engine", "reshard.formats", "reshard.formats.hf", "helper")}
+    assert private_uses("user", f, modules) == [
+        "user.py:4 from reshard.core.torch_writer import _Stage",
+        "user.py:5 from helper import _shared",
+        "user.py:9 reshard.core.foreign._Pickler",
+        "user.py:10 reshard.execution.engine._owned",
+        "user.py:11 reshard.formats.hf._FP8_CHUNK_BYTES (by name)",
+        "user.py:12 reshard.execution.engine._owned (by name)",
+    ]
+
+
+def test_a_relative_import_of_a_private_name_is_caught(tmp_path):
+    f = tmp_path / "s3_destination.py"
+    f.write_text("from .destination import _record\nfrom . import destination\ndestination._record\n")
+    modules = {"reshard.storage": f, "reshard.storage.destination": f, "reshard.storage.s3_destination": f}
+    assert private_uses("reshard.storage.s3_destination", f, modules) == [
+        "s3_destination.py:1 from reshard.storage.destination import _record",
+        "s3_destination.py:3 reshard.storage.destination._record"]

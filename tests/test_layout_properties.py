@@ -93,7 +93,6 @@ def test_assemble_equals_slicing_the_logical_tensor(spec):
     refused = 0
     for n, m, units in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 3, 4, 6, 8), (1, 2, 3)):
         rank_len = spec.parts * spec.atom * units  # ``units`` atoms per part on each source rank
-        part_len = rank_len // spec.parts
         if (n * units) % m:
             refused += 1
             with pytest.raises(LayoutError):

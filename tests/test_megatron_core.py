@@ -127,8 +127,8 @@ def test_reshard_equals_megatron_core_at_the_target_tp(mcore, tmp_path, name, n,
 
 
 CASES = [("padded", 1, 2, {}), ("padded", 2, 1, {"vocab_size": 100}), ("padded", 4, 2, {"vocab_size": 100}),
-         ("padded", 1, 4, {}), ("padded_tied", 2, 1, {}), ("padded_tied", 1, 4, {}), ("llama", 2, 1, {}), ("gqa_swiglu", 4, 1, {}),
-         ("mha", 1, 4, {}), ("gqa12", 2, 3, {}), ("gqa12", 3, 1, {})]
+         ("padded", 1, 4, {}), ("padded_tied", 2, 1, {}), ("padded_tied", 1, 4, {}), ("llama", 2, 1, {}),
+         ("gqa_swiglu", 4, 1, {}), ("mha", 1, 4, {}), ("gqa12", 2, 3, {}), ("gqa12", 3, 1, {})]
 
 
 def test_megatron_core_forward_on_resharded_checkpoints(mcore, tmp_path):

@@ -357,13 +357,13 @@ WRONG_MOE = {
 
 @pytest.mark.parametrize("name,layout,arch", HF_CASES, ids=[c[0] for c in HF_CASES])
 def test_the_moe_logits_comparison_catches_each_plausible_wrong_export(moe, tmp_path, name, layout, arch):
-    from test_hf_export import _mutated, hf_logits
+    from test_hf_export import hf_logits, mutated_copy
 
     src = moe[(name, *layout)]
     good = _hf_export(src, tmp_path / "good")
     want = torch.load(src / "logits.pt")
     for i, (label, change) in enumerate(WRONG_MOE[name].items()):
-        diff = (hf_logits(_mutated(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
+        diff = (hf_logits(mutated_copy(good, tmp_path / f"wrong{i}", **change)) - want).abs().max().item()
         assert diff > 10 * TOL, f"{label}: logits moved only {diff:.2e}"
 
 
@@ -500,13 +500,13 @@ def test_megatron_core_runs_the_moe_import_with_transformers_logits(hf_imported,
 
 def test_a_moe_import_exports_back_to_the_same_tensors(hf_imported, tmp_path):
     """Hugging Face -> megatron-core TP 2 x EP 2 -> Hugging Face gives back every tensor."""
-    from test_hf_export import _tensors
+    from test_hf_export import hf_tensors
 
     root, _, _ = hf_imported
     for name in HF_MOE:
         back = _hf_export(root / f"{name}_tp2_ep2", tmp_path / name)
-        assert {k: v for k, v in _tensors(back).items()}.keys() == _tensors(root / name).keys()
-        assert all(torch.equal(v, _tensors(root / name)[k]) for k, v in _tensors(back).items())
+        assert {k: v for k, v in hf_tensors(back).items()}.keys() == hf_tensors(root / name).keys()
+        assert all(torch.equal(v, hf_tensors(root / name)[k]) for k, v in hf_tensors(back).items())
 
 
 def test_the_import_comparison_catches_a_wrong_routing_normalization(hf_imported, tmp_path):
@@ -750,23 +750,27 @@ def test_an_expert_tp_that_cannot_split_the_experts_names_target_etp():
     """Experts 6 rows wide cannot be split over an expert TP of 4, whatever the target TP: the
     error names ``--target-etp``, not a target TP (a target TP hint could not fix it)."""
     from reshard.core.errors import LayoutError
+    from reshard.core.options import ReshardOptions
     from reshard.core.plan_types import CanonicalParam
-    from reshard.execution.specs import _expert_spec, _SpecContext
+    from reshard.execution.specs import target_specs
     from reshard.models import resolve_family
-    from reshard.models.facts import Vocab
 
     key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-    _, resolution = resolve_family(["embedding.word_embeddings.weight", key])
+    family, resolution = resolve_family(["embedding.word_embeddings.weight", key])
     param = CanonicalParam(key=key, rule=resolution.by_key[key], shape=(6, 8), dtype=torch.float32, layer=0,
                            stage=0, src_key=key, order=(0, 0, 0))
-    ctx = _SpecContext(3.0, 8, 8, 8, False, 1, 4)
-    vocab = Vocab(true=None, source_rows=None, target_rows=None, divisible_by=None)
+
+    def specs(experts: tuple[int, int | None] | None) -> None:
+        """The specs of a TP 1 -> 4 conversion, the experts at an expert TP of their own or at the target TP."""
+        target_specs([param], ReshardOptions(target_tp=4, swiglu=False), None, 3.0, 8, 8, 8, 1, 4, {}, "here",
+                     family, experts=experts)
+
     with pytest.raises(LayoutError, match="routed experts' tensor parallelism 4") as err:
-        _expert_spec(param, ctx, vocab, own_degree=True)
+        specs(experts=(1, 4))
     assert err.value.culprit == "--target-etp"
     with pytest.raises(LayoutError) as err:  # the expert TP follows the target TP: the TP hint stands
-        _expert_spec(param, ctx, vocab, own_degree=False)
-    assert err.value.culprit == key
+        specs(experts=None)
+    assert err.value.culprit == key and err.value.hint == "choose a target TP among 1, 2, 3, 6"
 
 
 def test_the_flow_waits_for_the_files_each_target_reads(moe_etp, tmp_path):

@@ -125,7 +125,8 @@ def test_the_flows_second_run_is_up_to_date_without_running_the_flow(sample_fact
     second = _cli(args, prefect_env)
     assert second.returncode == 0, second.stderr[-2000:]
     lines = second.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"up to date {tmp_path / 'dst'}: deepspeed -> deepspeed, TP 4 -> 2, 3 files"), lines
+    head = f"up to date {tmp_path / 'dst'}: deepspeed -> deepspeed, TP 4 -> 2, 3 files"
+    assert len(lines) == 1 and lines[0].startswith(head), lines
     assert "nothing written" in lines[0] and second.stderr == "", second.stderr
     with get_client(sync_client=True) as client:
         assert client.count_flow_runs() == runs
@@ -349,7 +350,8 @@ def test_plan_names_the_conversion_as_run_does_and_inspect_says_a_drop_once(samp
 
     src = str(sample_factory(8, 2.0))
     assert main(["plan", src, "--target-tp", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == f"{src}: deepspeed -> deepspeed, TP 8 -> 2 (checkpoint version 2.0)"
+    head = f"{src}: deepspeed -> deepspeed, TP 8 -> 2 (checkpoint version 2.0)"
+    assert capsys.readouterr().out.splitlines()[0] == head
     hf = str(write_mixtral_sample(tmp_path / "hf"))
     assert main(["plan", hf, "--target-tp", "2", "--target-ep", "2"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"{hf}: hf -> megatron, TP 1 -> 2, EP 1 -> 2"

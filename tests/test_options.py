@@ -29,9 +29,9 @@ def test_every_option_is_a_flag_and_a_flow_parameter(command):
 def test_flag_values_reach_the_options():
     ns = build_parser().parse_args(["plan", "x", "--target-tp", "4", "--no-swiglu", "--vocab-size", "50257",
                                     "--no-mlp-extra-grouping", "--version", "2"])
-    from reshard.cli import _options
+    from reshard.cli import parsed_options
 
-    opts = _options(ns, ns.target_tp)
+    opts = parsed_options(ns, ns.target_tp)
     assert (opts.target_tp, opts.swiglu, opts.vocab_size, opts.mlp_extra_grouping, opts.version) == \
         (4, False, 50257, False, 2.0)
     assert opts == ReshardParams(source="a", destination="b", **opts.to_record()).options()

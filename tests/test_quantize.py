@@ -42,7 +42,8 @@ def _dequant_error_ok(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, 
     deq = dequantize_piece(q, scales)
     step = scales.unsqueeze(1)
     err = (deq - ref.float()).abs().reshape(scales.numel(), -1)
-    clamped = (q.reshape(scales.numel(), -1) == (1 << (bits - 1)) - 1) & (ref.float().reshape(err.shape) > deq.reshape(err.shape))
+    at_max = q.reshape(scales.numel(), -1) == (1 << (bits - 1)) - 1
+    clamped = at_max & (ref.float().reshape(err.shape) > deq.reshape(err.shape))
     tol = 1e-6 * step + 1e-7
     assert torch.all(err[~clamped] <= (step / 2 + tol).expand_as(err)[~clamped])
     assert torch.all(err[clamped] <= (step + tol).expand_as(err)[clamped])

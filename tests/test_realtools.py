@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_fixtures import _run_harness, needs_mcore
+from mcore_fixtures import needs_mcore, run_harness
 
 pytestmark = needs_mcore
 
@@ -89,7 +89,7 @@ def realtools(tmp_path_factory) -> dict[Path, Converted]:
                         target_tp=flag(fixture, "--tensor-model-parallel-size"),
                         target_ep=flag(fixture, "--expert-model-parallel-size"))
         c.logits["hf"] = _hf_logits(c.outputs["hf"], tokens)
-    _run_harness([job for _, _, job in jobs], root / "harness")
+    run_harness([job for _, _, job in jobs], root / "harness")
     for fixture, name, job in jobs:
         made[fixture].logits[name] = torch.load(job["out"])
     return made

@@ -286,7 +286,8 @@ def test_bad_storage_inputs(s3_server, s3_source, tmp_path, capsys):
     with pytest.raises(ConfigError, match="ratio"):
         run_direct(src, f"{bucket}/o4", ReshardOptions(target_tp=2), storage_options=so,
                    cache=ShardCache(tmp_path / "c"),
-                   target_config={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+                   target_config={"zero_optimization": {"stage": 1,
+                                                        "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
 
 
 # --- security ------------------------------------------------------------------------------------
@@ -322,8 +323,10 @@ def test_credentials_never_become_flow_parameters_or_logs(s3_server, s3_source, 
     env.pop("AWS_SECRET_ACCESS_KEY")
     env.pop("AWS_ACCESS_KEY_ID")
     out = _cli(["run", src, f"{bucket}/cred-out", "--target-tp", "2", "--json", "-v",
-                "--storage-option", f"endpoint_url={s3_server.endpoint_url}", "--storage-option", "region_name=us-east-1",
-                "--storage-option", f"key={s3_server.access_key}", "--storage-option", f"secret={s3_server.secret_key}"],
+                "--storage-option", f"endpoint_url={s3_server.endpoint_url}",
+                "--storage-option", "region_name=us-east-1",
+                "--storage-option", f"key={s3_server.access_key}",
+                "--storage-option", f"secret={s3_server.secret_key}"],
                env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert s3_server.secret_key not in out.stdout + out.stderr

@@ -220,8 +220,10 @@ def test_a_spoiled_file_of_each_format_is_one_line_and_nothing_committed(s3_serv
     dst = f"{s3_bucket}/bad-out/{case}"
     capsys.readouterr()
     code = main(["run", "--direct", url, dst, *_flags(options), "--cache-dir", str(tmp_path / "c"),
-                 "--storage-option", f"endpoint_url={s3_server.endpoint_url}", "--storage-option", "region_name=us-east-1",
-                 "--storage-option", f"key={s3_server.access_key}", "--storage-option", f"secret={s3_server.secret_key}"])
+                 "--storage-option", f"endpoint_url={s3_server.endpoint_url}",
+                 "--storage-option", "region_name=us-east-1",
+                 "--storage-option", f"key={s3_server.access_key}",
+                 "--storage-option", f"secret={s3_server.secret_key}"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
@@ -277,8 +279,10 @@ def test_a_source_object_replaced_mid_run_fails_in_one_line(s3_server, s3_bucket
     capsys.readouterr()
     code = main(["run", *(["--direct"] if direct else []), url, dst, *_flags(options),
                  "--cache-dir", str(tmp_path / "c"),
-                 "--storage-option", f"endpoint_url={s3_server.endpoint_url}", "--storage-option", "region_name=us-east-1",
-                 "--storage-option", f"key={s3_server.access_key}", "--storage-option", f"secret={s3_server.secret_key}"])
+                 "--storage-option", f"endpoint_url={s3_server.endpoint_url}",
+                 "--storage-option", "region_name=us-east-1",
+                 "--storage-option", f"key={s3_server.access_key}",
+                 "--storage-option", f"secret={s3_server.secret_key}"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
     assert replaced and code != 0 and len(lines) == 1 and "Traceback" not in err, (code, err[-3000:])

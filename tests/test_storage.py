@@ -116,7 +116,8 @@ def test_committed_destination_and_staged_leftovers(store, tmp_path):
     loc.fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[-1] for p in loc.fs.ls(loc.path, detail=False)
                    if not (p.endswith(".reshard-staging") and not loc.fs.find(p)[1:]))  # SeaweedFS empty dir
-    assert names == sorted([f"mp_rank_{r:02d}_model_states.pt" for r in range(4)] + ["ds_checkpoint.json", MANIFEST_NAME])
+    ranks = [f"mp_rank_{r:02d}_model_states.pt" for r in range(4)]
+    assert names == sorted(ranks + ["ds_checkpoint.json", MANIFEST_NAME])
     assert len(verify(dst, so)["files"]) == 5
 
 
@@ -266,7 +267,8 @@ def test_megatron_run_folder_on_s3_tp_and_pp_change(s3_server, s3_bucket, tmp_pa
                         cache=ShardCache(tmp_path / "cache"))
     assert report.fetched == 5  # 4 shards of iteration 200 + the tracker; iteration 100 never fetched
     out = open_location(f"{s3_bucket}/out", so)
-    got = {p[len(out.path) + 1:]: out.fs.cat_file(p) for p in out.fs.find(out.path) if p.endswith(".pt") or p.endswith(".txt")}
+    got = {p[len(out.path) + 1:]: out.fs.cat_file(p) for p in out.fs.find(out.path)
+           if p.endswith(".pt") or p.endswith(".txt")}
     want = {p.relative_to(tmp_path / "ref").as_posix(): p.read_bytes() for p in (tmp_path / "ref").rglob("*")
             if p.suffix in (".pt", ".txt")}
     assert got == want and "latest_checkpointed_iteration.txt" in got
@@ -399,7 +401,7 @@ def test_two_conversions_claiming_one_destination_at_once_exactly_one_wins(backe
         outcomes = [None, None]
         both_checked.reset()
 
-        def claim(i):
+        def claim(i, dests=dests, outcomes=outcomes):
             try:
                 dests[i].acquire(uuid.uuid4().hex, f"conversion-{i}")
                 outcomes[i] = "won"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import upload_to_s3
+from conftest import output_bytes, upload_to_s3
 from reshard.core import remote, torch_writer
 from reshard.core.errors import CheckpointFormatError, StorageError
 from reshard.core.options import ReshardOptions
@@ -21,7 +21,6 @@ from reshard.core.safe_load import load_shard
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
 from reshard.storage.cache import ShardCache
-from reshard.storage.manifest import MANIFEST_NAME
 
 #: Large enough that the weights' records are holes of the skeletons (> 64 KiB each) at TP 4.
 WIDE = GPTConfig(layers=4, hidden=384, heads=8, vocab=2048, seq=16)
@@ -183,13 +182,13 @@ def test_a_remote_source_converts_from_its_skeletons_byte_for_byte(fmt, tmp_path
         run_direct(str(base), str(src), ReshardOptions(to=fmt))
     url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     run_direct(str(src), str(tmp_path / "local"), opts)
-    want = _outputs(tmp_path / "local")
+    want = output_bytes(tmp_path / "local")
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
     for cache_sources in (False, True):
         cache = ShardCache(tmp_path / f"cache-{cache_sources}")
         out = tmp_path / f"remote-{cache_sources}"
         run_direct(url, str(out), opts, storage_options=so, cache=cache, cache_sources=cache_sources)
-        assert _outputs(out) == want
+        assert output_bytes(out) == want
         held = sum(p.stat().st_blocks * 512 for p in cache.shards.iterdir())
         if cache_sources:
             assert held >= 0.9 * source_bytes
@@ -220,11 +219,6 @@ def test_an_object_replaced_while_it_is_read_fails_the_read(tmp_path, s3_server,
         reader.read_into(obj.size - 10, memoryview(bytearray(100)))
 
 
-def _outputs(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST_NAME}
-
-
 # --- outputs: uploaded while they are written ---------------------------------------------------------
 
 @pytest.mark.parametrize("to", [None, "hf", "torch_dist"])
@@ -242,7 +236,7 @@ def test_an_output_streamed_to_s3_never_lies_whole_on_local_disk(to, tmp_path, s
     write_sample_checkpoint(src, tp=4, cfg=WIDE)
     opts = ReshardOptions(target_tp=1) if to is None else ReshardOptions(to=to)
     run_direct(str(src), str(tmp_path / "local"), opts)
-    want = _outputs(tmp_path / "local")
+    want = output_bytes(tmp_path / "local")
     _, so = upload_to_s3(tmp_path / "local", s3_server, s3_bucket, monkeypatch, prefix="unused")
     cache = ShardCache(tmp_path / "cache")
     peak, samples, done = [0], [0], threading.Event()
@@ -299,6 +293,6 @@ def test_tensors_outside_the_module_are_read_whole_into_the_output(tmp_path):
         run_direct(str(view), str(tmp_path / "streamed"), ReshardOptions(target_tp=1))
     finally:
         remote.detach(view)
-    assert _outputs(tmp_path / "streamed") == _outputs(tmp_path / "whole")
+    assert output_bytes(tmp_path / "streamed") == output_bytes(tmp_path / "whole")
     out = torch.load(tmp_path / "streamed" / "mp_rank_00_model_states.pt", weights_only=False)
     assert out["extra"]["head"].untyped_storage().data_ptr() == out["extra"]["tail"].untyped_storage().data_ptr()

@@ -69,7 +69,8 @@ def state_dicts():
     shared = torch.randn(6, 4)
     yield "mixed", {
         "module": collections.OrderedDict(
-            w16=torch.randn(5, 3).half(), wbf=torch.randn(7).bfloat16(), w8=torch.arange(6, dtype=torch.int8).view(2, 3),
+            w16=torch.randn(5, 3).half(), wbf=torch.randn(7).bfloat16(),
+            w8=torch.arange(6, dtype=torch.int8).view(2, 3),
             empty=torch.zeros(0, 4), empty2=torch.zeros(3, 0, 2), scalar=torch.tensor(3.5),
             u16=torch.arange(5, dtype=torch.int32).to(torch.uint16), flag=torch.tensor([True, False]),
             grad=torch.ones(3, requires_grad=True), extra=None, te=io.BytesIO(b"fp8")),
@@ -127,7 +128,7 @@ def test_foreign_stand_ins_and_non_ascii_path(tmp_path):
         ref.parent.mkdir(exist_ok=True)
         out.parent.mkdir(exist_ok=True)
         foreign.save(sd, ref)
-        torch_writer.save(pend_all(sd), out, pickle_module=foreign._ForeignPickleModule)
+        torch_writer.save(pend_all(sd), out, pickle_module=foreign.ForeignPickleModule)
         assert out.read_bytes() == ref.read_bytes(), name
     with zipfile.ZipFile(out) as z:
         assert z.namelist()[0] == "archive/data.pkl"
@@ -257,7 +258,7 @@ def test_engine_never_assembles_a_whole_tensor(tmp_path, monkeypatch):
         raise AssertionError("assembled a whole tensor")
 
     monkeypatch.setattr(engine, "assemble", forbidden)
-    monkeypatch.setattr(engine, "_owned", forbidden)
+    monkeypatch.setattr(engine, "owned_copy", forbidden)
     monkeypatch.setattr(PendingTensor, "materialize", forbidden)
     plans = {}
     for m in (1, 2, 8):
@@ -343,22 +344,24 @@ def test_each_converting_thread_runs_its_own_torch_threads_and_gets_its_count_ba
             plan = build_plan(str(tmp_path / "src"), options)
             fmt = engine.get_format(plan.output_format)
             during, after = [], []
+            real_write = type(fmt).write
 
-            def write(*args, real_write=type(fmt).write, fmt=fmt, **kwargs):
+            def write(*args, real_write=real_write, fmt=fmt, during=during, **kwargs):
                 during.append(torch.get_num_threads())
                 return real_write(fmt, *args, **kwargs)
 
             monkeypatch.setattr(fmt, "write", write)
+            jobs = [(t.rank, i) for t in plan.targets for i in range(3)]
+            ready = threading.Barrier(len(jobs))
 
-            def convert(t: int, i: int) -> None:
+            def convert(t: int, i: int, plan=plan, ready=ready, after=after) -> None:
                 torch.get_num_threads()  # a thread takes the process-wide count (7) at its first use ...
                 ready.wait()  # ... here before any conversion has set another
                 convert_target(plan, t, tmp_path / f"{t}-{i}.pt")
                 after.append(torch.get_num_threads())
 
             torch.set_num_threads(7)
-            threads = [threading.Thread(target=convert, args=(t.rank, i)) for t in plan.targets for i in range(3)]
-            ready = threading.Barrier(len(threads))
+            threads = [threading.Thread(target=convert, args=job) for job in jobs]
             [t.start() for t in threads]
             [t.join() for t in threads]
             assert len(during) == len(after) == len(threads)
@@ -504,8 +507,8 @@ def test_a_streamed_file_goes_to_the_stream_whole_and_leaves_no_disk_behind(tmp_
 
     tensors = {f"layer{i}.w": torch.randn(64, 96) for i in range(40)}  # 40 records, 24 KiB each
     tensors["small"] = torch.arange(3)
-    obj = {"module": {k: torch_writer.PendingTensor(tuple(v.shape), v.dtype, lambda sink, v=v: sink.write(v)) for k, v in
-                      tensors.items()}, "args": {"lr": 0.5}}
+    obj = {"module": {k: torch_writer.PendingTensor(tuple(v.shape), v.dtype, lambda sink, v=v: sink.write(v))
+                      for k, v in tensors.items()}, "args": {"lr": 0.5}}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     torch.save({"module": tensors, "args": {"lr": 0.5}}, tmp_path / "a" / "out.pt")

@@ -64,7 +64,8 @@ CASES = [  # (model, source tp, target tp, extra options)
 ]
 
 
-@pytest.mark.parametrize("name,n,m,extra", CASES, ids=[f"{c[0]}-tp{c[1]}-to{c[2]}{'-v' if c[3] else ''}" for c in CASES])
+@pytest.mark.parametrize("name,n,m,extra", CASES,
+                         ids=[f"{c[0]}-tp{c[1]}-to{c[2]}{'-v' if c[3] else ''}" for c in CASES])
 def test_read_equals_megatron_cores_own_shards(dist, mcore, tmp_path, name, n, m, extra):
     out = tmp_path / "out"
     plan = convert(dist[(name, n, 1)], out, target_tp=m, **extra)
@@ -408,7 +409,8 @@ def test_each_distcp_file_is_written_through_one_pipeline_and_hashed_as_written(
     (["--to", "torch_dist", "--quantize"], "--quantize: torch_dist has no place"),
     (["--to", "deepspeed"], "--to: cannot write a torch_dist checkpoint in the DeepSpeed"),
     (["--to", "nope"], "--to: unknown output format 'nope'"),
-    (["--target-tp", "2", "--max-shard-size", "1MB"], "--max-shard-size: the megatron layout is not written in size-limited shards"),
+    (["--target-tp", "2", "--max-shard-size", "1MB"],
+     "--max-shard-size: the megatron layout is not written in size-limited shards"),
     ([], "--target-tp: needs a target tensor-parallel degree to write the megatron layout"),
 ])
 def test_output_requests_that_cannot_be_written_are_refused(dist, tmp_path, capsys, args, needle):
@@ -473,12 +475,11 @@ def test_the_flow_reads_and_writes_torch_dist_from_s3_like_direct(direction, dis
                                                                   s3_bucket, monkeypatch, prefect_env):
     """in: a torch_dist run folder on S3 -> per-rank TP 2; out: megatron-core per-rank files on S3 ->
     torch_dist. The flow's output equals ``--direct``'s, file for file (side files included)."""
-    from conftest import task_states, upload_to_s3
+    from conftest import output_bytes, task_states, upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
-    from test_flow_formats import _outputs
 
     src, opts = ((dist[("gqa_swiglu", 2, 1)], {"target_tp": 2}) if direction == "in"
                  else (mcore[("gqa_swiglu", 2, 1)], {"to": "torch_dist"}))
@@ -486,7 +487,7 @@ def test_the_flow_reads_and_writes_torch_dist_from_s3_like_direct(direction, dis
     url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch)
     out = run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
                                  cache_dir=str(tmp_path / "cache"), **opts))
-    assert _outputs(tmp_path / "flow") == _outputs(tmp_path / "direct")
+    assert output_bytes(tmp_path / "flow") == output_bytes(tmp_path / "direct")
     assert set(task_states(out["flow_run_id"], expect={"check-shard": 1})["check-shard"]) == {"Completed"}
     if direction == "out":
         assert (tmp_path / "flow" / "iter_0000007" / ".metadata").is_file()
@@ -516,13 +517,12 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
     ``cache_sources``, and by default as the model's blobs' structure only (skeletons: the tensors
     are read while converting), by the direct path and by the flow; the output is what the local
     source gives."""
-    from conftest import upload_to_s3
+    from conftest import output_bytes, upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.flows.params import ReshardParams
     from reshard.flows.runner import run_flow
     from reshard.storage.cache import ShardCache
-    from test_flow_formats import _outputs
 
     src = dist[("gqa_swiglu", 2, 1)]  # carries Adam moments: two thirds of its .distcp bytes
     meta = read_metadata(src / "iter_0000007" / ".metadata")
@@ -536,7 +536,7 @@ def test_from_s3_only_the_models_byte_ranges_are_fetched(dist, tmp_path, s3_serv
     run_flow(ReshardParams(source=url, destination=str(tmp_path / "flow"), storage_options=so,
                            cache_dir=str(tmp_path / "fcache"), target_tp=2, cache_sources=cache_sources))
     for out, cache in (("direct", "dcache"), ("flow", "fcache")):
-        assert _outputs(tmp_path / out) == _outputs(tmp_path / "local"), out
+        assert output_bytes(tmp_path / out) == output_bytes(tmp_path / "local"), out
         entries = [p for p in (tmp_path / cache / "shards").iterdir() if p.is_file()]
         parted = [p for p in entries if (".ranges-" if cache_sources else ".skeleton") in p.name]  # the .distcp files
         assert len(parted) == len(list((src / "iter_0000007").glob("*.distcp"))), out
@@ -564,18 +564,17 @@ def test_megatron_core_019s_common_state_is_read_from_s3(dist, tmp_path, s3_serv
                                                           cache_sources):
     """The common state's blob (megatron-core >= 0.19) is one of the byte ranges a remote .distcp
     is fetched as, and is read through a streamed file's source: from S3 the output is the local one."""
-    from conftest import upload_to_s3
+    from conftest import output_bytes, upload_to_s3
     from reshard.core.options import ReshardOptions
     from reshard.direct import run_direct
     from reshard.storage.cache import ShardCache
-    from test_flow_formats import _outputs
 
     src = as_019_dist(dist[("gqa_swiglu", 2, 1)], tmp_path / "v019")
     run_direct(str(src), str(tmp_path / "local"), ReshardOptions(target_tp=1))
     url, so = upload_to_s3(src, s3_server, s3_bucket, monkeypatch, prefix=f"v019_{cache_sources}")
     run_direct(url, str(tmp_path / "s3"), ReshardOptions(target_tp=1), storage_options=so,
                cache=ShardCache(tmp_path / "cache"), cache_sources=cache_sources)
-    assert _outputs(tmp_path / "s3") == _outputs(tmp_path / "local")
+    assert output_bytes(tmp_path / "s3") == output_bytes(tmp_path / "local")
 
 
 def test_chunks_are_read_as_views_of_the_mapped_file_equal_to_torch_load(dist):

@@ -296,7 +296,8 @@ def test_plan_and_inspect_show_the_chunks(pipes, capsys):
     assert "PP 3 x VPP 2, layers per chunk (rank,virtual) (0,0):1 (1,0):4 (2,0):1 (0,1):1 (1,1):4 (2,1):1" in out
     assert main(["plan", str(pipes["vpp"]), "--target-tp", "2", "--target-vpp", "4"]) == 0
     out = capsys.readouterr().out
-    assert "stages: PP 2 x VPP 2, layers per chunk (rank,virtual) (0,0):2 (1,0):2 (0,1):2 (1,1):2 -> PP 2 x VPP 4" in out
+    assert ("stages: PP 2 x VPP 2, layers per chunk (rank,virtual) (0,0):2 (1,0):2 (0,1):2 (1,1):2 "
+            "-> PP 2 x VPP 4") in out
 
 
 def test_fixture_layouts_are_what_they_claim(pipes):

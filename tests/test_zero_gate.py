@@ -17,12 +17,14 @@ def test_zero3_source_is_refused_with_an_explanation(sample_factory, tmp_path, c
 
 
 def test_zero2_source_converts(sample_factory, tmp_path):
-    assert main(["run", "--direct", str(sample_factory(8, 2.0, zero_stage=2)), str(tmp_path / "dst"), "--target-tp", "2"]) == 0
+    src = sample_factory(8, 2.0, zero_stage=2)
+    assert main(["run", "--direct", str(src), str(tmp_path / "dst"), "--target-tp", "2"]) == 0
 
 
 def test_incompatible_target_config_fails_before_any_transfer(sample_factory, tmp_path, capsys):
     cfg = tmp_path / "target.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2,
+                                                     "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
     code = main(["run", "--direct", str(sample_factory(8, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
                  "--target-config", str(cfg)])
     err = capsys.readouterr().err

@@ -183,8 +183,10 @@ class _ForeignPickler(pickle._Pickler):  # type: ignore[name-defined]
         return NotImplemented
 
 
-class _ForeignPickleModule:
-    """The ``pickle_module`` torch.save needs: only ``Pickler`` is used for saving."""
+class ForeignPickleModule:
+    """The ``pickle_module`` for ``torch.save`` (or :func:`reshard.core.torch_writer.save`) of an
+    object that :func:`contains_foreign` stand-ins, so they are written back under their original
+    names; writers that save such objects themselves pass it. Only ``Pickler`` is used for saving."""
 
     Pickler = _ForeignPickler
     Unpickler = pickle.Unpickler
@@ -196,6 +198,6 @@ class _ForeignPickleModule:
 def save(obj: Any, f: str | os.PathLike[str] | io.BufferedIOBase) -> None:
     """``torch.save``; stand-ins (if any) are written back under their original names."""
     if contains_foreign(obj):
-        torch.save(obj, f, pickle_module=_ForeignPickleModule)  # type: ignore[arg-type]
+        torch.save(obj, f, pickle_module=ForeignPickleModule)  # type: ignore[arg-type]
     else:
         torch.save(obj, f)

@@ -72,7 +72,8 @@ class LazyTensor(ABC):
         when it is not one region there. Default: None."""
         return None
 
-    def view_pieces(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
+    def view_pieces(self, offsets: tuple[int, ...],
+                    sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
         """The box as contiguous views of where its bytes already are, in the box's byte order, each
         with the tensor whose :meth:`release` gives it back; None when a part is not one region of
         a mapped file. Default: :meth:`view_box`, as one piece."""
@@ -152,7 +153,8 @@ class RowConcat(LazyTensor):
         t, start, rows, _ = pieces[0]
         return t.view_box((start, *offsets[1:]), (rows, *sizes[1:]))
 
-    def view_pieces(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
+    def view_pieces(self, offsets: tuple[int, ...],
+                    sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
         """Each segment's rows of the box as views of its own tensor: a grouped QKV fused from Hugging
         Face's Q, K and V is written straight from their mappings, group by group, not gathered
         into a buffer first (a box narrower than a row is one view only a row at a time)."""

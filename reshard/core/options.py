@@ -3,8 +3,9 @@ the Prefect flow parameters (``ReshardParams`` extends it) and the core (the pla
 
 Only these fields change the output bytes (besides the source). ``target_pp`` None keeps the
 source's pipeline stages (one stage for an output format without stages); ``target_tp`` None is
-only valid for an output format without a per-rank layout (``--to torch_dist``); the model-fact fields (heads, query groups, SwiGLU, vocabulary) are
-only needed when the checkpoint's saved ``args`` lack them.
+only valid for an output format without a per-rank layout (``--to torch_dist``); the model-fact
+fields (heads, query groups, SwiGLU, vocabulary) are only needed when the checkpoint's saved
+``args`` lack them.
 
 Values are checked here, once, into the error type every front end reports as one line
 (:class:`~reshard.core.errors.LayoutError`, naming the flag); what depends on the checkpoint
@@ -93,10 +94,11 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: Literal["int8", "fp8"] | None = _opt(None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h "
-                                      "weights (per-rank outputs; the flag alone); fp8: e4m3 block-scaled linear "
-                                      "weights (--to hf; DeepSeek's format, which vLLM and transformers load)",
-                                metavar="{int8,fp8}", alone="int8")
+    quantize: Literal["int8", "fp8"] | None = _opt(None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, "
+                                                         "h_to_4h, 4h_to_h weights (per-rank outputs; the flag "
+                                                         "alone); fp8: e4m3 block-scaled linear weights (--to hf; "
+                                                         "DeepSeek's format, which vLLM and transformers load)",
+                                                   metavar="{int8,fp8}", alone="int8")
     fp8_block: tuple[int, int] | None = _opt(None, "with --quantize fp8: the scale blocks, rows x columns "
                                                    "(default 128x128)", metavar="ROWSxCOLS")
     bits: int = _opt(8, "quantization bits (1..8, default 8)", minimum=1)

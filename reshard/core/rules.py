@@ -144,7 +144,8 @@ class Resolution:
     unused_rules: tuple[str, ...]
 
 
-def resolve(keys: Iterable[str], rules: tuple[Rule, ...], source: str = "checkpoint", supported: str = "") -> Resolution:
+def resolve(keys: Iterable[str], rules: tuple[Rule, ...], source: str = "checkpoint",
+            supported: str = "") -> Resolution:
     """Assign the first matching rule to every key; raise listing all unmatched keys (``supported``:
     what the table's family reads, for the hint)."""
     compiled = [(r, re.compile(r.pattern)) for r in rules]

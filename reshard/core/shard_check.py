@@ -6,14 +6,15 @@ checked exactly like the same file on disk.
 Cross-shard consistency (same keys, degrees, versions) is the planner's job; this check only
 catches a file that cannot be what its name says, as early as the file arrives.
 
-=============  ======================================================  ============================================================
+=============  ======================================================  ========================================
 role           files                                                   check
-=============  ======================================================  ============================================================
-``rank``       ``mp_rank_XX_model_states.pt``, ``model_optim_rng.pt``  loads safely; one module (model0..: one per chunk); version
+=============  ======================================================  ========================================
+``rank``       ``mp_rank_XX_model_states.pt``, ``model_optim_rng.pt``  loads safely; one module (model0..: one
+                                                                       per chunk); version
 ``pipe-rank``  ``mp_rank_XX_model_states.pt`` beside layer files       loads safely; its module is empty
 ``layer``      ``layer_LL-model_TT-model_states.pt``                   loads safely; a dict of tensors
 ``metadata``   descriptor JSON, ``latest*`` markers                    none (read by the locator)
-=============  ======================================================  ============================================================
+=============  ======================================================  ========================================
 """
 
 from __future__ import annotations

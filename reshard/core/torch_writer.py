@@ -531,14 +531,16 @@ def merge_ranges(ranges: list[tuple[int, int]], gap: int = 4096) -> list[tuple[i
 # --- streaming ----------------------------------------------------------------------------------
 
 
-class _Stage:
+class WriteStage:
     """One thread of the write pipeline: takes queued chunks ``(data, offset, release, keep)`` in
     order, does its work on each, then hands it to the next stage — or, being the last, calls its
     release hook. The first error stops the work (later chunks are only released) and is raised
-    to the producer by :meth:`put` / :meth:`close`."""
+    to the producer by :meth:`put` / :meth:`close`. :func:`writer_pipeline` builds the usual
+    writer-and-hasher pair; a format whose stage does more (the Hugging Face writer hashes the
+    file in order while it writes ahead) builds its own."""
 
     def __init__(self, name: str, work: Callable[[memoryview, int | None], None], depth: int,
-                 after: _Stage | None = None) -> None:
+                 after: WriteStage | None = None) -> None:
         self.work = work
         self.after = after
         self.q: queue.Queue[Any] = queue.Queue(maxsize=depth)
@@ -600,7 +602,7 @@ class _Stage:
 
 
 def writer_pipeline(fd: int, depth: int, digest: Any = None,
-                    hash_work: Callable[[memoryview, int | None], None] | None = None) -> _Stage:
+                    hash_work: Callable[[memoryview, int | None], None] | None = None) -> WriteStage:
     """``pwrite`` on one thread and, with a ``digest``, the SHA-256 (in file order) on a second
     one: hashing runs beside the kernel's copy into the page cache instead of after it (on 2
     cores the writer thread alone was the bottleneck: copy + hash in series). Items with an
@@ -617,15 +619,15 @@ def writer_pipeline(fd: int, depth: int, digest: Any = None,
 
     if hash_work is None and digest is not None:
         hash_work = lambda mv, _off: digest.update(mv)  # noqa: E731
-    hasher = None if hash_work is None else _Stage("reshard-hasher", hash_work, HASH_QUEUE_DEPTH)
-    return _Stage("reshard-writer", write, depth, after=hasher)
+    hasher = None if hash_work is None else WriteStage("reshard-hasher", hash_work, HASH_QUEUE_DEPTH)
+    return WriteStage("reshard-writer", write, depth, after=hasher)
 
 
 class _FileSink(RecordSink):
     """Streams one record into its hole: CRC here, ``pwrite`` on the writer thread (unless
     ``to_disk`` is off: then the bytes only go on to the hashing stage, see ``save``'s ``stream``)."""
 
-    def __init__(self, writer: _Stage, entry: ZipEntry, name: str, to_disk: bool = True) -> None:
+    def __init__(self, writer: WriteStage, entry: ZipEntry, name: str, to_disk: bool = True) -> None:
         self.writer = writer
         self.entry = entry
         self.name = name
@@ -790,7 +792,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
          depth: int = QUEUE_DEPTH, sha256: bool = False,
          on_bytes: Callable[[int], None] | None = None, offset: int | None = None,
          digest: Any = None, stream: Any = None, keep_data: bool = True,
-         pipeline: _Stage | None = None) -> SaveStats:
+         pipeline: WriteStage | None = None) -> SaveStats:
     """Write ``obj`` (which may hold :class:`PendingTensor` s) to ``path`` as ``torch.save(obj, path,
     pickle_module=pickle_module)`` would write the materialized object, streaming the tensors.
 
@@ -800,8 +802,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
     ``offset``: write the archive into the existing file ``path`` at this offset instead of
     creating it: the bytes ``torch.save(obj, buffer)`` writes, at that place, nothing else of the
     file touched (a ``torch.distributed.checkpoint`` file is such archives back to back; archives
-    at disjoint places may be written concurrently). ``SaveStats.size`` is then the archive's length. ``digest``: a hash object to feed the archive's bytes to, in
-    file order (instead of ``sha256``), so consecutive archives hash as one file.
+    at disjoint places may be written concurrently). ``SaveStats.size`` is then the archive's length.
+    ``digest``: a hash object to feed the archive's bytes to, in file order (instead of
+    ``sha256``), so consecutive archives hash as one file.
     ``stream``: also feed the file's bytes, in order, to ``stream.update`` (with the SHA-256, see
     :class:`FileDigest`): an upload of the file while it is written. The tensors' bytes then go
     only there, not to ``path``, which keeps the archive's structure alone (its records are
@@ -820,7 +823,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None,
 
 def _save(obj: Any, path: str, *, pickle_module: Any, depth: int, sha256: bool,
           on_bytes: Callable[[int], None] | None, offset: int | None, digest: Any, stream: Any,
-          keep_data: bool, pipeline: _Stage | None) -> SaveStats:
+          keep_data: bool, pipeline: WriteStage | None) -> SaveStats:
     base_pickler = pickle_module.Pickler if pickle_module is not None else pickle.Pickler
     data_pkl, records = _pickle(obj, base_pickler)
     if offset is None:

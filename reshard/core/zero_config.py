@@ -24,7 +24,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TextIO, Union
+from typing import Any, TextIO, Union
 
 import annotated_types
 from pydantic import (
@@ -272,8 +272,8 @@ _DEPRECATED: dict[str, tuple[str | None, Any]] = {
 }
 # The old keys are typed like this in DeepSpeed (the last one does not accept null).
 _DEPRECATED_TYPES: dict[str, Any] = {
-    "cpu_offload_param": Optional[bool], "cpu_offload_use_pin_memory": Optional[bool],
-    "cpu_offload": Optional[bool], "stage3_gather_fp16_weights_on_model_save": bool,
+    "cpu_offload_param": bool | None, "cpu_offload_use_pin_memory": bool | None,
+    "cpu_offload": bool | None, "stage3_gather_fp16_weights_on_model_save": bool,
 }
 
 # Keys DeepSpeed 0.19.8 refuses with a dedicated message (features it deleted).
@@ -385,7 +385,8 @@ def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) != len(typing.get_args(annotation)):
-            return (args[0] if len(args) == 1 else Union[tuple(args)]), True
+            # the remaining members, a list known only at run time: ``X | Y`` cannot spell that
+            return (args[0] if len(args) == 1 else Union[tuple(args)]), True  # noqa: UP007
     return annotation, False
 
 

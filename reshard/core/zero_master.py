@@ -181,7 +181,8 @@ def optim_files(folder: Path, tp_rank: int, where: str) -> list[Path]:
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
         raise CheckpointFormatError(f"ZeRO optimizer files of data-parallel ranks {ranks} for TP rank {tp_rank}"
                                     + (f": missing {missing}" if missing else ": a rank appears twice"),
-                                    culprit=str(folder), hint="supply one *_optim_states.pt file per data-parallel rank")
+                                    culprit=str(folder),
+                                    hint="supply one *_optim_states.pt file per data-parallel rank")
     return [by_dp[r][0] for r in ranks]
 
 
@@ -396,6 +397,12 @@ def forget_optimizer_files() -> None:
     """Drop the optimizer files kept loaded (a conversion calls this when it ends: a mapped file
     keeps its disk space after the shard cache evicts it)."""
     _optimizer_state_of.cache_clear()
+
+
+def kept_optimizer_files() -> int:
+    """How many optimizer files are kept loaded now (see :func:`optimizer_state`): none once a
+    conversion has ended."""
+    return _optimizer_state_of.cache_info().currsize
 
 
 @functools.lru_cache(maxsize=OPEN_FILES)

@@ -15,8 +15,9 @@ On disk (DeepSpeed ``runtime/pipe/module.py`` ``save_state_dict`` / ``ckpt_layer
 Each layer file is one row of the source grid (see :mod:`reshard.core.source`); the format
 (:mod:`reshard.formats.deepspeed_pipeline`) reads it and names its keys canonically, by the layer's
 role, with the legacy Megatron names the rule table knows, so partitioning, checks and facts are
-those of every other layout (:func:`reshard.execution.plan.decide_parameters`). Output: the same layer files at the target TP (same layer indices: they do not depend on
-PP) and ``TP x PP`` rank files; a PP change only changes the rank files, which DeepSpeed's loader
+those of every other layout (:func:`reshard.execution.plan.decide_parameters`). Output: the same
+layer files at the target TP (same layer indices: they do not depend on PP) and ``TP x PP`` rank
+files; a PP change only changes the rank files, which DeepSpeed's loader
 reads per stage. DeepSpeed's own reader (``checkpoint/deepspeed_checkpoint.py``) splits transformer
 layers evenly over stages; reshard likewise refuses a target PP that does not divide them.
 """
@@ -73,7 +74,8 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
     facts = d.model_facts(tied, _even_split(num_layers, spp), _even_split(num_layers, tpp))
     return Plan(source=source, options=options, module_key=read.module_key, version=version,
                 params=tuple(d.params), targets=tuple(targets), unused_rules=d.resolution.unused_rules,
-                dropped=dropped, facts=facts, ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
+                dropped=dropped, facts=facts,
+                ds_config=copy.deepcopy(ds_config) if isinstance(ds_config, dict) else None,
                 warnings=tuple(warnings), carried=tuple(d.carried), target_pp=tpp, output_format=DEEPSPEED_PIPE)
 
 

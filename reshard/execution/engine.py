@@ -146,7 +146,7 @@ def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], devi
             break
 
     chunks: list[OrderedDict[str, Any]] = [OrderedDict() for _ in range(plan.target_vpp)]
-    scratch = _thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
+    scratch = thread_scratch()  # shared by the gathered tensors this thread writes (one at a time)
     quant = _QuantState(plan, tp) if opts.int8 else None
     degrees = plan.degrees
     for entry in tp.params:
@@ -229,7 +229,7 @@ def _pending_copy(value: torch.Tensor, name: str, culprit: str, pages: PageDropp
     """A replicated or carried tensor, copied from the base rank (owning exactly its bytes)."""
     if not _streamable(value):
         with _read_errors(culprit):
-            return _owned(value)
+            return owned_copy(value)
 
     def produce(sink: RecordSink) -> None:
         with _read_errors(culprit):
@@ -257,8 +257,8 @@ def _pending_lazy(value: LazyTensor, name: str, culprit: str) -> PendingTensor:
     return PendingTensor(tuple(value.shape), value.dtype, produce, value.requires_grad, name)
 
 
-def _pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
-                            name: str, culprit: str, scratch: ScratchBuffers | None) -> PendingTensor:
+def pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], n: int, m: int, tgt: int,
+                           name: str, culprit: str, scratch: ScratchBuffers | None) -> PendingTensor:
     """A partitioned parameter's target slice from lazy sources, each segment along ``spec.dim``
     read as boxes (only the rows this target needs). Along dim 0 a box that is regions of
     mapped files (one, or a run per fused part: :meth:`LazyTensor.views`) is written from the
@@ -371,13 +371,13 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
     output is built in blocks of rows (``CHUNK_BYTES`` each)."""
     any_src = next(iter(sources.values()))
     if isinstance(any_src, LazyTensor):
-        return _pending_lazy_assembled(spec, sources, n, m, tgt, name, culprit, scratch)  # type: ignore[arg-type]
+        return pending_lazy_assembled(spec, sources, n, m, tgt, name, culprit, scratch)  # type: ignore[arg-type]
     d = spec.dim
     part_len = any_src.shape[d] // spec.parts
     segs = _segments(spec, part_len, n, m, tgt)
     used = {s for s, _, _ in segs if s != FILL}
-    if not all(_streamable(sources[s]) for s in used) or \
-            len({(tuple(sources[s].shape), sources[s].dtype) for s in used} | {(tuple(any_src.shape), any_src.dtype)}) != 1:
+    kinds = {(tuple(sources[s].shape), sources[s].dtype) for s in used} | {(tuple(any_src.shape), any_src.dtype)}
+    if not all(_streamable(sources[s]) for s in used) or len(kinds) != 1:
         with _read_errors(culprit):
             return assemble(spec, sources, n, m, tgt)
     shape = list(any_src.shape)
@@ -527,7 +527,7 @@ class ScratchBuffers:
 _local = threading.local()
 
 
-def _thread_scratch() -> ScratchBuffers:
+def thread_scratch() -> ScratchBuffers:
     """This thread's scratch buffers, kept from target to target: a conversion of many small
     targets (a universal checkpoint's file per parameter) would otherwise allocate fresh buffers
     for each, and freed blocks of this size stay in the allocator's arenas (peak memory grows with
@@ -610,7 +610,7 @@ def retarget_args(args: Any, plan: Plan, holds: set[str] | None = None) -> Any:
     return complete(new) if made else new
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
+def owned_copy(t: torch.Tensor) -> torch.Tensor:
     """A tensor that owns exactly its bytes: saving a view would write its whole base storage."""
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -688,7 +688,7 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     sd = _target_layout(plan, tgt, shards, device, pages)
     fmt = get_format(plan.output_format)
     obj = fmt.prepare(plan, tgt, sd)
-    pickle_module = foreign._ForeignPickleModule if foreign.contains_foreign(obj) else None
+    pickle_module = foreign.ForeignPickleModule if foreign.contains_foreign(obj) else None
     streaming: dict[str, Any] = {} if stream is None else {"stream": stream}
     if fmt.encodes_on_device():
         streaming["device"] = device

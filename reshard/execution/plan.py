@@ -368,8 +368,8 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
             seen[logical] = st.index
             if rule.kind is Kind.CARRIED:  # opaque per-rank state (TE fp8 meta): never compared
                 shape, dtype = (tuple(v0.shape), v0.dtype) if isinstance(v0, torch.Tensor) else ((), None)
-                carried.append(CanonicalParam(key=logical, rule=rule, shape=shape, dtype=dtype, layer=glob, stage=st.index,
-                                              src_key=key, order=order.of(key, name)))
+                carried.append(CanonicalParam(key=logical, rule=rule, shape=shape, dtype=dtype, layer=glob,
+                                              stage=st.index, src_key=key, order=order.of(key, name)))
                 continue
             if not isinstance(v0, (torch.Tensor, LazyTensor)):
                 raise CheckpointFormatError(f"module entry {key} is a {type(v0).__name__}, not a tensor",

@@ -104,7 +104,9 @@ def database_in_use(env: dict[str, str]) -> str:
     SQLite file, or the configured URL without its password."""
     url = env.get(DATABASE_SETTING) or env.get("PREFECT_API_DATABASE_CONNECTION_URL")
     if url:
-        return url.split(":///", 1)[1] if url.startswith("sqlite") and ":///" in url else re.sub(r":[^:@/]*@", ":***@", url)
+        if url.startswith("sqlite") and ":///" in url:
+            return url.split(":///", 1)[1]
+        return re.sub(r":[^:@/]*@", ":***@", url)
     home = env.get("PREFECT_HOME") or str(Path.home() / ".prefect")
     return str(Path(home) / "prefect.db")
 

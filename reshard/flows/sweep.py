@@ -51,7 +51,8 @@ def _read_text(fs: Any, path: str) -> str:
 
 def find_finished_checkpoints(source_root: str, storage_options: dict[str, Any] | None = None,
                               markers: tuple[str, ...] | list[str] = DEFAULT_MARKERS,
-                              exclude: tuple[str, ...] | list[str] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                              exclude: tuple[str, ...] | list[str] = (),
+                              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Finished checkpoints under ``source_root`` (one recursive listing) and what was passed over.
 
     Returns ``(found, ignored)``: ``found`` items are ``{"source", "relative_path", "marker",
@@ -130,10 +131,12 @@ def find_finished_checkpoints(source_root: str, storage_options: dict[str, Any] 
                             "reason": f"{name} present but no model-state files"})
             continue
         found.setdefault(ckpt, {"source": loc.child_url(ckpt) if ckpt else source_root.rstrip("/"),
-                                "relative_path": ckpt, "marker": name, "source_tp": len(ranks), "marker_folder": folder})
+                                "relative_path": ckpt, "marker": name, "source_tp": len(ranks),
+                                "marker_folder": folder})
     # Megatron-DeepSpeed writes both trackers; one of them naming a missing folder is no news
     done = {f["marker_folder"] for f in found.values()}
-    ignored = [{k: v for k, v in i.items() if k != "marker_folder"} for i in ignored if i.get("marker_folder") not in done]
+    ignored = [{k: v for k, v in i.items() if k != "marker_folder"} for i in ignored
+               if i.get("marker_folder") not in done]
     return [{k: v for k, v in found[k].items() if k != "marker_folder"} for k in sorted(found)], ignored
 
 
@@ -239,8 +242,8 @@ def reshard_sweep(
     for item in pending:
         params = ReshardParams(source=item["source"], destination=item["destination"], target_tp=item["target_tp"],
                                storage_options=storage_options, **options)
-        state = convert.with_options(flow_run_name=f"{item['relative_path'] or item['source']} -> tp{item['target_tp']}")(
-            params, return_state=True)
+        run_name = f"{item['relative_path'] or item['source']} -> tp{item['target_tp']}"
+        state = convert.with_options(flow_run_name=run_name)(params, return_state=True)
         if state.is_completed():
             summary = state.result()
             item.update(state="converted", flow_run_id=summary.flow_run_id)
@@ -257,6 +260,6 @@ def reshard_sweep(
                for state in ("converted", "committed", "skipped", "deferred", "failed")}
     summary["ignored"] = result["ignored"]
     if summary["failed"]:
-        raise RuntimeError(f"{len(summary['failed'])} conversion(s) failed: "
-                           + "; ".join(f"{i['source']} -> tp{i['target_tp']}: {i['reason']}" for i in summary["failed"]))
+        failures = "; ".join(f"{i['source']} -> tp{i['target_tp']}: {i['reason']}" for i in summary["failed"])
+        raise RuntimeError(f"{len(summary['failed'])} conversion(s) failed: {failures}")
     return summary

@@ -25,8 +25,8 @@ from reshard.formats.output import weights_read
 from reshard.formats.registry import available, get_format, register_format, registry, unregister_format, writable
 
 __all__ = ["CheckpointFormat", "ObjectClass", "available", "check_file", "classify", "descriptor_entries",
-           "get_format", "listing_patterns", "locate", "needed_ranges", "register_format", "registry", "select_objects", "skeleton_ranges",
-           "unregister_format", "writable"]
+           "get_format", "listing_patterns", "locate", "needed_ranges", "register_format", "registry",
+           "select_objects", "skeleton_ranges", "unregister_format", "writable"]
 
 
 def locate(src: str | Path) -> SourceCheckpoint:

@@ -91,7 +91,7 @@ class DeepSpeedPipelineFormat(CheckpointFormat):
         module_key = _check_rank_files(shards, names, options.module_key)
         _check_degrees(shards, names, shards[0].get("args"), source)
         rows = [SourceStage(index=s, names=[], modules=[]) for s in range(pp)]
-        for g, layer in enumerate(source.layer_ids):
+        for g in range(len(source.layer_ids)):
             idx = [source.layer_file_index(g, r) for r in range(n)]
             files = [source.files[i] for i in idx]
             modules = [_layer_dict(self.opened(source, options, i), str(f)) for i, f in zip(idx, files)]

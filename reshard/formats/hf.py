@@ -56,7 +56,7 @@ from reshard.core.torch_writer import (
     RecordSink,
     SaveStats,
     WriterError,
-    _Stage,
+    WriteStage,
     as_bytes,
     file_digest,
     punch_hole,
@@ -515,9 +515,10 @@ class SafetensorsFile:
         try:
             os.ftruncate(fd, base + self.data_size)
             if stream is not None:
-                writer = _Stage("reshard-writer", _InOrderHasher(fd, digest, write_ahead=True), QUEUE_DEPTH)
+                writer = WriteStage("reshard-writer", _InOrderHasher(fd, digest, write_ahead=True), QUEUE_DEPTH)
             else:
-                writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=None if digest is None else _InOrderHasher(fd, digest))
+                hasher = None if digest is None else _InOrderHasher(fd, digest)
+                writer = writer_pipeline(fd, QUEUE_DEPTH, hash_work=hasher)
             try:
                 writer.put((memoryview(self.header), 0, None, None))
                 for (exp, value, _dtype, block), (first, stop) in zip(self.exports, self.spans):
@@ -552,7 +553,7 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
     runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
     if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
         raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
-    sink = _ScatterSink(writer, runs, exp.key)
+    sink = ScatterSink(writer, runs, exp.key)
     if isinstance(value, PendingTensor):
         value.produce(sink)
         sink.finish(value.nbytes)
@@ -577,7 +578,7 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
                 raise WriterError(f"{exp.key}: made {tuple(out.shape)} for {codes.name} {codes.shape}")
             w = out if device is None else out.to(device)
             s = torch.empty(scales.shape, dtype=torch.float32, device=w.device)
-            rows = _fp8_chunk_rows(w.shape[1], block[0])
+            rows = fp8_chunk_rows(w.shape[1], block[0])
             try:
                 for r, q in quantize_chunks(w, s, block, chunk_rows=rows, workers=workers):
                     q = q.cpu()
@@ -592,13 +593,13 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
 #: Bytes of FP8 codes an export quantizes and queues for the writer at a time: a weight's codes are
 #: streamed out in chunks of whole block rows, never held whole (``o_proj``'s are 117 MB in
 #: DeepSeek-V3), so at most the writer queue's few chunks wait in memory.
-_FP8_CHUNK_BYTES = 16 << 20
+FP8_CHUNK_BYTES = 16 << 20
 
 
-def _fp8_chunk_rows(columns: int, block_rows: int) -> int:
-    """Rows per quantized chunk: whole block rows, about :data:`_FP8_CHUNK_BYTES` of codes, at
+def fp8_chunk_rows(columns: int, block_rows: int) -> int:
+    """Rows per quantized chunk: whole block rows, about :data:`FP8_CHUNK_BYTES` of codes, at
     least one block row."""
-    return max(1, _FP8_CHUNK_BYTES // max(1, columns) // block_rows) * block_rows
+    return max(1, FP8_CHUNK_BYTES // max(1, columns) // block_rows) * block_rows
 
 
 def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
@@ -667,7 +668,7 @@ def header_bytes(entries: Sequence[FileEntry]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-class _ScatterSink(RecordSink):
+class ScatterSink(RecordSink):
     """A megatron-core tensor's bytes, in order, queued for the writer thread to where its runs
     say (``(src, length, file offset)``, sorted); bytes no run covers (vocabulary padding) are
     dropped, bytes several runs cover (DeepSeek's copies of the embeddings) go to each. A chunk's

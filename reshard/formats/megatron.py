@@ -86,7 +86,8 @@ class MegatronFormat(CheckpointFormat):
         kept = [n for n in names if n == MEGATRON_LATEST or n.startswith(prefix)]
         if len(kept) == 1 and len(names) > 1:
             raise CheckpointFormatError(f"names iteration {text} but {prefix} does not exist",
-                                        culprit=url(MEGATRON_LATEST), hint="point at an existing iteration folder instead")
+                                        culprit=url(MEGATRON_LATEST),
+                                        hint="point at an existing iteration folder instead")
         return kept
 
     writes_pipeline_stages = True

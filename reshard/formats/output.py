@@ -19,7 +19,8 @@ def output_format(source: SourceCheckpoint, options: ReshardOptions) -> Checkpoi
     out = _chosen(source, options)
     if options.max_shard_size is not None and not out.cuts_files():
         raise LayoutError(f"the {out.title or out.name} layout is not written in size-limited shards",
-                          culprit="--max-shard-size", hint="drop --max-shard-size (it sizes --to hf and --to torch_dist files)")
+                          culprit="--max-shard-size",
+                          hint="drop --max-shard-size (it sizes --to hf and --to torch_dist files)")
     return out
 
 

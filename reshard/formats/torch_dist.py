@@ -118,7 +118,8 @@ _SHARD_RE = re.compile(r"^(?P<base>.+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]
 
 
 class TorchDistFormat(CheckpointFormat):
-    """megatron-core's torch_dist (Megatron-LM --ckpt-format torch_dist): a .metadata index over .distcp files of global tensors."""
+    """megatron-core's torch_dist (Megatron-LM --ckpt-format torch_dist): a .metadata index over
+    .distcp files of global tensors."""
 
     name = TORCH_DIST
     title = "torch_dist"
@@ -268,7 +269,7 @@ class TorchDistFormat(CheckpointFormat):
                 top["args"] = _core_args(top["args"])
             out[f"{folder}/{RUN_CONFIG}"] = run_config(top["args"])
         buf = io.BytesIO()
-        torch.save(top, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(top) else pickle)
+        torch.save(top, buf, pickle_module=foreign.ForeignPickleModule if foreign.contains_foreign(top) else pickle)
         out[f"{folder}/{COMMON}"] = buf.getvalue()
         return out
 
@@ -389,7 +390,8 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
     stacked = [meta.tensors[k] for k in keys if k in meta.tensors and _is_stacked(k)]
     depths = {t.shape[0] if t.shape else None for t in stacked}
     if len(depths) > 1 or None in depths:
-        raise CorruptCheckpointError(f"stacked layer parameters disagree on the number of layers: {sorted(map(str, depths))}",
+        raise CorruptCheckpointError("stacked layer parameters disagree on the number of layers: "
+                                     f"{sorted(map(str, depths))}",
                                      culprit=str(folder / INDEX), hint="the checkpoint is inconsistent")
     # module order: megatron-core's (the index lists keys in module order, each layer's as one run)
     position: dict[str, int] = {}
@@ -481,8 +483,10 @@ class MappedFile:
         self.source = remote.source_for(path)  # a streamed stand-in: everything is read from there
         self.views: dict[int, torch.Tensor | RemoteTensor | None] = {}
         if self.source is not None:  # the blobs' structure: both edges of each, read into memory at once
-            edges = [r for c in chunks for r in ((c.offset, min(c.length, BLOB_EDGE)),
-                                                  (c.offset + c.length - min(c.length, BLOB_EDGE), min(c.length, BLOB_EDGE)))]
+            edges: list[tuple[int, int]] = []
+            for c in chunks:
+                edge = min(c.length, BLOB_EDGE)
+                edges += [(c.offset, edge), (c.offset + c.length - edge, edge)]
             self.structure = remote.structure(self.source, lambda _pread: torch_writer.merge_ranges(edges, gap=0))
             self.mm = None
             self.pages = PageDropper(())  # nothing mapped
@@ -586,7 +590,8 @@ class DistTensor(LazyTensor):
         for c, lo, hi in self._hits(g_off, g_size):
             mapped = self._file(c.file).view(c, self.dtype)
             if isinstance(mapped, RemoteTensor):  # a streamed file: just the box, from its source
-                src = mapped.read_box(tuple(a - co for a, co in zip(lo, c.offsets)), tuple(b - a for a, b in zip(lo, hi)))
+                src = mapped.read_box(tuple(a - co for a, co in zip(lo, c.offsets)),
+                                      tuple(b - a for a, b in zip(lo, hi)))
             else:
                 chunk = mapped if mapped is not None else self._chunk(c)
                 src = chunk[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
@@ -796,7 +801,7 @@ def _byte_blob(value: Any) -> bytes:
     """A byte item as megatron-core saves one: the list of the rank's objects under the key."""
     buf = io.BytesIO()
     obj = [value]
-    torch.save(obj, buf, pickle_module=foreign._ForeignPickleModule if foreign.contains_foreign(obj) else pickle)
+    torch.save(obj, buf, pickle_module=foreign.ForeignPickleModule if foreign.contains_foreign(obj) else pickle)
     return buf.getvalue()
 
 
@@ -852,9 +857,9 @@ def _write_blobs(items: list[GlobalItem], path: str, *, sha256: bool, on_bytes: 
                     wt.put((memoryview(blob), offset, None, None))
                     size = len(blob)
                 else:
+                    shifted = None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))
                     size = torch_writer.save(_blob_tensor(it), path, offset=offset, digest=digest,
-                                             keep_data=stream is None, pipeline=wt,
-                                             on_bytes=None if on_bytes is None else (lambda n, o=offset: on_bytes(o + n))).size
+                                             keep_data=stream is None, pipeline=wt, on_bytes=shifted).size
                 if size != length:
                     raise torch_writer.WriterError(f"{it.key}: wrote {size} bytes where the index says {length}")
                 stats.size, stats.records = offset + size, stats.records + 1

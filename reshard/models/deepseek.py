@@ -51,7 +51,7 @@ from reshard.core.pipeline_stages import LAYOUT_ARG
 from reshard.core.plan_types import CanonicalParam, ModelFacts
 from reshard.core.rules import Kind, Place, Rule, holds_mtp_layers, layer_index
 from reshard.models.base import ModelFamily
-from reshard.models.facts import hidden_and_heads, int_arg
+from reshard.models.facts import hidden_and_heads, int_arg, saved_arg
 from reshard.models.hf_architectures import (
     HF_DTYPES,
     LINEAR,
@@ -66,9 +66,8 @@ from reshard.models.hf_architectures import (
     Run,
     Same,
     VocabRows,
-    _arg,
-    _table,
     mtp_to_hf,
+    name_table,
 )
 from reshard.models.megatron_gpt import DECODER_LAYER, MEGATRON_GPT_RULES, experts_per_layer
 
@@ -174,7 +173,7 @@ class DeepSeek(ModelFamily):
         Engine's MLA files without latent norms, whose down projections are whole on each of the ``n``
         source TP ranks (the local spec splits their rows)."""
         te = next((p.key for p in params if p.key.endswith("mlp.linear_fc1.layer_norm_weight")), None)
-        if te is not None or _arg(args, "transformer_impl") == "transformer_engine":
+        if te is not None or saved_arg(args, "transformer_impl") == "transformer_engine":
             what = te or "args.transformer_impl transformer_engine"
             raise LayoutError(f"{what}: a Transformer Engine MLA checkpoint without latent norms (its down projections "
                               "are whole on every rank under the local spec's names) is not read", culprit=where,
@@ -195,7 +194,7 @@ class DeepSeek(ModelFamily):
         without one). A target TP that cuts a head is refused by ``linear_proj``'s spec (split by
         heads), with the target TPs every tensor allows."""
         if holds_mtp_layers(p.key for p in params):
-            for layout, culprit in ((_arg(args, LAYOUT_ARG), f"args.{LAYOUT_ARG}"),
+            for layout, culprit in ((saved_arg(args, LAYOUT_ARG), f"args.{LAYOUT_ARG}"),
                                     (options.target_pipeline_layout, "--target-pipeline-layout")):
                 if layout:
                     raise LayoutError(f"multi-token prediction layers with the pipeline layout {layout!r}: reshard "
@@ -211,7 +210,7 @@ class DeepSeek(ModelFamily):
     def summary(self, args: Any, model_facts: ModelFacts, experts: int) -> dict[str, Any]:
         """The routing, the multi-latent attention's ranks and head dims (as the saved ``args``
         record them) and the multi-token prediction layers the checkpoint holds."""
-        mla = {name: _arg(args, name) for name in MLA_ARGS if _arg(args, name) is not None}
+        mla = {name: saved_arg(args, name) for name in MLA_ARGS if saved_arg(args, name) is not None}
         return {**super().summary(args, model_facts, experts), "mla": mla or None,
                 "mtp_layers": mtp_layers(model_facts)}
 
@@ -248,9 +247,9 @@ class DeepSeekTE(DeepSeek):
 def _down_projections(params: Sequence[CanonicalParam], args: Any) -> Iterator[tuple[CanonicalParam, int]]:
     """Each MLA down projection among ``params`` with the rows it has whole (from the saved args;
     those whose whole rows the args do not give are left out)."""
-    kv = _arg(args, "kv_lora_rank")
-    full = {"linear_q_down_proj": _arg(args, "q_lora_rank"),
-            "linear_kv_down_proj": kv + (_arg(args, "qk_pos_emb_head_dim") or 0) if isinstance(kv, int) else None}
+    kv = saved_arg(args, "kv_lora_rank")
+    full = {"linear_q_down_proj": saved_arg(args, "q_lora_rank"),
+            "linear_kv_down_proj": kv + (saved_arg(args, "qk_pos_emb_head_dim") or 0) if isinstance(kv, int) else None}
     for p in params:
         rows = full.get(p.key.rsplit(".", 2)[-2]) if p.key.endswith("_down_proj.weight") else None
         if rows and p.shape:
@@ -299,7 +298,7 @@ class SharedCopies(VocabRows):
 
 #: megatron-core (local spec) <-> transformers' DeepseekV3ForCausalLM; every linear weight is FP8
 #: in DeepSeek's own release (``LINEAR``), the router, norms, embeddings and head are not.
-_DECODER_NAMES: NameTable = _table(
+_DECODER_NAMES: NameTable = name_table(
     ("embedding.word_embeddings.weight", SharedCopies("embed_tokens.weight"), ("model.embed_tokens.weight",)),
     (_L + "input_layernorm.weight", Same(), (_H + "input_layernorm.weight",)),
     (_A + "linear_q_down_proj.weight", Same(), (_HA + "q_a_proj.weight",), LINEAR),
@@ -336,10 +335,10 @@ def _mtp_names(table: NameTable) -> NameTable:
     ``model.layers.{num_hidden_layers + i}`` (in the table as ``model.mtp_layers.{i}``, see
     :data:`~reshard.models.hf_architectures.MTP_HF`): its norms, ``eh_proj`` and a decoder layer
     under the decoder layer's own names; ``final_layernorm`` is ``shared_head.norm``."""
-    own = _table((_M + "enorm.weight", Same(), (_HM + "enorm.weight",)),
-                 (_M + "hnorm.weight", Same(), (_HM + "hnorm.weight",)),
-                 (_M + "eh_proj.weight", Same(), (_HM + "eh_proj.weight",)),
-                 (_M + "final_layernorm.weight", Same(), (_HM + "shared_head.norm.weight",)))
+    own = name_table((_M + "enorm.weight", Same(), (_HM + "enorm.weight",)),
+                     (_M + "hnorm.weight", Same(), (_HM + "hnorm.weight",)),
+                     (_M + "eh_proj.weight", Same(), (_HM + "eh_proj.weight",)),
+                     (_M + "final_layernorm.weight", Same(), (_HM + "shared_head.norm.weight",)))
     layer = tuple(dataclasses.replace(
         row, core=tuple(_M + "transformer_layer." + c[len(_L):] for c in row.core),
         hf=tuple(_HM + h[len(_H):] for h in row.hf)) for row in table if row.core[0].startswith(_L))
@@ -396,10 +395,11 @@ def rope_from_hf(c: Mapping[str, Any], refuse: Any) -> dict[str, Any]:
 def rope_to_hf(args: Any, refuse: Any) -> dict[str, Any]:
     """transformers' ``rope_parameters`` for megatron-core's MLA rope ``args`` (Megatron-LM's CLI
     defaults where the args are silent: YaRN with factor 1, which is plain rope)."""
-    base = float(_arg(args, "rotary_base", default=10000.0))
-    rope_type = _arg(args, "rope_type", default="yarn")
-    factor = float(_arg(args, "rotary_scaling_factor", default=1.0))
-    mscale, all_dim = float(_arg(args, "mscale", default=1.0)), float(_arg(args, "mscale_all_dim", default=0.0))
+    base = float(saved_arg(args, "rotary_base", default=10000.0))
+    rope_type = saved_arg(args, "rope_type", default="yarn")
+    factor = float(saved_arg(args, "rotary_scaling_factor", default=1.0))
+    mscale = float(saved_arg(args, "mscale", default=1.0))
+    all_dim = float(saved_arg(args, "mscale_all_dim", default=0.0))
     if factor <= 1.0:  # YaRN at factor 1 is plain rope, and no mscale applies
         return {"rope_type": "default", "rope_theta": base}
     if rope_type != "yarn":
@@ -412,9 +412,9 @@ def rope_to_hf(args: Any, refuse: Any) -> dict[str, Any]:
     if all_dim and not mscale:
         raise refuse("YaRN mscale 0 with mscale_all_dim set (transformers then uses mscale 1)")
     return {"rope_type": "yarn", "rope_theta": base, "factor": factor,
-            "original_max_position_embeddings": int(_arg(args, "original_max_position_embeddings", default=4096)),
-            "beta_fast": float(_arg(args, "beta_fast", default=32)), "beta_slow": float(_arg(args, "beta_slow",
-                                                                                              default=1)),
+            "original_max_position_embeddings": int(saved_arg(args, "original_max_position_embeddings", default=4096)),
+            "beta_fast": float(saved_arg(args, "beta_fast", default=32)),
+            "beta_slow": float(saved_arg(args, "beta_slow", default=1)),
             "mscale": mscale, "mscale_all_dim": all_dim}
 
 
@@ -539,24 +539,25 @@ class DeepseekV3(HFArchitectureFamily):
                            ("moe_shared_expert_gate", "a gated shared expert"),
                            ("moe_expert_capacity_factor", "token dropping (expert capacity)"),
                            ("moe_input_jitter_eps", "router input jitter")):
-            if _arg(args, flag, default=False):
+            if saved_arg(args, flag, default=False):
                 raise refuse(f"{what} ({flag})")
-        if _arg(args, "position_embedding_type", default="rope") not in ("rope", "none"):
-            raise refuse(f"position embedding {_arg(args, 'position_embedding_type')} (MLA rotates its own rope dims)")
-        if float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
-            raise refuse(f"rotary_percent {_arg(args, 'rotary_percent')} (the whole rope head must rotate)")
-        if _arg(args, "normalization") != "RMSNorm":
-            raise refuse(f"normalization {_arg(args, 'normalization')} (DeepseekV3 uses RMSNorm)")
+        if saved_arg(args, "position_embedding_type", default="rope") not in ("rope", "none"):
+            raise refuse(f"position embedding {saved_arg(args, 'position_embedding_type')} "
+                         "(MLA rotates its own rope dims)")
+        if float(saved_arg(args, "rotary_percent", default=1.0)) != 1.0:
+            raise refuse(f"rotary_percent {saved_arg(args, 'rotary_percent')} (the whole rope head must rotate)")
+        if saved_arg(args, "normalization") != "RMSNorm":
+            raise refuse(f"normalization {saved_arg(args, 'normalization')} (DeepseekV3 uses RMSNorm)")
         if not facts.swiglu:
             raise refuse("the MLP is not SwiGLU")
-        eps = float(_arg(args, "norm_epsilon", default=1e-5))
+        eps = float(saved_arg(args, "norm_epsilon", default=1e-5))
         if eps != LATENT_NORM_EPS:
             raise refuse(f"norm epsilon {eps:g} (transformers fixes the latent norms' at {LATENT_NORM_EPS:g})")
         if not has(r"\.self_attention\.(?:kv_layernorm\.weight|linear_kv_up_proj\.layer_norm_weight)$"):
             raise refuse("MLA without latent norms (qk_layernorm false)")
         if not has(r"\.mlp\.router\.weight$"):
             raise refuse("no MoE layer (DeepseekV3's layers after first_k_dense_replace are MoE)")
-        if _arg(args, "moe_router_score_function", default="softmax") != "sigmoid":
+        if saved_arg(args, "moe_router_score_function", default="softmax") != "sigmoid":
             raise refuse("router scores by softmax (DeepseekV3 routes on sigmoid scores)")
         if not has(r"\.mlp\.router\.expert_bias$"):
             raise refuse("a router without expert bias (DeepseekV3 has e_score_correction_bias)")
@@ -564,10 +565,10 @@ class DeepseekV3(HFArchitectureFamily):
             raise refuse("a router bias")
         if not has(r"\.mlp\.shared_experts\.linear_fc1\.weight$"):
             raise refuse("MoE layers without a shared expert")
-        topk = _arg(args, "moe_router_topk")
+        topk = saved_arg(args, "moe_router_topk")
         if not isinstance(topk, int):
             raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
-        groups, group_topk = _arg(args, "moe_router_num_groups"), _arg(args, "moe_router_group_topk")
+        groups, group_topk = saved_arg(args, "moe_router_num_groups"), saved_arg(args, "moe_router_group_topk")
         if not (groups and groups > 1 and group_topk):  # megatron-core routes over every expert then
             groups = group_topk = None
         if groups and topk // group_topk != 2:
@@ -587,19 +588,20 @@ class DeepseekV3(HFArchitectureFamily):
                          "an untied head)")
         experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
         rope = rope_to_hf(args, refuse)
-        q_lora = _arg(args, "q_lora_rank") if has(r"\.linear_q_down_proj\.weight$") else None
-        heads, v_dim = facts.heads, _arg(args, "v_head_dim")
+        q_lora = saved_arg(args, "q_lora_rank") if has(r"\.linear_q_down_proj\.weight$") else None
+        heads, v_dim = facts.heads, saved_arg(args, "v_head_dim")
         vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
-        max_pos = _arg(args, "max_position_embeddings", "seq_length")
-        scaling = _arg(args, "moe_router_topk_scaling_factor")
+        max_pos = saved_arg(args, "max_position_embeddings", "seq_length")
+        scaling = saved_arg(args, "moe_router_topk_scaling_factor")
         config: dict[str, Any] = {
             "architectures": [self.name], "model_type": "deepseek_v3", "vocab_size": vocab,
             "hidden_size": facts.hidden, "intermediate_size": widths.get("dense") or moe_ffn,
             "moe_intermediate_size": moe_ffn, "num_hidden_layers": facts.num_layers, "num_attention_heads": heads,
             "num_key_value_heads": heads, "n_shared_experts": shared_ffn // moe_ffn, "n_routed_experts": experts,
-            "routed_scaling_factor": float(scaling) if scaling else 1.0, "kv_lora_rank": _arg(args, "kv_lora_rank"),
-            "q_lora_rank": q_lora, "qk_rope_head_dim": _arg(args, "qk_pos_emb_head_dim"), "v_head_dim": v_dim,
-            "qk_nope_head_dim": _arg(args, "qk_head_dim"), "n_group": groups or 1,
+            "routed_scaling_factor": float(scaling) if scaling else 1.0,
+            "kv_lora_rank": saved_arg(args, "kv_lora_rank"),
+            "q_lora_rank": q_lora, "qk_rope_head_dim": saved_arg(args, "qk_pos_emb_head_dim"), "v_head_dim": v_dim,
+            "qk_nope_head_dim": saved_arg(args, "qk_head_dim"), "n_group": groups or 1,
             "topk_group": group_topk or 1, "num_experts_per_tok": topk,
             "first_k_dense_replace": len(dense), "norm_topk_prob": topk > 1, "scoring_func": "sigmoid",
             "topk_method": "noaux_tc", "hidden_act": "silu", "rms_norm_eps": eps,

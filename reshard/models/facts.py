@@ -31,14 +31,16 @@ ARG_SPELLINGS: dict[str, tuple[str, ...]] = {
 _SPELLINGS: dict[str, tuple[str, ...]] = {name: names for names in ARG_SPELLINGS.values() for name in names}
 
 
-def saved_arg(args: Any, name: str) -> Any:
-    """The saved value of the fact ``name`` (any of its names) under any of its names
-    (:data:`ARG_SPELLINGS`); None when ``args`` hold none."""
-    for spelling in _SPELLINGS.get(name, (name,)):
-        v = getattr(args, spelling, None) if args is not None else None
-        if v is not None:
-            return v
-    return None
+def saved_arg(args: Any, *names: str, default: Any = None) -> Any:
+    """The saved value of the first fact of ``names`` that ``args`` hold, each looked up under any
+    of its names (:data:`ARG_SPELLINGS`); ``default`` when they hold none. Several names: a fact
+    Megatron-LM saved under different flags (``max_position_embeddings`` or ``seq_length``)."""
+    for name in names:
+        for spelling in _SPELLINGS.get(name, (name,)):
+            v = getattr(args, spelling, None) if args is not None else None
+            if v is not None:
+                return v
+    return default
 
 
 def int_arg(args: Any, name: str) -> int | None:

@@ -312,12 +312,14 @@ class NameRow:
 NameTable = tuple[NameRow, ...]
 
 
-#: The last element of a :func:`_table` row whose weights are a linear layer's (:attr:`NameRow.linear`).
+#: The last element of a :func:`name_table` row whose weights are a linear layer's (:attr:`NameRow.linear`).
 LINEAR = "linear"
 
 
-def _table(*rows: tuple[Any, ...]) -> NameTable:
-    """Rows ``(core, transform, hf)``, or ``(core, transform, hf, LINEAR)`` for a linear layer."""
+def name_table(*rows: tuple[Any, ...]) -> NameTable:
+    """A :data:`NameTable` from rows ``(core, transform, hf)``, or ``(core, transform, hf, LINEAR)``
+    for a linear layer (``core``: one megatron-core name or a tuple of its spellings); an
+    architecture defined in another module (DeepSeek's) writes its table with it too."""
     return tuple(NameRow(core if isinstance(core, tuple) else (core,), transform, hf, rest == [LINEAR])
                  for core, transform, hf, *rest in map(tuple, rows))
 
@@ -327,7 +329,7 @@ _H = "model.layers.{layer}."
 _EXTRA_STATE = "{prefix}_extra_state"
 #: megatron-core names (local spec first, then Transformer Engine's) <-> Hugging Face names
 #: (Llama / Qwen2).
-LLAMA_NAMES: NameTable = _table(
+LLAMA_NAMES: NameTable = name_table(
     ("embedding.word_embeddings.weight", VocabRows(), ("model.embed_tokens.weight",)),
     ((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"), Same(),
      (_H + "input_layernorm.weight",)),
@@ -346,7 +348,7 @@ LLAMA_NAMES: NameTable = _table(
 
 _G = "transformer.h.{layer}."
 #: megatron-core names <-> GPT-2 names (``GPT2LMHeadModel``; its linear layers are ``Conv1D``).
-GPT2_NAMES: NameTable = _table(
+GPT2_NAMES: NameTable = name_table(
     ("embedding.word_embeddings.weight", VocabRows(), ("transformer.wte.weight",)),
     ("embedding.position_embeddings.weight", Same(), ("transformer.wpe.weight",)),
     ((_L + "input_layernorm.{p}", _L + "self_attention.linear_qkv.layer_norm_{p}"), Same(), (_G + "ln_1.{p}",)),
@@ -369,7 +371,7 @@ _FC1 = (_L + _E + "local_experts.{expert}.linear_fc1.weight", _L + _E + "linear_
 _FC2 = (_L + _E + "local_experts.{expert}.linear_fc2.weight", _L + _E + "linear_fc2.weight{expert}")
 #: megatron-core MoE layers <-> Mixtral's (``block_sparse_moe``: router ``gate``, experts' ``w1`` gate,
 #: ``w3`` up and ``w2`` down projections), on top of Llama's names.
-MIXTRAL_NAMES: NameTable = LLAMA_NAMES + _table(
+MIXTRAL_NAMES: NameTable = LLAMA_NAMES + name_table(
     (_L + "mlp.router.weight", Same(), (_H + "block_sparse_moe.gate.weight",)),
     (_FC1, GatedSplit(), (_H + "block_sparse_moe.experts.{expert}.w1.weight",
                           _H + "block_sparse_moe.experts.{expert}.w3.weight"), LINEAR),
@@ -377,7 +379,7 @@ MIXTRAL_NAMES: NameTable = LLAMA_NAMES + _table(
 )
 #: A megatron-core MoE layer's router and routed experts <-> Qwen-MoE's (router ``mlp.gate``,
 #: ``mlp.experts.{e}.*_proj``).
-_QWEN_ROUTED: NameTable = _table(
+_QWEN_ROUTED: NameTable = name_table(
     (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
     (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
      LINEAR),
@@ -385,7 +387,7 @@ _QWEN_ROUTED: NameTable = _table(
 )
 #: megatron-core MoE layers <-> Qwen2-MoE's: the routed experts, one shared expert and its sigmoid
 #: gate, on top of Llama's names (its dense layers).
-QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _QWEN_ROUTED + _table(
+QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _QWEN_ROUTED + name_table(
     (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
      (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), LINEAR),
     (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",), LINEAR),
@@ -393,7 +395,7 @@ QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _QWEN_ROUTED + _table(
 )
 #: Qwen3's query/key layer norms (RMSNorm over each head's dims, before the rotary embedding), on
 #: top of Llama's names.
-QWEN3_NAMES: NameTable = LLAMA_NAMES + _table(
+QWEN3_NAMES: NameTable = LLAMA_NAMES + name_table(
     (_L + "self_attention.q_layernorm.weight", Same(), (_H + "self_attn.q_norm.weight",)),
     (_L + "self_attention.k_layernorm.weight", Same(), (_H + "self_attn.k_norm.weight",)),
 )
@@ -597,15 +599,6 @@ def with_token_ids(arch: HFArchitecture, args: Any) -> HFArchitecture:
                                             "no token ids (give the model's config.json with --model-config)"))
 
 
-def _arg(args: Any, *names: str, default: Any = None) -> Any:
-    """The first of ``names`` the saved ``args`` hold (each under any of its spellings), else ``default``."""
-    for n in names:
-        v = saved_arg(args, n)
-        if v is not None:
-            return v
-    return default
-
-
 def ffn_widths(split_rows: Mapping[str, int], swiglu: bool) -> dict[str, int]:
     """The FFN widths of the dense MLPs, the routed experts and the shared experts (``"dense"``,
     ``"expert"``, ``"shared"``; absent: none such), from each split megatron-core tensor's whole
@@ -639,7 +632,7 @@ def sliding_window(args: Any, num_layers: int) -> int | None:
     which megatron-core's local attention does not read so), windows on some layers only
     (``window_attn_skip_freq``, read as megatron-core's ``is_layer_window_attention`` does), or one
     in a legacy model's args (its attention is not megatron-core's)."""
-    size = _arg(args, "window_size")
+    size = saved_arg(args, "window_size")
     if size is None:
         return None
 
@@ -658,10 +651,10 @@ def sliding_window(args: Any, num_layers: int) -> int | None:
     if left < 0:
         raise refuse(f"window_size ({left}, 0) (Transformer Engine reads a negative side as unbounded, "
                      "megatron-core's local attention does not)")
-    if _arg(args, "use_legacy_models", default=False):
+    if saved_arg(args, "use_legacy_models", default=False):
         raise refuse(f"window_size ({left}, 0) in a legacy Megatron model's args (its attention is not "
                      "megatron-core's)")
-    freq = _arg(args, "window_attn_skip_freq")
+    freq = saved_arg(args, "window_attn_skip_freq")
     layers = range(1, num_layers + 1)  # megatron-core numbers layers from 1
     if freq is None:
         windowed = [True] * num_layers
@@ -682,7 +675,8 @@ def sliding_window(args: Any, num_layers: int) -> int | None:
 
 #: Megatron-LM ``args`` flags no exported architecture computes (each refused by name, with what it does).
 NOT_EXPORTED_FLAGS: tuple[tuple[str, str], ...] = (
-    ("squared_relu", "squared ReLU"), ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
+    ("squared_relu", "squared ReLU"),
+    ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
     ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
     ("use_rope_scaling", "rotary scaling"),
     ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"))
@@ -709,14 +703,14 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
         return any(re.search(pattern, k) for k in keys)
 
     for flag, what in (*NOT_EXPORTED_FLAGS, ("multi_latent_attention", "multi-latent attention")):
-        if _arg(args, flag, default=False):
+        if saved_arg(args, flag, default=False):
             raise refuse(f"{what} ({flag})")
     qk_norm = has(r"\.(q_layernorm|k_layernorm)\.weight$")
-    if qk_norm != bool(_arg(args, "qk_layernorm", default=qk_norm)):
+    if qk_norm != bool(saved_arg(args, "qk_layernorm", default=qk_norm)):
         raise refuse("args.qk_layernorm contradicts the query/key layer norms the tensors hold")
     if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
         raise refuse("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
-    norm = _arg(args, "normalization")
+    norm = saved_arg(args, "normalization")
     if norm is None:  # Megatron-LM's default is LayerNorm, which no SwiGLU, MoE or Qwen3 export has: ask
         if facts.swiglu or qk_norm or has(r"\.mlp\.router\.weight$"):
             raise LayoutError("the normalization is unknown: the checkpoint's args do not record it",
@@ -733,16 +727,16 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
         raise refuse(f"normalization is {norm}")
     if not facts.swiglu:
         raise refuse("the MLP is not SwiGLU")
-    if _arg(args, "position_embedding_type") != "rope" or has(r"position_embeddings\."):
-        raise refuse(f"position embedding {_arg(args, 'position_embedding_type') or 'unknown'} (rotary needed)")
-    percent = float(_arg(args, "rotary_percent", default=1.0))
+    if saved_arg(args, "position_embedding_type") != "rope" or has(r"position_embeddings\."):
+        raise refuse(f"position embedding {saved_arg(args, 'position_embedding_type') or 'unknown'} (rotary needed)")
+    percent = float(saved_arg(args, "rotary_percent", default=1.0))
     if percent != 1.0:
         raise refuse(f"rotary_percent {percent} (the whole head must rotate)")
     qkv_bias, proj_bias = has(r"linear_qkv\.bias$"), has(r"linear_proj\.bias$")
     mlp_bias = has(r"linear_fc1\.bias$") or has(r"linear_fc2\.bias$")
     vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
-    base = float(_arg(args, "rotary_base", default=ROPE_BASE_DEFAULT))
-    eps = float(_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
+    base = float(saved_arg(args, "rotary_base", default=ROPE_BASE_DEFAULT))
+    eps = float(saved_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
     config: dict[str, Any] = {
         "vocab_size": vocab, "hidden_size": facts.hidden, "intermediate_size": ffn,
         "num_hidden_layers": facts.num_layers, "num_attention_heads": facts.heads,
@@ -751,12 +745,13 @@ def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
         "tie_word_embeddings": bool(facts.tied_embeddings), "dtype": HF_DTYPES.get(dtype, str(dtype)),
         "bos_token_id": None, "eos_token_id": None, "use_cache": True,
     }
-    max_pos = _arg(args, "max_position_embeddings", "seq_length")
+    max_pos = saved_arg(args, "max_position_embeddings", "seq_length")
     if isinstance(max_pos, int):
         config["max_position_embeddings"] = max_pos
     notes = (f"rope_theta {base:g}" + (" (megatron-core's default: args do not record it)"
-                                       if _arg(args, "rotary_base") is None else ""),
-             f"rms_norm_eps {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon") is None else ""))
+                                       if saved_arg(args, "rotary_base") is None else ""),
+             f"rms_norm_eps {eps:g}"
+             + (" (megatron-core's default)" if saved_arg(args, "norm_epsilon") is None else ""))
     if qk_norm and (qkv_bias != proj_bias or mlp_bias):
         where = [n for n, b in (("QKV", qkv_bias), ("attention output", proj_bias), ("MLP", mlp_bias)) if b]
         raise refuse(f"query/key layer norms with biases on the {' and '.join(where)} layers (Qwen3 has them on "
@@ -794,7 +789,7 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
     on every linear layer, multi-head attention: ``GPT2LMHeadModel``."""
     if facts.swiglu:
         raise refuse("LayerNorm with a SwiGLU MLP (GPT-2 has a plain GELU MLP)")
-    if _arg(args, "position_embedding_type", default="learned_absolute") != "learned_absolute" or \
+    if saved_arg(args, "position_embedding_type", default="learned_absolute") != "learned_absolute" or \
             not has(r"^embedding\.position_embeddings\."):
         raise refuse("LayerNorm without learned absolute positions (GPT-2 learns them)")
     if facts.query_groups != facts.heads:
@@ -806,8 +801,8 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
     if missing:
         raise refuse(f"no biases on the {' and '.join(missing)} layers (GPT-2 has them on every linear layer)")
     rows = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
-    eps = float(_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
-    gelu = "gelu_new" if _arg(args, "openai_gelu", default=False) else "gelu"
+    eps = float(saved_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
+    gelu = "gelu_new" if saved_arg(args, "openai_gelu", default=False) else "gelu"
     config: dict[str, Any] = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": rows, "n_embd": facts.hidden,
         "n_layer": facts.num_layers, "n_head": facts.heads, "n_inner": ffn, "activation_function": gelu,
@@ -815,11 +810,11 @@ def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int |
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
         "dtype": HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
     }
-    max_pos = _arg(args, "max_position_embeddings", "seq_length")
+    max_pos = saved_arg(args, "max_position_embeddings", "seq_length")
     if isinstance(max_pos, int):
         config["n_positions"] = max_pos
     notes = (f"activation {gelu} ({'--openai-gelu' if gelu == 'gelu_new' else 'exact GELU, Megatron default'})",
-             f"layer_norm_epsilon {eps:g}" + (" (megatron-core's default)" if _arg(args, "norm_epsilon") is None
+             f"layer_norm_epsilon {eps:g}" + (" (megatron-core's default)" if saved_arg(args, "norm_epsilon") is None
                                               else ""))
     return HFArchitecture(name="GPT2LMHeadModel", config=config, notes=notes,
                           reason="LayerNorm, GELU, learned positions, biases on every linear layer, multi-head")
@@ -838,27 +833,27 @@ def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], n
     qkv_bias, proj_bias, mlp_bias = biases
     if (proj_bias and not qk_norm) or mlp_bias:
         raise refuse("linear biases besides the QKV's in a mixture-of-experts model")
-    score = _arg(args, "moe_router_score_function", default="softmax")
+    score = saved_arg(args, "moe_router_score_function", default="softmax")
     if score != "softmax":
         raise refuse(f"router scores by {score} (Mixtral and Qwen2-MoE route on softmax scores)")
-    if any(k.endswith(".mlp.router.expert_bias") for k in keys) or _arg(args, "moe_router_enable_expert_bias",
-                                                                         default=False):
+    expert_bias = saved_arg(args, "moe_router_enable_expert_bias", default=False)
+    if any(k.endswith(".mlp.router.expert_bias") for k in keys) or expert_bias:
         raise refuse("a router expert bias (aux-loss-free load balancing)")
     for flag, what in (("moe_router_num_groups", "group-limited routing"), ("moe_expert_capacity_factor",
                                                                            "token dropping (expert capacity)"),
                        ("moe_input_jitter_eps", "router input jitter")):
-        if _arg(args, flag):
+        if saved_arg(args, flag):
             raise refuse(f"{what} ({flag})")
-    if _arg(args, "moe_router_topk_scaling_factor", default=1.0) != 1.0:
+    if saved_arg(args, "moe_router_topk_scaling_factor", default=1.0) != 1.0:
         raise refuse("scaled routing weights (moe_router_topk_scaling_factor)")
-    topk = _arg(args, "moe_router_topk")
+    topk = saved_arg(args, "moe_router_topk")
     if not isinstance(topk, int):
         raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
     experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
     moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
     dense = sorted(set(range(facts.num_layers)) - moe_layers)
     shared = any(k.endswith(".mlp.shared_experts.linear_fc1.weight") for k in keys)
-    pre_softmax = bool(_arg(args, "moe_router_pre_softmax", default=False))
+    pre_softmax = bool(saved_arg(args, "moe_router_pre_softmax", default=False))
     routing = {"num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
     if qk_norm:
         if shared:

@@ -295,9 +295,9 @@ _CORE_INNER = ("gate_weight", "linear_fc1.", "linear_fc2.")
 _CORE_ENTRIES = ("weight", "bias", "_extra_state")
 #: megatron-core's local-spec linear layers carry an ``_extra_state`` entry (None); legacy ones none.
 #: (a multi-token prediction layer's decoder layer and its ``eh_proj`` likewise).
-_CORE_LINEAR_WEIGHT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(?:.+\.)?linear_(?:proj|qkv|"
-                                 r"fc1|fc2|q_down_proj|q_up_proj|q_proj|kv_down_proj|kv_up_proj)|mtp\.layers\.\d+\.eh_proj)"
-                                 r"\.weight$")
+_CORE_LINEAR_WEIGHT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(?:.+\.)?"
+                                 r"linear_(?:proj|qkv|fc1|fc2|q_down_proj|q_up_proj|q_proj|kv_down_proj|kv_up_proj)"
+                                 r"|mtp\.layers\.\d+\.eh_proj)\.weight$")
 _CORE_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 

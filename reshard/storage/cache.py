@@ -166,7 +166,8 @@ class ShardCache:
             finally:
                 tmp.unlink(missing_ok=True)
         raise StorageError(f"download failed verification {FETCH_ATTEMPTS} times ({last})", culprit=obj.url,
-                           hint="the object may be changing or the network corrupting data; retry later", transient=True)
+                           hint="the object may be changing or the network corrupting data; retry later",
+                           transient=True)
 
     def _read_ranges(self, loc: Location, obj: RemoteObject, tmp: Path, pieces: list[tuple[int, int]]) -> None:
         """Concurrent ranged reads of ``pieces`` (``[start, end)``) into a file of the object's size."""

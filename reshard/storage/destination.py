@@ -310,7 +310,7 @@ class LocalDestination(Destination):
         _remove_empty_dirs(self.workdir)
 
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
-        return _record(self.staged(name), name, sha256)
+        return file_record(self.staged(name), name, sha256)
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:
         self._assert_lock()
@@ -391,7 +391,8 @@ class RemoteDestination(Destination):
         return self.staged_remote_size(name)
 
     def publish(self, name: str, sha256: str | None = None) -> dict[str, Any]:
-        """Hash the staged file (unless the writer did), upload it to the staging prefix, check the size, free the disk."""
+        """Hash the staged file (unless the writer did), upload it to the staging prefix, check the
+        size, free the disk."""
         local = self.staged(name)
         remote = f"{self.staging_prefix}/{name}"
         if not local.exists():
@@ -402,7 +403,7 @@ class RemoteDestination(Destination):
 
                 with storage_errors(self.url):
                     return {"path": name, "size": size, "sha256": sha256_at(self.loc, remote)}
-        record = _record(local, name, sha256)
+        record = file_record(local, name, sha256)
         crash_point("uploading")
         last = ""
         for _ in range(UPLOAD_ATTEMPTS):
@@ -475,8 +476,3 @@ def _remove_empty_dirs(root: Path) -> None:
     except OSError:
         pass
 
-
-def _record(path: Path, name: str, sha256: str | None) -> dict[str, Any]:
-    if sha256 is None:
-        return file_record(path, name)
-    return {"path": name, "size": path.stat().st_size, "sha256": sha256}

@@ -32,8 +32,11 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def file_record(path: Path, name: str) -> dict[str, Any]:
-    return {"path": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
+def file_record(path: Path, name: str, sha256: str | None = None) -> dict[str, Any]:
+    """The manifest's record of the file at ``path``, listed as ``name``: its size and SHA-256,
+    the digest read from the file unless the writer computed it already (``sha256``, hashed while
+    the file was written)."""
+    return {"path": name, "size": path.stat().st_size, "sha256": sha256 if sha256 is not None else sha256_file(path)}
 
 
 def read_manifest(loc: Location) -> dict[str, Any]:

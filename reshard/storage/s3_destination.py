@@ -38,9 +38,9 @@ from typing import Any
 
 from reshard.core.errors import StorageError
 from reshard.crashpoints import crash_point
-from reshard.storage.destination import UPLOAD_ATTEMPTS, RemoteDestination, _record
+from reshard.storage.destination import UPLOAD_ATTEMPTS, RemoteDestination
 from reshard.storage.location import storage_errors
-from reshard.storage.manifest import MANIFEST_NAME
+from reshard.storage.manifest import MANIFEST_NAME, file_record
 from reshard.storage.s3_transfer import (
     MultipartStream,
     PendingUpload,
@@ -108,7 +108,7 @@ class S3Destination(RemoteDestination):
             found = self._pending(name)
             if found is not None:
                 return {k: found[0][k] for k in ("path", "size", "sha256")}
-        record = _record(local, name, sha256)
+        record = file_record(local, name, sha256)
         crash_point("uploading")
         attempt = 1
         while True:
@@ -140,7 +140,8 @@ class S3Destination(RemoteDestination):
             raise StorageError(f"upload of {record['path']} failed verification (the server holds {held} of "
                                f"{record['size']} bytes)", culprit=self.url, hint="retry; check the storage endpoint",
                                transient=True)
-        self.loc.fs.pipe_file(self._record_path(record["path"]), json.dumps(dict(record, upload=up.to_record())).encode())
+        uploaded = json.dumps(dict(record, upload=up.to_record())).encode()
+        self.loc.fs.pipe_file(self._record_path(record["path"]), uploaded)
         return record
 
     def commit(self, names: list[str], manifest: dict[str, Any]) -> None:

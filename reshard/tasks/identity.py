@@ -49,8 +49,8 @@ def _package_hash() -> str:
 
 
 def _plugin_sources() -> set[str]:
-    """The source files of the registered formats, model families and Hugging Face architectures defined outside the package
-    (third parties': entry points or ``register_*`` calls)."""
+    """The source files of the registered formats, model families and Hugging Face architectures
+    defined outside the package (third parties': entry points or ``register_*`` calls)."""
     from reshard.formats.registry import registry as formats
     from reshard.models.hf_registry import registry as hf_architectures
     from reshard.models.registry import registry as families

@@ -169,7 +169,8 @@ def locate_source(base: dict[str, Any], discovery: dict[str, Any], metadata: dic
     with urls_in_errors(view, disc.url):
         source = locate(str(view))
     names = _object_names(job, source.files)
-    read_too = source.aux + get_format(source.format).companions(source, weights_read(_options(job)))  # read by every target
+    # read by every target
+    read_too = source.aux + get_format(source.format).companions(source, weights_read(_options(job)))
     aux = _object_names(job, read_too)
     if None in names or None in aux:  # a local descriptor may list files outside its folder: no per-shard early start
         names = [o.name for o in disc.objects if not disc.is_marker(o.name)]
@@ -204,10 +205,12 @@ def plan_layout(located: dict[str, Any], headers: dict[str, str]) -> dict[str, A
     files = _object_names(job, plan.source.files)
     files = job["source_files"] if None in files else files
     aux = job.get("source_aux") or []  # read by every target (a torch_dist checkpoint's blobs)
-    return dict(job, targets=[{"rank": t.rank, "name": t.name, "sources": list(dict.fromkeys(files[i] for i in t.sources)) + aux,
+    return dict(job, targets=[{"rank": t.rank, "name": t.name,
+                               "sources": list(dict.fromkeys(files[i] for i in t.sources)) + aux,
                                "bytes_written": t.bytes_written} for t in plan.targets],
                 publishes=not isinstance(destination_for(job), LocalDestination),
-                warnings=list(plan.warnings), zero_stage=zero.source_stage, side_files=side_files_record(side_files(plan, names)),
+                warnings=list(plan.warnings), zero_stage=zero.source_stage,
+                side_files=side_files_record(side_files(plan, names)),
                 source_tp=plan.source_tp, target_pp=plan.target_pp, target_ep=plan.target_ep,
                 target_etp=plan.target_etp, version=plan.version,
                 output_format=plan.output_format, notes=get_format(plan.output_format).describe(plan))
@@ -232,7 +235,8 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
         if committed and not job["overwrite"]:
             raise DestinationError("already holds a committed checkpoint (of a different conversion)",
                                    culprit=job["destination"],
-                                   hint="pass overwrite=True / --overwrite to replace it, or choose another destination")
+                                   hint="pass overwrite=True / --overwrite to replace it, "
+                                        "or choose another destination")
         src_loc = open_location(disc.url, job["storage_options"])
         dest.check_outside(src_loc, source_folders(plan, local))
         from prefect.runtime import flow_run

@@ -42,8 +42,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import megatron_lm
-from write_fixtures import CPU_FLAGS, TOKENS
+import megatron_lm  # noqa: E402 (found on the path set above)
+from write_fixtures import CPU_FLAGS, TOKENS  # noqa: E402
 
 #: Command-line options a checkpoint's own layout and format decide (dropped from --flags/fixtures).
 LAYOUT_OPTIONS = ("--save", "--load", "--ckpt-format", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",

@@ -43,7 +43,7 @@ REPO = HERE.parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "realtools"
 sys.path.insert(0, str(HERE))
 
-import megatron_lm
+import megatron_lm  # noqa: E402 (found on the path set above)
 
 #: The tokens every fixture's logits are computed on (below every fixture's vocabulary).
 TOKENS = [1, 7, 42, 3, 99, 15, 64, 2]
@@ -76,7 +76,8 @@ MOE = LLAMA + ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --e
 #: hidden / heads = 8, is then neither head width, as in DeepSeek-V3: 7168 / 128 = 56 against 128).
 DEEPSEEK = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 8 --swiglu "
             "--normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
-            "--untie-embeddings-and-output-weights --disable-bias-linear --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
+            "--untie-embeddings-and-output-weights --disable-bias-linear --multi-latent-attention "
+            "--q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
             "--qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --mscale 1.0 "
             "--mscale-all-dim 1.0 --num-experts 4 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 "
             "--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
