@@ -267,10 +267,11 @@ def test_a_source_object_replaced_mid_run_fails_in_one_line(s3_server, s3_bucket
     listed = source_view.list_objects
 
     def list_then_replace(*args: Any, **kwargs: Any) -> Any:
+        # after every listing: the CLI lists once in its checks before Prefect starts and again in the
+        # flow, and whichever listing the reads use must be stale by the time they come
         objs = listed(*args, **kwargs)
-        if not replaced:
-            loc.fs.pipe_file(target, _flip_middle(loc.fs.cat_file(target)))
-            replaced.append(target)
+        loc.fs.pipe_file(target, _flip_middle(loc.fs.cat_file(target)))
+        replaced.append(target)
         return objs
 
     replaced: list[str] = []

@@ -21,6 +21,7 @@ _SAVE = textwrap.dedent('''
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import torch.nn as nn
     import deepspeed
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo's all-reduce (tests/zero_engine.py)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},

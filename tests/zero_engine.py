@@ -28,6 +28,11 @@ base, _, variant = dtype.partition("-")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
 
 import deepspeed  # noqa: E402
+
+# gloo's all-reduce, not DeepSpeed's shared-memory one: that op is compiled on first use into
+# ~/.cache/torch_extensions (a minute per fresh HOME), and a build killed half-way leaves a lock that
+# hangs every later engine start. The tests' DeepSpeed scripts all say this line.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 

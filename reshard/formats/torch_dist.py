@@ -204,7 +204,8 @@ class TorchDistFormat(CheckpointFormat):
         if getattr(common.get("args"), "moe_grouped_gemm", False) and any(EXPERTS in k for k in meta.keys):
             raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
                               "names (linear_fc1.weight{i}) are not written from torch_dist yet",
-                              culprit=str(folder), hint="convert a per-rank checkpoint of this run instead")
+                              culprit=str(folder / COMMON if (folder / COMMON).is_file() else p),
+                              hint="convert a per-rank checkpoint of this run instead")
         module = per_rank_module(meta, folder, _transformer_impl(common.get("args"), p))
         out: dict[str, Any] = {}
         for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
