@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
+.PHONY: demo test test-quick lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +50,16 @@ demo: install bytecode
 lint: install-dev
 	$(VENV)/bin/ruff check reshard tests bench
 
+# The whole suite on $(JOBS) workers, a test module per worker at a time (its module fixtures built
+# once); every real-tool, server and fault-injection test is in it. `.ci/run` runs this.
+JOBS ?= 2
 test: install-dev lint bytecode
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) --dist loadfile
+
+# The loop's tier (under 5 minutes): the tests that start no real tool or server (see the tiers in
+# tests/conftest.py): unit tests, the planner, every format's read and write on tiny inputs, the CLI's errors.
+test-quick: install-dev lint bytecode
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -m "not slow and not mcore"
 
 # The side environment of the real-tool fixtures (tests/realtools/README.md): Python 3.12 with
 # megatron-core 0.19, Megatron-Bridge 0.6, transformers and torch as pinned there. Not needed by `make test`.

@@ -229,3 +229,21 @@ def output_bytes(folder: Path) -> dict[str, bytes]:
 
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file() and p.name != MANIFEST_NAME}
+
+
+# --- tiers ---------------------------------------------------------------------------------------
+
+#: Fixtures that start a real tool or server (SeaweedFS, a Prefect server, DeepSpeed's engine): a
+#: test using one, directly or through another fixture, is in `make test`'s tier only, as is one
+#: marked ``slow`` (processes it spawns) or ``mcore`` (real megatron-core). `make test-quick` runs
+#: the rest: the unit tests, the planner, every format's read and write on tiny inputs, the CLI's
+#: errors.
+REAL_TOOL_FIXTURES = frozenset({"s3_server", "prefect_env", "zero_checkpoint"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test whose fixture closure starts a real tool or server, so the quick
+    tier's selection (``-m "not slow and not mcore"``) is decided by what a test uses, not by a list."""
+    for item in items:
+        if REAL_TOOL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -116,6 +116,7 @@ def kill_all(pids: list[int]) -> None:
 
 # --- 1: the embedded server stops idle -------------------------------------------------------
 
+@pytest.mark.slow  # starts the embedded Prefect server
 def test_embedded_server_records_every_task_run_and_stops_quietly(sample_factory, tmp_path):
     """Two conversions of one source (the second's per-shard steps served from the cache) against
     the embedded server, whose recorder is slow: each leaves every task run recorded in a final
@@ -151,6 +152,7 @@ def test_embedded_server_records_every_task_run_and_stops_quietly(sample_factory
 
 # --- 2: a killed run takes the embedded server with it ----------------------------------------
 
+@pytest.mark.slow  # starts the embedded Prefect server
 @pytest.mark.skipif(not LINUX_PROC, reason="finds the server through /proc")
 @pytest.mark.parametrize("when", ["startup", "mid-run"])
 def test_a_killed_run_takes_the_embedded_server_with_it(sample_factory, tmp_path, when):
@@ -194,6 +196,7 @@ server.start_embedded(__import__("pathlib").Path(os.environ["RESHARD_CACHE_DIR"]
 """
 
 
+@pytest.mark.slow  # starts the embedded Prefect server
 @pytest.mark.skipif(not LINUX_PROC, reason="finds the server through /proc")
 def test_a_parent_killed_the_moment_it_spawned_the_server_takes_the_server_with_it(tmp_path):
     env = embedded_env(tmp_path)
@@ -232,6 +235,7 @@ def _truncated_copy(folder: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow  # starts the embedded Prefect server
 def test_a_failing_run_prints_one_line_unless_verbose(sample_factory, tmp_path):
     """A run that fails inside the flow (its first conversion raises) on the embedded server: only
     reshard's line without ``-v``; with ``-v`` Prefect's task-run lines too."""

@@ -348,6 +348,7 @@ def _deepspeed(*argv: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_by_real_deepspeed(tmp_path):
     import deepspeed  # noqa: F401  (the reference: a missing DeepSpeed fails here, never skips)
     root = tmp_path / "run"

@@ -60,7 +60,7 @@ def _upload(folder: Path, url: str, so: dict) -> None:
         loc.fs.put_file(str(p), loc.join(p.name))
 
 
-@pytest.fixture(params=["file", "memory", "s3"])
+@pytest.fixture(params=["file", "memory", pytest.param("s3", marks=pytest.mark.slow)])
 def store(request, tmp_path, sample_tp8):
     """(source URL, destination root URL, storage options) on one backend, source uploaded."""
     if request.param == "file":

@@ -16,6 +16,8 @@ from conftest import upload_to_s3
 from reshard.cli import main
 from reshard.core.errors import CheckpointFormatError
 
+pytestmark = pytest.mark.slow  # every test reads a checkpoint DeepSpeed's engine saves (the zero3 fixture)
+
 _SAVE = textwrap.dedent('''
     import os, sys
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
