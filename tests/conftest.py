@@ -16,10 +16,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from reshard.sample import GPTConfig, write_sample_checkpoint  # noqa: E402
+from shared_builds import once, set_root  # noqa: E402
 
 CFG = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=16)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_builds_root(tmp_path_factory) -> Path:
+    """Where real-tool outputs built once per run live, for every xdist worker (tests/shared_builds.py)."""
+    return set_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +52,12 @@ def zero_checkpoint(tmp_path_factory):
     """``make(stage, dtype, dp, tp=1) -> tag folder``: a checkpoint saved by DeepSpeed's own engine
     (``tests/zero_engine.py``, one process per rank), each configuration once per session."""
     cache: dict[tuple, Path] = {}
-    root = tmp_path_factory.mktemp("zero")
 
     def make(stage: int, dtype: str, dp: int, tp: int = 1) -> Path:
         key = (stage, dtype, dp, tp)
-        if key not in cache:
-            cache[key] = run_zero_engine(root / "_".join(map(str, key)), stage, dtype, dp, tp)
+        if key not in cache:  # once per test run, whichever xdist worker asks first (shared_builds)
+            name = "zero-" + "_".join(map(str, key))
+            cache[key] = once(name, lambda out: run_zero_engine(out, stage, dtype, dp, tp)) / ZERO_TAG
         return cache[key]
 
     return make

@@ -8,9 +8,12 @@ checkpoints (one subprocess for a batch). Nothing is downloaded.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+
+import shared_builds
 
 if importlib.util.find_spec("megatron.core") is None:  # a required test dependency: fail, never skip
     raise ImportError("megatron-core is a required test dependency: pip install -e .[dev]")
@@ -76,30 +81,71 @@ def model_options(name: str) -> dict[str, Any]:
 _CACHE: dict[str, dict[Any, Path]] = {}
 
 
+#: The harness server of this test process (``mcore_harness.py --serve``), started on first use.
+_SERVER: list[tuple[subprocess.Popen, Path]] = []
+#: Seconds one jobs file may take.
+HARNESS_TIMEOUT = 900
+
+
+def _harness_server(workdir: Path) -> tuple[subprocess.Popen, Path]:
+    """This process's harness server: megatron-core imported once per test process rather than once
+    per jobs file (about 5 CPU-seconds each, and the suite runs dozens). A server that died is
+    replaced; it ends when this process closes its stdin at exit. What it prints outside a job (an
+    import failing) goes to ``harness-server.log`` in the workdir it was started for."""
+    if not _SERVER or _SERVER[0][0].poll() is not None:
+        # TORCHDYNAMO_DISABLE: megatron-core wraps a few helpers in torch.compile (``jit_fuser``; here the
+        # MoE router's expert-bias token count, which no logit depends on); compiling them again in every
+        # forked rank of every job costs seconds each and changes no output (logits equal, checked)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHDYNAMO_DISABLE": "1"}
+        server_log = workdir / "harness-server.log"
+        with open(server_log, "w") as err:
+            proc = subprocess.Popen([sys.executable, str(HARNESS), "--serve"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        _SERVER[:] = [(proc, server_log)]
+        atexit.register(_stop_server, proc)
+    return _SERVER[0]
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run_harness(jobs: list[dict[str, Any]], workdir: Path) -> None:
-    """Run ``jobs`` (``mcore_harness.py``'s job dicts) in one harness process, megatron-core
-    imported once for all of them; its job file and outputs go under ``workdir``. A failed run
-    raises RuntimeError with the end of the harness's output."""
+    """Run ``jobs`` (``mcore_harness.py``'s job dicts) in this process's harness server, megatron-core
+    imported once for all of them; the job file, the harness's output (``jobs_N.log``) and the jobs'
+    outputs go under ``workdir``. A failed run raises RuntimeError with the end of that output."""
     workdir.mkdir(parents=True, exist_ok=True)
     jobs_file = workdir / f"jobs_{len(list(workdir.glob('jobs_*.json')))}.json"
     jobs_file.write_text(json.dumps(jobs))
-    # TORCHDYNAMO_DISABLE: megatron-core wraps a few helpers in torch.compile (``jit_fuser``; here the
-    # MoE router's expert-bias token count, which no logit depends on); compiling them again in every
-    # forked rank of every job costs seconds each and changes no output (logits equal, checked)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, str(HARNESS), str(jobs_file)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"megatron-core harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    log = jobs_file.with_suffix(".log")
+    server, server_log = _harness_server(workdir)
+    server.stdin.write(f"{jobs_file}\t{log}\n")
+    server.stdin.flush()
+    ready, _, _ = select.select([server.stdout], [], [], HARNESS_TIMEOUT)
+    reply = server.stdout.readline().strip() if ready else "timed out"
+    if reply != "ok":
+        if not ready:
+            server.kill()
+        output = (log if log.is_file() else server_log).read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"megatron-core harness failed ({reply or f'exit {server.wait()}'}):\n{output}")
 
 
 def _written_once(key: str, root: Path, out: dict[Any, Path], job: Callable[[Any, Path], dict[str, Any]]
                   ) -> dict[Any, Path]:
     """``out`` (layout -> folder), each folder written by the harness job ``job(layout, folder)`` —
-    all in one harness run, the first time ``key`` is asked for in this session."""
+    all in one harness run, the first time ``key`` is asked for in this test run by any xdist worker
+    (:func:`shared_builds.once`: the folders are moved from ``root`` to the run's shared folder)."""
     if key not in _CACHE:
-        run_harness([job(lay, folder) for lay, folder in out.items()], root)
-        _CACHE[key] = out
+        shared = shared_builds.shared_root() / f"mcore-{key}"
+        moved = {lay: shared / folder.relative_to(root) for lay, folder in out.items()}
+        shared_builds.once(f"mcore-{key}", lambda folder: run_harness(
+            [job(lay, path) for lay, path in moved.items()], folder))
+        _CACHE[key] = moved
     return _CACHE[key]
 
 

@@ -1,8 +1,10 @@
 """Build real megatron-core GPT models on the CPU and save them as Megatron-LM does (test-only).
 
-Run as a script: ``python mcore_harness.py jobs.json``. The launcher imports megatron-core once
-(~5 s) and then, per job, *forks* one process per rank (gloo process groups, world size
-``tp * pp``) — it never computes anything itself, so forking is safe. Jobs:
+Run as a script: ``python mcore_harness.py jobs.json``, or ``python mcore_harness.py --serve`` (the
+tests' launcher, :func:`mcore_fixtures.run_harness`: one per test process, fed one jobs file per line,
+see :func:`serve`). The launcher imports megatron-core once and then, per job, *forks* one process
+per rank (gloo process groups, world size ``tp * pp``) — it never computes anything itself, so
+forking is safe. Jobs:
 
 * ``write``: build ``GPTModel`` (``get_gpt_layer_local_spec``, ``use_cpu_initialization=True``)
   from ``model`` at (tp, pp) with a fixed seed and save ``<out>/iter_XXXXXXX/mp_rank_TT[_PPP]/
@@ -46,6 +48,11 @@ from pathlib import Path
 from typing import Any
 
 warnings.filterwarnings("ignore")
+
+SERVE = sys.argv[1:] == ["--serve"]
+if SERVE:  # stdout is the replies' channel alone: whatever else is printed (imports, ranks) goes to stderr
+    CHANNEL = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -657,5 +664,27 @@ def main(jobs_file: str) -> None:
         mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
 
 
+def serve() -> None:
+    """Run jobs files as they come, megatron-core imported once for all of them: each line on stdin
+    is ``JOBS<TAB>LOG``; the jobs run as :func:`main` runs them, with this process's and the forked
+    ranks' output in LOG, and ``ok`` or ``failed`` is written back on the channel. Ends with stdin."""
+    import traceback
+
+    for line in sys.stdin:
+        jobs_file, log = line.rstrip("\n").split("\t")
+        with open(log, "w") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                main(jobs_file)
+                ok = True
+            except BaseException:  # a rank's failure: its traceback is in LOG, the launcher reads it
+                traceback.print_exc()
+                ok = False
+            sys.stdout.flush()
+            sys.stderr.flush()
+        CHANNEL.write("ok\n" if ok else "failed\n")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    serve() if SERVE else main(sys.argv[1])
