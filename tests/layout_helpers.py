@@ -50,3 +50,14 @@ def legacy_names(sd: dict, tied: bool = False) -> dict:
             k = k.replace(a, b)
         out[k] = v
     return out
+
+
+#: What a conversion's Megatron-LM ``args`` say of the optimizer and RNG state it drops (Megatron-LM's
+#: ``--no-save-optim`` / ``--no-save-rng``, which its torch_dist loader reads; ``retarget_args``).
+UNSAVED_STATE = {"no_save_optim": True, "no_save_rng": True}
+
+
+def converted_args(args: Any) -> dict[str, Any]:
+    """The ``args`` (as a dict) a conversion writes where a checkpoint written at its layout saved
+    ``args``: the same, saying that no optimizer or RNG state was saved."""
+    return {**vars(args), **UNSAVED_STATE}

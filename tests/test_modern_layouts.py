@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from layout_helpers import convert, legacy_names
+from layout_helpers import convert, converted_args, legacy_names
 from mcore019 import CudaGraphModule, InferenceCudaGraphScope, serve_019_enums
 from mcore_reference import Arch, core_logits
 from reshard.cli import main
@@ -81,7 +81,7 @@ def _assert_same_checkpoint(ours: list[dict], theirs: list[dict]) -> None:
                 assert a["model"][k].dtype == v.dtype and torch.equal(a["model"][k], v), k
             else:
                 assert type(a["model"][k]) is type(v), k
-        assert vars(a["args"]) == vars(b["args"])
+        assert vars(a["args"]) == converted_args(b["args"])
 
 
 def _arch(cfg: CoreGPTConfig) -> Arch:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layout_helpers import convert, legacy_names
+from layout_helpers import convert, converted_args, legacy_names
 from mcore_fixtures import TOKENS, iteration_folder, mcore_checkpoints, mcore_forward, model_options, needs_mcore
 from mcore_reference import Arch, core_logits
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
@@ -66,7 +66,7 @@ def _same(ours: list[dict], theirs: list[dict], args: bool = True) -> None:
             else:
                 assert a["model"][k] is None and v is None, k
         if args:
-            assert vars(a["args"]) == vars(b["args"])
+            assert vars(a["args"]) == converted_args(b["args"])
 
 
 @pytest.mark.parametrize("move", MOVES, ids=[f"tp{a}pp{b}-tp{c}pp{d}" for (a, b), (c, d) in MOVES])
@@ -92,7 +92,7 @@ def test_pp_round_trip_is_bit_identical(samples, tmp_path, move):
         x, y = load_shard(a, mmap=False), load_shard(b, mmap=False)
         assert list(x["model"]) == list(y["model"])
         assert all(torch.equal(x["model"][k], v) for k, v in y["model"].items() if isinstance(v, torch.Tensor))
-        assert vars(x["args"]) == vars(y["args"])
+        assert vars(x["args"]) == converted_args(y["args"])
 
 
 def _legacy_copy(src: Path, dst: Path, tied: bool) -> Path:
