@@ -50,7 +50,7 @@ def sample_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def zero_checkpoint(tmp_path_factory):
     """``make(stage, dtype, dp, tp=1) -> tag folder``: a checkpoint saved by DeepSpeed's own engine
-    (``tests/zero_engine.py``, one process per rank), each configuration once per session."""
+    (``tests/zero_engine.py``, one process per rank), each configuration once per test run."""
     cache: dict[tuple, Path] = {}
 
     def make(stage: int, dtype: str, dp: int, tp: int = 1) -> Path:

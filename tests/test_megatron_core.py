@@ -26,6 +26,7 @@ from mcore_fixtures import (
     model_options,
     needs_mcore,
     rank_module,
+    run_harness,
 )
 from mcore_reference import Arch, core_logits
 from reshard.core.errors import LayoutError
@@ -188,3 +189,16 @@ def test_inspect_facts_from_megatron_core_args(mcore):
         ("megatron-core", 8, 2, 8, True, False)
     assert f.origin["query_groups"] == "args" and f.origin["swiglu"].startswith("shapes")
     assert len(plan.carried) == 2 * 4 + 1 and all(p.dtype is None for p in plan.carried)  # local spec: None
+
+
+def test_a_failed_harness_job_is_reported_with_its_traceback_and_the_server_runs_the_next(tmp_path):
+    """run_harness keeps one harness server per test process: a job that raises comes back as a
+    RuntimeError carrying the rank's traceback (from jobs_N.log), and the same server then runs the
+    next jobs file (megatron-core's logits of a real checkpoint)."""
+    bad = {"kind": "write", "out": str(tmp_path / "bad"), "tp": 1, "model": {"hidden": 64}, "tokens": TOKENS}
+    with pytest.raises(RuntimeError, match=r"(?s)harness failed \(failed\).*KeyError: 'layers'"):
+        run_harness([bad], tmp_path / "work")
+    assert (tmp_path / "work" / "jobs_0.log").is_file()
+    ckpt = mcore_checkpoints(tmp_path / "m")[("gqa_swiglu", 2, 1)]
+    (logits,) = mcore_forward([("gqa_swiglu", ckpt, 2)], tmp_path / "work")
+    assert torch.equal(logits, torch.load(ckpt / "logits.pt"))
