@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test test-quick lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
+.PHONY: demo test test-quick test-quick-py312 lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,16 @@ test: install-dev lint bytecode
 # tests/conftest.py): unit tests, the planner, every format's read and write on tiny inputs, the CLI's errors.
 test-quick: install-dev lint bytecode
 	$(PY) -m pytest -n $(JOBS) --dist loadfile -m "not slow and not mcore"
+
+# The quick tier on Python 3.12, the Python of megatron-core >= 0.19 and Megatron-Bridge, in its own venv
+# (the same install steps; torch 2.13.0 for 3.12 comes from the index as its CUDA build, which runs on a
+# CPU). PYTHON312=/path/to/python3.12 when none is on PATH or under pyenv.
+VENV312 ?= .venv-py312
+PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p && break; done)
+test-quick-py312:
+	@test -n "$(PYTHON312)" || { echo "make: no Python 3.12 found (fix: install one, or set PYTHON312=/path/to/python3.12)" >&2; exit 2; }
+	$(MAKE) test-quick VENV=$(VENV312) PYTHON=$(PYTHON312)
 
 # The side environment of the real-tool fixtures (tests/realtools/README.md): Python 3.12 with
 # megatron-core 0.19, Megatron-Bridge 0.6, transformers and torch as pinned there. Not needed by `make test`.
