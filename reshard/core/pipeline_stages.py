@@ -126,7 +126,7 @@ def chunk_counts(num_layers: int, pp: int, vpp: int = 1, *, first: int | None = 
 
 def parse_layout(text: str, where: str = "--target-pipeline-layout") -> list[str]:
     """Megatron-LM's ``--pipeline-model-parallel-layout`` string as its stages, each a string of
-    ``E`` (embedding), ``t`` (transformer layer), ``m`` (MTP layer), ``L`` (loss): commas dropped,
+    ``E`` (embedding), ``t`` (transformer layer), ``m`` (a layer beside the stack), ``L`` (loss): commas dropped,
     ``(..)*n`` and ``x*n`` unrolled, split at ``|``.
 
     =====================  ================================

@@ -316,7 +316,7 @@ class SourceRead:
     #: pipeline stage NNN or an expert-parallel rank NNN: only the saved args say); None: as located.
     source: SourceCheckpoint | None = None
     #: What the source declares but does not hold, which the output therefore lacks (one line each;
-    #: a DeepSeek folder's multi-token prediction layer saved without its weights).
+    #: a layer a Hugging Face folder's config declares but saves no weights for).
     warnings: tuple[str, ...] = ()
 
     @property
