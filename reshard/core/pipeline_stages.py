@@ -155,7 +155,7 @@ def layout_counts(text: str, pp: int, num_layers: int, where: str = "--target-pi
     """(virtual stages, layers per stage) of a layout string for ``pp`` ranks and ``num_layers``
     layers, checked as megatron-core checks it (embedding first, loss last, every layer placed) and
     stricter: the embedding in the first stage and the loss in the last (where megatron-core builds
-    them whatever the string says). Multi-token prediction layers (``m``) are not counted here (their
+    them whatever the string says). Layers beside the stack (``m``) are not counted here (their
     family places them)."""
     stages = parse_layout(text, where)
     flat = "".join(stages)

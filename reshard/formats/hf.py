@@ -672,7 +672,7 @@ def header_bytes(entries: Sequence[FileEntry]) -> bytes:
 class ScatterSink(RecordSink):
     """A megatron-core tensor's bytes, in order, queued for the writer thread to where its runs
     say (``(src, length, file offset)``, sorted); bytes no run covers (vocabulary padding) are
-    dropped, bytes several runs cover (DeepSeek's copies of the embeddings) go to each. A chunk's
+    dropped, bytes several runs cover (an architecture's copies of the embeddings) go to each. A chunk's
     ``release`` runs once its last piece is written."""
 
     def __init__(self, writer: Any, runs: list[tuple[int, int, int]], key: str) -> None:
