@@ -90,8 +90,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
             module_key: str = "auto", version: float | None = None) -> dict[str, Any]:
     """Describe the checkpoint at ``src``: its format and the architecture it names, degrees (TP,
     PP, virtual stages, EP), its pipeline's layers per model chunk, the dtypes and quantization it
-    stores, parameter count, bytes, the model (facts, multi-latent attention, MoE routing,
-    multi-token prediction layers), files, the files a conversion copies unchanged (``carried``:
+    stores, parameter count, bytes, the model (facts, and what its family tells of it:
+    ``ModelFamily.summary``), files, the files a conversion copies unchanged (``carried``:
     its tokenizer), what converting it drops (``warnings``), and the ZeRO optimizer state beside
     it. ``version`` and ``module_key`` are None for a layout that records neither (a Hugging Face
     folder)."""

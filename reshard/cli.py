@@ -453,8 +453,6 @@ def _inspect_lines(rec: dict[str, Any]) -> list[str]:
             held = f", {v['tensors']} tensors:" if "tensors" in v else ""
             lines.append(f"{k:12} {v['method']} {v.get('format', '')}".rstrip() + scales + held)
             lines += [f"  {name}" for name in v.get("names", [])]
-        elif k in ("mla", "moe"):
-            lines.append(f"{k:12} " + ", ".join(f"{name} {value}" for name, value in v.items()))
         elif k == "facts":
             lines.append("facts")
             origin = v.get("origin", {})
@@ -466,6 +464,8 @@ def _inspect_lines(rec: dict[str, Any]) -> list[str]:
             lines.append(f"{k:12} {stage}, {v['dp']} data-parallel ranks, {v['groups']} parameter groups, "
                          f"{v['master_elements']} {v['master_dtype']} master weights per TP rank (step {v['step']}; "
                          "convert them with --weights master, or --to universal)")
+        elif isinstance(v, dict):  # what the family tells of the model (ModelFamily.summary): name value, ...
+            lines.append(f"{k:12} " + ", ".join(f"{name} {value}" for name, value in v.items()))
         elif k == "skipped":
             if v:
                 lines.append(f"{k:12} {', '.join(v)} (training state of the old layout: a conversion drops it)")

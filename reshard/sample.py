@@ -6,7 +6,9 @@ RMSNorm, rotary, tied or untied output, vocabulary padding, pipeline stages).
 
 The layout code here is deliberately written independently of ``reshard.core``: it builds
 the full logical weights first and lays each rank out with reshape/permute per version, so
-tests that reshard these files check the engine against a second implementation. Vocabulary
+tests that reshard these files check the engine against a second implementation. The names the
+weights are written under are the families' (by role: :data:`reshard.models.megatron_gpt.LEGACY_ROLES`,
+:data:`~reshard.models.megatron_gpt.CORE_ROLES`, :data:`reshard.models.mixtral_sample.MIXTRAL_ROLES`). Vocabulary
 padding rows are zeros, so a sample written at TP=M equals a correct reshard of the sample
 written at TP=N, bit for bit.
 """
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from reshard.models.megatron_gpt import CORE_ROLES, LEGACY_ROLES
+from reshard.models.mixtral_sample import MIXTRAL_ROLES
+from reshard.models.mixtral_sample import mixtral_config_json as _config_json
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ def full_weights(cfg: GPTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g) * scale
 
     h, f = cfg.hidden, cfg.ffn_mult * cfg.hidden
-    w = {"word_embeddings": r(cfg.vocab, h, scale=0.5), "position_embeddings": r(cfg.seq, h, scale=0.5),
+    w = {"embedding": r(cfg.vocab, h, scale=0.5), "position_embeddings": r(cfg.seq, h, scale=0.5),
          "final_ln.weight": 1 + r(h), "final_ln.bias": r(h)}
     for i in range(cfg.layers):
         w |= {f"{i}.ln1.weight": 1 + r(h), f"{i}.ln1.bias": r(h),
@@ -78,7 +84,14 @@ def _qkv_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, tp:
 def shard_state_dicts(cfg: GPTConfig, w: dict[str, torch.Tensor], tp: int, version: float,
                       prefix: str = "transformer.", attention: str = "attention",
                       dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
-    """The module state dict of every rank, legacy Megatron names."""
+    """The module state dict of every rank, legacy Megatron names (``prefix``: how the stack's
+    names start; ``attention``: the attention module's name)."""
+    names = LEGACY_ROLES
+
+    def name(role: str, entry: str = "", **layer: object) -> str:
+        return (names["layer"].format(layers=prefix, **layer) if layer else "") + \
+            names[role].format(layers=prefix, attention=attention) + entry
+
     out = []
     for rank in range(tp):
         def col(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
@@ -87,27 +100,25 @@ def shard_state_dicts(cfg: GPTConfig, w: dict[str, torch.Tensor], tp: int, versi
         def row(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
             return x.chunk(tp, dim=1)[rank]
 
-        sd: dict[str, torch.Tensor] = {"word_embeddings.weight": col(w["word_embeddings"]),
-                                       "position_embeddings.weight": w["position_embeddings"]}
+        sd: dict[str, torch.Tensor] = {name("embedding"): col(w["embedding"]),
+                                       name("position"): w["position_embeddings"]}
         for i in range(cfg.layers):
-            p = f"{prefix}layers.{i}."
             sd |= {
-                p + "input_layernorm.weight": w[f"{i}.ln1.weight"], p + "input_layernorm.bias": w[f"{i}.ln1.bias"],
-                p + f"{attention}.query_key_value.weight":
+                name("ln1", "weight", i=i): w[f"{i}.ln1.weight"], name("ln1", "bias", i=i): w[f"{i}.ln1.bias"],
+                name("qkv", "weight", i=i):
                     _qkv_rank(w[f"{i}.q.weight"], w[f"{i}.k.weight"], w[f"{i}.v.weight"], cfg.heads, tp, rank, version),
-                p + f"{attention}.query_key_value.bias":
+                name("qkv", "bias", i=i):
                     _qkv_rank(w[f"{i}.q.bias"], w[f"{i}.k.bias"], w[f"{i}.v.bias"], cfg.heads, tp, rank, version),
-                p + f"{attention}.dense.weight": row(w[f"{i}.dense.weight"]),
-                p + f"{attention}.dense.bias": w[f"{i}.dense.bias"],
-                p + "post_attention_layernorm.weight": w[f"{i}.ln2.weight"],
-                p + "post_attention_layernorm.bias": w[f"{i}.ln2.bias"],
-                p + "mlp.dense_h_to_4h.weight": col(w[f"{i}.h4h.weight"]),
-                p + "mlp.dense_h_to_4h.bias": col(w[f"{i}.h4h.bias"]),
-                p + "mlp.dense_4h_to_h.weight": row(w[f"{i}.4hh.weight"]),
-                p + "mlp.dense_4h_to_h.bias": w[f"{i}.4hh.bias"],
+                name("dense", "weight", i=i): row(w[f"{i}.dense.weight"]),
+                name("dense", "bias", i=i): w[f"{i}.dense.bias"],
+                name("ln2", "weight", i=i): w[f"{i}.ln2.weight"],
+                name("ln2", "bias", i=i): w[f"{i}.ln2.bias"],
+                name("h4h", "weight", i=i): col(w[f"{i}.h4h.weight"]),
+                name("h4h", "bias", i=i): col(w[f"{i}.h4h.bias"]),
+                name("4hh", "weight", i=i): row(w[f"{i}.4hh.weight"]),
+                name("4hh", "bias", i=i): w[f"{i}.4hh.bias"],
             }
-        sd |= {f"{prefix}final_layernorm.weight": w["final_ln.weight"],
-               f"{prefix}final_layernorm.bias": w["final_ln.bias"]}
+        sd |= {name("final_ln", "weight"): w["final_ln.weight"], name("final_ln", "bias"): w["final_ln.bias"]}
         out.append({k: v.to(dtype).clone() for k, v in sd.items()})
     return out
 
@@ -187,7 +198,7 @@ def core_full_weights(cfg: CoreGPTConfig, seed: int = 0) -> dict[str, torch.Tens
 
     h, f, hn = cfg.hidden, cfg.ffn, cfg.head_dim
     kv = cfg.query_groups * hn
-    w = {"word_embeddings": r(cfg.vocab, h, scale=0.5), "final_ln.weight": 1 + r(h), "final_ln.bias": r(h)}
+    w = {"embedding": r(cfg.vocab, h, scale=0.5), "final_ln.weight": 1 + r(h), "final_ln.bias": r(h)}
     if not cfg.rope:
         w["position_embeddings"] = r(cfg.seq, h, scale=0.5)
     if not cfg.tied:
@@ -204,7 +215,7 @@ def core_full_weights(cfg: CoreGPTConfig, seed: int = 0) -> dict[str, torch.Tens
 
 def _grouped_qkv_rank(cfg: CoreGPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int,
                       rank: int) -> torch.Tensor:
-    """One rank's ``linear_qkv`` rows: for each of its query groups, that group's q heads, its k, its v.
+    """One rank's fused QKV rows: for each of its query groups, that group's q heads, its k, its v.
 
     ``q`` is ``[heads*hn, *tail]``, ``k``/``v`` ``[groups*hn, *tail]``; the full tensor is
     ``[groups, heads/groups + 2, hn, *tail]`` and a rank holds ``groups/tp`` whole groups."""
@@ -234,48 +245,49 @@ def core_rank_state_dict(cfg: CoreGPTConfig, w: dict[str, torch.Tensor], tp: int
         return x.chunk(tp, dim=1)[rank]
 
     def norm(name: str, key: str) -> dict[str, torch.Tensor]:
-        out = {f"{name}.weight": w[f"{key}.weight"]}
+        out = {f"{name}weight": w[f"{key}.weight"]}
         if not cfg.rmsnorm:
-            out[f"{name}.bias"] = w[f"{key}.bias"]
+            out[f"{name}bias"] = w[f"{key}.bias"]
         return out
 
+    names = CORE_ROLES
     sd: dict[str, object] = {}
     first, last = stage == 0, stage == pp - 1
     if first:
-        sd["embedding.word_embeddings.weight"] = _vocab_rows(cfg, w["word_embeddings"], tp, rank)
+        sd[names["embedding"] + "weight"] = _vocab_rows(cfg, w["embedding"], tp, rank)
         if not cfg.rope:
-            sd["embedding.position_embeddings.weight"] = w["position_embeddings"]
+            sd[names["position"] + "weight"] = w["position_embeddings"]
     per = cfg.layers // pp
     for local in range(per):
         i = stage * per + local
-        p = f"decoder.layers.{local}."
-        sd |= norm(p + "input_layernorm", f"{i}.ln1")
-        sd[p + "self_attention.linear_proj.weight"] = row(w[f"{i}.proj.weight"])
+        p = names["layer"].format(i=local)
+        proj, qkv, fc1, fc2 = (p + names[role] for role in ("proj", "qkv", "fc1", "fc2"))
+        sd |= norm(p + names["ln1"], f"{i}.ln1")
+        sd[proj + "weight"] = row(w[f"{i}.proj.weight"])
         if cfg.bias:
-            sd[p + "self_attention.linear_proj.bias"] = w[f"{i}.proj.bias"]
-        sd[p + "self_attention.linear_proj._extra_state"] = extra_state
-        sd[p + "self_attention.linear_qkv.weight"] = _grouped_qkv_rank(
-            cfg, w[f"{i}.q.weight"], w[f"{i}.k.weight"], w[f"{i}.v.weight"], tp, rank)
+            sd[proj + "bias"] = w[f"{i}.proj.bias"]
+        sd[proj + "_extra_state"] = extra_state
+        sd[qkv + "weight"] = _grouped_qkv_rank(cfg, w[f"{i}.q.weight"], w[f"{i}.k.weight"], w[f"{i}.v.weight"], tp,
+                                               rank)
         if cfg.bias:
-            sd[p + "self_attention.linear_qkv.bias"] = _grouped_qkv_rank(
-                cfg, w[f"{i}.q.bias"], w[f"{i}.k.bias"], w[f"{i}.v.bias"], tp, rank)
-        sd[p + "self_attention.linear_qkv._extra_state"] = extra_state
-        sd |= norm(p + "pre_mlp_layernorm", f"{i}.ln2")
+            sd[qkv + "bias"] = _grouped_qkv_rank(cfg, w[f"{i}.q.bias"], w[f"{i}.k.bias"], w[f"{i}.v.bias"], tp, rank)
+        sd[qkv + "_extra_state"] = extra_state
+        sd |= norm(p + names["ln2"], f"{i}.ln2")
         for kind in ("weight", "bias") if cfg.bias else ("weight",):
             gate, up = col(w[f"{i}.gate.{kind}"]), col(w[f"{i}.up.{kind}"])
-            sd[p + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up]) if cfg.swiglu else gate
-        sd[p + "mlp.linear_fc1._extra_state"] = extra_state
-        sd[p + "mlp.linear_fc2.weight"] = row(w[f"{i}.fc2.weight"])
+            sd[fc1 + kind] = torch.cat([gate, up]) if cfg.swiglu else gate
+        sd[fc1 + "_extra_state"] = extra_state
+        sd[fc2 + "weight"] = row(w[f"{i}.fc2.weight"])
         if cfg.bias:
-            sd[p + "mlp.linear_fc2.bias"] = w[f"{i}.fc2.bias"]
-        sd[p + "mlp.linear_fc2._extra_state"] = extra_state
+            sd[fc2 + "bias"] = w[f"{i}.fc2.bias"]
+        sd[fc2 + "_extra_state"] = extra_state
     if last:
-        sd |= norm("decoder.final_layernorm", "final_ln")
+        sd |= norm(names["final_ln"], "final_ln")
         if not cfg.tied:
-            sd["output_layer.weight"] = _vocab_rows(cfg, w["output"], tp, rank)
+            sd[names["output"] + "weight"] = _vocab_rows(cfg, w["output"], tp, rank)
         elif pp > 1:
-            sd["output_layer.weight"] = _vocab_rows(cfg, w["word_embeddings"], tp, rank)
-        sd["output_layer._extra_state"] = extra_state
+            sd[names["output"] + "weight"] = _vocab_rows(cfg, w["embedding"], tp, rank)
+        sd[names["output"] + "_extra_state"] = extra_state
     return {k: (v.to(dtype).clone() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") else v)
             for k, v in sd.items()}
 
@@ -347,14 +359,8 @@ class MixtralConfig:
 
 def mixtral_config_json(cfg: MixtralConfig) -> dict[str, object]:
     """The ``config.json`` transformers writes for such a model (bf16, untied, no sliding window)."""
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab,
-            "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
-            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-            "hidden_act": "silu", "max_position_embeddings": cfg.seq, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-            "tie_word_embeddings": False, "num_local_experts": cfg.experts, "num_experts_per_tok": cfg.topk,
-            "sliding_window": None, "router_aux_loss_coef": 0.02, "output_router_logits": False,
-            "attention_dropout": 0.0, "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2,
-            "use_cache": True, "dtype": "bfloat16"}
+    return _config_json(vocab=cfg.vocab, hidden=cfg.hidden, ffn=cfg.ffn, layers=cfg.layers, heads=cfg.heads,
+                        kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, seq=cfg.seq, experts=cfg.experts, topk=cfg.topk)
 
 
 def write_mixtral_sample(folder: str | os.PathLike[str], cfg: MixtralConfig | None = None, seed: int = 0) -> Path:
@@ -373,20 +379,16 @@ def write_mixtral_sample(folder: str | os.PathLike[str], cfg: MixtralConfig | No
     def norm() -> torch.Tensor:
         return (1 + torch.randn(cfg.hidden, generator=g) * 0.1).to(torch.bfloat16)
 
-    h, hn = cfg.hidden, cfg.head_dim
-    w = {"model.embed_tokens.weight": r(cfg.vocab, h, scale=0.5), "model.norm.weight": norm(),
-         "lm_head.weight": r(cfg.vocab, h, scale=0.5)}
+    h, hn, n = cfg.hidden, cfg.head_dim, MIXTRAL_ROLES
+    w = {n["embedding"]: r(cfg.vocab, h, scale=0.5), n["norm"]: norm(), n["head"]: r(cfg.vocab, h, scale=0.5)}
     for i in range(cfg.layers):
-        p = f"model.layers.{i}."
-        w |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-              p + "self_attn.q_proj.weight": r(cfg.heads * hn, h),
-              p + "self_attn.k_proj.weight": r(cfg.kv_heads * hn, h),
-              p + "self_attn.v_proj.weight": r(cfg.kv_heads * hn, h),
-              p + "self_attn.o_proj.weight": r(h, cfg.heads * hn),
-              p + "block_sparse_moe.gate.weight": r(cfg.experts, h)}
+        p = n["layer"].format(i=i)
+        w |= {p + n["ln1"]: norm(), p + n["ln2"]: norm(), p + n["q"]: r(cfg.heads * hn, h),
+              p + n["k"]: r(cfg.kv_heads * hn, h), p + n["v"]: r(cfg.kv_heads * hn, h),
+              p + n["o"]: r(h, cfg.heads * hn), p + n["router"]: r(cfg.experts, h)}
         for e in range(cfg.experts):
-            x = f"{p}block_sparse_moe.experts.{e}."
-            w |= {x + "w1.weight": r(cfg.ffn, h), x + "w2.weight": r(h, cfg.ffn), x + "w3.weight": r(cfg.ffn, h)}
+            x = p + n["expert"].format(e=e)
+            w |= {x + n["gate"]: r(cfg.ffn, h), x + n["down"]: r(h, cfg.ffn), x + n["up"]: r(cfg.ffn, h)}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})

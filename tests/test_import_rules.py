@@ -195,39 +195,92 @@ def test_the_cycle_check_finds_cycles(graph, expected):
     assert cycles(graph) == expected
 
 
-# -- a model family's parameter names are spelled in its own module ------------------------------------
+# -- a model family's concepts and parameter names are spelled in its own module -----------------------
 #: Fragments of the built-in families' parameter names (Megatron-LM legacy, megatron-core, Hugging Face).
 FAMILY_NAMES = re.compile(r"local_experts|linear_(?:fc[12]|qkv|proj)|self_attention|query_key_value|dense_h_to_4h|"
                           r"dense_4h_to_h|word_embeddings|output_layer|language_model\.|decoder\.|model\.layers|"
                           r"shared_experts|q_proj|gate_proj|embed_tokens")
-#: Packages that ask the families and never name a parameter themselves.
-NAME_FREE = ("reshard.core", "reshard.execution")
+#: Words of the families' own concepts: multi-token prediction, multi-latent attention, attention
+#: sinks, fused gate/up projections, Mamba and Gated DeltaNet layers, next-n prediction layers.
+FAMILY_CONCEPTS = re.compile(r"mtp|mla|sinks|gate_up|mamba|deltanet|nextn", re.IGNORECASE)
+#: The package that owns them; every other module (core, planner, formats, storage, tasks, flows,
+#: the CLI, ...) asks the families and spells neither.
+FAMILIES = "reshard.models"
 
 
-def family_names_in(path: Path) -> list[str]:
-    """The string literals of ``path`` that spell a family's parameter names (docstrings, which
-    describe layouts, are prose and exempt)."""
-    tree = ast.parse(path.read_text())
-    docs = {id(node.body[0].value) for node in ast.walk(tree)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
-            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
-    return [f"{path.name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
-            and FAMILY_NAMES.search(node.value)]
+def _words(node: ast.AST):
+    """The strings and identifiers ``node`` itself spells: a string constant (docstrings, f-string
+    parts), a name, an attribute, a function's, class's or argument's name, a keyword, an imported
+    module or name, a ``global`` / ``nonlocal`` / ``except ... as`` name."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield "string", node.value
+    elif isinstance(node, ast.Name):
+        yield "name", node.id
+    elif isinstance(node, ast.Attribute):
+        yield "attribute", node.attr
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        yield "definition", node.name
+    elif isinstance(node, ast.arg):
+        yield "argument", node.arg
+    elif isinstance(node, ast.keyword) and node.arg:
+        yield "keyword", node.arg
+    elif isinstance(node, ast.alias):
+        yield from (("import", n) for n in (node.name, node.asname) if n)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+        yield "import", node.module
+    elif isinstance(node, (ast.Global, ast.Nonlocal)):
+        yield from (("name", n) for n in node.names)
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+        yield "name", node.name
 
 
-def test_the_core_and_the_planner_spell_no_family_parameter_names():
-    """They ask the family (its rule flags, its ``output_keys`` / ``tied_head_keys``, its expert
-    numbering): a new family then needs no edit below it."""
-    found = [hit for name, path in _modules().items() if name.startswith(NAME_FREE) for hit in family_names_in(path)]
-    assert found == []
+def family_words_in(path: Path) -> list[str]:
+    """Where ``path`` spells a family's concept (:data:`FAMILY_CONCEPTS`) or parameter names
+    (:data:`FAMILY_NAMES`) in a string literal (docstrings included: prose that names a family's
+    concept belongs with the family) or an identifier. Comments are not looked at."""
+    return [f"{path.name}:{node.lineno} {kind} {word!r}" for node in ast.walk(ast.parse(path.read_text()))
+            for kind, word in _words(node) if FAMILY_CONCEPTS.search(word) or FAMILY_NAMES.search(word)]
 
 
-def test_the_name_check_catches_a_name_in_code_but_not_in_a_docstring(tmp_path):
+def family_words_outside_families(modules: dict[str, Path]) -> list[str]:
+    """:func:`family_words_in` over every module of ``modules`` outside :data:`FAMILIES`."""
+    return [hit for name, path in modules.items() if not _under(name, FAMILIES) for hit in family_words_in(path)]
+
+
+def test_no_module_outside_the_families_spells_a_family_concept_or_parameter_name():
+    """They ask the family (its rule flags, its ``layer_index`` and ``beside_stack``, its stage copy,
+    its ``output_keys`` / ``tied_head_keys``, its expert numbering and torch_dist renames): a new
+    family then needs no edit outside :mod:`reshard.models`."""
+    assert family_words_outside_families(_modules()) == []
+
+
+def test_the_name_check_catches_a_concept_word_in_an_identifier(tmp_path):
     f = tmp_path / "placement.py"
-    f.write_text('"""Places ``output_layer.weight`` last."""\n\ndef f(k):\n    """On ``decoder.layers``."""\n'
-                 '    return k.startswith("output_layer.")\n')
-    assert family_names_in(f) == ["placement.py:5 'output_layer.'"]
+    f.write_text("from reshard.core.rules import MTP_STAGE_COPY as copy\n\n"
+                 "def place(entries, mla=None):\n"
+                 "    stage_mtp = [e for e in entries if e.holds_nextn]\n"
+                 "    return layout(stage_mtp, Mamba=1)\n\n"
+                 "class SinksLayout:\n    pass\n")
+    assert sorted(family_words_in(f)) == [
+        "placement.py:1 import 'MTP_STAGE_COPY'", "placement.py:3 argument 'mla'",
+        "placement.py:4 attribute 'holds_nextn'", "placement.py:4 name 'stage_mtp'", "placement.py:5 keyword 'Mamba'",
+        "placement.py:5 name 'stage_mtp'", "placement.py:7 definition 'SinksLayout'"]
+
+
+def test_the_name_check_catches_a_concept_word_in_a_docstring(tmp_path):
+    f = tmp_path / "plan.py"
+    f.write_text('"""Plans."""\n\ndef collect(stages):\n    """Numbers the layers (not the MTP layers)."""\n'
+                 '    # a comment may say MTP\n    return stages\n')
+    assert family_words_in(f) == ["plan.py:4 string 'Numbers the layers (not the MTP layers).'"]
+
+
+def test_the_name_check_catches_a_parameter_name_in_a_format_module(tmp_path):
+    """A format module is checked as the core is, a name in code or in prose alike."""
+    f = tmp_path / "torch_dist.py"
+    f.write_text('"""Stacks ``decoder.layers``."""\nLAYERS = "decoder.layers."\nOK = "layers."\n')
+    modules = {"reshard.formats.torch_dist": f, "reshard.models.megatron_gpt": f}  # the family's own: exempt
+    assert family_words_outside_families(modules) == ["torch_dist.py:1 string 'Stacks ``decoder.layers``.'",
+                                                      "torch_dist.py:2 string 'decoder.layers.'"]
 
 
 # -- no module reaches into another module's private names ---------------------------------------------

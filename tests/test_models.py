@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pytest
@@ -127,3 +127,70 @@ def test_a_plugin_family_decides_a_model_fact_its_own_way(sample_factory, tmp_pa
         assert [(p.key, p.spec) for p in plan.params] == [(p.key, p.spec) for p in expected.params]
     finally:
         unregister_family(GPTWithOwnSettings.name)
+
+
+class GPTWithDraftLayers(ModelFamily):
+    """megatron-core GPT names plus layers of its own beside the stack, ``draft.layers.N`` (as a
+    model with extra prediction heads keeps them, on the last pipeline stage), whose stage keeps its
+    own copy of the embeddings: what the planner needs of them is asked of the family's hooks."""
+
+    name = "test-gpt-draft-layers"
+    priority = 10
+    rules = MEGATRON_GPT_RULES + (Rule("draft", r"^draft\.layers\.\d+\.norm\.weight$", Kind.REPLICATED, family="core",
+                                       place=Place.LAST),)
+    beside_stack = ("draft.layers.",)
+    stage_copy_words = ("the draft stage's copy", "the draft layers' copy of the embeddings")
+
+    def claims(self, keys: Sequence[str]) -> bool:
+        return any(k.startswith("draft.layers.") for k in keys)
+
+    def naming(self, keys: Sequence[str]) -> str:
+        return "megatron-core"
+
+    def keeps_stage_copy(self, keys: Iterable[str]) -> bool:
+        return self.claims(list(keys))
+
+
+def _with_draft_layer(src, pp: int) -> None:
+    """Give the last stage of the sample run ``src`` a draft layer and, at PP > 1, its copy of the embeddings."""
+    files = sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    first = torch.load(files[0], weights_only=False)["model"]
+    sd = torch.load(files[-1], weights_only=False)
+    if pp > 1:
+        sd["model"] = {"embedding.word_embeddings.weight": first["embedding.word_embeddings.weight"].clone(),
+                       **sd["model"]}
+    sd["model"]["draft.layers.0.norm.weight"] = torch.ones(64)
+    torch.save(sd, files[-1])
+
+
+def test_a_plugin_family_places_its_layers_beside_the_stack_and_their_stage_copy(tmp_path):
+    """The family says which layers are the stack's (``layer_index``, ``beside_stack``) and that
+    their stage keeps a copy of the embeddings (``keeps_stage_copy``): the draft layer keeps its
+    number and goes last; the copy is dropped at one stage with the family's words, and made again,
+    first on the last stage, when the stages are split."""
+    from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint
+
+    cfg = CoreGPTConfig(layers=4, rope=True)
+    staged, single = tmp_path / "pp2", tmp_path / "pp1"
+    write_core_sample_checkpoint(staged, tp=1, pp=2, cfg=cfg)
+    write_core_sample_checkpoint(single, tp=1, pp=1, cfg=cfg)
+    _with_draft_layer(staged, 2)
+    _with_draft_layer(single, 1)
+    register_family(GPTWithDraftLayers)
+    try:
+        merged = build_plan(str(staged), ReshardOptions(target_tp=1, target_pp=1))
+        assert merged.facts.num_layers == 4
+        assert "dropped embedding.word_embeddings.weight of the last pipeline stage: the draft layers' copy of the " \
+               "embeddings is not stored at PP 1" in merged.warnings
+        (target,) = merged.targets
+        keys = [tp.out_key for tp in target.params]
+        assert keys.count("embedding.word_embeddings.weight") == 1 and "draft.layers.0.norm.weight" in keys
+
+        split = build_plan(str(single), ReshardOptions(target_tp=1, target_pp=2))
+        assert split.facts.num_layers == 4
+        first, last = ([tp.out_key for tp in t.params] for t in split.targets)
+        assert first[0] == last[0] == "embedding.word_embeddings.weight"  # the stage copy, first on its stage
+        assert "draft.layers.0.norm.weight" in last and "decoder.layers.1.input_layernorm.weight" in last
+        assert not any(k.startswith("draft.") for k in first)
+    finally:
+        unregister_family(GPTWithDraftLayers.name)

@@ -59,8 +59,8 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_copy_equals(copy: ParamPlan, original: ParamPlan, stages: list[SourceStage], what: str, hint: str) -> None:
-    """Refuse to drop a later stage's copy of the first stage's tensor (a tied head, the embeddings
-    of the multi-token prediction stage) unless it equals the original on every rank: where they
+    """Refuse to drop a later stage's copy of the first stage's tensor (a tied head, a stage copy
+    of the embeddings) unless it equals the original on every rank: where they
     differ, the model computes with both and dropping one would change it."""
     a, b = stages[original.stage], stages[copy.stage]
     for ma, mb, name in zip(a.modules, b.modules, b.names):

@@ -126,7 +126,7 @@ def chunk_counts(num_layers: int, pp: int, vpp: int = 1, *, first: int | None = 
 
 def parse_layout(text: str, where: str = "--target-pipeline-layout") -> list[str]:
     """Megatron-LM's ``--pipeline-model-parallel-layout`` string as its stages, each a string of
-    ``E`` (embedding), ``t`` (transformer layer), ``m`` (MTP layer), ``L`` (loss): commas dropped,
+    ``E`` (embedding), ``t`` (transformer layer), ``m`` (a layer beside the stack), ``L`` (loss): commas dropped,
     ``(..)*n`` and ``x*n`` unrolled, split at ``|``.
 
     =====================  ================================
@@ -155,7 +155,7 @@ def layout_counts(text: str, pp: int, num_layers: int, where: str = "--target-pi
     """(virtual stages, layers per stage) of a layout string for ``pp`` ranks and ``num_layers``
     layers, checked as megatron-core checks it (embedding first, loss last, every layer placed) and
     stricter: the embedding in the first stage and the loss in the last (where megatron-core builds
-    them whatever the string says). Multi-token prediction layers (``m``) are not counted here (their
+    them whatever the string says). Layers beside the stack (``m``) are not counted here (their
     family places them)."""
     stages = parse_layout(text, where)
     flat = "".join(stages)

@@ -39,8 +39,8 @@ class ModelFacts:
     """The model facts the layout depends on, and where each came from (``origin``:
     fact -> ``args`` / ``--flag`` / ``shapes`` / ``tensors``). None: unknown (and not needed).
 
-    The fields are what every family shares; a family's own facts (say the low ranks of a
-    multi-latent attention) go in ``family_facts`` (name -> JSON value, decided by its
+    The fields are what every family shares; a family's own facts (say the low ranks of its
+    attention) go in ``family_facts`` (name -> JSON value, decided by its
     :meth:`~reshard.models.base.ModelFamily.decide_family_facts`), so a family adds facts without
     editing this record."""
 
@@ -316,7 +316,7 @@ class SourceRead:
     #: pipeline stage NNN or an expert-parallel rank NNN: only the saved args say); None: as located.
     source: SourceCheckpoint | None = None
     #: What the source declares but does not hold, which the output therefore lacks (one line each;
-    #: a DeepSeek folder's multi-token prediction layer saved without its weights).
+    #: a layer a Hugging Face folder's config declares but saves no weights for).
     warnings: tuple[str, ...] = ()
 
     @property

@@ -18,9 +18,9 @@ carried     opaque per-module state (``_extra_state``); taken from the first sou
 
 Columns that refine a kind (all data, read by ``plan``):
 
-* ``qkv``: ``versioned`` — legacy ``query_key_value``, layout decided by ``checkpoint_version``
+* ``qkv``: ``versioned`` — Megatron-LM's legacy fused QKV, layout decided by ``checkpoint_version``
   (0: ``[Q;K;V]``, 1.0: ``[np, hn, 3]``, 2.0/3.0: per query group ``[q heads; k; v]``);
-  ``grouped`` — megatron-core ``linear_qkv``, always per query group.
+  ``grouped`` — megatron-core's fused QKV, always per query group.
 * ``gated``: the fc1 of a gated MLP (SwiGLU) holds ``[W_r; V_r]`` per rank (2 fused parts).
 * ``vocab``: vocabulary-parallel (rows are padded to ``make_vocab_size_divisible_by * TP``).
 * ``place``: which pipeline stage holds the parameter (its layer's, the first, the last).
@@ -108,27 +108,24 @@ class Rule:
         return {Kind.COLUMN: 0, Kind.QKV: 0, Kind.ROW: 1}.get(self.kind)
 
 
-#: A transformer layer of the decoder's stack; megatron-core's multi-token prediction layers
-#: (``mtp.layers.N``) sit after the stack, on the last pipeline stage, and are no layer of it.
-_LAYER_RE = re.compile(r"(?<!^mtp)\.layers\.(\d+)\.")
+#: A layer number in a parameter name. Whether that layer is one of the stack's (numbered with it,
+#: placed by the pipeline stages) or sits beside it is the family's to say
+#: (:meth:`reshard.models.base.ModelFamily.layer_index`).
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
 def layer_index(key: str) -> int | None:
-    """Transformer layer number in a parameter name, or None for non-layer parameters."""
+    """The layer number a parameter name spells, or None for a name of no layer (ask the family,
+    :meth:`reshard.models.base.ModelFamily.layer_index`, whether the layer is one of the stack)."""
     m = _LAYER_RE.search(key)
     return int(m.group(1)) if m else None
 
 
-#: The logical name suffix of the copy of the word embeddings that megatron-core keeps on the
-#: pipeline stage of its multi-token prediction layers when that stage is not the first (the MTP
-#: layers embed the shifted tokens there): read as ``<embedding key>`` + this, written back on the
-#: last stage under the embedding's own name, dropped at one stage.
-MTP_STAGE_COPY = "@mtp-stage"
-
-
-def holds_mtp_layers(keys: Iterable[str]) -> bool:
-    """Whether megatron-core names ``keys`` hold multi-token prediction layers (``mtp.layers.N``)."""
-    return any(k.startswith("mtp.layers.") for k in keys)
+#: The logical name suffix of a later pipeline stage's own copy of a first-stage entry (a stage copy:
+#: a family whose layers beside the stack embed tokens again keeps the embeddings there too, see
+#: :meth:`reshard.models.base.ModelFamily.keeps_stage_copy`): read as ``<entry key>`` + this, written
+#: back on the last stage under the entry's own name, dropped at one stage.
+STAGE_COPY = "@stage-copy"
 
 
 def with_layer(key: str, index: int) -> str:

@@ -16,7 +16,7 @@ from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_targe
 from reshard.core.options import ReshardOptions
 from reshard.core.pipeline_stages import StageLayout
 from reshard.core.plan_types import ParamPlan, SourceStage, TargetParam, TargetPlan, TensorDegrees, elems, nbytes
-from reshard.core.rules import MTP_STAGE_COPY, Place, holds_mtp_layers, with_layer
+from reshard.core.rules import STAGE_COPY, Place, with_layer
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.registry import get_format
 from reshard.models import ModelFamily
@@ -32,9 +32,10 @@ def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool
     where the source has it, under its source name. Else: each layer to the stage ``target``
     gives it, embeddings to the first stage, final norm and output to the last; the tied head
     copy is dropped when the target has one stage (after checking it equals the embeddings) and
-    recreated on the last stage when the source had one. So are the copies of the embeddings
-    that megatron-core keeps on the stage of its multi-token prediction layers (the last), first
-    in that stage (:data:`~reshard.core.rules.MTP_STAGE_COPY`). (``ep``: the source's expert-parallel
+    recreated on the last stage when the source had one. So are the stage copies of the first
+    stage's entries that the family keeps on the stage of its layers beside the stack (the last),
+    first in that stage (:data:`~reshard.core.rules.STAGE_COPY`,
+    :meth:`~reshard.models.base.ModelFamily.keeps_stage_copy`). (``ep``: the source's expert-parallel
     rows per stage; which target EP rank holds an expert is decided per target, see
     :func:`reshard.models.megatron_gpt.rank_experts`.)"""
     spp, tpp = len(source_layers), target.stages
@@ -44,17 +45,17 @@ def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool
             placed[p.stage // ep].append(TargetParam(out_key=p.src_key, param=p))
         return placed
     emb = next((p for p in entries if p.rule.vocab and p.rule.place is Place.FIRST), None)
-    mtp_copies: list[TargetParam] = []
+    copy, copy_of = family.stage_copy_words
+    stage_copies: list[TargetParam] = []
     for p in entries:
-        if p.key.endswith(MTP_STAGE_COPY):  # the MTP stage's copy of an embedding: at the last stage's front
-            original = next(e for e in entries if e.key == p.key.removesuffix(MTP_STAGE_COPY))
+        if p.key.endswith(STAGE_COPY):  # a later stage's copy of a first-stage entry: at the last stage's front
+            original = next(e for e in entries if e.key == p.key.removesuffix(STAGE_COPY))
             if tpp == 1:
-                check_copy_equals(p, original, stages, "the multi-token prediction stage's copy",
+                check_copy_equals(p, original, stages, copy,
                                   "the pipeline stages' embeddings must be equal, as megatron-core keeps them")
-                warnings.append(f"dropped {p.src_key} of the last pipeline stage: the multi-token prediction "
-                                "layers' copy of the embeddings is not stored at PP 1")
+                warnings.append(f"dropped {p.src_key} of the last pipeline stage: {copy_of} is not stored at PP 1")
             else:
-                mtp_copies.append(TargetParam(out_key=original.key, param=p))
+                stage_copies.append(TargetParam(out_key=original.key, param=p))
             continue
         is_head = p.rule.tied_head or (tied and spp > 1 and p.key == family.tied_head_keys.get(naming)
                                        and p.key in family.output_keys)
@@ -71,9 +72,9 @@ def place(entries: list[ParamPlan], family: ModelFamily, naming: str, tied: bool
         else:
             stage, local = target.stage_of(p.layer if p.layer is not None else 0)
             placed[stage].append(TargetParam(out_key=with_layer(p.key, local), param=p))
-    if tpp > 1 and not mtp_copies and holds_mtp_layers(p.key for p in entries):  # made from the first stage's
-        mtp_copies = [TargetParam(out_key=p.key, param=p) for p in entries if p.rule.place is Place.FIRST]
-    placed[tpp - 1][:0] = mtp_copies  # megatron-core builds the MTP stage's embedding first
+    if tpp > 1 and not stage_copies and family.keeps_stage_copy(p.key for p in entries):  # from the first stage's
+        stage_copies = [TargetParam(out_key=p.key, param=p) for p in entries if p.rule.place is Place.FIRST]
+    placed[tpp - 1][:0] = stage_copies  # first on the stage that keeps them, as megatron-core builds it
     if tied and spp == 1 and tpp > 1 and emb is not None:
         head_key = family.tied_head_keys.get(naming)
         if head_key is None:

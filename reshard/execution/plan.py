@@ -13,7 +13,7 @@ still unknown is refused (:class:`MissingModelFactError`), never guessed.
 Pipeline parallelism: parameters are planned under *logical* keys (global layer numbers). A
 target stage gets its layers (renumbered from 0), the first stage the embeddings, the last the
 final norm and output layer. With tied embeddings and PP > 1 the last stage also holds a copy of
-the word embeddings (``output_layer.weight`` / ``word_embeddings_for_head.weight``).
+the word embeddings (under the name the family gives it, ``ModelFamily.tied_head_keys``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from reshard.core.plan_types import (
     TensorDegrees,
     dropped_warning,
 )
-from reshard.core.rules import MTP_STAGE_COPY, Kind, Place, Resolution, Rule, holds_mtp_layers, layer_index, with_layer
+from reshard.core.rules import STAGE_COPY, Kind, Place, Resolution, Rule, with_layer
 from reshard.core.safe_load import refuse_foreign_entries
 from reshard.core.source import SourceCheckpoint
 from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
@@ -172,9 +172,10 @@ def _target_stages(source: StageLayout, options: ReshardOptions, pp: int, out_fm
         raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no pipeline stages", culprit=flag,
                           hint=f"drop {flag}")
     if layout is not None and "m" in layout:
-        raise LayoutError(f"pipeline layout {layout!r} places multi-token prediction layers",
+        raise LayoutError(f"pipeline layout {layout!r} places layers beside the stack (m)",
                           culprit=flag_of("target_pipeline_layout"),
-                          hint="write it without m: reshard places multi-token prediction layers itself (at PP 1)")
+                          hint="write it without m: reshard places the layers beside the stack itself (on the last "
+                               "stage)")
     if pp == 1 and (first is not None or last is not None):
         flag = flag_of("target_first_stage_layers" if first is not None else "target_last_stage_layers")
         raise LayoutError("uneven first/last stages need more than one pipeline rank", culprit=flag,
@@ -306,7 +307,7 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
             refuse_foreign_entries(module, name)
     all_keys = list(dict.fromkeys(st.canonical_name(k) for st in rows for k in st.modules[0]))
     family, resolution = resolve_family(all_keys, source=source.origin)
-    raw, carried_raw, layers_per_stage = collect(rows, resolution.by_key, source)
+    raw, carried_raw, layers_per_stage = collect(rows, resolution.by_key, source, family)
     num_layers = sum(layers_per_stage)
     saved_layers = int_arg(args, "num_layers")
     if saved_layers is not None and saved_layers != num_layers:
@@ -328,10 +329,12 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
                          family_facts=own)
 
 
-def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: SourceCheckpoint
+def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: SourceCheckpoint, family: ModelFamily
             ) -> tuple[list[CanonicalParam], list[CanonicalParam], list[int]]:
-    """The canonical parameters of every row (layers renumbered globally; each found in its files
-    under the file's own key), shapes and dtypes checked across ranks."""
+    """The canonical parameters of every row (the stack's layers, as ``family`` tells them, renumbered
+    globally; each found in its files under the file's own key), shapes and dtypes checked across
+    ranks. A stage that keeps its own copy of the first stage's entries (``family.keeps_stage_copy``)
+    holds them under :data:`~reshard.core.rules.STAGE_COPY` names, placed last."""
     tensors: list[CanonicalParam] = []
     carried: list[CanonicalParam] = []
     layers_per_stage: list[int] = []
@@ -341,24 +344,25 @@ def collect(stages: list[SourceStage], by_key: Mapping[str, Rule], source: Sourc
     staged = len({st.stage for st in stages}) > 1
     for st in stages:
         if st.stage not in offsets:  # a stage's first row (EP rank 0) numbers its layers and orders its entries
-            local = sorted({i for i in (layer_index(st.canonical_name(k)) for k in st.modules[0]) if i is not None})
+            local = sorted({i for i in (family.layer_index(st.canonical_name(k)) for k in st.modules[0])
+                            if i is not None})
             if staged and local != list(range(len(local))):
                 raise CheckpointFormatError(f"pipeline stage {st.stage} numbers its layers {local[:8]}, not 0..k-1",
                                             culprit=st.names[0],
                                             hint="each stage's file must number its layers locally")
             offsets[st.stage] = sum(layers_per_stage)
             layers_per_stage.append(len(local) if staged else (max(local) + 1 if local else 0))
-            orders[st.stage] = _Order(list(st.modules[0]), sum(len(o.pos) for o in orders.values()))
+            orders[st.stage] = _Order(list(st.modules[0]), sum(len(o.pos) for o in orders.values()), family)
         offset, order = offsets[st.stage], orders[st.stage]
-        mtp_stage = holds_mtp_layers(st.canonical_name(k) for k in st.modules[0])
+        copies = family.keeps_stage_copy(st.canonical_name(k) for k in st.modules[0])
         for key, v0 in st.modules[0].items():
             name = st.canonical_name(key)
             rule = by_key[name]
-            li = layer_index(name)
+            li = family.layer_index(name)
             glob = None if li is None else li + offset
             logical = name if glob is None or not staged else with_layer(name, glob)
-            if logical in seen and mtp_stage and rule.place is Place.FIRST:
-                logical, rule = logical + MTP_STAGE_COPY, replace(rule, place=Place.LAST)  # see MTP_STAGE_COPY
+            if logical in seen and copies and rule.place is Place.FIRST:
+                logical, rule = logical + STAGE_COPY, replace(rule, place=Place.LAST)  # see STAGE_COPY
             if logical in seen:
                 raise CheckpointFormatError(f"{logical} is held by rows {seen[logical]} and {st.index} of the grid",
                                             culprit=source.origin,
@@ -390,16 +394,17 @@ class _Order:
     """Output order of one pipeline stage's entries: its first row's file order, each layer's
     experts (from every EP rank) by global number where that row has its local experts."""
 
-    def __init__(self, keys: list[str], start: int) -> None:
+    def __init__(self, keys: list[str], start: int, family: ModelFamily) -> None:
         self.pos = {k: start + i for i, k in enumerate(keys)}
         self.block: dict[int | None, int] = {}
+        self.family = family
         for k in keys:
             if expert_index(k) is not None:
-                self.block.setdefault(layer_index(k), self.pos[k])
+                self.block.setdefault(family.layer_index(k), self.pos[k])
 
     def of(self, key: str, name: str) -> tuple[int, int, int]:
         """The order of file key ``key`` (canonical ``name``)."""
         g = expert_index(name)
         if g is None:
             return (self.pos[key], -1, 0)
-        return (self.block[layer_index(key)], g, self.pos[with_expert(key, 0)])
+        return (self.block[self.family.layer_index(key)], g, self.pos[with_expert(key, 0)])

@@ -8,9 +8,9 @@
 Each layer file is one row of the source grid (rows after the rank files' ``PP`` empty rows; see
 :mod:`reshard.core.source`). Its keys are the layer module's own (``input_layernorm.weight``); their
 canonical names are the legacy Megatron names the model family knows, by the layer's role
-(:data:`LAYER_NAMES`), so partitioning, checks and facts are those of every other layout. The
-planner of this layout (:mod:`reshard.execution.ds_pipe`) writes layer files back under the files' own
-keys: layer files are written from layer files only.
+(:data:`reshard.models.megatron_gpt.PIPE_LAYER_NAMES`), so partitioning, checks and facts are those
+of every other layout. The planner of this layout (:mod:`reshard.execution.ds_pipe`) writes layer
+files back under the files' own keys: layer files are written from layer files only.
 """
 
 from __future__ import annotations
@@ -36,21 +36,11 @@ from reshard.core.source import (
 )
 from reshard.formats.base import CheckpointFormat, check_contiguous
 from reshard.models.facts import int_arg
+from reshard.models.megatron_gpt import EMBEDDING, FINAL_NORM, LM_HEAD, PIPE_LAYER_NAMES, TRANSFORMER, pipe_layer_role
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
 
-#: Layer roles, told apart by their keys.
-EMBEDDING, TRANSFORMER, FINAL_NORM, LM_HEAD = "embedding", "transformer", "final norm", "lm_head"
-#: A layer file's keys as canonical (legacy Megatron) names, by role: ``prefix + key``, except the
-#: keys renamed whole. A transformer layer file holds one layer, numbered 0 (the planner numbers
-#: them globally); ``lm_head_pipe.*`` names no rule, so an unexpected head entry is refused.
-LAYER_NAMES: dict[str, tuple[str, dict[str, str]]] = {
-    EMBEDDING: ("language_model.embedding.", {}),
-    TRANSFORMER: ("language_model.encoder.layers.0.", {}),
-    FINAL_NORM: ("language_model.encoder.final_layernorm.", {}),
-    LM_HEAD: ("lm_head_pipe.", {"lm_head.weight": "language_model.output_layer.weight"}),
-}
 #: ``checkpoint_parallel_dimensions`` (DeepSpeed ``checkpoint/constants.py``).
 PARALLEL_DIMS, PP_DEGREE, TP_DEGREE = "checkpoint_parallel_dimensions", "pp_degree", "tp_degree"
 
@@ -97,7 +87,7 @@ class DeepSpeedPipelineFormat(CheckpointFormat):
             modules = [_layer_dict(self.opened(source, options, i), str(f)) for i, f in zip(idx, files)]
             check_same_keys(modules, [str(f) for f in files])
             role = layer_role(modules[0])
-            prefix, renamed = LAYER_NAMES[role]
+            prefix, renamed = PIPE_LAYER_NAMES[role]
             rows.append(SourceStage(index=pp + g, names=[str(f) for f in files], modules=modules, role=role,
                                     canonical={k: renamed.get(k, prefix + k) for k in modules[0]}))
         _check_order([r.role for r in rows[pp:]], source)
@@ -144,15 +134,8 @@ def _locate_pipeline(folder: Path) -> SourceCheckpoint:
 
 
 def layer_role(module: dict[str, Any]) -> str:
-    """A layer file's role, from its keys."""
-    keys = set(module)
-    if "word_embeddings.weight" in keys:
-        return EMBEDDING
-    if "lm_head.weight" in keys:
-        return LM_HEAD
-    if keys <= {"weight", "bias"}:
-        return FINAL_NORM
-    return TRANSFORMER
+    """A layer file's role, from its keys (:func:`reshard.models.megatron_gpt.pipe_layer_role`)."""
+    return pipe_layer_role(set(module))
 
 
 def _check_rank_files(shards: list[dict[str, Any]], names: list[str], module_key: str | None) -> str:

@@ -282,9 +282,9 @@ class HFFormat(CheckpointFormat):
     def stored_bytes(self, key: str, size: int, dtype: torch.dtype | None, options: ReshardOptions,
                      keys: Collection[str] = ()) -> int:
         """A linear weight under ``--quantize fp8``: a byte per element and a float32 scale per block;
-        a tensor the export writes more than once (DeepSeek's copies of the embeddings in each MTP
-        layer), each copy (``--max-shard-size`` cuts by the bytes written, as Hugging Face's own saving
-        does; ``keys``: the model's megatron-core names)."""
+        a tensor the export writes more than once (an architecture's copies of the embeddings in its
+        layers beside the stack), each copy (``--max-shard-size`` cuts by the bytes written, as Hugging
+        Face's own saving does; ``keys``: the model's megatron-core names)."""
         # the class written: --hf-architecture's, else any registered one (their linear rows agree)
         archs = [hf_architecture(options.hf_architecture)] if options.hf_architecture else hf_architectures()
         tables = [a.names for a in archs]
@@ -604,8 +604,9 @@ def fp8_chunk_rows(columns: int, block_rows: int) -> int:
 
 def _by_runs(whole: torch.Tensor, exp: Export) -> list[torch.Tensor]:
     """A whole megatron-core tensor's Hugging Face tensors, made in memory from its byte runs: views
-    of it where each output is one run (a routed expert's down projection, ``o_proj``, the gate and
-    up halves of a fused ``linear_fc1``), copies where runs interleave (a fused QKV's heads)."""
+    of it where each output is one run (a routed expert's down projection, an attention output
+    projection, the halves of a fused gated MLP input projection), copies where runs interleave (a
+    fused QKV's heads)."""
     data = whole.contiguous().view(-1).view(torch.uint8)
     if (len(exp.runs) == len(exp.outputs) and sorted(r.out for r in exp.runs) == list(range(len(exp.outputs)))
             and all(r.dst == 0 and r.length == _nbytes(exp.outputs[r.out].shape, whole.dtype) for r in exp.runs)):
@@ -671,7 +672,7 @@ def header_bytes(entries: Sequence[FileEntry]) -> bytes:
 class ScatterSink(RecordSink):
     """A megatron-core tensor's bytes, in order, queued for the writer thread to where its runs
     say (``(src, length, file offset)``, sorted); bytes no run covers (vocabulary padding) are
-    dropped, bytes several runs cover (DeepSeek's copies of the embeddings) go to each. A chunk's
+    dropped, bytes several runs cover (an architecture's copies of the embeddings) go to each. A chunk's
     ``release`` runs once its last piece is written."""
 
     def __init__(self, writer: Any, runs: list[tuple[int, int, int]], key: str) -> None:

@@ -12,31 +12,19 @@ list ``[common]``), and loads ``common.pt`` first where there is one: so does re
 (:func:`common_state`). It is the checkpoint's metadata, never a parameter.
 
 Keys are *global*: one entry per parameter whatever the TP, chunks of it from every rank; the
-per-layer parameters of ``decoder.layers`` are stacked along a leading layer axis (or stored
+per-layer parameters of the stack's layers are stacked along a leading layer axis (or stored
 per layer). Global tensors are exactly the TP 1 tensors of megatron-core's per-rank layout
 (fused QKV grouped per query group, SwiGLU fc1 ``[all gate; all up]``, padded vocabulary rows),
 so the checkpoint is laid out as a TP 1, PP 1 grid of one "file" (its ``.metadata``) whose module
 holds :class:`~reshard.core.lazy.LazyTensor` s: a target reads only its rows of each chunk.
 
-Names, torch_dist -> megatron-core per-rank (this module's one table, :data:`LOCAL_SPEC_NAMES`,
-plus the layer axis):
-
-=================================================  ================================================
-torch_dist                                         per-rank module entry
-=================================================  ================================================
-``decoder.layers.X`` (leading axis: layer ``i``)   ``decoder.layers.{i}.X``
-``decoder.layers.X._extra_state/shard_{i}_{L}``    ``decoder.layers.{i}.X._extra_state``
-``...experts.experts.Y`` (next axis: expert e)     ``...experts.local_experts.{e}.Y`` (MoE)
-``...linear_qkv.layer_norm_weight`` (local spec)   ``...input_layernorm.weight``
-``...linear_fc1.layer_norm_weight`` (local spec)   ``...pre_mlp_layernorm.weight``
-(absent)                                           ``output_layer._extra_state`` = None
-=================================================  ================================================
-
-The local-spec renames apply when the saved ``args.transformer_impl`` is ``local``, or, where no
-``args`` were saved (Megatron-Bridge), its ``run_config.yaml`` records megatron-core's local layer spec
-(Transformer Engine's fused layer norms keep the torch_dist names): a per-rank output's names are
-those of the spec its ``args`` name. Optimizer state (``optimizer.*``) and RNG
-state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
+Names, torch_dist -> megatron-core per-rank: the layer axis, the expert axis and the renames of
+the family's table (the family module says them, see "megatron-core's names in torch_dist" in
+:mod:`reshard.models.megatron_gpt`). The renames apply when the saved ``args.transformer_impl`` is
+``local``, or, where no ``args`` were saved (Megatron-Bridge), its ``run_config.yaml`` records
+megatron-core's local layer spec (Transformer Engine's fused layer norms keep the torch_dist names):
+a per-rank output's names are those of the spec its ``args`` name. Optimizer state (``optimizer.*``)
+and RNG state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
 Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
 asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
 is first renamed by its family's table, :func:`reshard.models.megatron_gpt.as_megatron_core`),
@@ -90,14 +78,15 @@ from reshard.models.megatron_gpt import (
     EXPERTS,
     LAYERS,
     LOCAL_EXPERT,
-    LOCAL_SPEC_NAMES,
     MIN_CORE_COMPATIBLE_VERSION,
     PER_RANK_ONLY,
     as_megatron_core,
+    beside_stack_entry,
     core_module,
+    dist_renames,
     expert_index,
-    has_spec_keys_map,
     is_megatron_core,
+    per_rank_renames,
 )
 
 if TYPE_CHECKING:
@@ -203,7 +192,8 @@ class TorchDistFormat(CheckpointFormat):
         common = common_state(meta, folder)
         if getattr(common.get("args"), "moe_grouped_gemm", False) and any(EXPERTS in k for k in meta.keys):
             raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
-                              "names (linear_fc1.weight{i}) are not written from torch_dist yet",
+                              "names (one weight per expert, numbered in its name) are not written from torch_dist "
+                              "yet",
                               culprit=str(folder / COMMON if (folder / COMMON).is_file() else p),
                               hint="convert a per-rank checkpoint of this run instead")
         module = per_rank_module(meta, folder, _transformer_impl(common.get("args"), p))
@@ -430,11 +420,11 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
         if any(offsets[(i is not None) + (g is not None):]):
             continue  # a per-TP-rank copy: rank 0's is the one carried
         entries.append((_order(base, position, block, i, g), _entry_name(base, i, g), _ByteItem(item, folder)))
-    names = LOCAL_SPEC_NAMES if transformer_impl == "local" else {}
+    names = per_rank_renames(transformer_impl)
     module: dict[str, Any] = {}
     for _, name, value in sorted(entries, key=lambda e: e[0]):
-        for fused, local in names.items():
-            name = name.replace(fused, local)
+        for dist, per_rank in names.items():
+            name = name.replace(dist, per_rank)
         module[name] = value.load() if isinstance(value, _ByteItem) else value
     for name, value in PER_RANK_ONLY.items():
         module.setdefault(name, value)
@@ -661,9 +651,7 @@ def _load_blob(path: Path, offset: int, length: int, where: str, *, allowlist: b
 #: The storage file reshard writes (rank 0, writer 0 in megatron-core's naming); an output cut
 #: into several (``--max-shard-size``) names file ``i`` ``__i_0.distcp`` (see ``part_name``).
 DISTCP_NAME = "__0_0.distcp"
-_LAYER_KEY_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-#: A multi-token prediction layer's entry: never stacked; its experts under one key, expert axis leading.
-_MTP_KEY_RE = re.compile(r"^(mtp\.layers\.\d+)\.(.+)$")
+_LAYER_KEY_RE = re.compile("^" + re.escape(LAYERS) + r"(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -680,10 +668,12 @@ class ModelLayout:
     #: ``_extra_state`` entries megatron-core's model asks for that no file of the source holds
     #: (a legacy model's, or a megatron-core-named one saved without them): made up as None
     made_up: frozenset[str] = frozenset()
-    #: the norms are stored under Transformer Engine's fused names (``has_spec_keys_map``)
-    fused_norm_names: bool = True
-    #: multi-token prediction layer (``mtp.layers.N``) -> its experts
-    mtp_experts: Mapping[str, int] = field(default_factory=dict)
+    #: per-rank name part -> its torch_dist name part, as the family's table renames the model's
+    #: entries (:func:`reshard.models.megatron_gpt.dist_renames`)
+    renames: Mapping[str, str] = field(default_factory=dict)
+    #: a layer beside the stack (never stacked, :func:`reshard.models.megatron_gpt.beside_stack_entry`)
+    #: -> its experts (the leading axis of its experts' keys)
+    beside_experts: Mapping[str, int] = field(default_factory=dict)
 
 
 def model_layout(names: Sequence[str]) -> ModelLayout:
@@ -694,7 +684,7 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
     made_up = frozenset(n for n in names if n not in given and n.endswith("._extra_state"))
     per_layer: dict[int, set[str]] = {}
     experts: dict[int, set[int]] = {}
-    mtp_experts: dict[str, set[int]] = {}
+    beside_experts: dict[str, set[int]] = {}
     for name in names:
         m = _LAYER_KEY_RE.match(name)
         if m:
@@ -702,12 +692,12 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
             per_layer.setdefault(int(m.group(1)), set()).add(rest)
             if g is not None:
                 experts.setdefault(int(m.group(1)), set()).add(g)
-        m = _MTP_KEY_RE.match(name)
-        if m and _dist_name(m.group(2))[1] is not None:
-            mtp_experts.setdefault(m.group(1), set()).add(_dist_name(m.group(2))[1])
+        beside = beside_stack_entry(name)
+        if beside and _dist_name(beside[1])[1] is not None:
+            beside_experts.setdefault(beside[0], set()).add(_dist_name(beside[1])[1])
     return ModelLayout(core, 1 + max(per_layer, default=-1), len({frozenset(v) for v in per_layer.values()}) <= 1,
-                       {i: len(e) for i, e in experts.items()}, made_up, fused_norm_names=has_spec_keys_map(names),
-                       mtp_experts={k: len(e) for k, e in mtp_experts.items()})
+                       {i: len(e) for i, e in experts.items()}, made_up, renames=dist_renames(names),
+                       beside_experts={k: len(e) for k, e in beside_experts.items()})
 
 
 def plan_layout(plan: Plan) -> ModelLayout:
@@ -739,7 +729,7 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
     entries (the name table above, backwards): layer ``i`` of ``L`` becomes chunk ``i`` of the
     stacked key — or, when the layers differ (dense and MoE layers mixed), keys stay per layer, as
     megatron-core keeps them then; expert ``e`` of ``E`` is chunk ``e`` along the expert axis that
-    follows; local-spec layer norms take the fused names; ``_extra_state`` becomes the byte item
+    follows; the family's renames apply (:attr:`ModelLayout.renames`); ``_extra_state`` becomes the byte item
     ``<key>/shard_<chunk offsets>_<axis sizes>`` (``shard_0_1`` for an entry of no axis).
     ``layout``: the whole model's, when ``module`` is one file's part of it (default: its own)."""
     layout = layout or model_layout(list(module))
@@ -754,12 +744,11 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
               if not k.endswith("._extra_state") or k in given or k in layout.made_up}
     layers, stacked = layout.layers, layout.stacked
     items = []
-    renames = LOCAL_SPEC_NAMES if layout.fused_norm_names else {}
     for name, value in module.items():
         if name in PER_RANK_ONLY:
             continue
-        for fused, local in renames.items():
-            name = name.replace(local, fused)
+        for dist, per_rank in layout.renames.items():
+            name = name.replace(per_rank, dist)
         m = _LAYER_KEY_RE.match(name)
         lead: tuple[int, ...] = ()
         axes: tuple[int, ...] = ()
@@ -771,9 +760,9 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
             lead, axes = ((i,), (layers,)) if stacked else ((), ())
             if g is not None:
                 lead, axes = (*lead, g), (*axes, layout.experts[i])
-        elif (mtp := _MTP_KEY_RE.match(name)) and _dist_name(mtp.group(2))[1] is not None:
-            rest, g = _dist_name(mtp.group(2))
-            key, lead, axes = f"{mtp.group(1)}.{rest}", (g,), (layout.mtp_experts[mtp.group(1)],)
+        elif (beside := beside_stack_entry(name)) and _dist_name(beside[1])[1] is not None:
+            rest, g = _dist_name(beside[1])
+            key, lead, axes = f"{beside[0]}.{rest}", (g,), (layout.beside_experts[beside[0]],)
         if name.endswith("._extra_state"):
             shard = f"shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, axes))}" if lead else "shard_0_1"
             items.append(GlobalItem(f"{key}/{shard}", (), (), (), None, value))

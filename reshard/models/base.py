@@ -5,14 +5,14 @@ layout (it never imports :mod:`reshard.formats`) and no storage."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 import reshard.models.facts as facts
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ModelFacts, ParamPlan, SourceStage
-from reshard.core.rules import Rule
+from reshard.core.rules import Rule, layer_index
 from reshard.core.source import SourceCheckpoint
 
 
@@ -32,10 +32,30 @@ class ModelFamily(ABC):
     #: (what a pipeline split recreates). Defaults: Megatron-LM's, as for the deciders.
     output_keys: ClassVar[tuple[str, ...]] = facts.OUTPUT_KEYS
     tied_head_keys: ClassVar[Mapping[str, str]] = MappingProxyType(facts.TIED_HEAD_KEYS)
+    #: How its names start for layers that sit beside the stack of layers (numbered apart from it,
+    #: placed on a stage by their rules, never renumbered per stage). Default: none.
+    beside_stack: ClassVar[tuple[str, ...]] = ()
+    #: A stage copy (:meth:`keeps_stage_copy`) in the words of the check before one is dropped and of
+    #: the warning that says so: (the copy, what it is a copy of).
+    stage_copy_words: ClassVar[tuple[str, str]] = ("the last stage's copy",
+                                                   "the last stage's copy of the first stage's entries")
 
     @abstractmethod
     def claims(self, keys: Sequence[str]) -> bool:
         """Are these parameter names this family's? (Names only, no tensors.)"""
+
+    def layer_index(self, key: str) -> int | None:
+        """The layer of the stack parameter ``key`` belongs to (its number in the name), None for
+        an entry of no stack layer: embeddings, final norm, a layer beside the stack
+        (:attr:`beside_stack`). The planner numbers, orders and places layers by it."""
+        return None if key.startswith(self.beside_stack) else layer_index(key)
+
+    def keeps_stage_copy(self, keys: Iterable[str]) -> bool:
+        """Whether a pipeline stage holding parameters ``keys`` keeps its own copy of the first
+        stage's entries (the embeddings), which the planner then places first on the last stage,
+        drops at one stage (after checking it equals the original) and makes from the first stage's
+        when a source of one stage has none. Default: no stage keeps one."""
+        return False
 
     def naming(self, keys: Sequence[str]) -> str:
         """The naming variant the names follow (recorded in the model facts)."""

@@ -49,7 +49,7 @@ from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.pipeline_stages import LAYOUT_ARG
 from reshard.core.plan_types import CanonicalParam, ModelFacts
-from reshard.core.rules import Kind, Place, Rule, holds_mtp_layers, layer_index
+from reshard.core.rules import Kind, Place, Rule
 from reshard.models.base import ModelFamily
 from reshard.models.facts import hidden_and_heads, int_arg, saved_arg
 from reshard.models.hf_architectures import (
@@ -69,7 +69,15 @@ from reshard.models.hf_architectures import (
     mtp_to_hf,
     name_table,
 )
-from reshard.models.megatron_gpt import DECODER_LAYER, MEGATRON_GPT_RULES, experts_per_layer
+from reshard.models.megatron_gpt import (
+    DECODER_LAYER,
+    MEGATRON_GPT_RULES,
+    MTP_LAYERS,
+    MegatronCoreFamily,
+    experts_per_layer,
+    holds_mtp_layers,
+    stack_layer,
+)
 
 _D = DECODER_LAYER + r"self_attention\."
 _MLA_LINEAR = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj",
@@ -98,7 +106,7 @@ _TE_DECODER_RULES: tuple[Rule, ...] = (
     _mla("te_latent_norms", r"linear_(?:q|kv)_up_proj\.layer_norm_weight$", Kind.REPLICATED),
 ) + MEGATRON_GPT_RULES
 
-_MTP = r"^mtp\.layers\.\d+\."
+_MTP = "^" + re.escape(MTP_LAYERS) + r"\d+\."
 
 
 def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
@@ -135,7 +143,7 @@ _TE_MLA_KEY = re.compile(r"\.self_attention\.linear_(?:q|kv)_up_proj\.layer_norm
 MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
-class DeepSeek(ModelFamily):
+class DeepSeek(MegatronCoreFamily):
     """megatron-core GPT models with multi-latent attention (DeepSeek-V2/V3, Kimi-K2), dense or MoE,
     under megatron-core's local spec. MLA tensors by :data:`DEEPSEEK_RULES`, everything else as
     :class:`~reshard.models.megatron_gpt.MegatronGPT`."""
@@ -271,7 +279,7 @@ def mtp_layers(facts: ModelFacts) -> int:
 
 def mtp_layer_count(keys: Iterable[str]) -> int:
     """The multi-token prediction layers megatron-core parameter names ``keys`` hold (``mtp.layers.{i}``)."""
-    return len({k.split(".")[2] for k in keys if k.startswith("mtp.layers.")})
+    return len({k.split(".")[2] for k in keys if k.startswith(MTP_LAYERS)})
 
 
 class SharedCopies(VocabRows):
@@ -327,7 +335,7 @@ _DECODER_NAMES: NameTable = name_table(
     ("{prefix}_extra_state", None, ()),
 )
 
-_M, _HM = "mtp.layers.{layer}.", MTP_HF + "{layer}."
+_M, _HM = MTP_LAYERS + "{layer}.", MTP_HF + "{layer}."
 
 
 def _mtp_names(table: NameTable) -> NameTable:
@@ -574,7 +582,7 @@ class DeepseekV3(HFArchitectureFamily):
         if groups and topk // group_topk != 2:
             raise refuse(f"group routing with top-k {topk} and group top-k {group_topk} (transformers scores a "
                          "group by its top 2 experts)")
-        moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
+        moe_layers = {stack_layer(k) for k in keys if k.endswith(".mlp.router.weight")}
         dense = sorted(set(range(facts.num_layers)) - moe_layers)
         if dense != list(range(len(dense))):
             raise refuse(f"dense layers {dense} (DeepseekV3's dense layers are the first ones)")

@@ -71,9 +71,8 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
-from reshard.core.rules import layer_index
 from reshard.models.facts import saved_arg
-from reshard.models.megatron_gpt import core_name, expert_index, experts_per_layer
+from reshard.models.megatron_gpt import core_name, expert_index, experts_per_layer, stack_layer
 
 #: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
 ROPE_BASE_DEFAULT = 10000.0
@@ -850,7 +849,7 @@ def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], n
     if not isinstance(topk, int):
         raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
     experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
-    moe_layers = {layer_index(k) for k in keys if k.endswith(".mlp.router.weight")}
+    moe_layers = {stack_layer(k) for k in keys if k.endswith(".mlp.router.weight")}
     dense = sorted(set(range(facts.num_layers)) - moe_layers)
     shared = any(k.endswith(".mlp.shared_experts.linear_fc1.weight") for k in keys)
     pre_softmax = bool(saved_arg(args, "moe_router_pre_softmax", default=False))

@@ -10,7 +10,7 @@ embeddings) with the default, Megatron-LM deciders of :class:`~reshard.models.ba
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -157,6 +157,47 @@ def with_expert(key: str, index: int) -> str:
     raise ValueError(f"{key} names no expert")
 
 
+# -- megatron-core's multi-token prediction (MTP) layers ---------------------------------------------
+#: How megatron-core names its multi-token prediction layers (``mtp.layers.N``): after the decoder's
+#: stack, on the last pipeline stage, numbered apart from the stack's layers (no layer of it), their
+#: rules placing them (:data:`reshard.models.deepseek.DEEPSEEK_RULES`).
+MTP_LAYERS = "mtp.layers."
+#: An entry of a multi-token prediction layer: the layer (``mtp.layers.N``) and the rest of its name.
+_MTP_ENTRY = re.compile(r"^(" + re.escape(MTP_LAYERS) + r"\d+)\.(.+)$")
+
+
+def holds_mtp_layers(keys: Iterable[str]) -> bool:
+    """Whether megatron-core names ``keys`` hold multi-token prediction layers (``mtp.layers.N``)."""
+    return any(k.startswith(MTP_LAYERS) for k in keys)
+
+
+def stack_layer(key: str) -> int | None:
+    """The decoder layer parameter ``key`` belongs to (legacy or megatron-core names), None for a
+    parameter of no decoder layer: embeddings, final norm, a multi-token prediction layer's."""
+    return None if key.startswith(MTP_LAYERS) else layer_index(key)
+
+
+def beside_stack_entry(name: str) -> tuple[str, str] | None:
+    """The layer beside the decoder's stack (a multi-token prediction layer, ``mtp.layers.N``) that
+    megatron-core name ``name`` is an entry of, and the rest of its name; None for an entry of none.
+    torch_dist never stacks such a layer's entries: its experts are one key, the expert axis leading."""
+    m = _MTP_ENTRY.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+class MegatronCoreFamily(ModelFamily):
+    """What a family of megatron-core's GPT model has beside its rule table: the multi-token
+    prediction layers after the stack (:data:`MTP_LAYERS`), whose pipeline stage (the last) keeps
+    its own copy of the embeddings when it is not the first (they embed the shifted tokens there)."""
+
+    beside_stack = (MTP_LAYERS,)
+    stage_copy_words = ("the multi-token prediction stage's copy",
+                        "the multi-token prediction layers' copy of the embeddings")
+
+    def keeps_stage_copy(self, keys: Iterable[str]) -> bool:
+        return holds_mtp_layers(keys)
+
+
 def is_megatron_core(keys: Iterable[str]) -> bool:
     """Whether parameter names follow megatron-core (``decoder.layers.N``) rather than legacy."""
     return any(k.startswith(("decoder.", "output_layer.")) for k in keys)
@@ -205,7 +246,7 @@ def experts_per_layer(keys: Iterable[str], where: str, saved: int | None = None,
     for key in keys:
         g = expert_index(key)
         if g is not None:
-            found.setdefault(layer_index(key), set()).add(g)
+            found.setdefault(stack_layer(key), set()).add(g)
     for layer, gs in found.items():
         if sorted(gs) != list(range(len(gs))):
             missing = sorted(set(range(max(gs) + 1)) - gs)
@@ -238,6 +279,51 @@ def rank_experts(entries: Sequence[TargetParam], rank: int, ep: int, counts: dic
 
 
 
+# --- names by role: for a writer that lays a model out from its roles (:mod:`reshard.sample`) ------
+#: Legacy Megatron GPT names by role: a layer's entries are ``layer + role + entry`` (``weight``,
+#: ``bias``); ``{layers}``: how the stack's names start (``transformer.``, ``language_model.encoder.``),
+#: ``{i}``: the layer, ``{attention}``: its attention module (``attention``, ``self_attention``).
+LEGACY_ROLES: dict[str, str] = {
+    "embedding": "word_embeddings.weight", "position": "position_embeddings.weight",
+    "layer": "{layers}layers.{i}.", "ln1": "input_layernorm.", "qkv": "{attention}.query_key_value.",
+    "dense": "{attention}.dense.", "ln2": "post_attention_layernorm.", "h4h": "mlp.dense_h_to_4h.",
+    "4hh": "mlp.dense_4h_to_h.", "final_ln": "{layers}final_layernorm.",
+}
+#: megatron-core GPT names by role (local spec): ``role + entry`` (``weight``, ``bias``,
+#: ``_extra_state``), a layer's under ``layer`` (``{i}``: the layer).
+CORE_ROLES: dict[str, str] = {
+    "embedding": "embedding.word_embeddings.", "position": "embedding.position_embeddings.",
+    "layer": "decoder.layers.{i}.", "ln1": "input_layernorm.", "proj": "self_attention.linear_proj.",
+    "qkv": "self_attention.linear_qkv.", "ln2": "pre_mlp_layernorm.", "fc1": "mlp.linear_fc1.",
+    "fc2": "mlp.linear_fc2.", "final_ln": "decoder.final_layernorm.", "output": "output_layer.",
+}
+
+
+# --- Megatron-DeepSpeed's GPTModelPipe layer files (DeepSpeed pipeline parallelism) ---------------
+#: Layer roles of a ``GPTModelPipe``, told apart by their keys (:func:`pipe_layer_role`).
+EMBEDDING, TRANSFORMER, FINAL_NORM, LM_HEAD = "embedding", "transformer", "final norm", "lm_head"
+#: A layer file's keys as canonical (legacy Megatron) names, by role: ``prefix + key``, except the
+#: keys renamed whole. A transformer layer file holds one layer, numbered 0 (the planner numbers
+#: them globally); ``lm_head_pipe.*`` names no rule, so an unexpected head entry is refused.
+PIPE_LAYER_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    EMBEDDING: ("language_model.embedding.", {}),
+    TRANSFORMER: ("language_model.encoder.layers.0.", {}),
+    FINAL_NORM: ("language_model.encoder.final_layernorm.", {}),
+    LM_HEAD: ("lm_head_pipe.", {"lm_head.weight": "language_model.output_layer.weight"}),
+}
+
+
+def pipe_layer_role(keys: Collection[str]) -> str:
+    """A ``GPTModelPipe`` layer file's role, from its keys."""
+    if "word_embeddings.weight" in keys:
+        return EMBEDDING
+    if "lm_head.weight" in keys:
+        return LM_HEAD
+    if set(keys) <= {"weight", "bias"}:
+        return FINAL_NORM
+    return TRANSFORMER
+
+
 # --- legacy names as megatron-core's: writing a megatron-core format from a legacy checkpoint ------
 _LEG_LAYER = r"^(?:transformer|language_model\.encoder)\.layers\.(\d+)\."
 _CORE_LAYER = r"decoder.layers.\1."
@@ -262,8 +348,22 @@ LEGACY_TO_CORE: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(a), 
 MIN_CORE_COMPATIBLE_VERSION = 2.0
 
 # -- megatron-core's names in torch_dist (``dist_checkpointing``'s global keys) -------------------
+# torch_dist -> megatron-core per-rank (:mod:`reshard.formats.torch_dist` applies them):
+#
+# =================================================  ================================================
+# torch_dist                                         per-rank module entry
+# =================================================  ================================================
+# ``decoder.layers.X`` (leading axis: layer ``i``)   ``decoder.layers.{i}.X``
+# ``decoder.layers.X._extra_state/shard_{i}_{L}``    ``decoder.layers.{i}.X._extra_state``
+# ``...experts.experts.Y`` (next axis: expert e)     ``...experts.local_experts.{e}.Y`` (MoE)
+# ``mtp.layers.N...experts.experts.Y`` (axis: e)     ``mtp.layers.N...experts.local_experts.{e}.Y``
+# ``...linear_qkv.layer_norm_weight`` (local spec)   ``...input_layernorm.weight``
+# ``...linear_fc1.layer_norm_weight`` (local spec)   ``...pre_mlp_layernorm.weight``
+# (absent)                                           ``output_layer._extra_state`` = None
+# =================================================  ================================================
+
 #: Layer-norm names of megatron-core's local spec (``sharded_state_dict_keys_map``): torch_dist
-#: stores them under Transformer Engine's fused names.
+#: stores them under Transformer Engine's fused names (torch_dist name part -> per-rank name part).
 LOCAL_SPEC_NAMES: dict[str, str] = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
                                     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 
@@ -272,6 +372,20 @@ def has_spec_keys_map(names: Iterable[str]) -> bool:
     """Whether torch_dist stores a model's norms under :data:`LOCAL_SPEC_NAMES`: the local layer spec
     with fused QKV has that keys map; multi-latent attention's spec has none."""
     return not any(".self_attention.linear_kv_down_proj." in n for n in names)
+
+
+def dist_renames(names: Iterable[str]) -> Mapping[str, str]:
+    """What torch_dist's keys rename in the per-rank names ``names`` of a whole model (torch_dist
+    name part -> per-rank name part): the local spec's fused norm names where its spec has the
+    keys map (:func:`has_spec_keys_map`), else nothing."""
+    return LOCAL_SPEC_NAMES if has_spec_keys_map(names) else {}
+
+
+def per_rank_renames(transformer_impl: Any) -> Mapping[str, str]:
+    """What reading torch_dist renames for a per-rank module of a model saved with
+    ``transformer_impl`` (torch_dist name part -> per-rank name part): the local spec's norms
+    (``local``); Transformer Engine's (the default, None) keep torch_dist's fused names."""
+    return LOCAL_SPEC_NAMES if transformer_impl == "local" else {}
 
 
 #: Entries megatron-core's per-rank state dict holds that torch_dist does not store.
@@ -284,7 +398,7 @@ EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}.
 #: megatron-core's module order: top-level modules, then a layer's submodules (an MoE layer's router,
 #: experts by number, shared experts), then their entries.
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
-             "decoder.final_layernorm.", "mtp.layers.", "output_layer.")
+             "decoder.final_layernorm.", MTP_LAYERS, "output_layer.")
 _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
                     "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
                     "self_attention.linear_q_proj.", "self_attention.linear_kv_down_proj.",
@@ -348,7 +462,7 @@ def _core_position(key: str) -> tuple[int, ...]:
             inner, entry)
 
 
-class MegatronGPT(ModelFamily):
+class MegatronGPT(MegatronCoreFamily):
     """GPT-style decoders under Megatron-LM's legacy names or megatron-core's (dense and MoE). ``naming``
     tells which a checkpoint uses."""
 
