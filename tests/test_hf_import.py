@@ -25,6 +25,7 @@ from reshard.cli import main
 from reshard.core.lazy import Converted, RowConcat
 from reshard.core.safe_load import load_shard
 from reshard.models import hf_architectures as arch
+from reshard.models.hf_llama import LLAMA_NAMES
 
 pytestmark = needs_mcore
 TOL = 2e-5
@@ -365,7 +366,7 @@ def test_an_export_only_architecture_is_refused_on_import_in_one_line():
     from reshard.models import hf_registry
 
     class ExportOnly(arch.HFArchitectureFamily):
-        name, names = "ExportOnlyForCausalLM", arch.LLAMA_NAMES
+        name, names = "ExportOnlyForCausalLM", LLAMA_NAMES
 
     hf_registry.register_hf_architecture(ExportOnly)
     try:
@@ -460,7 +461,7 @@ def test_no_hf_architecture_choice_drops_the_window(imported, tmp_path, capsys):
     from reshard.models import hf_registry
 
     class Windowless(arch.HFArchitectureFamily):
-        name, names = "WindowlessForCausalLM", arch.LLAMA_NAMES
+        name, names = "WindowlessForCausalLM", LLAMA_NAMES
 
         def export(self, decided):
             return arch.HFArchitecture(name=self.name, config={**decided.config, "sliding_window": None},
