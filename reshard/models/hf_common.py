@@ -14,9 +14,12 @@ class are the toolkit's (:mod:`reshard.models.hf_architectures`).
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import re
+import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.plan_types import ModelFacts
@@ -48,6 +51,38 @@ NOT_EXPORTED_FLAGS: tuple[tuple[str, str], ...] = (
 
 Refuse = Callable[[str], LayoutError]
 Has = Callable[[str], bool]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def asked_in_turn(fn: _F) -> _F:
+    """``fn`` answered once for equal arguments asked in a row: the classes that claim a model by its
+    shape each ask the same question of one model in turn
+    (:func:`~reshard.models.hf_registry.decide_export`), and on a model of many experts each answer
+    scans every name. A copy of the last arguments (equal, not merely the same objects: an ``args``
+    edited in place is another question) and the answer, or the refusal, are held until the next
+    call; each caller gets its own copy of the answer."""
+    last: list[Any] = [None]
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def asked(*args: Any) -> Any:
+        with lock:
+            held = last[0]
+        if held is not None and held[0] == args:
+            answered, value = held[1]
+        else:
+            asked_with = tuple(frozenset(a) if isinstance(a, (set, frozenset)) else copy.deepcopy(a) for a in args)
+            try:
+                answered, value = True, fn(*args)
+            except LayoutError as refusal:
+                answered, value = False, refusal
+            with lock:
+                last[0] = (asked_with, (answered, value))
+        if not answered:
+            raise value
+        return copy.deepcopy(value)
+
+    return asked  # type: ignore[return-value]
 
 
 def not_exact(what: str) -> LayoutError:
@@ -61,6 +96,7 @@ def has_key(keys: set[str]) -> Has:
     return lambda pattern: any(re.search(pattern, k) for k in keys)
 
 
+@asked_in_turn
 def decided_norm(args: Any, facts: ModelFacts, keys: set[str]) -> tuple[str, bool]:
     """The checks every built-in export (GPT-2's and the Llama-like ones) starts with, in one order so
     that whichever architecture asks first refuses the same way: the flags none computes, query/key

@@ -51,6 +51,7 @@ from reshard.models.hf_common import (
     NORM_EPS_DEFAULT,
     ROPE_BASE_DEFAULT,
     Refuse,
+    asked_in_turn,
     config_int,
     decided_norm,
     has_key,
@@ -149,6 +150,7 @@ class LlamaShape:
                                            ("MLP", self.mlp_bias)) if b)
 
 
+@asked_in_turn
 def llama_shape(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                 widths: Mapping[str, int]) -> LlamaShape | None:
     """The Llama-like shape of a megatron-core model (None: a LayerNorm model, GPT-2's), or the

@@ -14,7 +14,7 @@ from typing import Any
 from reshard.core.plan_types import ModelFacts
 from reshard.core.rules import layer_index
 from reshard.models.facts import saved_arg
-from reshard.models.hf_common import Refuse, not_exact
+from reshard.models.hf_common import Refuse, asked_in_turn, not_exact
 from reshard.models.hf_llama import LlamaShape
 from reshard.models.megatron_gpt import experts_per_layer
 
@@ -33,6 +33,7 @@ class MoEShape:
     routing: dict[str, Any]
 
 
+@asked_in_turn
 def moe_shape(args: Any, facts: ModelFacts, keys: set[str], shape: LlamaShape) -> MoEShape:
     """The MoE layers of a Llama-like model (``shape.moe``), or the refusal of a routing none of
     Mixtral, Qwen2-MoE and Qwen3-MoE computes (sigmoid scores, expert bias, groups, capacity,
