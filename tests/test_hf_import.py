@@ -345,14 +345,16 @@ def test_an_import_at_two_pipeline_stages_merges_back_to_the_single_stage_import
 
 
 def test_gpt2_names_without_the_base_model_prefix_import_the_same(imported, tmp_path):
-    """The original GPT-2 folders on the hub name tensors ``h.0.attn.c_attn.weight``, ``wte.weight``."""
+    """The original GPT-2 folders on the hub name tensors ``h.0.attn.c_attn.weight``, ``wte.weight``,
+    and hold the attention masks (``h.0.attn.bias``, ``h.0.attn.masked_bias``: buffers, not imported)."""
     from safetensors.torch import load_file, save_file
 
     src = tmp_path / "bare"
     shutil.copytree(imported["hf"]["gpt2"], src)
     tensors = load_file(str(src / "model.safetensors"))
-    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(src / "model.safetensors"),
-              metadata={"format": "pt"})
+    masks = {"h.0.attn.bias": torch.tril(torch.ones(1, 1, 64, 64)), "h.1.attn.masked_bias": torch.tensor(-1e4)}
+    save_file({**{k.removeprefix("transformer."): v for k, v in tensors.items()}, **masks},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
     out = _import(src, tmp_path / "out", "--target-tp", "2")
     want = imported["runs"][("gpt2", 2)]
     for f in sorted(want.rglob("model_optim_rng.pt")):

@@ -374,9 +374,12 @@ class HFModel:
 
 class HFArchitectureFamily(abc.ABC):
     """One Hugging Face architecture: everything reshard knows of one ``transformers`` class, in one
-    object (registered in :mod:`reshard.models.hf_registry`). A plug-in sets :attr:`name`,
-    :attr:`names` and :attr:`model_types`, and overrides :meth:`read_config` to import its folders,
-    :meth:`export` to write megatron-core models as it, or both."""
+    object, one module (registered in :mod:`reshard.models.hf_registry`; the built-ins are listed
+    there). A plug-in sets :attr:`name`, :attr:`names` and :attr:`model_types`, and overrides
+    :meth:`read_config` to import its folders, :meth:`decide` to claim the megatron-core models it
+    computes on export, :meth:`export` to write a model another class was decided for under
+    ``--hf-architecture``, or any of them; the naming hooks (:meth:`folder_name`,
+    :meth:`table_name`, :meth:`args_from_weights`) for what its table's templates cannot spell."""
 
     #: The ``transformers`` class (``config.json``'s ``architectures``).
     name: str = ""

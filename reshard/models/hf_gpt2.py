@@ -8,6 +8,7 @@ without its ``transformer.`` prefix, which transformers loads all the same.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +59,8 @@ GPT2_NAMES: NameTable = name_table(
     ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
     (EXTRA_STATE, None, ()),
 )
+#: GPT-2's attention masks, which some saved folders hold: buffers, not weights (not imported).
+MASK_BUFFER = re.compile(r"^(?:transformer\.)?h\.\d+\.attn\.(?:masked_)?bias$")
 #: GPT-2's activations -> Megatron's ``--openai-gelu``.
 ACTIVATIONS = {"gelu": False, "gelu_new": True}
 
@@ -72,6 +75,9 @@ class Gpt2(HFArchitectureFamily):
     defaults: Mapping[str, Any] = {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
                                    "activation_function": "gelu_new", "n_positions": 1024,
                                    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
+
+    def table_name(self, name: str, facts: ModelFacts) -> str | None:
+        return None if MASK_BUFFER.match(name) else name
 
     def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
         c = {**self.defaults, **config}

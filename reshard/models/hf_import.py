@@ -21,8 +21,10 @@ from reshard.models.hf_architectures import HFModel
 from reshard.models.megatron_args import MadeArgs
 from reshard.models.megatron_gpt import core_module
 
-#: Tensors some saved folders hold that are buffers, not weights (recomputed by the model).
-BUFFERS = (re.compile(r"\.rotary_emb\.inv_freq$"), re.compile(r"^(?:transformer\.)?h\.\d+\.attn\.(?:masked_)?bias$"))
+#: Tensors some saved folders hold that are buffers, not weights (recomputed by the model): the
+#: rotary embedding's frequencies (an architecture's own buffers: its
+#: :meth:`~reshard.models.hf_architectures.HFArchitectureFamily.table_name`).
+BUFFERS = (re.compile(r"\.rotary_emb\.inv_freq$"),)
 
 
 def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str, Any]:
