@@ -33,8 +33,7 @@ from reshard.core.errors import (
     UnknownParameterError,
     UnsafeCheckpointError,
 )
-
-__version__ = "0.1.0"
+from reshard.version import __version__
 
 if TYPE_CHECKING:
     from reshard.api import Progress, convert, inspect, plan, verify

@@ -269,7 +269,7 @@ class _ProgressAdapter:
         self._unsubscribe: Callable[[], None] = lambda: None
 
     def __enter__(self) -> _ProgressAdapter:
-        from reshard import progress
+        import reshard.progress as progress
 
         self._unsubscribe = progress.subscribe(self.handle)
         return self
@@ -278,7 +278,7 @@ class _ProgressAdapter:
         self._unsubscribe()
 
     def handle(self, event: dict[str, Any]) -> None:
-        from reshard import progress
+        import reshard.progress as progress
 
         kind, name = event.get("event"), event.get("name")
         if kind == progress.PLANNED:

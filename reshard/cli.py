@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from reshard import __version__
 from reshard.cli_progress import fmt_bytes
 from reshard.core.errors import ReshardError
+from reshard.version import __version__
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -330,7 +330,7 @@ def _run_with_prefect(ns: argparse.Namespace) -> dict[str, Any]:
 
         ShardCache(ns.cache_dir).finish_work(committed["conversion_id"])  # what an earlier run may have left
         return ConversionResult.from_manifest(committed, ns.dst, up_to_date=True).model_dump(exclude={"manifest"})
-    from reshard import progress
+    import reshard.progress as progress
     from reshard.flows.server import prefect_environment
     from reshard.storage.cache import ShardCache
 

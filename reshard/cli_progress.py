@@ -16,7 +16,7 @@ import sys
 from types import TracebackType
 from typing import Any, TextIO
 
-from reshard import progress
+import reshard.progress as progress
 
 
 def fmt_bytes(n: float) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard import __version__, progress
+import reshard.progress as progress
 from reshard.core.errors import LayoutError, ReshardError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import Plan
@@ -26,6 +26,7 @@ from reshard.formats.output import weights_read
 from reshard.formats.registry import get_format
 from reshard.storage.manifest import MANIFEST_FORMAT
 from reshard.tasks.identity import code_version
+from reshard.version import __version__
 
 
 def side_files(plan: Plan, names: list[str]) -> dict[str, bytes]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard import progress
+import reshard.progress as progress
 from reshard.conversion import (
     convert_streamed,
     manifest_for,

@@ -23,7 +23,6 @@ from reshard.core.errors import LayoutError
 from reshard.core.lazy import LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import (
-    LLAMA_NAMES,
     ByteTransform,
     HFArchitecture,
     HFArchitectureFamily,
@@ -33,7 +32,7 @@ from reshard.models.hf_architectures import (
     Run,
     Same,
 )
-from reshard.models.hf_import import read_llama_like
+from reshard.models.hf_llama import LLAMA_NAMES, read_llama_like
 
 _L, _H = "decoder.layers.{layer}.", "model.layers.{layer}."
 

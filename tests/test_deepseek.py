@@ -27,7 +27,7 @@ import torch
 from mcore_fixtures import TOKENS, copy_with_args, edit_saved_args, iteration_folder, needs_mcore, run_harness
 from reshard.cli import main
 from reshard.core.lazy import RowConcat
-from reshard.models import deepseek
+from reshard.models import hf_deepseek
 from test_hf_export import hf_tensors
 from test_hf_import import make_fp8_folder
 
@@ -162,13 +162,13 @@ def _kv_b_not_per_head(self, names, parts, facts):
                                                                     for h in range(heads)])
 
 
-class _WrongSame(deepseek.Same):
+class _WrongSame(hf_deepseek.Same):
     gather = _kv_b_not_per_head
 
 
 def _table_with(row_hf: str, transform) -> tuple:
     return tuple(dataclasses.replace(r, transform=transform) if r.hf and r.hf[0].endswith(row_hf) else r
-                 for r in deepseek.DEEPSEEK_V3_NAMES)
+                 for r in hf_deepseek.DEEPSEEK_V3_NAMES)
 
 
 #: plausible wrong imports (megatron-core side): an edit of the saved args, or a misread tensor
@@ -259,7 +259,7 @@ def deepseek_runs(tmp_path_factory, mcore_written):
             edit_saved_args(_run(hf["v3"], out, "--target-tp", "2", "--target-ep", "2"), **wrong)
         else:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(deepseek.DEEPSEEK_V3, "names", _table_with(wrong, _WrongSame()))
+                mp.setattr(hf_deepseek.DEEPSEEK_V3, "names", _table_with(wrong, _WrongSame()))
                 _run(hf["v3"], out, "--target-tp", "2", "--target-ep", "2")
         runs[what] = out
     dists = {"dist": _run(hf["v3"], root / "v3_dist", "--to", "torch_dist"),

@@ -422,3 +422,31 @@ def test_every_byte_reaches_every_run_that_covers_it(runs, chunk):
     want = {dst + i: data[src + i] for src, length, dst in runs for i in range(length)}
     assert writer.file == want
 
+
+
+def test_a_decision_asked_again_of_edited_args_is_decided_again():
+    """The built-ins that claim a model by its shape share one answer per model
+    (``hf_common.asked_in_turn``); the same ``args`` object edited in place is another model."""
+    import argparse
+
+    from reshard.core.errors import LayoutError
+    from reshard.core.plan_types import ModelFacts
+    from reshard.models.hf_registry import decide_export
+
+    layer = "decoder.layers.0."
+    keys = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
+            *(layer + k for k in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
+                                  "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+                                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"))}
+    facts = ModelFacts(naming="megatron-core", num_layers=1, hidden=32, heads=4, query_groups=4, head_dim=8,
+                       swiglu=True, tied_embeddings=False, vocab_size=64, padded_vocab_source=64,
+                       padded_vocab_target=None, make_vocab_size_divisible_by=None, source_pp_layers=(1,),
+                       target_pp_layers=(1,))
+    args = argparse.Namespace(normalization="RMSNorm", position_embedding_type="rope", norm_epsilon=1e-5)
+    widths = {"dense": 64}
+    assert decide_export(args, facts, keys, torch.float32, widths).config["rms_norm_eps"] == 1e-5
+    args.norm_epsilon = 1e-6
+    assert decide_export(args, facts, keys, torch.float32, widths).config["rms_norm_eps"] == 1e-6
+    args.squared_relu = True
+    with pytest.raises(LayoutError, match=r"squared ReLU \(squared_relu\)"):
+        decide_export(args, facts, keys, torch.float32, widths)

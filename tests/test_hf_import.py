@@ -25,6 +25,7 @@ from reshard.cli import main
 from reshard.core.lazy import Converted, RowConcat
 from reshard.core.safe_load import load_shard
 from reshard.models import hf_architectures as arch
+from reshard.models.hf_llama import LLAMA_NAMES
 
 pytestmark = needs_mcore
 TOL = 2e-5
@@ -344,14 +345,16 @@ def test_an_import_at_two_pipeline_stages_merges_back_to_the_single_stage_import
 
 
 def test_gpt2_names_without_the_base_model_prefix_import_the_same(imported, tmp_path):
-    """The original GPT-2 folders on the hub name tensors ``h.0.attn.c_attn.weight``, ``wte.weight``."""
+    """The original GPT-2 folders on the hub name tensors ``h.0.attn.c_attn.weight``, ``wte.weight``,
+    and hold the attention masks (``h.0.attn.bias``, ``h.0.attn.masked_bias``: buffers, not imported)."""
     from safetensors.torch import load_file, save_file
 
     src = tmp_path / "bare"
     shutil.copytree(imported["hf"]["gpt2"], src)
     tensors = load_file(str(src / "model.safetensors"))
-    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(src / "model.safetensors"),
-              metadata={"format": "pt"})
+    masks = {"h.0.attn.bias": torch.tril(torch.ones(1, 1, 64, 64)), "h.1.attn.masked_bias": torch.tensor(-1e4)}
+    save_file({**{k.removeprefix("transformer."): v for k, v in tensors.items()}, **masks},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
     out = _import(src, tmp_path / "out", "--target-tp", "2")
     want = imported["runs"][("gpt2", 2)]
     for f in sorted(want.rglob("model_optim_rng.pt")):
@@ -365,7 +368,7 @@ def test_an_export_only_architecture_is_refused_on_import_in_one_line():
     from reshard.models import hf_registry
 
     class ExportOnly(arch.HFArchitectureFamily):
-        name, names = "ExportOnlyForCausalLM", arch.LLAMA_NAMES
+        name, names = "ExportOnlyForCausalLM", LLAMA_NAMES
 
     hf_registry.register_hf_architecture(ExportOnly)
     try:
@@ -460,7 +463,7 @@ def test_no_hf_architecture_choice_drops_the_window(imported, tmp_path, capsys):
     from reshard.models import hf_registry
 
     class Windowless(arch.HFArchitectureFamily):
-        name, names = "WindowlessForCausalLM", arch.LLAMA_NAMES
+        name, names = "WindowlessForCausalLM", LLAMA_NAMES
 
         def export(self, decided):
             return arch.HFArchitecture(name=self.name, config={**decided.config, "sliding_window": None},

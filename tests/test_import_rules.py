@@ -142,7 +142,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    return {m: {i for i in imports_of(p, modules) if i in modules and i != m and i != "reshard"}
+    return {m: {i for i in imports_of(p, modules) if i in modules and i != m}
             for m, p in modules.items()}
 
 

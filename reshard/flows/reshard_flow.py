@@ -36,7 +36,7 @@ from typing import Any
 from prefect import Flow, get_run_logger
 from prefect.futures import wait
 
-from reshard import progress
+import reshard.progress as progress
 from reshard.conversion import streams_sources
 from reshard.flows.params import ReshardParams
 from reshard.result import ConversionResult

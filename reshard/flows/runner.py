@@ -34,7 +34,7 @@ def run_flow(params: ReshardParams, *, dask_address: str | None = None, dask_wor
     Prefect :func:`~reshard.flows.session.prefect_session` picks: the configured server, else
     reshard's embedded one. ``server``: that embedded server when the caller started it already
     (the CLI does, before it imports the flow, so it boots meanwhile)."""
-    from reshard import progress
+    import reshard.progress as progress
     from reshard.flows.reshard_flow import reshard_flow
     from reshard.flows.session import prefect_session
 

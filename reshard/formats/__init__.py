@@ -2,9 +2,11 @@
 
 ``locate(path)`` asks the registered formats, in priority order, which one holds ``path`` and
 returns its :class:`~reshard.core.source.SourceCheckpoint`; ``listing_patterns()`` are the
-object names remote discovery fetches. Built-in: Megatron-LM folders, DeepSpeed pipeline layer
-files, DeepSpeed ``mp_rank_XX`` files and descriptors (and ZeRO stage 3 folders, recognized to
-be refused). Add one with :func:`register_format` or the ``reshard.formats`` entry-point group.
+object names remote discovery fetches. Built-in (:mod:`reshard.formats.registry`): megatron-core's
+torch_dist, Megatron-LM folders (legacy and megatron-core per-rank), DeepSpeed pipeline layer files,
+DeepSpeed ``mp_rank_XX`` files and descriptors, ZeRO stage 3 engine folders (read with ``--weights
+master``), Hugging Face safetensors folders (FP8 blocks included) and DeepSpeed universal
+checkpoints. Add one with :func:`register_format` or the ``reshard.formats`` entry-point group.
 """
 
 from __future__ import annotations

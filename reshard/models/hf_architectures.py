@@ -1,35 +1,14 @@
-"""Hugging Face architectures a megatron-core GPT model maps onto *exactly*, and the name table of
-each: which ``transformers`` class computes the same function from the same tensors, its
-``config.json``, and where every megatron-core tensor's bytes go in the Hugging Face tensors —
-and back: each transform owns both directions (export: byte runs or a whole-tensor conversion;
-import: the megatron-core tensor as a lazy view of the Hugging Face ones, :meth:`Transform.gather`).
+"""The toolkit every Hugging Face architecture is written with: the tensor transforms (each owning
+its byte mapping both ways — export: byte runs or a whole-tensor conversion; import: the
+megatron-core tensor as a lazy view of the Hugging Face ones, :meth:`Transform.gather`), the name
+table (:class:`NameRow`, :func:`name_table`), where one megatron-core tensor goes
+(:func:`export_of`), the base class of an architecture (:class:`HFArchitectureFamily`) and what an
+export and an import hand on (:class:`HFArchitecture`, :class:`HFModel`).
 
-Pure: no files, no torch I/O. The ``hf`` format (:mod:`reshard.formats.hf`) streams the bytes.
-
-Architectures (decided by :func:`decide_architecture` from the saved ``args`` and the tensors
-present; anything else is refused with what differs — never an approximate export):
-
-=======================  =========================================================================
-architecture             megatron-core model
-=======================  =========================================================================
-``LlamaForCausalLM``     RMSNorm, SwiGLU, rotary (whole head, not interleaved, no scaling), no
-                         linear biases — or biases on every linear layer (``attention_bias``,
-                         ``mlp_bias``)
-``MistralForCausalLM``   Llama's without biases, with megatron-core's sliding window on every layer
-                         (``window_size`` ``(W - 1, 0)``: ``sliding_window`` W; decided by its
-                         architecture, :func:`sliding_window`)
-``Qwen2ForCausalLM``     the same with biases on the fused QKV only (``--add-qkv-bias``)
-``GPT2LMHeadModel``      LayerNorm, GELU (exact; ``gelu_new`` with ``--openai-gelu``), learned
-                         absolute positions, biases on every linear layer, multi-head attention
-                         (legacy Megatron GPT, megatron-core's GPT with those settings)
-``MixtralForCausalLM``   Llama's, every MLP a MoE layer (softmax top-k renormalized), no shared
-                         expert
-``Qwen2MoeForCausalLM``  Llama's or Qwen2's, MoE layers with one sigmoid-gated shared expert,
-                         dense layers allowed (``mlp_only_layers``)
-``Qwen3ForCausalLM``     Llama's with query/key RMSNorm per head (``--qk-layernorm``), biases on
-                         the attention layers (all four) or none
-``Qwen3MoeForCausalLM``  Qwen3's, MoE layers without a shared expert, dense layers allowed
-=======================  =========================================================================
+Pure: no files, no torch I/O. The ``hf`` format (:mod:`reshard.formats.hf`) streams the bytes. Each
+architecture — its name table, its ``config.json`` reading, its export decision — is its own module
+(the built-ins are listed in :mod:`reshard.models.hf_registry`); what several share is
+:mod:`reshard.models.hf_common`'s.
 
 Tensor transforms (one class each, owning its byte mapping; rows are the leading dim):
 
@@ -49,9 +28,7 @@ kind                megatron-core tensor                   Hugging Face tensors
 
 "whole": a transpose is no byte run, so that one tensor is read into memory, then written.
 
-(``g`` query groups, ``q`` query heads per group, ``d`` head dim, ``f`` FFN width.) megatron-core's
-rotary embedding rotates the two halves of each head (``rotate_half``), as transformers' Llama
-does, so no row permutation is needed.
+(``g`` query groups, ``q`` query heads per group, ``d`` head dim, ``f`` FFN width.)
 """
 
 from __future__ import annotations
@@ -62,7 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,12 +48,7 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
-from reshard.models.facts import saved_arg
-from reshard.models.megatron_gpt import core_name, expert_index, experts_per_layer, stack_layer
-
-#: megatron-core's defaults for what Megatron-LM's ``args`` may not record.
-ROPE_BASE_DEFAULT = 10000.0
-NORM_EPS_DEFAULT = 1e-5
+from reshard.models.megatron_gpt import core_name, expert_index
 
 
 @dataclass(frozen=True)
@@ -323,114 +295,6 @@ def name_table(*rows: tuple[Any, ...]) -> NameTable:
                  for core, transform, hf, *rest in map(tuple, rows))
 
 
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-_EXTRA_STATE = "{prefix}_extra_state"
-#: megatron-core names (local spec first, then Transformer Engine's) <-> Hugging Face names
-#: (Llama / Qwen2).
-LLAMA_NAMES: NameTable = name_table(
-    ("embedding.word_embeddings.weight", VocabRows(), ("model.embed_tokens.weight",)),
-    ((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"), Same(),
-     (_H + "input_layernorm.weight",)),
-    (_L + "self_attention.linear_qkv.{p}", QKVSplit(),
-     (_H + "self_attn.q_proj.{p}", _H + "self_attn.k_proj.{p}", _H + "self_attn.v_proj.{p}"), LINEAR),
-    (_L + "self_attention.linear_proj.{p}", Same(), (_H + "self_attn.o_proj.{p}",), LINEAR),
-    ((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"), Same(),
-     (_H + "post_attention_layernorm.weight",)),
-    (_L + "mlp.linear_fc1.{p}", GatedSplit(), (_H + "mlp.gate_proj.{p}", _H + "mlp.up_proj.{p}"), LINEAR),
-    (_L + "mlp.linear_fc2.{p}", Same(), (_H + "mlp.down_proj.{p}",), LINEAR),
-    ("decoder.final_layernorm.weight", Same(), ("model.norm.weight",)),
-    ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
-    (_EXTRA_STATE, None, ()),
-)
-
-
-_G = "transformer.h.{layer}."
-#: megatron-core names <-> GPT-2 names (``GPT2LMHeadModel``; its linear layers are ``Conv1D``).
-GPT2_NAMES: NameTable = name_table(
-    ("embedding.word_embeddings.weight", VocabRows(), ("transformer.wte.weight",)),
-    ("embedding.position_embeddings.weight", Same(), ("transformer.wpe.weight",)),
-    ((_L + "input_layernorm.{p}", _L + "self_attention.linear_qkv.layer_norm_{p}"), Same(), (_G + "ln_1.{p}",)),
-    (_L + "self_attention.linear_qkv.weight", GPT2QKV(), (_G + "attn.c_attn.weight",)),
-    (_L + "self_attention.linear_qkv.bias", GPT2QKV(), (_G + "attn.c_attn.bias",)),
-    (_L + "self_attention.linear_proj.weight", Conv1D(), (_G + "attn.c_proj.weight",)),
-    (_L + "self_attention.linear_proj.bias", Same(), (_G + "attn.c_proj.bias",)),
-    ((_L + "pre_mlp_layernorm.{p}", _L + "mlp.linear_fc1.layer_norm_{p}"), Same(), (_G + "ln_2.{p}",)),
-    (_L + "mlp.linear_fc1.weight", Conv1D(), (_G + "mlp.c_fc.weight",)),
-    (_L + "mlp.linear_fc1.bias", Same(), (_G + "mlp.c_fc.bias",)),
-    (_L + "mlp.linear_fc2.weight", Conv1D(), (_G + "mlp.c_proj.weight",)),
-    (_L + "mlp.linear_fc2.bias", Same(), (_G + "mlp.c_proj.bias",)),
-    ("decoder.final_layernorm.{p}", Same(), ("transformer.ln_f.{p}",)),
-    ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
-    (_EXTRA_STATE, None, ()),
-)
-_E = "mlp.experts."
-#: A routed expert's megatron-core names: SequentialMLP's, then grouped GEMM's.
-_FC1 = (_L + _E + "local_experts.{expert}.linear_fc1.weight", _L + _E + "linear_fc1.weight{expert}")
-_FC2 = (_L + _E + "local_experts.{expert}.linear_fc2.weight", _L + _E + "linear_fc2.weight{expert}")
-#: megatron-core MoE layers <-> Mixtral's (``block_sparse_moe``: router ``gate``, experts' ``w1`` gate,
-#: ``w3`` up and ``w2`` down projections), on top of Llama's names.
-MIXTRAL_NAMES: NameTable = LLAMA_NAMES + name_table(
-    (_L + "mlp.router.weight", Same(), (_H + "block_sparse_moe.gate.weight",)),
-    (_FC1, GatedSplit(), (_H + "block_sparse_moe.experts.{expert}.w1.weight",
-                          _H + "block_sparse_moe.experts.{expert}.w3.weight"), LINEAR),
-    (_FC2, Same(), (_H + "block_sparse_moe.experts.{expert}.w2.weight",), LINEAR),
-)
-#: A megatron-core MoE layer's router and routed experts <-> Qwen-MoE's (router ``mlp.gate``,
-#: ``mlp.experts.{e}.*_proj``).
-_QWEN_ROUTED: NameTable = name_table(
-    (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
-    (_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
-     LINEAR),
-    (_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",), LINEAR),
-)
-#: megatron-core MoE layers <-> Qwen2-MoE's: the routed experts, one shared expert and its sigmoid
-#: gate, on top of Llama's names (its dense layers).
-QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + _QWEN_ROUTED + name_table(
-    (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
-     (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), LINEAR),
-    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",), LINEAR),
-    (_L + "mlp.shared_experts.gate_weight", Same(), (_H + "mlp.shared_expert_gate.weight",)),
-)
-#: Qwen3's query/key layer norms (RMSNorm over each head's dims, before the rotary embedding), on
-#: top of Llama's names.
-QWEN3_NAMES: NameTable = LLAMA_NAMES + name_table(
-    (_L + "self_attention.q_layernorm.weight", Same(), (_H + "self_attn.q_norm.weight",)),
-    (_L + "self_attention.k_layernorm.weight", Same(), (_H + "self_attn.k_norm.weight",)),
-)
-#: megatron-core MoE layers <-> Qwen3-MoE's: Qwen2-MoE's router and experts, no shared expert.
-QWEN3_MOE_NAMES: NameTable = QWEN3_NAMES + _QWEN_ROUTED
-#: The built-in architectures' name tables, both directions (the built-ins of
-#: :mod:`reshard.models.hf_registry` are made from them; a plug-in brings its own).
-NAME_TABLES = {"LlamaForCausalLM": LLAMA_NAMES, "Qwen2ForCausalLM": LLAMA_NAMES, "MistralForCausalLM": LLAMA_NAMES,
-               "GPT2LMHeadModel": GPT2_NAMES,
-               "MixtralForCausalLM": MIXTRAL_NAMES, "Qwen2MoeForCausalLM": QWEN2_MOE_NAMES,
-               "Qwen3ForCausalLM": QWEN3_NAMES, "Qwen3MoeForCausalLM": QWEN3_MOE_NAMES}
-
-
-#: Multi-token prediction layers in a name table: Hugging Face folders hold them as decoder layers
-#: after the model's own (DeepSeek's ``model.layers.{num_hidden_layers + i}``), which a table's
-#: templates cannot count; its rows name them ``model.mtp_layers.{i}`` instead, renamed both ways
-#: here. Each also holds copies of the shared embedding and output layer (not imported).
-MTP_HF = "model.mtp_layers."
-MTP_SHARED_COPIES = re.compile(r"^model\.mtp_layers\.\d+\.(?:embed_tokens|shared_head\.head)\.weight$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_MTP_NAME = re.compile(r"^model\.mtp_layers\.(\d+)\.")
-
-
-def mtp_to_hf(name: str, num_layers: int) -> str:
-    """A table's ``model.mtp_layers.{i}.`` name as the folder's ``model.layers.{num_layers + i}.``."""
-    return _MTP_NAME.sub(lambda m: f"model.layers.{num_layers + int(m.group(1))}.", name, count=1)
-
-
-def hf_to_mtp(name: str, num_layers: int) -> str:
-    """A folder's layer beyond the model's ``num_layers`` under the table's ``model.mtp_layers.`` name."""
-    m = _HF_LAYER.match(name)
-    if m is None or int(m.group(1)) < num_layers:
-        return name
-    return f"{MTP_HF}{int(m.group(1)) - num_layers}.{name[m.end():]}"
-
-
 def linear_weight(key: str, tables: Sequence[NameTable]) -> bool:
     """Whether megatron-core (or legacy Megatron) parameter ``key`` is a linear layer's weight in
     ``tables`` (:attr:`NameRow.linear`): the bytes ``--quantize fp8`` encodes, known before the
@@ -457,8 +321,9 @@ class Export:
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts,
               architecture: HFArchitecture) -> Export:
-    """Where megatron-core tensor ``key`` goes in ``architecture`` (its name table); an unknown key
-    is an error."""
+    """Where megatron-core tensor ``key`` goes in ``architecture`` (its name table, each name as the
+    folder spells it: :meth:`HFArchitectureFamily.folder_name`); an unknown key is an error."""
+    folder_name = architecture.family.folder_name if architecture.family is not None else None
     for row in architecture.names:
         m = next((m for m in (p.match(key) for p in row.core_patterns) if m), None)
         if m is None:
@@ -466,7 +331,9 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         transform = row.transform
         if transform is None:
             return Export(key)
-        filled = tuple(mtp_to_hf(n.format(**m.groupdict()), facts.num_layers) for n in row.hf)
+        filled = tuple(n.format(**m.groupdict()) for n in row.hf)
+        if folder_name is not None:
+            filled = tuple(folder_name(n, facts) for n in filled)
         outputs = tuple(transform.outputs(filled, shape, facts))
         linear = row.linear and all(o.name.endswith(".weight") and len(o.shape) == 2 for o in outputs)  # not biases
         if isinstance(transform, WholeTensorTransform):
@@ -485,6 +352,9 @@ class HFArchitecture:
     reason: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     names: NameTable = ()
+    #: The architecture that wrote it, whose hooks name the folder's tensors (set by the registry's
+    #: :func:`~reshard.models.hf_registry.decide_export` and ``export_as``; None: the table's names).
+    family: HFArchitectureFamily | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -497,13 +367,19 @@ class HFModel:
     facts: ModelFacts
     names: NameTable = ()
     base_prefix: str | None = None
+    #: The architecture that read it (set by the registry's
+    #: :func:`~reshard.models.hf_registry.read_config`; None: the toolkit's defaults).
+    family: HFArchitectureFamily | None = field(default=None, compare=False, repr=False)
 
 
 class HFArchitectureFamily(abc.ABC):
     """One Hugging Face architecture: everything reshard knows of one ``transformers`` class, in one
-    object (registered in :mod:`reshard.models.hf_registry`). A plug-in sets :attr:`name`,
-    :attr:`names` and :attr:`model_types`, and overrides :meth:`read_config` to import its folders,
-    :meth:`export` to write megatron-core models as it, or both."""
+    object, one module (registered in :mod:`reshard.models.hf_registry`; the built-ins are listed
+    there). A plug-in sets :attr:`name`, :attr:`names` and :attr:`model_types`, and overrides
+    :meth:`read_config` to import its folders, :meth:`decide` to claim the megatron-core models it
+    computes on export, :meth:`export` to write a model another class was decided for under
+    ``--hf-architecture``, or any of them; the naming hooks (:meth:`folder_name`,
+    :meth:`table_name`, :meth:`args_from_weights`) for what its table's templates cannot spell."""
 
     #: The ``transformers`` class (``config.json``'s ``architectures``).
     name: str = ""
@@ -513,6 +389,10 @@ class HFArchitectureFamily(abc.ABC):
     model_types: tuple[str, ...] = ()
     #: megatron-core names <-> this class's names, each row's transform owning its math both ways.
     names: NameTable = ()
+    #: Asked for its :meth:`decide` only after every other class has declined the model: a class that
+    #: claims a model by its shape alone (the built-ins with Llama's arithmetic, GPT-2), beside which a
+    #: class claiming a model only it computes (DeepSeek's MLA, Mistral's window) decides first.
+    fallback: bool = False
 
     def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
         """Import: the megatron-core model ``config`` (a ``config.json``) describes, or
@@ -522,10 +402,30 @@ class HFArchitectureFamily(abc.ABC):
 
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                widths: Mapping[str, int]) -> HFArchitecture | None:
-        """Export: this class's version of a megatron-core model that only it computes (DeepSeek's
-        multi-latent attention), asked before the built-in decision; None (the default) for a model
-        this class does not claim. ``widths``: :func:`ffn_widths`."""
+        """Export: this class's ``config.json`` for a megatron-core model it claims (its
+        :attr:`names` set), :class:`LayoutError` naming why a model it claims is not exact, or None
+        (the default) for a model this class does not claim (asked in :attr:`fallback` order by
+        :func:`~reshard.models.hf_registry.decide_export`). ``widths``: :func:`ffn_widths`."""
         return None
+
+    def folder_name(self, name: str, facts: ModelFacts) -> str:
+        """A Hugging Face name of :attr:`names` as this class's folders spell it, for what a table's
+        templates cannot count (DeepSeek's multi-token prediction layers, numbered on after the
+        decoder's). Default: the same."""
+        return name
+
+    def table_name(self, name: str, facts: ModelFacts) -> str | None:
+        """Import: a folder's tensor name as :attr:`names` spells it (the inverse of
+        :meth:`folder_name`), or None for a tensor that is not imported (a copy of another one).
+        Default: the same."""
+        return name
+
+    def args_from_weights(self, module: Mapping[str, Any], model: HFModel) -> dict[str, Any]:
+        """Import: Megatron-LM ``args`` that the imported megatron-core ``module`` decides rather than
+        ``config.json`` (DeepSeek's multi-token prediction layers, which transformers declares but
+        does not save), or :class:`CheckpointFormatError` for weights that contradict ``model``.
+        Default: none."""
+        return {}
 
     def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
         """Import: what ``config`` declares that the folder does not hold (``args``: the imported
@@ -608,288 +508,3 @@ def ffn_widths(split_rows: Mapping[str, int], swiglu: bool) -> dict[str, int]:
             kind = "expert" if expert_index(key) is not None else "shared" if ".shared_experts." in key else "dense"
             widths[kind] = rows // 2 if swiglu else rows
     return widths
-
-
-def window_args(sliding_window: int) -> dict[str, Any]:
-    """Megatron-LM's ``args`` for transformers' ``sliding_window`` ``W`` on every layer.
-
-    transformers masks key ``j`` from query ``i`` unless ``i - W < j <= i`` (``sliding_window_overlay``
-    and the causal mask): the ``W`` latest tokens, the query's own included. megatron-core's
-    ``window_size`` ``(left, right)`` lets query ``i`` see keys ``i - left`` to ``i + right``, both
-    included (its local attention's ``get_sliding_window_causal_mask``; Transformer Engine's and
-    flash-attention's windows read the same): ``(W - 1, 0)``. ``window_attn_skip_freq`` None: every
-    layer windowed. Megatron-LM's ``--window-size`` saves the pair as a tuple of ints. (megatron-core
-    0.16.1's local attention leaves the window out of its fused fp16/bf16 softmax kernel, a GPU path:
-    a run trained that way did not compute the window its args state.)"""
-    return {"window_size": (sliding_window - 1, 0), "window_attn_skip_freq": None}
-
-
-def sliding_window(args: Any, num_layers: int) -> int | None:
-    """transformers' ``sliding_window`` for the window Megatron-LM's ``args`` give every layer (the
-    inverse of :func:`window_args`), None without one; :class:`LayoutError` for a window no
-    ``sliding_window`` computes: a look-ahead, a negative side (Transformer Engine's "unbounded",
-    which megatron-core's local attention does not read so), windows on some layers only
-    (``window_attn_skip_freq``, read as megatron-core's ``is_layer_window_attention`` does), or one
-    in a legacy model's args (its attention is not megatron-core's)."""
-    size = saved_arg(args, "window_size")
-    if size is None:
-        return None
-
-    def refuse(what: str) -> LayoutError:
-        return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
-                           hint="keep it in a Megatron layout (a window on every layer, looking back only, "
-                                "is exported as MistralForCausalLM's sliding_window)")
-
-    if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                                       for v in size)):
-        raise refuse(f"window_size {size!r} (megatron-core's window is a pair of ints, (left, right))")
-    left, right = size
-    if right != 0:
-        raise refuse(f"window_size ({left}, {right}) looks {right} tokens ahead (transformers' windows look back "
-                     "only)")
-    if left < 0:
-        raise refuse(f"window_size ({left}, 0) (Transformer Engine reads a negative side as unbounded, "
-                     "megatron-core's local attention does not)")
-    if saved_arg(args, "use_legacy_models", default=False):
-        raise refuse(f"window_size ({left}, 0) in a legacy Megatron model's args (its attention is not "
-                     "megatron-core's)")
-    freq = saved_arg(args, "window_attn_skip_freq")
-    layers = range(1, num_layers + 1)  # megatron-core numbers layers from 1
-    if freq is None:
-        windowed = [True] * num_layers
-    elif isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
-        windowed = [n % freq != 0 for n in layers]
-    elif isinstance(freq, (list, tuple)) and len(freq) == num_layers:
-        windowed = [bool(v) for v in freq]
-    else:
-        raise refuse(f"window_attn_skip_freq {freq!r} (an int or one flag per layer of {num_layers})")
-    if not any(windowed):
-        return None
-    if not all(windowed):
-        full = [n - 1 for n, w in zip(layers, windowed) if not w]
-        raise refuse(f"sliding-window attention on some layers only (layers {full} attend fully: "
-                     f"window_attn_skip_freq {freq!r})")
-    return left + 1
-
-
-#: Megatron-LM ``args`` flags no exported architecture computes (each refused by name, with what it does).
-NOT_EXPORTED_FLAGS: tuple[tuple[str, str], ...] = (
-    ("squared_relu", "squared ReLU"),
-    ("apply_residual_connection_post_layernorm", "residual taken after the layer norm"),
-    ("qk_l2_norm", "L2-normalized queries and keys"), ("rotary_interleaved", "interleaved rotary"),
-    ("use_rope_scaling", "rotary scaling"),
-    ("apply_layernorm_1p", "norm weights stored as w - 1 (layernorm 1p)"))
-
-
-def decide_architecture(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
-                        ffn: int | None, moe_ffn: int | None = None, shared_ffn: int | None = None) -> HFArchitecture:
-    """The Hugging Face architecture that computes this megatron-core model exactly (see the module
-    table), from the saved ``args`` and the tensor names present; :class:`LayoutError` naming the
-    first difference otherwise. ``ffn``, ``moe_ffn``, ``shared_ffn``: the FFN widths of the dense
-    MLPs, the routed experts and the shared experts (None: none such)."""
-    decided = _decide(args, facts, keys, dtype, ffn, moe_ffn, shared_ffn)
-    return dataclasses.replace(decided, names=NAME_TABLES[decided.name])
-
-
-def _decide(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
-            ffn: int | None, moe_ffn: int | None, shared_ffn: int | None) -> HFArchitecture:
-
-    def refuse(what: str) -> LayoutError:
-        return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
-                           hint="keep it in a Megatron layout (Llama, Qwen2 and GPT-2 shapes are exported)")
-
-    def has(pattern: str) -> bool:
-        return any(re.search(pattern, k) for k in keys)
-
-    for flag, what in (*NOT_EXPORTED_FLAGS, ("multi_latent_attention", "multi-latent attention")):
-        if saved_arg(args, flag, default=False):
-            raise refuse(f"{what} ({flag})")
-    qk_norm = has(r"\.(q_layernorm|k_layernorm)\.weight$")
-    if qk_norm != bool(saved_arg(args, "qk_layernorm", default=qk_norm)):
-        raise refuse("args.qk_layernorm contradicts the query/key layer norms the tensors hold")
-    if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
-        raise refuse("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
-    norm = saved_arg(args, "normalization")
-    if norm is None:  # Megatron-LM's default is LayerNorm, which no SwiGLU, MoE or Qwen3 export has: ask
-        if facts.swiglu or qk_norm or has(r"\.mlp\.router\.weight$"):
-            raise LayoutError("the normalization is unknown: the checkpoint's args do not record it",
-                              culprit="--to hf", hint="give --normalization RMSNorm (or LayerNorm), or the model's "
-                                                      "config.json with --model-config")
-        norm = "LayerNorm"
-    if norm == "LayerNorm" and has(r"\.mlp\.router\.weight$"):
-        raise refuse("a mixture-of-experts model with LayerNorm (Mixtral and Qwen2-MoE use RMSNorm)")
-    if norm == "LayerNorm":
-        if qk_norm:
-            raise refuse("query/key layer norms with LayerNorm (Qwen3 uses RMSNorm)")
-        return _gpt2(args, facts, has, dtype, ffn, refuse)
-    if norm != "RMSNorm":
-        raise refuse(f"normalization is {norm}")
-    if not facts.swiglu:
-        raise refuse("the MLP is not SwiGLU")
-    if saved_arg(args, "position_embedding_type") != "rope" or has(r"position_embeddings\."):
-        raise refuse(f"position embedding {saved_arg(args, 'position_embedding_type') or 'unknown'} (rotary needed)")
-    percent = float(saved_arg(args, "rotary_percent", default=1.0))
-    if percent != 1.0:
-        raise refuse(f"rotary_percent {percent} (the whole head must rotate)")
-    qkv_bias, proj_bias = has(r"linear_qkv\.bias$"), has(r"linear_proj\.bias$")
-    mlp_bias = has(r"linear_fc1\.bias$") or has(r"linear_fc2\.bias$")
-    vocab = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
-    base = float(saved_arg(args, "rotary_base", default=ROPE_BASE_DEFAULT))
-    eps = float(saved_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
-    config: dict[str, Any] = {
-        "vocab_size": vocab, "hidden_size": facts.hidden, "intermediate_size": ffn,
-        "num_hidden_layers": facts.num_layers, "num_attention_heads": facts.heads,
-        "num_key_value_heads": facts.query_groups, "head_dim": facts.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": eps, "rope_theta": base, "rope_parameters": {"rope_type": "default", "rope_theta": base},
-        "tie_word_embeddings": bool(facts.tied_embeddings), "dtype": HF_DTYPES.get(dtype, str(dtype)),
-        "bos_token_id": None, "eos_token_id": None, "use_cache": True,
-    }
-    max_pos = saved_arg(args, "max_position_embeddings", "seq_length")
-    if isinstance(max_pos, int):
-        config["max_position_embeddings"] = max_pos
-    notes = (f"rope_theta {base:g}" + (" (megatron-core's default: args do not record it)"
-                                       if saved_arg(args, "rotary_base") is None else ""),
-             f"rms_norm_eps {eps:g}"
-             + (" (megatron-core's default)" if saved_arg(args, "norm_epsilon") is None else ""))
-    if qk_norm and (qkv_bias != proj_bias or mlp_bias):
-        where = [n for n, b in (("QKV", qkv_bias), ("attention output", proj_bias), ("MLP", mlp_bias)) if b]
-        raise refuse(f"query/key layer norms with biases on the {' and '.join(where)} layers (Qwen3 has them on "
-                     "the attention layers alone, or none)")
-    if has(r"\.mlp\.router\.weight$"):
-        return _moe(args, facts, keys, config, notes, (qkv_bias, proj_bias, mlp_bias), ffn, moe_ffn, shared_ffn,
-                    refuse, qk_norm)
-    if qk_norm:
-        return HFArchitecture(name="Qwen3ForCausalLM", notes=notes,
-                              config={"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **config,
-                                      "attention_bias": qkv_bias, "use_sliding_window": False},
-                              reason="RMSNorm, SwiGLU, rotary, query/key RMSNorm per head" +
-                                     (", biases on the attention layers" if qkv_bias else ", no linear biases"))
-    if qkv_bias and not proj_bias and not mlp_bias:
-        if facts.head_dim * facts.heads != facts.hidden:
-            raise refuse("head dim x heads differs from the hidden size, which Qwen2 assumes")
-        config.pop("head_dim")
-        return HFArchitecture(name="Qwen2ForCausalLM", config={"architectures": ["Qwen2ForCausalLM"],
-                                                               "model_type": "qwen2", **config},
-                              reason="RMSNorm, SwiGLU, rotary, biases on the fused QKV only", notes=notes)
-    if qkv_bias != proj_bias or (mlp_bias and not qkv_bias):
-        where = [n for n, b in (("QKV", qkv_bias), ("attention output", proj_bias), ("MLP", mlp_bias)) if b]
-        raise refuse(f"biases on the {' and '.join(where)} layers only (Llama has them on all or none, Qwen2 on "
-                     "QKV alone)")
-    config.update(attention_bias=qkv_bias, mlp_bias=mlp_bias)
-    return HFArchitecture(name="LlamaForCausalLM", config={"architectures": ["LlamaForCausalLM"],
-                                                           "model_type": "llama", **config},
-                          reason="RMSNorm, SwiGLU, rotary" + (", biases on every linear layer" if qkv_bias
-                                                              else ", no linear biases"), notes=notes)
-
-
-def _gpt2(args: Any, facts: ModelFacts, has: Any, dtype: torch.dtype, ffn: int | None,
-          refuse: Any) -> HFArchitecture:
-    """LayerNorm, GELU (exact, or tanh with ``--openai-gelu``), learned absolute positions, biases
-    on every linear layer, multi-head attention: ``GPT2LMHeadModel``."""
-    if facts.swiglu:
-        raise refuse("LayerNorm with a SwiGLU MLP (GPT-2 has a plain GELU MLP)")
-    if saved_arg(args, "position_embedding_type", default="learned_absolute") != "learned_absolute" or \
-            not has(r"^embedding\.position_embeddings\."):
-        raise refuse("LayerNorm without learned absolute positions (GPT-2 learns them)")
-    if facts.query_groups != facts.heads:
-        raise refuse(f"{facts.query_groups} query groups for {facts.heads} heads (GPT-2 has multi-head attention)")
-    if facts.head_dim * facts.heads != facts.hidden:
-        raise refuse("head dim x heads differs from the hidden size, which GPT-2 assumes")
-    missing = [n for n, pat in (("QKV", r"linear_qkv\.bias$"), ("attention output", r"linear_proj\.bias$"),
-                                ("MLP", r"linear_fc1\.bias$")) if not has(pat)]
-    if missing:
-        raise refuse(f"no biases on the {' and '.join(missing)} layers (GPT-2 has them on every linear layer)")
-    rows = facts.vocab_size or facts.padded_vocab_target or facts.padded_vocab_source
-    eps = float(saved_arg(args, "norm_epsilon", default=NORM_EPS_DEFAULT))
-    gelu = "gelu_new" if saved_arg(args, "openai_gelu", default=False) else "gelu"
-    config: dict[str, Any] = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": rows, "n_embd": facts.hidden,
-        "n_layer": facts.num_layers, "n_head": facts.heads, "n_inner": ffn, "activation_function": gelu,
-        "layer_norm_epsilon": eps, "tie_word_embeddings": bool(facts.tied_embeddings),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
-        "dtype": HF_DTYPES.get(dtype, str(dtype)), "bos_token_id": None, "eos_token_id": None, "use_cache": True,
-    }
-    max_pos = saved_arg(args, "max_position_embeddings", "seq_length")
-    if isinstance(max_pos, int):
-        config["n_positions"] = max_pos
-    notes = (f"activation {gelu} ({'--openai-gelu' if gelu == 'gelu_new' else 'exact GELU, Megatron default'})",
-             f"layer_norm_epsilon {eps:g}" + (" (megatron-core's default)" if saved_arg(args, "norm_epsilon") is None
-                                              else ""))
-    return HFArchitecture(name="GPT2LMHeadModel", config=config, notes=notes,
-                          reason="LayerNorm, GELU, learned positions, biases on every linear layer, multi-head")
-
-
-def _moe(args: Any, facts: ModelFacts, keys: set[str], config: dict[str, Any], notes: tuple[str, ...],
-         biases: tuple[bool, bool, bool], ffn: int | None, moe_ffn: int | None, shared_ffn: int | None,
-         refuse: Callable[[str], LayoutError], qk_norm: bool = False) -> HFArchitecture:
-    """A Llama-like model whose MLPs are megatron-core MoE layers: ``MixtralForCausalLM`` (every layer
-    MoE, no shared expert, the top-k softmax scores renormalized: megatron-core's default top-k of
-    the logits then softmax) or ``Qwen2MoeForCausalLM`` (one sigmoid-gated shared expert per MoE
-    layer, dense layers allowed, ``norm_topk_prob`` as ``--moe-router-pre-softmax`` says, QKV bias
-    optional) — or with query/key layer norms (``qk_norm``) ``Qwen3MoeForCausalLM`` (no shared expert,
-    dense layers allowed, ``norm_topk_prob`` likewise). Routing that none computes (sigmoid scores,
-    expert bias, groups, capacity, scaling) is refused."""
-    qkv_bias, proj_bias, mlp_bias = biases
-    if (proj_bias and not qk_norm) or mlp_bias:
-        raise refuse("linear biases besides the QKV's in a mixture-of-experts model")
-    score = saved_arg(args, "moe_router_score_function", default="softmax")
-    if score != "softmax":
-        raise refuse(f"router scores by {score} (Mixtral and Qwen2-MoE route on softmax scores)")
-    expert_bias = saved_arg(args, "moe_router_enable_expert_bias", default=False)
-    if any(k.endswith(".mlp.router.expert_bias") for k in keys) or expert_bias:
-        raise refuse("a router expert bias (aux-loss-free load balancing)")
-    for flag, what in (("moe_router_num_groups", "group-limited routing"), ("moe_expert_capacity_factor",
-                                                                           "token dropping (expert capacity)"),
-                       ("moe_input_jitter_eps", "router input jitter")):
-        if saved_arg(args, flag):
-            raise refuse(f"{what} ({flag})")
-    if saved_arg(args, "moe_router_topk_scaling_factor", default=1.0) != 1.0:
-        raise refuse("scaled routing weights (moe_router_topk_scaling_factor)")
-    topk = saved_arg(args, "moe_router_topk")
-    if not isinstance(topk, int):
-        raise refuse("the router's top-k is unknown (the saved args lack moe_router_topk)")
-    experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
-    moe_layers = {stack_layer(k) for k in keys if k.endswith(".mlp.router.weight")}
-    dense = sorted(set(range(facts.num_layers)) - moe_layers)
-    shared = any(k.endswith(".mlp.shared_experts.linear_fc1.weight") for k in keys)
-    pre_softmax = bool(saved_arg(args, "moe_router_pre_softmax", default=False))
-    routing = {"num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
-    if qk_norm:
-        if shared:
-            raise refuse("query/key layer norms with shared experts (Qwen3-MoE has no shared expert)")
-        return HFArchitecture(
-            name="Qwen3MoeForCausalLM", notes=notes,
-            config={"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config,
-                    "intermediate_size": ffn or moe_ffn, "moe_intermediate_size": moe_ffn, "num_experts": experts,
-                    "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": dense,
-                    "attention_bias": qkv_bias, "use_sliding_window": False, **routing},
-            reason=f"RMSNorm, SwiGLU, rotary, query/key RMSNorm per head, {experts} experts per MoE layer, top-{topk} "
-                   f"of softmax{'' if pre_softmax else ' renormalized'}" + (", attention biases" if qkv_bias else ""))
-    if not shared:
-        if dense:
-            raise refuse(f"dense layers {dense} beside MoE layers without shared experts (Mixtral's layers are all "
-                         "MoE; Qwen2-MoE's MoE layers have a shared expert)")
-        if pre_softmax:
-            raise refuse("top-k softmax scores not renormalized (--moe-router-pre-softmax; Mixtral renormalizes "
-                         "and has no shared expert)")
-        if qkv_bias:
-            raise refuse("a QKV bias (Mixtral has none)")
-        return HFArchitecture(
-            name="MixtralForCausalLM", notes=notes,
-            config={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config,
-                    "intermediate_size": moe_ffn, "num_local_experts": experts, "sliding_window": None, **routing},
-            reason=f"RMSNorm, SwiGLU, rotary, {experts} experts in every layer, top-{topk} of softmax renormalized")
-    if not any(k.endswith(".mlp.shared_experts.gate_weight") for k in keys):
-        raise refuse("shared experts without a gate (Qwen2-MoE gates its shared expert by a sigmoid)")
-    if facts.head_dim * facts.heads != facts.hidden:
-        raise refuse("head dim x heads differs from the hidden size, which Qwen2-MoE assumes")
-    config = {k: v for k, v in config.items() if k != "head_dim"}
-    return HFArchitecture(
-        name="Qwen2MoeForCausalLM", notes=notes,
-        config={"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **config,
-                "intermediate_size": ffn or moe_ffn, "moe_intermediate_size": moe_ffn,
-                "shared_expert_intermediate_size": shared_ffn, "num_experts": experts,
-                "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": dense,
-                "qkv_bias": qkv_bias, "use_sliding_window": False, **routing},
-        reason=f"RMSNorm, SwiGLU, rotary, {experts} experts and a gated shared expert per MoE layer, top-{topk} "
-               f"of softmax{'' if pre_softmax else ' renormalized'}" + (", QKV bias" if qkv_bias else ""))

@@ -1,18 +1,40 @@
 """Hugging Face architectures as plug-ins: one object per ``transformers`` class, owning all that
 reshard knows of it — its name table both ways (:attr:`HFArchitectureFamily.names`), how its
 ``config.json`` reads as Megatron-LM's ``args`` and model facts (:meth:`~HFArchitectureFamily.read_config`,
-import), and how a megatron-core model is written as it (:meth:`~HFArchitectureFamily.export`, for
-``--to hf --hf-architecture NAME``).
+import), which megatron-core models it computes exactly and its ``config.json`` for them
+(:meth:`~HFArchitectureFamily.decide`, export), and how it writes a model another class was decided
+for (:meth:`~HFArchitectureFamily.export`, for ``--to hf --hf-architecture NAME``).
 
 A new architecture is one module: a subclass registered with :func:`register_hf_architecture` or
 through the entry-point group ``reshard.hf_architectures``. The ``hf`` format, the import of
-``--model-config`` and the export ask this registry; none of them names an architecture. The
-built-ins (Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-2) are instances of
-one class over the data of :mod:`reshard.models.hf_architectures` and :mod:`reshard.models.hf_import`.
+``--model-config`` and the export ask this registry (:func:`read_config`, :func:`decide_export`,
+:func:`export_as`); none of them names an architecture. The built-ins, one module each (the
+toolkit they are written with is :mod:`reshard.models.hf_architectures`; what several share,
+:mod:`reshard.models.hf_common`):
+
+=======================  ==============================  =============================================
+architecture             module                          megatron-core model
+=======================  ==============================  =============================================
+``LlamaForCausalLM``     :mod:`~reshard.models.hf_llama`    RMSNorm, SwiGLU, whole-head rotary, no linear
+                                                         biases or biases on every linear layer
+``MistralForCausalLM``   :mod:`~reshard.models.hf_mistral`  Llama's without biases, a sliding window on
+                                                         every layer
+``Qwen2ForCausalLM``     :mod:`~reshard.models.hf_qwen`     Llama's with biases on the fused QKV only
+``Qwen3ForCausalLM``     :mod:`~reshard.models.hf_qwen`     Llama's with query/key RMSNorm per head
+``MixtralForCausalLM``   :mod:`~reshard.models.hf_mixtral`  Llama's, every MLP a MoE layer, no shared
+                                                         expert
+``Qwen2MoeForCausalLM``  :mod:`~reshard.models.hf_qwen_moe` MoE layers with a sigmoid-gated shared expert
+``Qwen3MoeForCausalLM``  :mod:`~reshard.models.hf_qwen_moe` Qwen3's, MoE layers without a shared expert
+``GPT2LMHeadModel``      :mod:`~reshard.models.hf_gpt2`     LayerNorm, GELU, learned positions, biases
+``DeepseekV3ForCausalLM`` :mod:`~reshard.models.hf_deepseek` multi-latent attention, DeepSeek MoE, MTP
+=======================  ==============================  =============================================
+
+Anything else is refused with what differs — never an approximate export.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,21 +42,15 @@ import torch
 
 from reshard.core.errors import LayoutError
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (
-    TOKEN_IDS_ARG,
-    HFArchitecture,
-    HFArchitectureFamily,
-    HFModel,
-    decide_architecture,
-    sliding_window,
-    token_ids,
-)
+from reshard.models.hf_architectures import TOKEN_IDS_ARG, HFArchitecture, HFArchitectureFamily, HFModel, token_ids
+from reshard.models.hf_common import not_exact, sliding_window
 from reshard.plugins import PluginRegistry
 
 #: Built-in architectures, as "module:instance" (imported on first use).
-BUILTIN: tuple[str, ...] = tuple(f"reshard.models.hf_import:{name}" for name in (
-    "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "GPT2")) + (
-    "reshard.models.deepseek:DEEPSEEK_V3",)
+BUILTIN: tuple[str, ...] = (
+    "reshard.models.hf_llama:LLAMA", "reshard.models.hf_mistral:MISTRAL", "reshard.models.hf_qwen:QWEN2",
+    "reshard.models.hf_qwen:QWEN3", "reshard.models.hf_mixtral:MIXTRAL", "reshard.models.hf_qwen_moe:QWEN2_MOE",
+    "reshard.models.hf_qwen_moe:QWEN3_MOE", "reshard.models.hf_gpt2:GPT2", "reshard.models.hf_deepseek:DEEPSEEK_V3")
 ENTRY_POINT_GROUP = "reshard.hf_architectures"
 
 _ARCHITECTURES: PluginRegistry[HFArchitectureFamily] = PluginRegistry(
@@ -80,7 +96,7 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
     if found is None:
         raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
                           hint=f"reshard imports {', '.join(sorted(a.name for a in importable))}")
-    model = found.read_config(config, where)
+    model = dataclasses.replace(found.read_config(config, where), family=found)
     ids = token_ids(config, where)
     if ids:  # no weight depends on them: kept for the export (see TOKEN_IDS_ARG)
         setattr(model.args, TOKEN_IDS_ARG, ids)
@@ -89,18 +105,21 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
 
 def decide_export(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                   widths: Mapping[str, int]) -> HFArchitecture:
-    """The architecture that computes a megatron-core model exactly: the one registered class that
-    claims it (:meth:`~HFArchitectureFamily.decide`: DeepSeek's multi-latent attention, Mistral's
-    sliding window), else the built-in decision (:func:`~reshard.models.hf_architectures.decide_architecture`).
-    A window in the args (:func:`~reshard.models.hf_architectures.sliding_window`) that the decided
-    ``config.json`` does not state as its ``sliding_window`` is refused: transformers would attend
-    past it."""
+    """The architecture that computes a megatron-core model exactly: the first registered class that
+    claims it (:meth:`~HFArchitectureFamily.decide`), asking the classes that claim a model only they
+    compute (DeepSeek's multi-latent attention, Mistral's sliding window) before those that claim one
+    by its shape (:attr:`~HFArchitectureFamily.fallback`: Llama's arithmetic and its kin, GPT-2); a
+    claiming class's refusal is the answer. A window in the args
+    (:func:`~reshard.models.hf_common.sliding_window`) that the decided ``config.json`` does not
+    state as its ``sliding_window`` is refused: transformers would attend past it."""
     window = sliding_window(args, facts.num_layers)
-    decided = next((d for d in (arch.decide(args, facts, keys, dtype, widths) for arch in hf_architectures())
-                    if d is not None), None)
-    if decided is None:
-        decided = decide_architecture(args, facts, keys, dtype, widths.get("dense"), widths.get("expert"),
-                                      widths.get("shared"))
+    archs = hf_architectures()
+    asked = (arch for fallback in (False, True) for arch in archs if arch.fallback == fallback)
+    found = next(((arch, d) for arch, d in ((a, a.decide(args, facts, keys, dtype, widths)) for a in asked)
+                  if d is not None), None)
+    if found is None:
+        raise not_exact("no registered architecture claims it")
+    decided = dataclasses.replace(found[1], family=found[0])
     if decided.config.get("sliding_window") != window:
         raise LayoutError(f"no Hugging Face architecture computes this model exactly: a sliding window of {window} "
                           f"tokens on every layer in {decided.name}'s model ({decided.reason})", culprit="--to hf",
@@ -115,7 +134,8 @@ def export_as(decided: HFArchitecture, name: str | None) -> HFArchitecture:
     when its version would drop or change the decided ``sliding_window``)."""
     if name is None or name == decided.name:
         return decided
-    out = hf_architecture(name).export(decided)
+    arch = hf_architecture(name)
+    out = dataclasses.replace(arch.export(decided), family=arch)
     window = decided.config.get("sliding_window")
     if out.config.get("sliding_window") != window:
         raise LayoutError(f"the model is {decided.name} ({decided.reason}); {name}'s config.json does not keep its "

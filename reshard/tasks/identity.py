@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard import __version__
+from reshard.version import __version__
 
 #: The reshard package's folder.
 PACKAGE = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from reshard import progress
+import reshard.progress as progress
 from reshard.conversion import (
     convert_streamed,
     manifest_for,
