@@ -321,10 +321,15 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
             missing = [mtp_to_hf(n, model.facts.num_layers) for n in missing]
             raise CheckpointFormatError(f"{missing[0]} is missing (beside {parts[min(parts)]})", culprit=missing[0],
                                         hint="the weights are incomplete; re-copy the folder")
+        transform: Any = row.transform  # never None: such rows match no name above
+        if transform.stacks is not None:  # one Hugging Face tensor, many megatron-core ones
+            for i, t in enumerate(transform.fan_out(names, [tensors[n] for n in names], model.facts)):
+                module[row.core[0].format(**dict(fields), **{transform.stacks: i})] = t
+            continue
         key = row.core[0].format(**dict(fields))
         if key == "output_layer.weight" and model.facts.tied_embeddings:
             continue
-        module[key] = row.transform.gather(names, [tensors[n] for n in names], model.facts)  # type: ignore[union-attr]
+        module[key] = transform.gather(names, [tensors[n] for n in names], model.facts)
     _check_layers(module, model)
     return core_module(module)
 
