@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mcore_fixtures import TOKENS, mcore_forward_moe, needs_mcore
 from plugin_stacked_moe import DOWN, GATE_UP, StackedMoe
 from reshard.cli import main
 from reshard.core.lazy import LazyTensor
@@ -31,7 +32,7 @@ CONFIG = {"architectures": ["StackedMoeForCausalLM"], "model_type": "stacked_moe
           "intermediate_size": F, "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
           "vocab_size": VOCAB, "max_position_embeddings": 64, "rope_theta": 10000.0, "num_local_experts": E,
           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
-          "eos_token_id": 2, "dtype": "float32"}
+          "eos_token_id": 2, "dtype": "float32", "attention_bias": True, "mlp_bias": True}
 
 
 # --- the transform against plain torch ------------------------------------------------------------
@@ -159,7 +160,9 @@ def _hf_folder(root: Path) -> dict[str, torch.Tensor]:
               p + "self_attn.q_proj.weight": torch.randn(q, H), p + "self_attn.k_proj.weight": torch.randn(kv, H),
               p + "self_attn.v_proj.weight": torch.randn(kv, H), p + "self_attn.o_proj.weight": torch.randn(H, q),
               p + "mlp.router.weight": torch.randn(E, H), p + "mlp.experts.gate_up_proj": torch.randn(E, H, 2 * F),
-              p + "mlp.experts.down_proj": torch.randn(E, F, H)}
+              p + "mlp.experts.down_proj": torch.randn(E, F, H), p + "mlp.experts.down_proj_bias": torch.randn(E, H),
+              p + "mlp.experts.gate_up_proj_bias": torch.randn(E, 2 * F)}
+        t |= {p + f"self_attn.{x}_proj.bias": torch.randn(n) for x, n in (("q", q), ("k", kv), ("v", kv), ("o", H))}
     root.mkdir()
     save_file(t, root / "model.safetensors", metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(CONFIG))
@@ -193,7 +196,7 @@ def round_trip(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             for run, argv in (("ep1", ["hf", "ep1", "--target-tp", "1"]),
                               ("ep2", ["hf", "ep2", "--target-tp", "1", "--target-ep", "2"]),
-                              ("back1", ["ep1", "back1", "--to", "hf", "--hf-architecture", StackedMoe.name]),
+                              ("back1", ["ep1", "back1", "--to", "hf"]),  # the plug-in claims it
                               ("back2", ["ep2", "back2", "--to", "hf", "--hf-architecture", StackedMoe.name,
                                          "--max-shard-size", "5MB"])):
                 held[run] = _Held()
@@ -216,7 +219,9 @@ def test_the_export_gives_back_every_tensor_and_the_stacked_bytes(round_trip, ba
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     source, written = _stored(root / "hf"), _stored(root / back)
     stacked = [k for k in want if ".mlp.experts." in k]
-    assert len(stacked) == 2 * LAYERS and all(written[k][1] == source[k][1] for k in stacked)
+    assert len(stacked) == 4 * LAYERS and all(written[k][1] == source[k][1] for k in stacked)
+    config = json.loads((root / back / "config.json").read_text())
+    assert config["architectures"] == [StackedMoe.name] and config["attention_bias"] and config["mlp_bias"]
 
 
 def test_a_cut_output_keeps_each_stacked_tensor_whole_in_one_file(round_trip):
@@ -246,9 +251,13 @@ def test_the_import_deals_each_layers_experts_over_the_expert_parallel_ranks(rou
             for local in range(E // 2):
                 e = ep * E // 2 + local
                 p = f"decoder.layers.{layer}.mlp.experts.local_experts.{local}."
+                bias = want[f"model.layers.{layer}.mlp.experts.gate_up_proj_bias"][e]
                 gate, up = gate_up[e][:, 0::2].t(), gate_up[e][:, 1::2].t()
                 assert torch.equal(model[p + "linear_fc1.weight"], torch.cat([gate, up])), (ep, layer, local)
                 assert torch.equal(model[p + "linear_fc2.weight"], down[e].t()), (ep, layer, local)
+                assert torch.equal(model[p + "linear_fc1.bias"], torch.cat([bias[0::2], bias[1::2]]))
+                assert torch.equal(model[p + "linear_fc2.bias"],
+                                   want[f"model.layers.{layer}.mlp.experts.down_proj_bias"][e])
             assert f"decoder.layers.{layer}.mlp.experts.local_experts.{E // 2}.linear_fc1.weight" not in model
 
 
@@ -262,3 +271,51 @@ def test_the_stack_is_never_whole_in_memory(round_trip, run):
     assert held.made >= LAYERS * E * SLAB * 3 // 2  # both stacked tensors of every layer, each slab once or more
     assert held.peak < 3 * SLAB, (held.peak / SLAB, held.made / SLAB)
     assert held.largest_read <= SLAB, held.largest_read / SLAB
+
+
+# --- megatron-core computes what the stacked folder holds ---------------------------------------------
+
+@needs_mcore
+def test_megatron_core_runs_a_stacked_import_with_the_logits_of_the_mixtral_it_holds(tmp_path):
+    """transformers' Mixtral with its experts written in the plug-in's stacked layout (plain torch:
+    gate and up columns interleaved, transposed), imported to megatron-core at EP 2: megatron-core's
+    forward gives transformers' logits; the same folder with gate and up concatenated does not."""
+    import transformers
+
+    torch.manual_seed(7)
+    config = transformers.MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6, intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=50000.0, initializer_range=0.1)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.rand_like(p))
+        want = model(torch.tensor([TOKENS])).logits[0]
+    plugin_config = {**CONFIG, **{k: getattr(config, k) for k in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+        "intermediate_size", "num_local_experts", "num_experts_per_tok", "rms_norm_eps")},
+        "rope_theta": 50000.0, "attention_bias": False, "mlp_bias": False}
+    for name, interleaved in (("stacked", True), ("concatenated", False)):
+        tensors = {}
+        for key, v in model.state_dict().items():
+            if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2f, h]: gate rows, then up rows
+                v = _reference_gate_up(list(v)) if interleaved else v.transpose(1, 2)
+            elif key.endswith("mlp.experts.down_proj"):  # [E, h, f]
+                v = v.transpose(1, 2)
+            tensors[key.replace(".mlp.gate.", ".mlp.router.")] = v.contiguous()
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(plugin_config))
+    register_hf_architecture(StackedMoe)
+    try:
+        for name in ("stacked", "concatenated"):
+            assert main(["run", "--direct", str(tmp_path / name), str(tmp_path / f"{name}_ep2"), "--target-tp", "1",
+                         "--target-ep", "2"]) == 0
+    finally:
+        unregister_hf_architecture(StackedMoe.name)
+    (got, _), (wrong, _) = mcore_forward_moe([(None, tmp_path / "stacked_ep2", 1, 2),
+                                             (None, tmp_path / "concatenated_ep2", 1, 2)], tmp_path)
+    assert (got[:, :want.shape[1]] - want).abs().max() < 2e-5
+    assert (wrong[:, :want.shape[1]] - want).abs().max() > 1e-3
