@@ -56,7 +56,7 @@ class _Mapped(LazyTensor):
     def read_box(self, offsets, sizes, out=None):
         box = self.t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         self.read += box.numel() * box.element_size()
-        return box if out is None else out.copy_(box)
+        return box.contiguous() if out is None else out.copy_(box)
 
 
 def test_the_stacked_transform_is_torchs_stack_transpose_and_interleave():
@@ -73,10 +73,20 @@ def test_the_stacked_transform_is_torchs_stack_transpose_and_interleave():
     lazy = _Mapped(want)
     experts = GATE_UP.fan_out(("gate_up_proj",), [lazy], None)
     assert [tuple(x.shape) for x in experts] == [(12, 5)] * 3
+    slab = want[0].numel() * 4
     for w, x in zip(fc1s, experts):
         assert torch.equal(x.materialize(), w)
+        assert lazy.read == slab  # its slab, read once for both halves
         assert torch.equal(x.read_box((4, 1), (5, 3)), w[4:9, 1:4])  # across the gate/up boundary
-    assert lazy.read == 2 * 3 * want[0].numel() * 4  # one slab per read, never the stack
+        assert lazy.read == slab + 3 * 10 * 4  # the slab's columns 1..3, its rows 1..10 (gate 4, 5; up 0..2)
+        assert torch.equal(x.read_box((7, 0), (2, 5)), w[7:9])  # up rows 1, 2: the slab's rows 3..5
+        lazy.read = 0
+    down = Stacked(transpose=True).fan_out(("down_proj",), [_Mapped(torch.stack([w.t() for w in fc2s]))], None)
+    assert all(torch.equal(x.read_box((1, 2), (3, 4)), w[1:4, 2:6]) for x, w in zip(down, fc2s))
+    biases = torch.stack([torch.arange(12.0), torch.arange(12.0) + 100])  # gate 0, up 0, gate 1, ...
+    fanned = Stacked(halves=2, interleave=True).fan_out(("bias",), [_Mapped(biases)], None)
+    assert fanned[1].materialize().tolist() == [100 + i for i in (0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11)]
+    assert fanned[0].read_box((5,), (3,)).tolist() == [10, 1, 3]
 
 
 @pytest.mark.parametrize("wrong", [Stacked(transpose=True, halves=2), Stacked(halves=2, interleave=True)],

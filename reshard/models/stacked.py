@@ -12,8 +12,8 @@ so nothing is ever held but a slab:
   with the leading axis as long as the tensors naming it, writes the slabs in order, one at a
   time, and keeps them in one file (:func:`stacked_name`);
 * import: :meth:`Stacked.fan_out` gives each megatron-core tensor as a lazy view of its slab
-  (:class:`SlabView`): a box read reads one slab of the Hugging Face tensor (a view where the file
-  is mapped) and copies out the box.
+  (:class:`SlabView`): a box read reads only the part of its slab that holds the box (a view where
+  the file is mapped) and copies the box out.
 
 Within a slab the transform may *transpose* (the last two axes: Hugging Face's ``[in, out]``
 against megatron-core's ``[out, in]``) and hold megatron-core's ``halves`` fused rows
@@ -87,15 +87,6 @@ class Stacked(WholeTensorTransform):
             out = out.t()
         return [out.contiguous()]
 
-    def halves_view(self, slab: torch.Tensor) -> torch.Tensor:
-        """Import: a Hugging Face slab seen as megatron-core's tensor split into its halves,
-        ``[halves, rows / halves, ...]`` — a view, no byte copied."""
-        rows_first = slab.t() if self.transpose else slab  # [rows in Hugging Face order, ...]
-        rows = rows_first.shape[0] // self.halves
-        if self.interleave:
-            return rows_first.unflatten(0, (rows, self.halves)).transpose(0, 1)
-        return rows_first.unflatten(0, (self.halves, rows))
-
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         raise TypeError("a stacked tensor is many megatron-core tensors: read it with fan_out()")
 
@@ -111,9 +102,11 @@ class Stacked(WholeTensorTransform):
 
 
 class SlabView(LazyTensor):
-    """megatron-core tensor ``index`` of a stacked Hugging Face tensor ``source``: a box reads slab
-    ``index`` (a view of a mapped file; one slab read from a remote one) and copies out only the
-    box, half by half, through :meth:`Stacked.halves_view`."""
+    """megatron-core tensor ``index`` of a stacked Hugging Face tensor ``source``: a box reads only
+    the Hugging Face rows (of the slab, in its row order) that hold the box's rows, once for all
+    its halves, and copies the box out of them half by half (a box of one half's rows of an
+    interleaved slab reads the other half's rows between them too). Memory: the box, and what
+    ``source`` reads for it (a view where the file is mapped)."""
 
     def __init__(self, source: LazyTensor, index: int, transform: Stacked) -> None:
         self.source, self.index, self.transform = source, index, transform
@@ -122,19 +115,31 @@ class SlabView(LazyTensor):
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        rest = tuple(self.source.shape[1:])
-        slab = self.source.read_box((self.index, *(0 for _ in rest)), (1, *rest))
-        halves = self.transform.halves_view(slab[0])
-        if out is None:
-            out = torch.empty(sizes, dtype=self.dtype)
-        rows = self.shape[0] // self.transform.halves
+        t = self.transform
+        k, rows = t.halves, self.shape[0] // t.halves
+        step = k if t.interleave else 1
         lo, hi = offsets[0], offsets[0] + sizes[0]
-        inner = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
-        for j in range(self.transform.halves):
+        parts = []  # (half, its first row in the box, rows, first Hugging Face row)
+        for j in range(k):
             a, b = max(lo, j * rows), min(hi, (j + 1) * rows)
             if a < b:
-                out.narrow(0, a - lo, b - a).copy_(halves[j][(slice(a - j * rows, b - j * rows), *inner)])
-        self.source.release(slab)
+                r = a - j * rows
+                parts.append((j, a - lo, b - a, r * k + j if t.interleave else j * rows + r))
+        if out is None:
+            out = torch.empty(sizes, dtype=self.dtype)
+        if not parts:
+            return out
+        first = min(p[3] for p in parts)
+        last = max(p[3] + (p[2] - 1) * step for p in parts) + 1
+        if t.transpose:  # the slab is [the box's columns, Hugging Face rows]
+            got = self.source.read_box((self.index, offsets[1], first), (1, sizes[1], last - first))
+            hf_rows = got[0].t()
+        else:
+            got = self.source.read_box((self.index, first, *offsets[1:]), (1, last - first, *sizes[1:]))
+            hf_rows = got[0]
+        for _, at, n, start in parts:
+            out.narrow(0, at, n).copy_(hf_rows[start - first::step][:n])
+        self.source.release(got)
         return out
 
     def __repr__(self) -> str:
