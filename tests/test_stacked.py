@@ -159,7 +159,7 @@ def _counted(mp: pytest.MonkeyPatch, held: _Held) -> None:
     mp.setattr(SafeTensor, "read_box", file_box)
 
 
-def _hf_folder(root: Path) -> dict[str, torch.Tensor]:
+def _hf_folder(root: Path, E: int = E, H: int = H, F: int = F) -> dict[str, torch.Tensor]:  # noqa: N803
     torch.manual_seed(5)
     q, kv = H, H // 2
     t = {"model.embed_tokens.weight": torch.randn(VOCAB, H), "model.norm.weight": torch.rand(H) + 0.5,
@@ -175,7 +175,8 @@ def _hf_folder(root: Path) -> dict[str, torch.Tensor]:
         t |= {p + f"self_attn.{x}_proj.bias": torch.randn(n) for x, n in (("q", q), ("k", kv), ("v", kv), ("o", H))}
     root.mkdir()
     save_file(t, root / "model.safetensors", metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps(CONFIG))
+    (root / "config.json").write_text(json.dumps({**CONFIG, "hidden_size": H, "intermediate_size": F,
+                                                  "num_local_experts": E}))
     return t
 
 
@@ -281,6 +282,27 @@ def test_the_stack_is_never_whole_in_memory(round_trip, run):
     assert held.made >= LAYERS * E * SLAB * 3 // 2  # both stacked tensors of every layer, each slab once or more
     assert held.peak < 3 * SLAB, (held.peak / SLAB, held.made / SLAB)
     assert held.largest_read <= SLAB, held.largest_read / SLAB
+
+
+@pytest.mark.parametrize("name, shape, needle", [
+    ("model.layers.1.mlp.experts.down_proj", (3, 16, 64), "hold different numbers of experts: "
+     "model.layers.1.mlp.experts.down_proj 3, "),
+    ("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 31), "is (4, 64, 31): not a stack of 2-D slabs of 2 equal"),
+    ("model.layers.0.mlp.experts.gate_up_proj", (64, 32), "is (64, 32): not a stack of 2-D slabs")],
+    ids=["an-expert-missing", "odd-width", "not-stacked"])
+def test_a_stacked_tensor_that_does_not_fit_is_refused_in_one_line(tmp_path, capsys, name, shape, needle):
+    tensors = _hf_folder(tmp_path / "hf", E=4, H=64, F=16)
+    tensors[name] = torch.randn(shape)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    register_hf_architecture(StackedMoe)
+    try:
+        capsys.readouterr()
+        assert main(["run", "--direct", str(tmp_path / "hf"), str(tmp_path / "o"), "--target-tp", "1"]) == 2
+    finally:
+        unregister_hf_architecture(StackedMoe.name)
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
 
 
 # --- megatron-core computes what the stacked folder holds ---------------------------------------------
