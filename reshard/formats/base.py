@@ -328,8 +328,9 @@ class Writing:
               weights: str) -> list[tuple[str, int, int]]:
         """The files a layout of global tensors writes its one target ``name`` as, for the parameters
         named ``keys`` (in order; ``sizes``: their bytes) read as ``weights``: ``(file name, first,
-        stop)`` per file, a run of the parameters each. Default: cut where :meth:`file_groups` says,
-        named by :meth:`part_name`."""
+        stop)`` per file, a run of the parameters each. Default: cut where :meth:`file_groups` says
+        (given the bytes of each run that :meth:`together` keeps in one file), named by
+        :meth:`part_name`."""
         units = cut_points(self.together(keys, options))  # tensors of one group stay in one file
         starts = [units[u] for u in self.file_groups(
             [sum(sizes[a:b]) for a, b in zip(units, [*units[1:], len(keys)])], options)]

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from reshard.core.errors import CheckpointFormatError
+from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import LazyTensor
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import NameTable, OutTensor, WholeTensorTransform
@@ -72,6 +72,10 @@ class Stacked(WholeTensorTransform):
 
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
         """The slab (the file's tensor is as many slabs as tensors name it, on a new leading axis)."""
+        if not shape or shape[0] % self.halves or (self.transpose and len(shape) != 2):
+            raise LayoutError(f"a tensor of {tuple(shape)} is no slab of {self.halves} equal row blocks"
+                              + (", 2-D" if self.transpose else ""), culprit=names[0],
+                              hint="export a model whose tensors this architecture stacks")
         return [OutTensor(names[0], self.slab_shape(shape))]
 
     def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
@@ -95,7 +99,7 @@ class Stacked(WholeTensorTransform):
         whole = parts[0]
         shape = tuple(whole.shape)
         if len(shape) < 2 or (self.transpose and len(shape) != 3) or self.core_shape(shape[1:])[0] % self.halves:
-            raise CheckpointFormatError(f"is {shape}: not a stack of {'2-D' if self.transpose else ''} slabs of "
+            raise CheckpointFormatError(f"is {shape}: not a stack of {'2-D ' if self.transpose else ''}slabs of "
                                         f"{self.halves} equal row blocks", culprit=names[0],
                                         hint="check the file against config.json")
         return [SlabView(whole, i, self) for i in range(shape[0])]
