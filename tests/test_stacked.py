@@ -23,6 +23,7 @@ from reshard.core.lazy import LazyTensor
 from reshard.core.safe_load import load_shard
 from reshard.core.safetensors_read import SafeTensor
 from reshard.formats.base import cut_points
+from reshard.models.hf_architectures import OutTensor
 from reshard.models.hf_registry import register_hf_architecture, unregister_hf_architecture
 from reshard.models.stacked import SlabView, Stacked
 
@@ -98,6 +99,24 @@ def test_the_reference_catches_a_stack_concatenated_or_not_transposed(wrong):
     assert made.shape == _reference_gate_up(fc1s).shape and not torch.equal(made, _reference_gate_up(fc1s))
     experts = wrong.fan_out(("gate_up_proj",), [_Mapped(_reference_gate_up(fc1s))], None)
     assert not all(torch.equal(x.materialize(), w) for x, w in zip(experts, fc1s))
+
+
+def test_the_export_marks_each_slab_and_refuses_a_tensor_that_is_no_slab():
+    from reshard.core.errors import LayoutError
+    from reshard.core.plan_types import ModelFacts
+    from reshard.models.hf_architectures import HFArchitecture, export_of
+
+    arch = HFArchitecture(name=StackedMoe.name, config={}, reason="", names=StackedMoe.names)
+    facts = ModelFacts(naming="megatron-core", num_layers=2, hidden=8, heads=2, query_groups=2, head_dim=4,
+                       swiglu=True, tied_embeddings=False, vocab_size=16, padded_vocab_source=16,
+                       padded_vocab_target=None, make_vocab_size_divisible_by=None, source_pp_layers=(2,),
+                       target_pp_layers=(2,))
+    key = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.weight"
+    exp = export_of(key.format(3), (12, 8), 4, facts, arch)
+    assert (exp.part, exp.outputs, exp.linear) == (3, (OutTensor("model.layers.1.mlp.experts.gate_up_proj", (8, 12)),),
+                                                   False)
+    with pytest.raises(LayoutError, match="no slab of 2 equal row blocks"):
+        export_of(key.format(0), (11, 8), 4, facts, arch)
 
 
 def test_cut_points_keep_interleaved_groups_together():
