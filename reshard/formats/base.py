@@ -328,13 +328,23 @@ class Writing:
               weights: str) -> list[tuple[str, int, int]]:
         """The files a layout of global tensors writes its one target ``name`` as, for the parameters
         named ``keys`` (in order; ``sizes``: their bytes) read as ``weights``: ``(file name, first,
-        stop)`` per file, a run of the parameters each. Default: cut where :meth:`file_groups` says,
-        named by :meth:`part_name`."""
-        starts = self.file_groups(sizes, options)
+        stop)`` per file, a run of the parameters each. Default: cut where :meth:`file_groups` says
+        (given the bytes of each run that :meth:`together` keeps in one file), named by
+        :meth:`part_name`."""
+        units = cut_points(self.together(keys, options))  # tensors of one group stay in one file
+        starts = [units[u] for u in self.file_groups(
+            [sum(sizes[a:b]) for a, b in zip(units, [*units[1:], len(keys)])], options)]
         if starts == [0]:
             return [(name, 0, len(keys))]
         bounds = [*starts, len(keys)]
         return [(self.part_name(name, i, len(starts)), a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+    def together(self, keys: Sequence[str], options: ReshardOptions) -> list[str | None]:
+        """A group name per parameter (``keys``, in order; None: none) for parameters that must lie
+        in one file whatever the cut (one output tensor made of many parameters, stacked): no file
+        boundary falls between the first and the last parameter of a group (:func:`cut_points`).
+        Default: none."""
+        return [None] * len(keys)
 
     def file_groups(self, sizes: Sequence[int], options: ReshardOptions) -> list[int]:
         """A layout of global tensors written as several files: where its one target is cut, as the
@@ -451,6 +461,29 @@ def check_contiguous(ranks: list[int], where: str) -> None:
 #: (Hugging Face's ``max_shard_size="5GB"``, decimal: small enough for any object store's single
 #: upload limits and to spread a model's files over workers, large enough to keep file counts low).
 DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+def cut_points(groups: Sequence[str | None]) -> list[int]:
+    """Where a run of parameters may be cut into files, given each one's group (None: none): before
+    every parameter except inside a group's span (its first to its last member, whatever lies
+    between, so groups that interleave are kept together as one).
+
+    ==============================  ===============
+    groups                          cut points
+    ==============================  ===============
+    [None, None, None]              [0, 1, 2]
+    [None, a, b, a, b, None]        [0, 1, 5]
+    [a, None, a, b]                 [0, 3]
+    ==============================  ===============
+    """
+    last = {g: i for i, g in enumerate(groups) if g is not None}
+    points, reach = [], -1
+    for i, g in enumerate(groups):
+        if i > reach:
+            points.append(i)
+        if g is not None:
+            reach = max(reach, last[g])
+    return points or [0]
 
 
 def size_groups(sizes: Sequence[int], limit: int | None) -> list[int]:

@@ -10,7 +10,10 @@ this module only lays bytes out. A safetensors file is an 8-byte header length, 
 follows from the shapes: it is written first, then every megatron-core tensor is produced once,
 in order, and its bytes are routed straight to the Hugging Face tensors they belong to (a fused
 QKV into Q, K and V; Megatron's padding rows of the vocabulary dropped). Nothing is assembled
-whole; each tensor's region is hashed once it is complete, beside the writing.
+whole; each tensor's region is hashed once it is complete, beside the writing. A stacked tensor
+(one Hugging Face tensor made of many megatron-core ones, :mod:`reshard.models.stacked`) is
+written slab by slab, its megatron-core tensors one after another, one slab held at a time, and
+never cut between files (:meth:`HFFormat.together`).
 
 The planner writes global tensors (TP 1, one pipeline stage); a target too large for one file is
 cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
@@ -18,6 +21,7 @@ cut, between megatron-core tensors, into several (:meth:`HFFormat.file_groups`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -78,6 +82,7 @@ from reshard.models.hf_architectures import (
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import decide_export, export_as, hf_architecture, hf_architectures, read_config
 from reshard.models.megatron_gpt import FLOAT32_BUFFER, MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
+from reshard.models.stacked import stacked_name
 
 if TYPE_CHECKING:
     from reshard.core.options import ReshardOptions
@@ -276,6 +281,14 @@ class HFFormat(CheckpointFormat):
         """Shards of at most ``--max-shard-size`` bytes (see :func:`~reshard.formats.base.size_groups`)."""
         return size_groups(sizes, options.max_shard_size)
 
+    def together(self, keys: Sequence[str], options: ReshardOptions) -> list[str | None]:
+        """The tensors one stacked Hugging Face tensor is made of (a layer's experts) share its file:
+        grouped by that tensor's name, in the class written (``--hf-architecture``'s, else any
+        registered one)."""
+        archs = [hf_architecture(options.hf_architecture)] if options.hf_architecture else hf_architectures()
+        tables = [a.names for a in archs]
+        return [stacked_name(key, tables) for key in keys]
+
     def part_name(self, name: str, part: int, parts: int) -> str:
         return name if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
 
@@ -467,6 +480,38 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
     return out
 
 
+def _stacked_order(exports: list[tuple[Export, Any, torch.dtype, Any]]) -> list[tuple[Export, Any, torch.dtype, Any]]:
+    """``exports`` in file order: the slabs of one stacked Hugging Face tensor
+    (:attr:`~reshard.models.hf_architectures.Export.part`) one after another, slab 0 first, where
+    the first of them was (megatron-core's order alternates a layer's experts between two stacked
+    tensors), so each is written front to back; :class:`LayoutError` for a stack whose slabs are
+    not numbered ``0 .. n-1`` once each, or a stacking transform with several outputs."""
+    stacks: dict[str, list[tuple[Export, Any, torch.dtype, Any]]] = {}
+    for item in exports:
+        exp = item[0]
+        if exp.part is not None:
+            if len(exp.outputs) != 1:
+                raise LayoutError(f"{exp.key} is a slab of {len(exp.outputs)} tensors, not one", culprit=exp.key)
+            stacks.setdefault(exp.outputs[0].name, []).append(item)
+    out = []
+    for item in exports:
+        exp = item[0]
+        if exp.part is None:
+            out.append(item)
+            continue
+        stack = stacks.pop(exp.outputs[0].name, None)
+        if stack is None:
+            continue  # written with the stack's first slab
+        stack.sort(key=lambda it: it[0].part)
+        numbers = [it[0].part for it in stack]
+        if numbers != list(range(len(stack))):
+            name = exp.outputs[0].name
+            raise LayoutError(f"is stacked here from slabs {numbers}, not 0 to {len(stack) - 1} once each",
+                              culprit=name, hint="export every tensor of the stack into one file")
+        out += stack
+    return out
+
+
 def _file_entries(plan: Plan, tgt: int) -> list[FileEntry]:
     return _PER_PLAN.get(plan, ("entries", tgt), lambda: SafetensorsFile(
         _exports(plan, tgt, _module(plan.target_state(tgt), plan))).entries)
@@ -477,13 +522,28 @@ class SafetensorsFile:
     FP8-encoded output is two entries, the e4m3 weight and its float32 scales right after it."""
 
     def __init__(self, exports: list[tuple[Export, Any, torch.dtype, Any]]) -> None:
-        self.exports = exports
+        self.exports = exports = _stacked_order(exports)
         self.entries: list[FileEntry] = []
         self.spans: list[tuple[int, int]] = []  # each export's entries: [first, stop)
         start = 0
+        slabs = collections.Counter(exp.outputs[0].name for exp, *_ in exports if exp.part is not None)
         for exp, _value, dtype, block in exports:
             if dtype not in ST_DTYPES:
                 raise LayoutError(f"{exp.key} is {dtype}, which safetensors cannot hold", culprit=exp.key)
+            if exp.part is not None and exp.part > 0:  # in the stacked tensor its slab 0 laid out
+                stacked = self.entries[self.spans[-1][0]]
+                if dtype != stacked.dtype or tuple(exp.outputs[0].shape) != stacked.shape[1:]:
+                    raise LayoutError(f"{exp.key} is {exp.outputs[0].shape} {dtype}, unlike the other slabs of "
+                                      f"{stacked.name} {stacked.shape[1:]} {stacked.dtype}", culprit=exp.key,
+                                      hint="stacked tensors need one shape and dtype")
+                self.spans.append(self.spans[-1])
+                continue
+            if exp.part == 0:
+                o = exp.outputs[0]
+                self.entries.append(FileEntry(o.name, dtype, (slabs[o.name], *o.shape), start))
+                start = self.entries[-1].start + self.entries[-1].nbytes
+                self.spans.append((len(self.entries) - 1, len(self.entries)))
+                continue
             first = len(self.entries)
             for o in exp.outputs:
                 made = ([FileEntry(o.name, dtype, o.shape, start)] if block is None else
@@ -523,11 +583,14 @@ class SafetensorsFile:
                 writer.put((memoryview(self.header), 0, None, None))
                 for (exp, value, _dtype, block), (first, stop) in zip(self.exports, self.spans):
                     entries = self.entries[first:stop]
-                    if block is None:
+                    if exp.part is not None:
+                        hi = _write_slab(writer, exp, value, entries[0], base)
+                    elif block is None:
                         _write_export(writer, exp, value, entries, base)
                     else:
                         _write_fp8_export(writer, exp, value, entries, base, block, device, workers)
-                    hi = base + entries[-1].start + entries[-1].nbytes
+                    if exp.part is None:
+                        hi = base + entries[-1].start + entries[-1].nbytes
                     writer.put((memoryview(b""), hi, None, None))  # the file is complete up to hi
                     if on_bytes is not None:
                         on_bytes(hi)
@@ -561,6 +624,32 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
         t = value.detach().contiguous()
         sink.write(t)
         sink.finish(t.numel() * t.element_size())
+
+
+def _write_slab(writer: Any, exp: Export, value: Any, entry: FileEntry, base: int) -> int:
+    """Write one megatron-core tensor as slab ``exp.part`` of its stacked Hugging Face tensor
+    (``entry``) and wait until it is written, so one slab is held at a time (a mapped source's rows
+    read where they lie, :meth:`PendingTensor.borrowed`, and the slab they make): the stack is
+    never whole in memory. Returns the end of the slab: the file is complete up to there (the
+    slabs of a stack come in order, :func:`_stacked_order`)."""
+    slab = entry.nbytes // entry.shape[0]
+    at = base + entry.start + exp.part * slab
+    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
+        if exp.convert is not None:
+            (out,) = exp.convert(whole)
+            if tuple(out.shape) != entry.shape[1:]:
+                raise WriterError(f"{exp.key}: made {tuple(out.shape)} for a slab of {entry.name} {entry.shape}")
+        else:
+            (out,) = _by_runs(whole, exp)
+        out = out.contiguous()
+        written = threading.Event()
+        writer.put((tensor_bytes(out), at, written.set, out))
+        del out
+        while not written.wait(0.5):
+            error = writer.failed()
+            if error is not None:
+                raise error
+    return at + slab
 
 
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,

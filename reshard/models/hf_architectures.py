@@ -80,6 +80,16 @@ class Transform(abc.ABC):
         ``names``, in :meth:`outputs` order), read lazily; :class:`CheckpointFormatError` naming them
         if their shapes disagree with each other or the config."""
 
+    #: The name field that numbers the many megatron-core tensors this transform makes *one*
+    #: Hugging Face tensor of, each a slab of a new leading axis (:mod:`reshard.models.stacked`;
+    #: the Hugging Face name lacks the field); None: each tensor has Hugging Face tensors of its own.
+    stacks: str | None = None
+
+    def fan_out(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> list[LazyTensor]:
+        """Import of a transform that :attr:`stacks`: the megatron-core tensors numbered ``0 ..``, each
+        a lazy view of its slab of the Hugging Face tensor ``parts[0]``."""
+        raise TypeError(f"{type(self).__name__} stacks no tensors")
+
     def copies(self, keys: Collection[str]) -> int:
         """How many times the export writes the tensor's bytes, in a model of megatron-core names
         ``keys`` (what ``--max-shard-size`` counts before the model's facts are decided). Default: once."""
@@ -317,6 +327,9 @@ class Export:
     convert: Any = None
     #: the outputs are a linear layer's weights (:attr:`NameRow.linear`), each ``[out, in]``
     linear: bool = False
+    #: a transform that :attr:`~Transform.stacks`: this tensor is slab ``part`` of its one output,
+    #: whose leading axis is as long as the tensors naming it (``outputs``: the slab's shape)
+    part: int | None = None
 
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts,
@@ -335,10 +348,12 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         if folder_name is not None:
             filled = tuple(folder_name(n, facts) for n in filled)
         outputs = tuple(transform.outputs(filled, shape, facts))
-        linear = row.linear and all(o.name.endswith(".weight") and len(o.shape) == 2 for o in outputs)  # not biases
+        part = None if transform.stacks is None else int(m[transform.stacks])
+        linear = row.linear and part is None and all(o.name.endswith(".weight") and len(o.shape) == 2
+                                                     for o in outputs)  # not biases, nor slabs of a 3-D tensor
         if isinstance(transform, WholeTensorTransform):
-            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts), linear)
-        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)), linear=linear)
+            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts), linear, part)
+        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)), linear=linear, part=part)
     raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture.name}", culprit=key,
                       hint="export a model whose every tensor that architecture holds")
 

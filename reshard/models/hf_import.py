@@ -61,6 +61,7 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
         i, j, m = hit
         found.setdefault((i, tuple(sorted(m.groupdict().items()))), {})[j] = name
     module: dict[str, Any] = {}
+    stacks: dict[tuple[Any, ...], dict[str, int]] = {}  # slabs of the stacked tensors of one layer
     for (i, fields), parts in found.items():
         row = table[i]
         names = tuple(t.format(**dict(fields)) for t in row.hf)
@@ -69,10 +70,23 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
             missing = [folder_name(n) for n in missing]
             raise CheckpointFormatError(f"{missing[0]} is missing (beside {parts[min(parts)]})", culprit=missing[0],
                                         hint="the weights are incomplete; re-copy the folder")
+        transform: Any = row.transform  # never None: such rows match no name above
+        if transform.stacks is not None:  # one Hugging Face tensor, many megatron-core ones
+            fanned = transform.fan_out(names, [tensors[n] for n in names], model.facts)
+            counts = stacks.setdefault((transform.stacks, fields), {})
+            counts[names[0]] = len(fanned)
+            if len(set(counts.values())) > 1:
+                held = ", ".join(f"{n} {c}" for n, c in counts.items())
+                raise CheckpointFormatError(f"stacked tensors of one layer hold different numbers of "
+                                            f"{transform.stacks}s: {held}", culprit=names[0],
+                                            hint="the weights are incomplete; re-copy the folder")
+            for j, t in enumerate(fanned):
+                module[row.core[0].format(**dict(fields), **{transform.stacks: j})] = t
+            continue
         key = row.core[0].format(**dict(fields))
         if key == "output_layer.weight" and model.facts.tied_embeddings:
             continue
-        module[key] = row.transform.gather(names, [tensors[n] for n in names], model.facts)  # type: ignore[union-attr]
+        module[key] = transform.gather(names, [tensors[n] for n in names], model.facts)
     _check_layers(module, model)
     return core_module(module)
 

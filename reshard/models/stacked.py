@@ -1,0 +1,165 @@
+"""Many-to-one tensors: one Hugging Face tensor made of many megatron-core tensors, each a *slab*
+of a new leading axis (GPT-OSS's and Llama 4's experts: one ``[E, ...]`` tensor per layer where
+megatron-core holds ``E`` separate ones), and the fan-out back on import.
+
+A :class:`Stacked` transform is a name-table row whose megatron-core template numbers the slabs
+with a field (``{expert}``) that its Hugging Face template lacks: every megatron-core tensor of the
+row names the same Hugging Face tensor. Each slab is made from its one megatron-core tensor alone,
+so nothing is ever held but a slab:
+
+* export: :func:`~reshard.models.hf_architectures.export_of` tells the writer which slab a tensor
+  is (:attr:`~reshard.models.hf_architectures.Export.part`); the ``hf`` format lays the tensor out
+  with the leading axis as long as the tensors naming it, writes the slabs in order, one at a
+  time, and keeps them in one file (:func:`stacked_name`);
+* import: :meth:`Stacked.fan_out` gives each megatron-core tensor as a lazy view of its slab
+  (:class:`SlabView`): a box read reads only the part of its slab that holds the box (a view where
+  the file is mapped) and copies the box out.
+
+Within a slab the transform may *transpose* (the last two axes: Hugging Face's ``[in, out]``
+against megatron-core's ``[out, in]``) and hold megatron-core's ``halves`` fused rows
+(SwiGLU's ``[gate; up]``) *interleaved* (row ``r`` of half ``j`` at Hugging Face row
+``r * halves + j``) or concatenated as they are:
+
+==============================  =====================================  ==============================
+transform                       megatron-core tensor ``i``             Hugging Face slab ``i``
+==============================  =====================================  ==============================
+``Stacked(transpose=True,       ``[2f, h]`` = ``[gate; up]``           ``[h, 2f]``: columns gate 0,
+halves=2, interleave=True)``                                           up 0, gate 1, up 1, ...
+``Stacked(transpose=True,       ``[2f, h]``                            ``[h, 2f]``: all gate columns,
+halves=2)``                                                            then all up columns
+``Stacked(transpose=True)``     ``[h, f]``                             ``[f, h]``
+``Stacked(halves=2,             ``[2f]`` (a bias)                      ``[2f]``: gate 0, up 0, ...
+interleave=True)``
+==============================  =====================================  ==============================
+
+Pure: no files. The ``hf`` format (:mod:`reshard.formats.hf`) streams the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from reshard.core.errors import CheckpointFormatError, LayoutError
+from reshard.core.lazy import LazyTensor
+from reshard.core.plan_types import ModelFacts
+from reshard.models.hf_architectures import NameTable, OutTensor, WholeTensorTransform
+
+
+class Stacked(WholeTensorTransform):
+    """megatron-core tensors numbered by name field :attr:`stacks` as the slabs of one Hugging Face
+    tensor (see the module table): ``transpose`` the last two axes, ``halves`` fused row blocks,
+    ``interleave`` them row by row (else kept concatenated)."""
+
+    def __init__(self, *, transpose: bool = False, halves: int = 1, interleave: bool = False,
+                 stacks: str = "expert") -> None:
+        if halves < 1 or (interleave and halves < 2):
+            raise ValueError(f"halves {halves} with interleave {interleave}")
+        self.transpose, self.halves, self.interleave, self.stacks = transpose, halves, interleave, stacks
+
+    def __repr__(self) -> str:
+        return (f"Stacked(transpose={self.transpose}, halves={self.halves}, interleave={self.interleave}, "
+                f"stacks={self.stacks!r})")
+
+    def slab_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face slab made of a megatron-core tensor of ``shape``."""
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transpose else tuple(shape)
+
+    def core_shape(self, slab: tuple[int, ...]) -> tuple[int, ...]:
+        """The megatron-core tensor a Hugging Face slab of shape ``slab`` holds."""
+        return self.slab_shape(slab)  # a transpose is its own inverse
+
+    def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
+        """The slab (the file's tensor is as many slabs as tensors name it, on a new leading axis)."""
+        if not shape or shape[0] % self.halves or (self.transpose and len(shape) != 2):
+            raise LayoutError(f"a tensor of {tuple(shape)} is no slab of {self.halves} equal row blocks"
+                              + (", 2-D" if self.transpose else ""), culprit=names[0],
+                              hint="export a model whose tensors this architecture stacks")
+        return [OutTensor(names[0], self.slab_shape(shape))]
+
+    def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
+        """Export: the slab made of megatron-core tensor ``t`` (contiguous; ``t`` itself when the
+        transform moves nothing)."""
+        if self.transpose and t.dim() != 2:
+            raise ValueError(f"a transposed slab needs a 2-D tensor, not {tuple(t.shape)}")
+        rows = t.shape[0] // self.halves
+        out = t
+        if self.interleave:  # [j * rows + r] -> [r * halves + j]
+            out = t.reshape(self.halves, rows, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        if self.transpose:
+            out = out.t()
+        return [out.contiguous()]
+
+    def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
+        raise TypeError("a stacked tensor is many megatron-core tensors: read it with fan_out()")
+
+    def fan_out(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> list[LazyTensor]:
+        """Import: megatron-core tensor ``i`` as a lazy view of slab ``i`` of ``parts[0]``."""
+        whole = parts[0]
+        shape = tuple(whole.shape)
+        if len(shape) < 2 or (self.transpose and len(shape) != 3) or self.core_shape(shape[1:])[0] % self.halves:
+            raise CheckpointFormatError(f"is {shape}: not a stack of {'2-D ' if self.transpose else ''}slabs of "
+                                        f"{self.halves} equal row blocks", culprit=names[0],
+                                        hint="check the file against config.json")
+        return [SlabView(whole, i, self) for i in range(shape[0])]
+
+
+class SlabView(LazyTensor):
+    """megatron-core tensor ``index`` of a stacked Hugging Face tensor ``source``: a box reads only
+    the Hugging Face rows (of the slab, in its row order) that hold the box's rows, once for all
+    its halves, and copies the box out of them half by half (a box of one half's rows of an
+    interleaved slab reads the other half's rows between them too). Memory: the box, and what
+    ``source`` reads for it (a view where the file is mapped)."""
+
+    def __init__(self, source: LazyTensor, index: int, transform: Stacked) -> None:
+        self.source, self.index, self.transform = source, index, transform
+        self.shape = transform.core_shape(tuple(source.shape[1:]))
+        self.dtype = source.dtype
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.transform
+        k, rows = t.halves, self.shape[0] // t.halves
+        step = k if t.interleave else 1
+        lo, hi = offsets[0], offsets[0] + sizes[0]
+        parts = []  # (half, its first row in the box, rows, first Hugging Face row)
+        for j in range(k):
+            a, b = max(lo, j * rows), min(hi, (j + 1) * rows)
+            if a < b:
+                r = a - j * rows
+                parts.append((j, a - lo, b - a, r * k + j if t.interleave else j * rows + r))
+        if out is None:
+            out = torch.empty(sizes, dtype=self.dtype)
+        if not parts:
+            return out
+        first = min(p[3] for p in parts)
+        last = max(p[3] + (p[2] - 1) * step for p in parts) + 1
+        if t.transpose:  # the slab is [the box's columns, Hugging Face rows]
+            got = self.source.read_box((self.index, offsets[1], first), (1, sizes[1], last - first))
+            hf_rows = got[0].t()
+        else:
+            got = self.source.read_box((self.index, first, *offsets[1:]), (1, last - first, *sizes[1:]))
+            hf_rows = got[0]
+        for _, at, n, start in parts:
+            out.narrow(0, at, n).copy_(hf_rows[start - first::step][:n])
+        self.source.release(got)
+        return out
+
+    def __repr__(self) -> str:
+        return f"SlabView({self.source!r}[{self.index}], {self.transform!r})"
+
+
+def stacked_name(key: str, tables: Sequence[NameTable]) -> str | None:
+    """The Hugging Face tensor megatron-core tensor ``key`` is a slab of, in the first of ``tables``
+    whose rows name it (None: no stacking row names it): the tensors one name stands for are
+    written into one file, so a file cut never falls between them."""
+    for table in tables:
+        for row in table:
+            if row.transform is None or row.transform.stacks is None:
+                continue
+            m = next((m for m in (p.match(key) for p in row.core_patterns) if m), None)
+            if m is not None:
+                return row.hf[0].format(**m.groupdict())
+    return None
+
