@@ -36,16 +36,9 @@ from typing import Any
 import torch
 
 from reshard.core.plan_types import ModelFacts
-from reshard.models.hf_architectures import (
-    LLAMA_NAMES,
-    HFArchitecture,
-    HFArchitectureFamily,
-    HFModel,
-    Same,
-    decide_architecture,
-    name_table,
-)
-from reshard.models.hf_import import read_llama_like
+from reshard.models.hf_architectures import HFArchitecture, HFArchitectureFamily, HFModel, Same, name_table
+from reshard.models.hf_llama import LLAMA_NAMES, read_llama_like
+from reshard.models.hf_mixtral import MIXTRAL
 from reshard.models.stacked import Stacked
 
 _L, _H = "decoder.layers.{layer}.", "model.layers.{layer}."
@@ -95,9 +88,8 @@ class StackedMoe(HFArchitectureFamily):
         if not any(_EXPERT_BIAS.search(k) for k in keys):
             return None
         weights = {k for k in keys if not re.search(r"\.bias\d*$", k)}
-        decided = decide_architecture(args, facts, weights, dtype, widths.get("dense"), widths.get("expert"),
-                                      widths.get("shared"))
-        if decided.name != "MixtralForCausalLM" or not all(
+        decided = MIXTRAL.decide(args, facts, weights, dtype, widths)
+        if decided is None or decided.name != "MixtralForCausalLM" or not all(
                 any(k.endswith(end) for k in keys) for end in ("linear_qkv.bias", "linear_proj.bias")):
             return None
         out = self.export(decided)
