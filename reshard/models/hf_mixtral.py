@@ -14,8 +14,8 @@ import torch
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import LINEAR, GatedSplit, HFArchitecture, NameTable, Same, name_table
 from reshard.models.hf_common import CORE_LAYER, EXPERT_FC1, EXPERT_FC2, HF_LAYER, Refuse, not_exact
-from reshard.models.hf_llama import LLAMA_NAMES, LlamaLike, llama_shape
-from reshard.models.hf_moe import megatron_moe_args, moe_shape
+from reshard.models.hf_llama import LLAMA_NAMES, LlamaLike
+from reshard.models.hf_moe import megatron_moe_args, moe_claim
 
 _H = HF_LAYER + "block_sparse_moe."
 #: megatron-core MoE layers <-> Mixtral's, on top of Llama's names.
@@ -48,10 +48,10 @@ class Mixtral(LlamaLike):
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                widths: Mapping[str, int]) -> HFArchitecture | None:
         """A MoE model without query/key norms or shared experts."""
-        shape = llama_shape(args, facts, keys, dtype, widths)
-        if shape is None or not shape.moe or shape.qk_norm:
+        claimed = moe_claim(args, facts, keys, dtype, widths, qk_norm=False)
+        if claimed is None:
             return None
-        moe = moe_shape(args, facts, keys, shape)
+        shape, moe = claimed
         if moe.shared:
             return None
         if moe.dense:

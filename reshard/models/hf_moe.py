@@ -7,14 +7,16 @@ of the softmax, renormalized unless ``--moe-router-pre-softmax``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from reshard.core.plan_types import ModelFacts
 from reshard.models.facts import saved_arg
 from reshard.models.hf_common import Refuse, asked_in_turn, not_exact
-from reshard.models.hf_llama import LlamaShape
+from reshard.models.hf_llama import LlamaShape, llama_shape
 from reshard.models.megatron_gpt import experts_per_layer, stack_layer
 
 
@@ -76,3 +78,13 @@ def megatron_moe_args(experts: int, moe_ffn: int, shared: int | None, pre_softma
                 moe_router_pre_softmax=pre_softmax, moe_router_score_function="softmax",
                 moe_router_enable_expert_bias=False, moe_layer_freq=1 if all(freq) else freq,
                 expert_model_parallel_size=1, expert_tensor_parallel_size=1, moe_grouped_gemm=False)
+
+
+def moe_claim(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype, widths: Mapping[str, int],
+              qk_norm: bool) -> tuple[LlamaShape, MoEShape] | None:
+    """The shapes of a Llama-like MoE model with (or without) query/key norms, as ``qk_norm`` says;
+    None for any other model. Each MoE class's ``decide`` starts here, then claims by its own marks."""
+    shape = llama_shape(args, facts, keys, dtype, widths)
+    if shape is None or not shape.moe or shape.qk_norm != qk_norm:
+        return None
+    return shape, moe_shape(args, facts, keys, shape)

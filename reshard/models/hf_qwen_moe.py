@@ -17,8 +17,8 @@ from reshard.core.errors import CheckpointFormatError
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import LINEAR, GatedSplit, HFArchitecture, NameTable, Same, name_table
 from reshard.models.hf_common import CORE_LAYER, EXPERT_FC1, EXPERT_FC2, HF_LAYER, Refuse, not_exact
-from reshard.models.hf_llama import LLAMA_NAMES, LlamaLike, llama_shape
-from reshard.models.hf_moe import megatron_moe_args, moe_shape
+from reshard.models.hf_llama import LLAMA_NAMES, LlamaLike
+from reshard.models.hf_moe import megatron_moe_args, moe_claim
 from reshard.models.hf_qwen import QWEN3_NAMES, qwen3_biases
 
 _L, _H = CORE_LAYER, HF_LAYER
@@ -73,10 +73,10 @@ class Qwen2Moe(LlamaLike):
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                widths: Mapping[str, int]) -> HFArchitecture | None:
         """A MoE model without query/key norms whose MoE layers have a shared expert."""
-        shape = llama_shape(args, facts, keys, dtype, widths)
-        if shape is None or not shape.moe or shape.qk_norm:
+        claimed = moe_claim(args, facts, keys, dtype, widths, qk_norm=False)
+        if claimed is None:
             return None
-        moe = moe_shape(args, facts, keys, shape)
+        shape, moe = claimed
         if not moe.shared:
             return None
         if not any(k.endswith(".mlp.shared_experts.gate_weight") for k in keys):
@@ -117,10 +117,10 @@ class Qwen3Moe(LlamaLike):
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                widths: Mapping[str, int]) -> HFArchitecture | None:
         """A MoE model with query/key norms (and no shared expert)."""
-        shape = llama_shape(args, facts, keys, dtype, widths)
-        if shape is None or not shape.moe or not shape.qk_norm:
+        claimed = moe_claim(args, facts, keys, dtype, widths, qk_norm=True)
+        if claimed is None:
             return None
-        moe = moe_shape(args, facts, keys, shape)
+        shape, moe = claimed
         if moe.shared:
             raise not_exact("query/key layer norms with shared experts (Qwen3-MoE has no shared expert)")
         moe_ffn = widths.get("expert")
