@@ -19,14 +19,22 @@ from reshard.core.rules import Resolution, resolve
 from reshard.models.base import ModelFamily
 from reshard.models.registry import families, register_family, registry, unregister_family
 
-__all__ = ["ModelFamily", "families", "register_family", "registry", "resolve_family", "unregister_family"]
+__all__ = ["ModelFamily", "claiming_family", "families", "register_family", "registry", "resolve_family",
+           "unregister_family"]
+
+
+def claiming_family(keys: Sequence[str], source: str = "checkpoint") -> ModelFamily:
+    """The first family (in registry order) that claims parameter names ``keys``; names only, no
+    rule resolved (:func:`resolve_family` resolves them)."""
+    for family in families():
+        if family.claims(keys):
+            return family
+    raise UnknownParameterError(f"no model family claims these parameters ({', '.join(list(keys)[:5])}, ...)",
+                                culprit=source, hint=f"registered families: {sorted(registry)}")
 
 
 def resolve_family(keys: Sequence[str], source: str = "checkpoint") -> tuple[ModelFamily, Resolution]:
     """The family that claims ``keys`` and every key's rule in its table (an unknown key raises
     :class:`~reshard.core.errors.UnknownParameterError` listing them all)."""
-    for family in families():
-        if family.claims(keys):
-            return family, resolve(keys, family.rules, source=source, supported=family.supported)
-    raise UnknownParameterError(f"no model family claims these parameters ({', '.join(list(keys)[:5])}, ...)",
-                                culprit=source, hint=f"registered families: {sorted(registry)}")
+    family = claiming_family(keys, source)
+    return family, resolve(keys, family.rules, source=source, supported=family.supported)
