@@ -167,6 +167,27 @@ def test_hf_to_megatron_and_back_gives_every_tensor_bit_for_bit(hf, converted, b
         assert config[key] == source[key], key
 
 
+def test_a_bf16_folder_goes_to_megatron_core_and_back_bit_for_bit(tmp_path):
+    """The release's dtype: transformers saves every tensor bf16 (norms too); TP 2 x EP 2 and back gives
+    each one back, dtype and bits, and ``config.json`` says bfloat16."""
+    import transformers
+
+    torch.manual_seed(6)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**CONFIG, initializer_range=0.1),
+                                                          dtype=torch.bfloat16)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith(("_bias", "router.bias")):
+                p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    _run(str(tmp_path / "hf"), str(tmp_path / "tp2"), "--target-tp", "2", "--target-ep", "2")
+    _run(str(tmp_path / "tp2"), str(tmp_path / "back"), "--to", "hf")
+    want, got = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    assert {v.dtype for v in want.values()} == {torch.bfloat16} and sorted(got) == sorted(want)
+    assert [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])] == []
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_the_import_holds_gate_then_up_transposed_and_the_sinks_by_head(hf, converted):
     """Expert ``e``'s ``linear_fc1`` is ``[gate; up]`` (``gate_up_proj``'s even, then odd columns,
     transposed), its ``linear_fc2`` is ``down_proj[e]`` transposed, the biases likewise; TP rank ``t``
