@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mcore_fixtures import TOKENS, needs_mcore, run_harness
+from mcore_fixtures import TOKENS, copy_with_args, needs_mcore, run_harness
 from reshard.cli import main
 
 TOL = 2e-5
@@ -113,7 +113,7 @@ def converted(hf) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def gpt_oss(hf, converted) -> dict:
     """One harness launch: megatron-core writes its own GPT-OSS at TP 2 x EP 2 (expert TP 1) and runs
-    the imports (TP 1; TP 2 x EP 2; the torch_dist output loaded at TP 2 x EP 2), each model built
+    the imports (TP 1; TP 2 x EP 2, also x PP 2; the torch_dist output loaded at TP 2 x EP 2), each model built
     from the checkpoint's own args (``--use-checkpoint-args``); then its checkpoint goes ``--to hf``."""
     root = hf["root"]
     work = root / "harness"
@@ -122,19 +122,21 @@ def gpt_oss(hf, converted) -> dict:
              "tokens": TOKENS},
             {**forward, "ckpt": str(converted["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
             {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "ep": 2, "etp": 1, "out": str(work / "tp2.pt")},
+            {**forward, "ckpt": str(converted["tp2pp2"]), "tp": 2, "ep": 2, "etp": 1, "pp": 2,
+             "out": str(work / "tp2pp2.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), "tp": 2, "ep": 2, "etp": 1,
              "out": str(work / "dist.pt")}]
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "dist")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dist")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
 @needs_mcore
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "dist"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2pp2", "dist"])
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, gpt_oss, layout):
     got, want = gpt_oss["logits"][layout], hf["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
@@ -226,6 +228,21 @@ def test_the_saved_args_are_megatron_lms_for_gpt_oss(converted):
     assert sorted(p.name for p in converted["tp2"].glob("*/mp_rank_*")) == ["mp_rank_00_000", "mp_rank_01_001"]
 
 
+def test_the_releases_config_layout_reads_as_transformers_5s(hf, converted, tmp_path):
+    """openai's config.json spells transformers 4's layout (``rope_scaling`` + ``rope_theta``, both
+    ``experts_per_token`` and ``num_experts_per_tok``, ``initial_context_length``): the same args."""
+    src = shutil.copytree(hf["hf"], tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, experts_per_token=2,
+                  initial_context_length=4096)
+    (src / "config.json").write_text(json.dumps(config))
+    _run(str(src), str(tmp_path / "tp1"), "--target-tp", "1")
+    got, want = (torch.load(next(f.glob("*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["args"]
+                 for f in (tmp_path / "tp1", converted["tp1"]))
+    assert vars(got) == vars(want)
+
+
 # --- refusals --------------------------------------------------------------------------------------
 
 def test_an_expert_tp_megatron_core_cannot_build_is_refused_in_one_line(hf, tmp_path, capsys):
@@ -236,6 +253,29 @@ def test_an_expert_tp_megatron_core_cannot_build_is_refused_in_one_line(hf, tmp_
     assert err.startswith("reshard: error: --target-etp:") and len(err.splitlines()) == 1, err
     assert "expert tensor parallelism 1 only" in err and "pass --target-etp 1" in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"moe_router_pre_softmax": True}, "the softmax over all experts before the top-k"),
+    ({"glu_linear_offset": 0.0}, "args.glu_linear_offset is 0.0 (GPT-OSS's experts: 1.0)"),
+    ({"window_size": (3, 1)}, "window_size (3, 1) looks 1 tokens ahead"),
+])
+def test_an_export_transformers_gpt_oss_does_not_compute_is_refused_in_one_line(converted, tmp_path, capsys, change,
+                                                                              needle):
+    src = copy_with_args(converted["tp1"], tmp_path / "src", **change)
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_windows_on_other_layers_are_written_as_layer_types(converted, tmp_path):
+    """The args' windows, layer by layer (a flag per layer: the full layer first), are ``layer_types``."""
+    src = copy_with_args(converted["tp1"], tmp_path / "src", window_size=(5, 0), window_attn_skip_freq=[0, 1])
+    _run(str(src), str(tmp_path / "o"), "--to", "hf")
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert (config["layer_types"], config["sliding_window"]) == (["full_attention", "sliding_attention"], 6)
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -112,7 +112,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _rope_args(c: Mapping[str, Any], max_pos: int, refuse: Any) -> dict[str, Any]:
+def _rope_args(c: Mapping[str, Any], max_pos: int, where: str, refuse: Any) -> dict[str, Any]:
     """Megatron-LM's position ``args`` for ``config.json``'s rotary (transformers 5's
     ``rope_parameters`` or 4's ``rope_theta`` + ``rope_scaling``; neither: GPT-OSS's default YaRN)."""
     params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else c.get("rope_scaling")
@@ -128,8 +128,8 @@ def _rope_args(c: Mapping[str, Any], max_pos: int, refuse: Any) -> dict[str, Any
         raise refuse(f"rotary scaling {rope_type} (megatron-core's GPT model has YaRN or none)")
     original = params.get("original_max_position_embeddings")
     if not isinstance(original, int):
-        raise CheckpointFormatError("YaRN without an integer original_max_position_embeddings",
-                                    culprit="config.json", hint="check rope_parameters (rope_scaling)")
+        raise CheckpointFormatError("has YaRN without an integer original_max_position_embeddings",
+                                    culprit=where, hint="check rope_parameters (rope_scaling)")
     factor = float(params.get("factor") or max_pos / original)
     mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if not (mscale and all_dim):  # transformers then scales by the factor alone: megatron-core's ratio at (1, 0)
@@ -143,7 +143,7 @@ def _rope_args(c: Mapping[str, Any], max_pos: int, refuse: Any) -> dict[str, Any
             "mscale_all_dim": float(all_dim), "yarn_correction_range_round_to_int": bool(params.get("truncate", True))}
 
 
-def _window_args(c: Mapping[str, Any], layers: int, where: str, refuse: Any) -> dict[str, Any]:
+def _window_args(c: Mapping[str, Any], layers: int, where: str) -> dict[str, Any]:
     """Megatron-LM's ``window_size`` / ``window_attn_skip_freq`` for ``layer_types`` (GPT-OSS's default:
     layers 0, 2, ... sliding) and ``sliding_window``: ``2`` for that default, one flag per layer for
     another pattern, none when no layer slides."""
@@ -196,8 +196,8 @@ class GptOssForCausalLM(HFArchitectureFamily):
         arch_args = dict(
             normalization="RMSNorm", norm_epsilon=float(c["rms_norm_eps"]), swiglu=False, **ACTIVATION_ARGS,
             activation_func_clamp_value=float(limit), add_bias_linear=True, add_qkv_bias=True,
-            max_position_embeddings=max_pos, qk_layernorm=False, **_rope_args(c, max_pos, refuse),
-            **_window_args(c, layers, where, refuse),
+            max_position_embeddings=max_pos, qk_layernorm=False, **_rope_args(c, max_pos, where, refuse),
+            **_window_args(c, layers, where),
             **megatron_moe_args(need("num_local_experts", "num_experts"), ffn, None, False, [1] * layers, need,
                                 refuse))
         model = megatron_model(self.name, self.names, vocab=need("vocab_size"), hidden=hidden, layers=layers,
