@@ -57,9 +57,8 @@ ACTIVATION_ARGS = {"softmax_type": "learnable", "quick_geglu": True, "glu_linear
 
 
 class GptOss(MegatronCoreFamily):
-    """megatron-core GPT models whose attention has learned sinks (``softmax_offset``), GPT-OSS's
-    among them: :data:`GPT_OSS_RULES`, everything else as
-    :class:`~reshard.models.megatron_gpt.MegatronGPT`."""
+    """megatron-core GPT models whose attention has learned sinks (softmax_offset, split by heads over
+    TP), GPT-OSS's among them, dense or MoE; every other name as megatron-gpt reads it."""
 
     name = "gpt-oss"
     rules = GPT_OSS_RULES
