@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from mcore_fixtures import TOKENS, copy_with_args, needs_mcore, run_harness
 from reshard.cli import main
+from reshard.core.safe_load import load_shard
 
 TOL = 2e-5
 #: The release's rotary (``rope_scaling`` of openai/gpt-oss-20b, transformers 5's ``rope_parameters``).
@@ -55,8 +56,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _module(folder: Path, rank_dir: str) -> dict[str, torch.Tensor]:
-    return torch.load(next(folder.glob(f"*/{rank_dir}/model_optim_rng.pt")), weights_only=False)["model"]
+def _saved(folder: Path, rank_dir: str) -> dict:
+    """A rank file (reshard's allowlisted loader: megatron-core's enums as stand-ins, not imported)."""
+    return load_shard(next(folder.glob(f"*/{rank_dir}/model_optim_rng.pt")))
 
 
 def _transformers(folder: Path):
@@ -196,7 +198,7 @@ def test_the_import_holds_gate_then_up_transposed_and_the_sinks_by_head(hf, conv
     holds the sinks of heads ``4t .. 4t + 3``; EP rank ``r`` holds experts ``2r, 2r + 1`` as 0, 1."""
     want = _tensors(hf["hf"])
     for tp_rank, ep_rank in ((0, 0), (1, 1)):
-        module = _module(converted["tp2"], f"mp_rank_{tp_rank:02d}_{ep_rank:03d}")
+        module = _saved(converted["tp2"], f"mp_rank_{tp_rank:02d}_{ep_rank:03d}")["model"]
         for layer in range(2):
             h = f"model.layers.{layer}."
             sinks = want[h + "self_attn.sinks"]
@@ -214,7 +216,7 @@ def test_the_import_holds_gate_then_up_transposed_and_the_sinks_by_head(hf, conv
 
 def test_the_saved_args_are_megatron_lms_for_gpt_oss(converted):
     """What ``--use-checkpoint-args`` rebuilds the model from (the forward above builds it so)."""
-    args = torch.load(next(converted["tp2"].glob("*/mp_rank_00_000/model_optim_rng.pt")), weights_only=False)["args"]
+    args = _saved(converted["tp2"], "mp_rank_00_000")["args"]
     assert (args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size) \
         == (2, 2, 1)
     assert (args.softmax_type, args.quick_geglu, args.swiglu, args.glu_linear_offset,
@@ -238,8 +240,7 @@ def test_the_releases_config_layout_reads_as_transformers_5s(hf, converted, tmp_
                   initial_context_length=4096)
     (src / "config.json").write_text(json.dumps(config))
     _run(str(src), str(tmp_path / "tp1"), "--target-tp", "1")
-    got, want = (torch.load(next(f.glob("*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["args"]
-                 for f in (tmp_path / "tp1", converted["tp1"]))
+    got, want = (_saved(f, "mp_rank_00")["args"] for f in (tmp_path / "tp1", converted["tp1"]))
     assert vars(got) == vars(want)
 
 
