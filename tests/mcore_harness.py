@@ -24,6 +24,10 @@ MoE models (``experts`` in the model options) are built with SequentialMLP exper
 TP), saved in ``mp_rank_TT[_PPP]_EEE`` folders; each router's routing decisions of the forward
 are saved beside the logits (``routing.pt``; ``<out>.routing`` for a ``forward`` job). megatron-core
 names ``te_general_gemm`` in its router only when Transformer Engine is installed: it is set to None.
+GPT-OSS's layers take Megatron-LM's own arg names as options (``softmax_type``, ``quick_geglu``,
+``glu_linear_offset``, ``activation_func_clamp_value``; ``pos`` ``"yarn"`` with ``yarn``: the YaRN args,
+set as the config attributes ``GPTModel`` reads, :data:`YARN_CONFIG`); MoE layers with biases need
+``etp`` 1 (megatron-core asserts it).
 
 Four CPU shims, for code paths that assume CUDA even when ``use_cpu_initialization`` is set:
 ``torch.cuda.current_device`` returns "cpu" (a scratch buffer's device), ``Tensor.cuda`` is the
@@ -116,8 +120,17 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
     if m.get("window_size") is not None:  # sliding-window attention (JSON gives the pair as a list)
         _cpu_window_mask()
         kw.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
+    if m.get("softmax_type"):  # learned attention sinks (GPT-OSS): one softmax offset per head
+        kw.update(softmax_type=m["softmax_type"])
     if m.get("swiglu"):
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    elif m.get("quick_geglu"):  # GPT-OSS's clamped gated activation, megatron-core's unfused path
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        eager = getattr(quick_gelu, "__wrapped__", quick_gelu)  # torch.compile's original, where it compiled one
+        kw.update(gated_linear_unit=True, activation_func=eager, bias_activation_fusion=False,
+                  glu_linear_offset=m.get("glu_linear_offset", 0.0),
+                  activation_func_clamp_value=m.get("activation_func_clamp_value"))
     elif m.get("openai_gelu"):
         from megatron.core.transformer.utils import openai_gelu
 
@@ -130,6 +143,9 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
         qk_layernorm=m.get("qk_norm", False), kv_channels=m.get("kv_channels"),
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32 if pp > 1 else None, **kw)
+    for arg, attr in YARN_CONFIG.items():  # YaRN: GPTModel reads these config attributes (none are fields in 0.16.1)
+        if m.get("yarn"):
+            setattr(cfg, attr, m["yarn"][arg])
     if spec_kw.get("num_experts"):  # dense and MoE layers as moe_layer_freq says: the decoder block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -208,6 +224,17 @@ def _cpu_window_mask() -> None:
     fused_softmax.get_sliding_window_causal_mask = on_cpu
 
 
+#: Megatron-LM's YaRN args of a GPT model (``--position-embedding-type yarn``; the harness's ``yarn``
+#: option holds them under these names) -> the config attributes megatron-core 0.16.1's ``GPTModel``
+#: reads for its ``YarnRotaryEmbedding`` and its attention's concentration factor.
+YARN_CONFIG = {"rotary_scaling_factor": "yarn_rotary_scaling_factor",
+               "yarn_original_max_position_embeddings": "yarn_original_max_position_embeddings",
+               "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow", "mscale": "yarn_mscale",
+               "mscale_all_dim": "yarn_mscale_all_dim",
+               "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int"}
+#: Megatron-LM's args of GPT-OSS's attention and activation (the harness's options of the same names).
+GPT_OSS_ARGS = ("softmax_type", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value")
+
 #: Megatron-LM's MLA and DeepSeek-router args <-> the harness's model options (same names).
 MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
             "rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -239,6 +266,8 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
                                              ("rope_base", "rotary_base"), ("qk_norm", "qk_layernorm")) if key in m}
     if m.get("window_size") is not None:  # Megatron-LM's --window-size (a tuple) and --window-attn-skip-freq
         recorded.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
+    recorded.update({k: m[k] for k in GPT_OSS_ARGS if k in m})
+    recorded.update(m.get("yarn") or {})
     return argparse.Namespace(**recorded, **moe,
         num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
         num_attention_heads=m["heads"], kv_channels=m.get("kv_channels") or m["hidden"] // m["heads"],
@@ -307,6 +336,8 @@ def options_from_args(a: Any) -> dict[str, Any]:
                        "account_loss": getattr(a, "account_for_loss_in_pipeline_split", False),
                        "layout": getattr(a, "pipeline_model_parallel_layout", None)},
             **({"mtp": a.mtp_num_layers} if getattr(a, "mtp_num_layers", None) else {}),
+            **{k: getattr(a, k) for k in GPT_OSS_ARGS if getattr(a, k, None) is not None},
+            **({"yarn": {k: getattr(a, k) for k in YARN_CONFIG}} if a.position_embedding_type == "yarn" else {}),
             **({"mla": {k: getattr(a, k) for k in MLA_ARGS if getattr(a, k, None) is not None or k == "q_lora_rank"}}
                if getattr(a, "multi_latent_attention", False) else {})}
 

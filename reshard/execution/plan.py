@@ -49,7 +49,7 @@ from reshard.execution.placement import by_pipeline_rank, place, split_files, ta
 from reshard.execution.specs import check_quantization, target_specs
 from reshard.formats.output import carried_files, output_format
 from reshard.formats.registry import get_format
-from reshard.models import ModelFamily, resolve_family
+from reshard.models import ModelFamily, claiming_family, resolve_family
 from reshard.models.facts import Vocab, decide_version, int_arg
 from reshard.models.megatron_gpt import expert_index, experts_per_layer, rank_experts, with_expert
 
@@ -80,11 +80,16 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     tpp = (source.pipeline_ranks if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
     out_fmt.check_target(tpp)
     version = decide_version(read.shards, read.names, source, options)
-    tetp = _target_etp(source, options, out_fmt)
+    keys = canonical_keys(read)
+    built = claiming_family(keys, source.origin).expert_tp(keys)
+    tetp = _target_etp(source, options, out_fmt, built)
     d = decide_parameters(read, options, version, source, fmt, tetp)
     stages, params, carried = read.stages, d.params, d.carried
     tied = d.family.decide_tied(read.args, d.naming, params, stages, d.origin, source)
     warnings: list[str] = [d.vocab.warning] if d.vocab.warning else []
+    if built is not None and out_fmt.per_rank and options.target_etp is None and built != m:
+        warnings.append(f"experts at expert tensor parallelism {built} (TP {m} elsewhere): megatron-core builds "
+                        "mixture-of-experts layers with linear biases at that degree only")
     order = {r.key: i for i, r in enumerate(sorted(d.raw + d.carried_raw, key=lambda r: r.order))}
     entries = sorted(params + carried, key=lambda p: order[p.key])  # source order, stage by stage
     source_stages = _source_stages(read.args, d.layers_per_stage, source)
@@ -223,17 +228,25 @@ def _target_ep(experts: dict[int | None, int], source: SourceCheckpoint, options
     return tep
 
 
-def _target_etp(source: SourceCheckpoint, options: ReshardOptions, out_fmt: CheckpointFormat) -> int | None:
-    """The output's expert TP: ``--target-etp``, else the source's when it splits its experts apart
-    from its TP, else None (the target TP). A layout of global tensors has none; a per-rank one
-    holds an expert TP dividing the TP (:func:`~reshard.core.experts.check_expert_tp`)."""
+def _target_etp(source: SourceCheckpoint, options: ReshardOptions, out_fmt: CheckpointFormat,
+                built: int | None = None) -> int | None:
+    """The output's expert TP: ``--target-etp``, else the one the model is built at (``built``, the
+    family's :meth:`~reshard.models.base.ModelFamily.expert_tp`; another ``--target-etp`` is refused),
+    else the source's when it splits its experts apart from its TP, else None (the target TP). A
+    layout of global tensors has none; a per-rank one holds an expert TP dividing the TP
+    (:func:`~reshard.core.experts.check_expert_tp`)."""
     m = options.target_tp
+    if built is not None and options.target_etp not in (None, built):
+        raise LayoutError(f"megatron-core builds this model's experts at expert tensor parallelism {built} only "
+                          f"(mixture-of-experts layers with linear biases), not {options.target_etp}",
+                          culprit="--target-etp", hint=f"pass --target-etp {built}, or drop it ({built} is the "
+                                                       "default for this model)")
     if not out_fmt.per_rank:
         if options.target_etp not in (None, 1):
             raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout holds global tensors; it has no expert "
                               f"tensor-parallel degree", culprit="--target-etp", hint="drop --target-etp")
         return None
-    tetp = options.target_etp
+    tetp = options.target_etp if built is None else built
     if tetp is None and source.expert_tp != source.tp:
         tetp = source.expert_tp
         check_expert_tp(tetp, m, "--target-tp", f"pass --target-etp (a divisor of {m}) or a target TP that "
@@ -294,6 +307,11 @@ class DecidedParams:
                           family_facts=dict(self.family_facts))
 
 
+def canonical_keys(read: SourceRead) -> list[str]:
+    """Every canonical parameter name of the rows ``read`` holds, in their order, once."""
+    return list(dict.fromkeys(st.canonical_name(k) for st in read.module_rows for k in st.modules[0]))
+
+
 def decide_parameters(read: SourceRead, options: ReshardOptions, version: float, source: SourceCheckpoint,
                       fmt: CheckpointFormat, target_etp: int | None = None) -> DecidedParams:
     """Resolve the canonical names against the family that claims them, collect the canonical
@@ -305,7 +323,7 @@ def decide_parameters(read: SourceRead, options: ReshardOptions, version: float,
     for st in rows:
         for name, module in zip(st.names, st.modules):
             refuse_foreign_entries(module, name)
-    all_keys = list(dict.fromkeys(st.canonical_name(k) for st in rows for k in st.modules[0]))
+    all_keys = canonical_keys(read)
     family, resolution = resolve_family(all_keys, source=source.origin)
     raw, carried_raw, layers_per_stage = collect(rows, resolution.by_key, source, family)
     num_layers = sum(layers_per_stage)

@@ -2,13 +2,14 @@
 :mod:`reshard.models.base`). Built-in (:mod:`reshard.models.registry`): Megatron GPT (legacy and
 megatron-core names, dense or MoE; :mod:`~reshard.models.megatron_gpt`) and DeepSeek-V3-class models
 (multi-latent attention, DeepSeek MoE, multi-token prediction; under megatron-core's local spec and
-Transformer Engine's; :mod:`~reshard.models.deepseek`). ``resolve_family(keys)`` picks the family
+Transformer Engine's; :mod:`~reshard.models.deepseek`) and models with learned attention sinks
+(GPT-OSS; :mod:`~reshard.models.gpt_oss`). ``resolve_family(keys)`` picks the family
 that claims a checkpoint's parameter names and resolves every name to its rule.
 
 Hugging Face architectures are plug-ins of their own (:mod:`reshard.models.hf_registry`), one module
-each: Llama, Mistral, Qwen2 and Qwen3, Qwen2-MoE and Qwen3-MoE, Mixtral, GPT-2, DeepSeek-V3/Kimi-K2
-(``hf_llama``, ``hf_mistral``, ``hf_qwen``, ``hf_qwen_moe``, ``hf_mixtral``, ``hf_gpt2``,
-``hf_deepseek``), written with :mod:`reshard.models.hf_architectures`."""
+each: Llama, Mistral, Qwen2 and Qwen3, Qwen2-MoE and Qwen3-MoE, Mixtral, GPT-2, DeepSeek-V3/Kimi-K2,
+GPT-OSS (``hf_llama``, ``hf_mistral``, ``hf_qwen``, ``hf_qwen_moe``, ``hf_mixtral``, ``hf_gpt2``,
+``hf_deepseek``, ``hf_gpt_oss``), written with :mod:`reshard.models.hf_architectures`."""
 
 from __future__ import annotations
 
@@ -19,14 +20,22 @@ from reshard.core.rules import Resolution, resolve
 from reshard.models.base import ModelFamily
 from reshard.models.registry import families, register_family, registry, unregister_family
 
-__all__ = ["ModelFamily", "families", "register_family", "registry", "resolve_family", "unregister_family"]
+__all__ = ["ModelFamily", "claiming_family", "families", "register_family", "registry", "resolve_family",
+           "unregister_family"]
+
+
+def claiming_family(keys: Sequence[str], source: str = "checkpoint") -> ModelFamily:
+    """The first family (in registry order) that claims parameter names ``keys``; names only, no
+    rule resolved (:func:`resolve_family` resolves them)."""
+    for family in families():
+        if family.claims(keys):
+            return family
+    raise UnknownParameterError(f"no model family claims these parameters ({', '.join(list(keys)[:5])}, ...)",
+                                culprit=source, hint=f"registered families: {sorted(registry)}")
 
 
 def resolve_family(keys: Sequence[str], source: str = "checkpoint") -> tuple[ModelFamily, Resolution]:
     """The family that claims ``keys`` and every key's rule in its table (an unknown key raises
     :class:`~reshard.core.errors.UnknownParameterError` listing them all)."""
-    for family in families():
-        if family.claims(keys):
-            return family, resolve(keys, family.rules, source=source, supported=family.supported)
-    raise UnknownParameterError(f"no model family claims these parameters ({', '.join(list(keys)[:5])}, ...)",
-                                culprit=source, hint=f"registered families: {sorted(registry)}")
+    family = claiming_family(keys, source)
+    return family, resolve(keys, family.rules, source=source, supported=family.supported)

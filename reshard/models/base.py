@@ -61,6 +61,13 @@ class ModelFamily(ABC):
         """The naming variant the names follow (recorded in the model facts)."""
         return self.name
 
+    def expert_tp(self, keys: Sequence[str]) -> int | None:
+        """The one expert tensor-parallel degree the model of parameter names ``keys`` is built at
+        (its routed experts split over that many ranks whatever the TP), None: any degree dividing
+        the TP. The planner makes it the output's default and refuses another ``--target-etp``.
+        Default: any."""
+        return None
+
     def describe(self) -> list[str]:
         """Further lines for ``reshard formats`` (e.g. the Hugging Face architectures a family maps)."""
         return []

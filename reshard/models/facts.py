@@ -161,7 +161,8 @@ def _fc2_key(fc1_key: str) -> str:
 def decide_swiglu(options: ReshardOptions, args: Any, raw: list[CanonicalParam], n: int, m: int,
                   origin: dict[str, str], where: str) -> bool | None:
     """Whether fc1 is gated ([W; V] per rank): decided exactly by the shapes — a gated fc1 has twice
-    the rows fc2 has input columns — and cross-checked against args.swiglu and --swiglu."""
+    the rows fc2 has input columns — and cross-checked against args.swiglu and --swiglu (Megatron-LM's
+    ``--quick-geglu`` is a gated MLP too, whatever ``args.swiglu`` says)."""
     fc1 = [r for r in raw if r.rule.mlp and r.rule.gated]  # every MLP's fc1 weight: dense, expert, shared expert
     fc2 = {r.key: r for r in raw if r.rule.mlp and r.rule.kind is Kind.ROW}
     seen: set[bool] = set()
@@ -181,7 +182,7 @@ def decide_swiglu(options: ReshardOptions, args: Any, raw: list[CanonicalParam],
         raise LayoutError("some layers have a gated (SwiGLU) MLP and some do not", culprit=where,
                           hint="reshard needs one MLP kind for all layers")
     shaped = next(iter(seen)) if seen else None
-    saved = bool_arg(args, "swiglu")
+    saved = True if bool_arg(args, "quick_geglu") else bool_arg(args, "swiglu")  # Megatron-LM's gated MLPs
     for value, name in ((saved, "args.swiglu"), (options.swiglu, "--swiglu/--no-swiglu")):
         if value is not None and shaped is not None and value != shaped:
             raise LayoutError(f"{name} says {'gated' if value else 'plain'} but fc1/fc2 shapes are "

@@ -448,6 +448,12 @@ class HFArchitectureFamily(abc.ABC):
         run's warnings. Default: none."""
         return []
 
+    def windows(self, config: Mapping[str, Any], num_layers: int) -> list[int | None]:
+        """The attention window of each layer that this class's ``config`` (a ``config.json``) computes
+        (None: the layer attends fully), checked against the args' by
+        :func:`~reshard.models.hf_registry.decide_export`. Default: ``sliding_window`` on every layer."""
+        return [config.get("sliding_window")] * num_layers
+
     def export(self, decided: HFArchitecture) -> HFArchitecture:
         """Export under ``--hf-architecture``: this class's ``config.json`` for the model reshard
         decided ``decided`` computes (a built-in architecture, whose ``config`` and ``reason`` say

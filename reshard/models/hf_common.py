@@ -139,35 +139,37 @@ def window_args(sliding_window: int) -> dict[str, Any]:
     return {"window_size": (sliding_window - 1, 0), "window_attn_skip_freq": None}
 
 
-def sliding_window(args: Any, num_layers: int) -> int | None:
-    """transformers' ``sliding_window`` for the window Megatron-LM's ``args`` give every layer (the
-    inverse of :func:`window_args`), None without one; :class:`LayoutError` for a window no
-    ``sliding_window`` computes: a look-ahead, a negative side (Transformer Engine's "unbounded",
-    which megatron-core's local attention does not read so), windows on some layers only
-    (``window_attn_skip_freq``, read as megatron-core's ``is_layer_window_attention`` does), or one
-    in a legacy model's args (its attention is not megatron-core's)."""
+def _window_refusal(what: str) -> LayoutError:
+    return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
+                       hint="keep it in a Megatron layout (a window on every layer, looking back only, is exported "
+                            "as MistralForCausalLM's sliding_window; GptOssForCausalLM's layer_types window some "
+                            "layers)")
+
+
+def layer_windows(args: Any, num_layers: int) -> list[int | None]:
+    """transformers' window of each layer (its ``sliding_window`` ``W``; None: the layer attends
+    fully) for the windows Megatron-LM's ``args`` give (the inverse of :func:`window_args` per layer);
+    :class:`LayoutError` for a window no ``sliding_window`` computes: a look-ahead, a negative side
+    (Transformer Engine's "unbounded", which megatron-core's local attention does not read so), one in
+    a legacy model's args (its attention is not megatron-core's), or a ``window_attn_skip_freq`` that
+    is neither an int nor a flag per layer (read as megatron-core's ``is_layer_window_attention``
+    does: layer numbers from 1, an int ``k`` leaves every ``k``-th layer unwindowed)."""
     size = saved_arg(args, "window_size")
     if size is None:
-        return None
-
-    def refuse(what: str) -> LayoutError:
-        return LayoutError(f"no Hugging Face architecture computes this model exactly: {what}", culprit="--to hf",
-                           hint="keep it in a Megatron layout (a window on every layer, looking back only, "
-                                "is exported as MistralForCausalLM's sliding_window)")
-
+        return [None] * num_layers
     if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
                                                                        for v in size)):
-        raise refuse(f"window_size {size!r} (megatron-core's window is a pair of ints, (left, right))")
+        raise _window_refusal(f"window_size {size!r} (megatron-core's window is a pair of ints, (left, right))")
     left, right = size
     if right != 0:
-        raise refuse(f"window_size ({left}, {right}) looks {right} tokens ahead (transformers' windows look back "
-                     "only)")
+        raise _window_refusal(f"window_size ({left}, {right}) looks {right} tokens ahead (transformers' windows look "
+                              "back only)")
     if left < 0:
-        raise refuse(f"window_size ({left}, 0) (Transformer Engine reads a negative side as unbounded, "
-                     "megatron-core's local attention does not)")
+        raise _window_refusal(f"window_size ({left}, 0) (Transformer Engine reads a negative side as unbounded, "
+                              "megatron-core's local attention does not)")
     if saved_arg(args, "use_legacy_models", default=False):
-        raise refuse(f"window_size ({left}, 0) in a legacy Megatron model's args (its attention is not "
-                     "megatron-core's)")
+        raise _window_refusal(f"window_size ({left}, 0) in a legacy Megatron model's args (its attention is not "
+                              "megatron-core's)")
     freq = saved_arg(args, "window_attn_skip_freq")
     layers = range(1, num_layers + 1)  # megatron-core numbers layers from 1
     if freq is None:
@@ -177,14 +179,22 @@ def sliding_window(args: Any, num_layers: int) -> int | None:
     elif isinstance(freq, (list, tuple)) and len(freq) == num_layers:
         windowed = [bool(v) for v in freq]
     else:
-        raise refuse(f"window_attn_skip_freq {freq!r} (an int or one flag per layer of {num_layers})")
-    if not any(windowed):
+        raise _window_refusal(f"window_attn_skip_freq {freq!r} (an int or one flag per layer of {num_layers})")
+    return [left + 1 if w else None for w in windowed]
+
+
+def sliding_window(args: Any, num_layers: int) -> int | None:
+    """transformers' ``sliding_window`` for the window Megatron-LM's ``args`` give every layer (the
+    inverse of :func:`window_args`), None without one; :class:`LayoutError` for a window no
+    ``sliding_window`` computes (:func:`layer_windows`) or windows on some layers only."""
+    windows = layer_windows(args, num_layers)
+    if not any(windows):
         return None
-    if not all(windowed):
-        full = [n - 1 for n, w in zip(layers, windowed) if not w]
-        raise refuse(f"sliding-window attention on some layers only (layers {full} attend fully: "
-                     f"window_attn_skip_freq {freq!r})")
-    return left + 1
+    if not all(windows):
+        full = [i for i, w in enumerate(windows) if w is None]
+        raise _window_refusal(f"sliding-window attention on some layers only (layers {full} attend fully: "
+                              f"window_attn_skip_freq {saved_arg(args, 'window_attn_skip_freq')!r})")
+    return windows[0]
 
 
 def rope_of(c: Mapping[str, Any]) -> tuple[float, str, float]:

@@ -27,6 +27,8 @@ architecture             module                          megatron-core model
 ``Qwen3MoeForCausalLM``  :mod:`~reshard.models.hf_qwen_moe` Qwen3's, MoE layers without a shared expert
 ``GPT2LMHeadModel``      :mod:`~reshard.models.hf_gpt2`     LayerNorm, GELU, learned positions, biases
 ``DeepseekV3ForCausalLM`` :mod:`~reshard.models.hf_deepseek` multi-latent attention, DeepSeek MoE, MTP
+``GptOssForCausalLM``    :mod:`~reshard.models.hf_gpt_oss`  learned attention sinks, MoE with biases, clamped
+                                                         gated activation, YaRN, alternating windows
 =======================  ==============================  =============================================
 
 Anything else is refused with what differs — never an approximate export.
@@ -43,14 +45,15 @@ import torch
 from reshard.core.errors import LayoutError
 from reshard.core.plan_types import ModelFacts
 from reshard.models.hf_architectures import TOKEN_IDS_ARG, HFArchitecture, HFArchitectureFamily, HFModel, token_ids
-from reshard.models.hf_common import not_exact, sliding_window
+from reshard.models.hf_common import layer_windows, not_exact, sliding_window
 from reshard.plugins import PluginRegistry
 
 #: Built-in architectures, as "module:instance" (imported on first use).
 BUILTIN: tuple[str, ...] = (
     "reshard.models.hf_llama:LLAMA", "reshard.models.hf_mistral:MISTRAL", "reshard.models.hf_qwen:QWEN2",
     "reshard.models.hf_qwen:QWEN3", "reshard.models.hf_mixtral:MIXTRAL", "reshard.models.hf_qwen_moe:QWEN2_MOE",
-    "reshard.models.hf_qwen_moe:QWEN3_MOE", "reshard.models.hf_gpt2:GPT2", "reshard.models.hf_deepseek:DEEPSEEK_V3")
+    "reshard.models.hf_qwen_moe:QWEN3_MOE", "reshard.models.hf_gpt2:GPT2", "reshard.models.hf_deepseek:DEEPSEEK_V3",
+    "reshard.models.hf_gpt_oss:GPT_OSS")
 ENTRY_POINT_GROUP = "reshard.hf_architectures"
 
 _ARCHITECTURES: PluginRegistry[HFArchitectureFamily] = PluginRegistry(
@@ -111,8 +114,9 @@ def decide_export(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dty
     by its shape (:attr:`~HFArchitectureFamily.fallback`: Llama's arithmetic and its kin, GPT-2); a
     claiming class's refusal is the answer. A window in the args
     (:func:`~reshard.models.hf_common.sliding_window`) that the decided ``config.json`` does not
-    state as its ``sliding_window`` is refused: transformers would attend past it."""
-    window = sliding_window(args, facts.num_layers)
+    state (:meth:`~HFArchitectureFamily.windows`: its ``sliding_window``, per layer) is refused:
+    transformers would attend past it."""
+    windows = layer_windows(args, facts.num_layers)
     archs = hf_architectures()
     asked = (arch for fallback in (False, True) for arch in archs if arch.fallback == fallback)
     found = next(((arch, d) for arch, d in ((a, a.decide(args, facts, keys, dtype, widths)) for a in asked)
@@ -120,7 +124,8 @@ def decide_export(args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dty
     if found is None:
         raise not_exact("no registered architecture claims it")
     decided = dataclasses.replace(found[1], family=found[0])
-    if decided.config.get("sliding_window") != window:
+    if found[0].windows(decided.config, facts.num_layers) != windows:
+        window = sliding_window(args, facts.num_layers)  # windows on some layers only: refused as such
         raise LayoutError(f"no Hugging Face architecture computes this model exactly: a sliding window of {window} "
                           f"tokens on every layer in {decided.name}'s model ({decided.reason})", culprit="--to hf",
                           hint="keep it in a Megatron layout (MistralForCausalLM, Llama's arithmetic without biases, "

@@ -185,10 +185,16 @@ def beside_stack_entry(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
+#: A linear layer's bias as megatron-core's ``add_bias_linear`` gives it (attention output, MLP and
+#: routed experts' fc1/fc2, the router), under SequentialMLP's and grouped GEMM's names.
+_LINEAR_BIAS = re.compile(r"\.(?:linear_proj|linear_fc[12]|router)\.bias\d*$")
+
+
 class MegatronCoreFamily(ModelFamily):
     """What a family of megatron-core's GPT model has beside its rule table: the multi-token
     prediction layers after the stack (:data:`MTP_LAYERS`), whose pipeline stage (the last) keeps
-    its own copy of the embeddings when it is not the first (they embed the shifted tokens there)."""
+    its own copy of the embeddings when it is not the first (they embed the shifted tokens there),
+    and the expert TP of MoE layers with linear biases."""
 
     beside_stack = (MTP_LAYERS,)
     stage_copy_words = ("the multi-token prediction stage's copy",
@@ -196,6 +202,12 @@ class MegatronCoreFamily(ModelFamily):
 
     def keeps_stage_copy(self, keys: Iterable[str]) -> bool:
         return holds_mtp_layers(keys)
+
+    def expert_tp(self, keys: Sequence[str]) -> int | None:
+        """1 for a model with MoE layers and linear biases (``add_bias_linear``): megatron-core 0.16.1's
+        ``TransformerConfig`` asserts "Bias in Moe is only supported when ETP==1"; None otherwise."""
+        moe = any(k.endswith(".mlp.router.weight") for k in keys)
+        return 1 if moe and any(_LINEAR_BIAS.search(k) for k in keys) else None
 
 
 def is_megatron_core(keys: Iterable[str]) -> bool:
