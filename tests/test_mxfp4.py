@@ -248,22 +248,50 @@ def folders(tmp_path_factory):
     torch_dist) -> MXFP4."""
     root = tmp_path_factory.mktemp("mxfp4")
     want = _bf16_folder(root / "bf16")
+    seen = {"quantize": [], "dequantize": []}  # the elements of each call: a slab's at most, never a stack's
+    quantize, dequantize = mxfp4.quantize, mxfp4.dequantize
+
+    def quantize_counted(w, **kw):
+        seen["quantize"].append(w.numel())
+        return quantize(w, **kw)
+
+    def dequantize_counted(blocks, scales, *a, **kw):
+        seen["dequantize"].append(blocks.numel() * 2)
+        return dequantize(blocks, scales, *a, **kw)
+
     register_hf_architecture(StackedMoe)
     try:
-        for src, dst, *rest in (("bf16", "mx", "--to", "hf", "--quantize", "mxfp4"),
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mxfp4, "quantize", quantize_counted)
+            mp.setattr(mxfp4, "dequantize", dequantize_counted)
+            _conversions(root)
+    finally:
+        unregister_hf_architecture(StackedMoe.name)
+    return root, want, seen
+
+
+def _conversions(root: Path) -> None:
+    for src, dst, *rest in (("bf16", "mx", "--to", "hf", "--quantize", "mxfp4"),
                                 ("mx", "back", "--to", "hf"),
                                 ("mx", "mcore", "--target-tp", "2", "--target-ep", "2"),
                                 ("mcore", "mx2", "--to", "hf", "--quantize", "mxfp4"),
                                 ("mx", "dist", "--to", "torch_dist"),
                                 ("dist", "mx3", "--to", "hf", "--quantize", "mxfp4")):
-            assert _run(str(root / src), str(root / dst), *rest) == 0, dst
-    finally:
-        unregister_hf_architecture(StackedMoe.name)
-    return root, want
+        assert _run(str(root / src), str(root / dst), *rest) == 0, dst
 
+
+def test_a_stack_is_quantized_and_dequantized_a_slab_at_most_at_a_time(folders):
+    """Every expert of every stacked tensor went through the codec, never more than one slab
+    (one expert's ``[out, in]``) at once: the 3-D tensor is never whole in memory."""
+    *_, seen = folders
+    slab = H * 2 * F  # the largest slab (gate and up), in elements
+    # three exports, each of both stacked tensors of every layer (gate_up and down: 3 slabs' worth)
+    assert sum(seen["quantize"]) == 3 * LAYERS * E * (slab + F * H)
+    assert max(seen["quantize"]) == slab and max(seen["dequantize"]) <= slab
+    assert sum(seen["dequantize"]) >= 3 * LAYERS * E * (slab + F * H)  # three imports of the MXFP4 folder
 
 def test_quantize_mxfp4_writes_the_releases_layout_by_the_rule(folders):
-    root, want = folders
+    root, want, _ = folders
     got = _read(root / "mx")
     stacked = {f"model.layers.{i}.mlp.experts.{n}" for i in range(LAYERS) for n in STACKED}
     assert sorted(got) == sorted((set(want) - stacked) | {s + suffix for s in stacked for suffix in ("_blocks",
@@ -294,7 +322,7 @@ def test_transformers_converts_exactly_the_stacked_weights_and_keeps_the_rest():
 
 
 def test_an_mxfp4_folder_reads_as_transformers_dequantizes_it(folders):
-    root, want = folders
+    root, want, _ = folders
     mx, back = _read(root / "mx"), _read(root / "back")
     assert sorted(back) == sorted(want)
     for name in back:
@@ -309,7 +337,7 @@ def test_an_mxfp4_folder_reads_as_transformers_dequantizes_it(folders):
 
 @pytest.mark.parametrize("back", ["mx2", "mx3"], ids=["per-rank-tp2-ep2", "torch_dist"])
 def test_mxfp4_through_megatron_core_gives_the_same_codes_back(folders, back):
-    root, _ = folders
+    root, *_ = folders
     assert len(list((root / "mcore").rglob("model_optim_rng.pt"))) == 4
     first, again = _read(root / "mx"), _read(root / back)
     assert sorted(first) == sorted(again)
@@ -366,7 +394,7 @@ def _refused(capsys, argv: list[str], needle: str, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def release(folders):
-    root, _ = folders
+    root, *_ = folders
     return load_file(root / "mx" / "model.safetensors"), json.loads((root / "mx" / "config.json").read_text())
 
 
@@ -400,7 +428,7 @@ def test_a_bad_mxfp4_folder_is_refused_in_one_line_naming_the_tensor(tmp_path, c
 
 
 def test_quantize_mxfp4_is_refused_without_stacked_weights_or_for_a_width_not_of_32s(tmp_path, capsys, folders):
-    root, _ = folders
+    root, *_ = folders
     _refused(capsys, [str(root / "mcore"), str(tmp_path / "o"), "--quantize", "mxfp4", "--target-tp", "1"],
              "has no place for MXFP4 weights (fix: write a Hugging Face folder (--to hf))", tmp_path / "o")
     _bf16_folder(tmp_path / "w48", hidden=48)
@@ -432,7 +460,7 @@ def test_quantize_mxfp4_is_refused_for_a_model_without_stacked_weights(tmp_path,
 
 
 def test_the_header_lists_blocks_then_scales_of_each_stacked_tensor(folders):
-    root, _ = folders
+    root, *_ = folders
     raw = (root / "mx" / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])

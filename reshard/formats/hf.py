@@ -115,8 +115,9 @@ def _json(path: Path) -> Any:
 
 
 def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
-    """The dtype FP8 weights are read as: the model's own (``torch_dtype``, transformers 5's
-    ``dtype``) — FP8 is the weights' encoding, not the model's dtype — else bfloat16."""
+    """The dtype quantized weights (FP8, MXFP4) are read as: the model's own (``torch_dtype``,
+    transformers 5's ``dtype``) — the quantization is the weights' encoding, not the model's
+    dtype — else bfloat16."""
     named = config.get("dtype") or config.get("torch_dtype")
     return next((dtype for dtype, name in HF_DTYPES.items() if name == named), torch.bfloat16)
 
