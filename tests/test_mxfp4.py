@@ -26,6 +26,8 @@ from plugin_stacked_moe import StackedMoe
 from reshard.cli import main
 from reshard.core import mxfp4
 from reshard.core.fp8_block import NonFiniteWeightError
+from reshard.core.lazy import LazyTensor
+from reshard.core.release_codecs import ReleaseCodec, register_release_codec, unregister_release_codec
 from reshard.models.hf_registry import register_hf_architecture, unregister_hf_architecture
 
 transformers_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
@@ -274,7 +276,7 @@ def _conversions(root: Path) -> None:
     for src, dst, *rest in (("bf16", "mx", "--to", "hf", "--quantize", "mxfp4"),
                                 ("mx", "back", "--to", "hf"),
                                 ("mx", "mcore", "--target-tp", "2", "--target-ep", "2"),
-                                ("mcore", "mx2", "--to", "hf", "--quantize", "mxfp4"),
+                                ("mcore", "mx2", "--to", "hf", "--quantize", "mxfp4", "--max-shard-size", "40KB"),
                                 ("mx", "dist", "--to", "torch_dist"),
                                 ("dist", "mx3", "--to", "hf", "--quantize", "mxfp4")):
         assert _run(str(root / src), str(root / dst), *rest) == 0, dst
@@ -333,6 +335,42 @@ def test_an_mxfp4_folder_reads_as_transformers_dequantizes_it(folders):
             assert torch.equal(back[name], want[name]), name
     config = json.loads((root / "back" / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+
+
+def _header(path: Path) -> dict:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return {k: v for k, v in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
+
+
+def test_a_sharded_mxfp4_export_keeps_each_pair_in_one_file_and_inspect_counts_it(folders):
+    """``--max-shard-size`` counts half a byte a value and a byte a group for the encoded slabs;
+    each stack's blocks and scales share its file."""
+    from reshard.api import inspect
+    from reshard.core.options import ReshardOptions
+    from reshard.formats.hf import HFFormat
+
+    root, *_ = folders
+    files = sorted((root / "mx2").glob("*.safetensors"))
+    index = json.loads((root / "mx2" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(files) >= 3 and set(index.values()) == {f.name for f in files}
+    assert max(sum(v["data_offsets"][1] - v["data_offsets"][0] for v in _header(f).values()) for f in files) <= 40_000
+    for name in (f"model.layers.{i}.mlp.experts.{n}" for i in range(LAYERS) for n in STACKED):
+        assert index[name + "_blocks"] == index[name + "_scales"]
+    expert = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc{}.{}"
+    options = ReshardOptions(to="hf", quantize="mxfp4")
+    register_hf_architecture(StackedMoe)
+    try:
+        quantization = inspect(str(root / "mx2"))["quantization"]
+        # what the cut counts: an encoded slab's codes and scales, anything else as it is
+        sizes = [HFFormat().stored_bytes(expert.format(n, w), 2 * 4096, torch.bfloat16, options)
+                 for n, w in ((1, "weight"), (2, "weight"), (1, "bias"))]
+    finally:
+        unregister_hf_architecture(StackedMoe.name)
+    assert sizes == [2048 + 128, 2048 + 128, 2 * 4096]
+    assert quantization == {"method": "mxfp4", "format": "e2m1", "group": 32, "scales": "e8m0 uint8 weight_scales",
+                            "tensors": 2 * LAYERS, "names": [f"model.layers.*.mlp.experts.{n}_blocks"
+                                                             for n in sorted(STACKED)]}
 
 
 @pytest.mark.parametrize("back", ["mx2", "mx3"], ids=["per-rank-tp2-ep2", "torch_dist"])
@@ -461,8 +499,72 @@ def test_quantize_mxfp4_is_refused_for_a_model_without_stacked_weights(tmp_path,
 
 def test_the_header_lists_blocks_then_scales_of_each_stacked_tensor(folders):
     root, *_ = folders
-    raw = (root / "mx" / "model.safetensors").read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = _header(root / "mx" / "model.safetensors")
     a, b = (header[f"model.layers.0.mlp.experts.{STACKED[0]}{s}"] for s in ("_blocks", "_scales"))
     assert a["dtype"] == b["dtype"] == "U8" and a["data_offsets"][1] == b["data_offsets"][0]
+
+
+# --- the seam: a quantization method is a codec registered, not a branch ----------------------------
+
+class _RowScaled(LazyTensor):
+    """``q * scale`` per row, any box."""
+
+    def __init__(self, q, scale):
+        self.q, self.scale, self.shape, self.dtype = q, scale, tuple(q.shape), torch.float32
+
+    def read_box(self, offsets, sizes, out=None):
+        (r, c), (m, n) = offsets, sizes
+        got = self.q.read_box((r, c), (m, n)).float() * self.scale.read_box((r,), (m,)).unsqueeze(1)
+        return got if out is None else out.copy_(got)
+
+
+class _ToyCodec(ReleaseCodec):
+    """A method of the tests' own: ``X_q`` int8 and ``X_row_scale`` float32 per row."""
+
+    method = "toy-int8-rows"
+    title = "the tests' int8 rows"
+
+    def settings(self, config, where):
+        return None
+
+    def dequantized(self, tensors, settings, dtype, where):
+        out = {k: v for k, v in tensors.items() if not k.endswith(("_q", "_row_scale"))}
+        for k in tensors:
+            if k.endswith("_q"):
+                base = k.removesuffix("_q")
+                out[base] = _RowScaled(tensors[k], tensors[base + "_row_scale"])
+        return out
+
+    def summary(self, settings):
+        return {"method": self.method}
+
+    def encoded(self, key, dtype):
+        return key.endswith("_q")
+
+
+def test_a_quantization_method_is_one_registered_codec(tmp_path, capsys):
+    """A folder whose ``lm_head.weight`` is stored by a method of the tests' own is refused by
+    name until its codec is registered, then read dequantized; nothing in reshard changes."""
+    tensors = {k: v.float() for k, v in _bf16_folder(tmp_path / "src").items()}
+    head = tensors.pop("lm_head.weight")
+    scale = head.abs().amax(1) / 127
+    q = torch.round(head / scale.unsqueeze(1)).to(torch.int8)
+    tensors |= {"lm_head.weight_q": q, "lm_head.weight_row_scale": scale}
+    (tmp_path / "toy").mkdir()
+    save_file(tensors, tmp_path / "toy" / "model.safetensors", metadata={"format": "pt"})
+    config = {**CONFIG, "dtype": "float32", "quantization_config": {"quant_method": _ToyCodec.method}}
+    (tmp_path / "toy" / "config.json").write_text(json.dumps(config))
+    _refused(capsys, [str(tmp_path / "toy"), str(tmp_path / "o"), "--to", "hf"],
+             "holds quant_method 'toy-int8-rows', which reshard does not read", tmp_path / "o")
+    register_release_codec(_ToyCodec())
+    try:
+        register_hf_architecture(StackedMoe)
+        try:
+            assert _run(str(tmp_path / "toy"), str(tmp_path / "o"), "--to", "hf") == 0
+        finally:
+            unregister_hf_architecture(StackedMoe.name)
+    finally:
+        unregister_release_codec(_ToyCodec.method)
+    got = _read(tmp_path / "o")
+    assert torch.equal(got["lm_head.weight"], q.float() * scale.unsqueeze(1))
+    assert torch.equal(got["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])

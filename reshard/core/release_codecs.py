@@ -183,6 +183,11 @@ def register_release_codec(codec: ReleaseCodec) -> None:
     _builtins()[codec.method] = codec
 
 
+def unregister_release_codec(method: str) -> None:
+    """Stop reading folders of ``method`` (a built-in comes back when registered again)."""
+    _builtins().pop(method, None)
+
+
 def release_codecs() -> dict[str, ReleaseCodec]:
     """The codecs by method."""
     return dict(_builtins())
