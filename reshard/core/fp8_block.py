@@ -183,8 +183,8 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
 
 
 class NonFiniteWeightError(ValueError):
-    """A weight holds a NaN or an infinity, which no FP8 scale can encode (the checkpoint's fault,
-    not the caller's)."""
+    """A weight holds a NaN or an infinity, which no FP8 (or MXFP4: :mod:`reshard.core.mxfp4`)
+    scale can encode (the checkpoint's fault, not the caller's)."""
 
 
 #: Threads the codec shares a weight's bands among on a CPU whose torch runs one intra-op thread.

@@ -47,8 +47,8 @@ def _opt(default: Any = None, description: str = "", *, metavar: str | None = No
 WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: ``--quantize`` values: DeepSpeed's group-wise int8 (per-rank outputs; ``--quantize`` alone, as
-#: before it took a value) and DeepSeek's FP8 block scaling (Hugging Face outputs).
-QUANTIZATIONS = ("int8", "fp8")
+#: before it took a value), DeepSeek's FP8 block scaling and GPT-OSS's MXFP4 (Hugging Face outputs).
+QUANTIZATIONS = ("int8", "fp8", "mxfp4")
 
 #: ``--normalization`` and ``--position-embedding-type``: Megatron-LM's choices.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -94,11 +94,11 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: Literal["int8", "fp8"] | None = _opt(None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, "
-                                                         "h_to_4h, 4h_to_h weights (per-rank outputs; the flag "
-                                                         "alone); fp8: e4m3 block-scaled linear weights (--to hf; "
-                                                         "DeepSeek's format, which vLLM and transformers load)",
-                                                   metavar="{int8,fp8}", alone="int8")
+    quantize: Literal["int8", "fp8", "mxfp4"] | None = _opt(
+        None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h weights (per-rank outputs; "
+              "the flag alone); fp8: e4m3 block-scaled linear weights (--to hf; DeepSeek's format, which vLLM "
+              "and transformers load); mxfp4: the stacked experts' weights in MXFP4, the rest as they are "
+              "(--to hf; GPT-OSS's release format)", metavar="{int8,fp8,mxfp4}", alone="int8")
     fp8_block: tuple[int, int] | None = _opt(None, "with --quantize fp8: the scale blocks, rows x columns "
                                                    "(default 128x128)", metavar="ROWSxCOLS")
     bits: int = _opt(8, "quantization bits (1..8, default 8)", minimum=1)
@@ -262,6 +262,11 @@ class ReshardOptions(BaseModel):
             for name in ("bits", "groups", "mlp_extra_grouping"):
                 if getattr(self, name) != ReshardOptions.model_fields[name].default:
                     raise LayoutError("sets int8 quantization, not FP8's (whose blocks are --fp8-block)",
+                                      culprit=flag_of(name), hint="drop it, or --quantize int8")
+        if self.quantize == "mxfp4":  # the int8 settings would be ignored: MXFP4 has one fixed group
+            for name in ("bits", "groups", "mlp_extra_grouping"):
+                if getattr(self, name) != ReshardOptions.model_fields[name].default:
+                    raise LayoutError("sets int8 quantization, not MXFP4's (32 values per scale, fixed)",
                                       culprit=flag_of(name), hint="drop it, or --quantize int8")
         if self.hf_architecture is not None and self.to != "hf":  # the hf format's own choice of class
             raise LayoutError("names the class of a Hugging Face export", culprit=flag_of("hf_architecture"),

@@ -99,6 +99,9 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     if options.quantize == "fp8" and not out_fmt.holds_fp8:
         raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for FP8 block-scaled weights",
                           culprit="--quantize fp8", hint="write a Hugging Face folder (--to hf)")
+    if options.quantize == "mxfp4" and not out_fmt.holds_mxfp4:
+        raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for MXFP4 weights",
+                          culprit="--quantize mxfp4", hint="write a Hugging Face folder (--to hf)")
     if options.int8:
         check_quantization(params, options, n, m)
     experts = experts_per_layer([p.key for p in params], source.origin, int_arg(read.args, "num_experts"))

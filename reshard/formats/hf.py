@@ -38,19 +38,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reshard.core import mxfp4
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.fp8_block import (
     DEFAULT_BLOCK,
     E4M3,
     NonFiniteWeightError,
     band_workers,
-    dequantized_tensors,
     quantization_config,
     quantize_chunks,
-    read_quantization_config,
     scale_name,
     scale_shape,
 )
+from reshard.core.release_codecs import read_release_quantization, release_dequantized
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (
@@ -77,6 +77,7 @@ from reshard.models.hf_architectures import (
     export_of,
     ffn_widths,
     linear_weight,
+    transposed_slab,
     with_token_ids,
 )
 from reshard.models.hf_import import megatron_state
@@ -114,8 +115,9 @@ def _json(path: Path) -> Any:
 
 
 def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
-    """The dtype FP8 weights are read as: the model's own (``torch_dtype``, transformers 5's
-    ``dtype``) — FP8 is the weights' encoding, not the model's dtype — else bfloat16."""
+    """The dtype quantized weights (FP8, MXFP4) are read as: the model's own (``torch_dtype``,
+    transformers 5's ``dtype``) — the quantization is the weights' encoding, not the model's
+    dtype — else bfloat16."""
     named = config.get("dtype") or config.get("torch_dtype")
     return next((dtype for dtype, name in HF_DTYPES.items() if name == named), torch.bfloat16)
 
@@ -169,7 +171,7 @@ class HFFormat(CheckpointFormat):
         may not be fetched yet): their headers are checked by :meth:`load`."""
         config = _json(path / CONFIG)  # refuse an architecture or a quantization before anything is fetched
         read_config(config, str(path / CONFIG))
-        read_quantization_config(config, str(path / CONFIG))
+        read_release_quantization(config, str(path / CONFIG))
         indexed = (path / INDEX).is_file()
         files = sorted(set(_weight_map(path).values())) if indexed else [WEIGHTS] if (path / WEIGHTS).is_file() else []
         if not files:
@@ -194,14 +196,12 @@ class HFFormat(CheckpointFormat):
 
     def quantization(self, source: SourceCheckpoint) -> dict[str, Any] | None:
         config = _json(Path(source.files[0]))
-        block = read_quantization_config(config, str(source.files[0]))
-        if block is None:
-            return None
-        return {"method": "fp8", "format": "e4m3", "block": list(block), "scales": f"float32 {scale_name('weight')}"}
+        quantization = read_release_quantization(config, str(source.files[0]))
+        return None if quantization is None else quantization.summary()
 
     def stored(self, source: SourceCheckpoint) -> dict[str, Any]:
         """The class ``config.json`` names, the dtypes of the safetensors files' tensors (their
-        headers), and which tensors the FP8 blocks encode."""
+        headers), and which tensors the quantization encodes."""
         folder = Path(source.files[0]).parent
         config = _json(folder / CONFIG)
         dtypes: dict[str, torch.dtype] = {}
@@ -209,10 +209,10 @@ class HFFormat(CheckpointFormat):
             dtypes.update({key: e.dtype for key, e in MappedSafetensors(folder / name).entries.items()})
         out: dict[str, Any] = {"architecture": read_config(config, str(folder / CONFIG)).architecture,
                                "dtypes": sorted({str(d).removeprefix("torch.") for d in dtypes.values()})}
-        quantization = self.quantization(source)
+        quantization = read_release_quantization(config, str(folder / CONFIG))
         if quantization is not None:
-            encoded = [key for key, dtype in dtypes.items() if dtype == E4M3]
-            out["quantization"] = {**quantization, "tensors": len(encoded),
+            encoded = [key for key, dtype in dtypes.items() if quantization.codec.encoded(key, dtype)]
+            out["quantization"] = {**quantization.summary(), "tensors": len(encoded),
                                    "names": sorted({re.sub(r"\.\d+\.", ".*.", k) for k in encoded})}
         return out
 
@@ -231,7 +231,7 @@ class HFFormat(CheckpointFormat):
         folder = Path(path).parent
         config = _json(folder / CONFIG)
         model = read_config(config, str(folder / CONFIG))
-        block = read_quantization_config(config, str(folder / CONFIG))
+        quantization = read_release_quantization(config, str(folder / CONFIG))
         indexed = _weight_map(folder) if (folder / INDEX).is_file() else None
         tensors: dict[str, Any] = {}
         for name in sorted(set(indexed.values())) if indexed is not None else [WEIGHTS]:
@@ -248,13 +248,14 @@ class HFFormat(CheckpointFormat):
             raise CheckpointFormatError(f"the index lists {absent[0]} in {indexed[absent[0]]}, which does not hold "
                                         "it", culprit=str(folder / INDEX),
                                         hint="the index does not belong to these files; re-copy the folder")
-        return megatron_state(dequantized_tensors(tensors, block, _model_dtype(config), str(folder)), model)
+        return megatron_state(release_dequantized(tensors, quantization, _model_dtype(config), str(folder)), model)
 
     # -- writing ------------------------------------------------------------------------------
     per_rank = False
     holds_experts = True  # Mixtral and Qwen2-MoE (global expert numbers)
 
     holds_fp8 = True
+    holds_mxfp4 = True
 
     def check_plan(self, plan: Plan) -> None:
         if plan.options.int8:
@@ -268,6 +269,8 @@ class HFFormat(CheckpointFormat):
         arch = architecture(plan)  # refuses what no architecture computes exactly, before any byte is written
         if plan.options.quantize == "fp8":
             _check_fp8(plan, arch)
+        if plan.options.quantize == "mxfp4":
+            _check_mxfp4(plan, arch)
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return WEIGHTS
@@ -303,6 +306,9 @@ class HFFormat(CheckpointFormat):
         tables = [a.names for a in archs]
         size *= max((transform.copies(keys) for patterns, transform in _copying_rows(tuple(a.name for a in archs))
                      if any(p.match(key) for p in patterns)), default=1)
+        if options.quantize == "mxfp4" and dtype is not None and transposed_slab(key, tables):
+            elements = size // dtype.itemsize  # half a byte a value, a byte a group of 32
+            return elements // 2 + elements // mxfp4.GROUP
         if options.quantize != "fp8" or dtype is None:
             return size
         if not linear_weight(key, tables):
@@ -319,6 +325,9 @@ class HFFormat(CheckpointFormat):
             kept = sorted(e.name.removesuffix(".weight") for tgt in range(len(names)) for e in _file_entries(plan, tgt)
                           if e.dtype != E4M3 and len(e.shape) == 2 and e.name.endswith(".weight"))
             config["quantization_config"] = {**quantization_config(block), "modules_to_not_convert": kept}
+        if plan.options.quantize == "mxfp4":
+            config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": not_converted(
+                [e for tgt in range(len(names)) for e in _file_entries(plan, tgt)])}
         out: dict[str, str | bytes] = {CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
         if len(names) > 1:
             weight_map, total = {}, 0
@@ -334,6 +343,9 @@ class HFFormat(CheckpointFormat):
         arch = architecture(plan)
         block = _fp8_block(plan)
         fp8 = [] if block is None else [f"linear weights FP8 e4m3, scales float32 per {block[0]} x {block[1]} block"]
+        if plan.options.quantize == "mxfp4":
+            fp8 = [f"stacked [in, out] weights MXFP4 (e2m1, an e8m0 scale per {mxfp4.GROUP} inputs), the rest "
+                   "as they are"]
         return [f"architecture {arch.name}: {arch.reason}", *arch.notes, *fp8]
 
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
@@ -457,6 +469,54 @@ def _check_fp8(plan: Plan, arch: HFArchitecture) -> None:
                           "or float32 weights", culprit="--quantize fp8", hint="drop --quantize")
 
 
+#: The encoding of an export's 4th element under ``--quantize mxfp4`` (an FP8 export holds its block).
+MXFP4 = "mxfp4"
+
+
+def _check_mxfp4(plan: Plan, arch: HFArchitecture) -> None:
+    """``--quantize mxfp4`` encodes the stacked ``[in, out]`` weights (the experts of an architecture
+    that stacks them), each input width a multiple of 32, in a model that has them."""
+    quantized = [item for tgt in range(len(plan.targets))
+                 for item in _exports(plan, tgt, _module(plan.target_state(tgt), plan)) if item[3] == MXFP4]
+    if not quantized:
+        raise LayoutError(f"{arch.name} stores no stacked [in, out] weights, which are what MXFP4 encodes",
+                          culprit="--quantize mxfp4", hint="drop --quantize, or export a model whose experts "
+                          "its architecture stacks (GPT-OSS's layout)")
+    for exp, _value, dtype, _enc in quantized:
+        width = exp.outputs[0].shape[0]
+        if width % mxfp4.GROUP:
+            raise LayoutError(f"{exp.outputs[0].name} has input width {width}, not a multiple of {mxfp4.GROUP}",
+                              culprit="--quantize mxfp4", hint="MXFP4 scales groups of 32 inputs; drop --quantize")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise LayoutError(f"{exp.key} is {dtype}: MXFP4 encodes float16, bfloat16 or float32 weights",
+                              culprit="--quantize mxfp4", hint="drop --quantize")
+
+
+def not_converted(entries: Sequence[FileEntry]) -> list[str]:
+    """``modules_to_not_convert`` of an MXFP4 export of ``entries``: the modules of the linear
+    weights left as they are, layer numbers as ``*`` and each widened to its largest enclosing
+    module that holds no quantized weight (GPT-OSS's release lists its attention and router
+    modules, the embeddings and the head so). transformers matches each as a regular expression
+    from the start of a module's name, or as its suffix."""
+    def module(name: str) -> str:
+        return re.sub(r"\.\d+(?=\.|$)", ".*", name.rsplit(".", 1)[0] if "." in name else name)
+
+    quantized = {module(e.name.removesuffix(mxfp4.BLOCKS_SUFFIX)) for e in entries
+                 if e.name.endswith(mxfp4.BLOCKS_SUFFIX) and e.dtype == torch.uint8}
+    kept = set()
+    for e in entries:
+        if e.dtype == torch.uint8 or len(e.shape) != 2 or not e.name.endswith(".weight"):
+            continue
+        name = module(e.name)
+        while "." in name:
+            parent = name.rsplit(".", 1)[0]
+            if any(q == parent or q.startswith(parent + ".") for q in quantized):
+                break
+            name = parent
+        kept.add(name)
+    return sorted(kept)
+
+
 @functools.lru_cache(maxsize=16)
 def _copying_rows(names: tuple[str, ...]) -> tuple[tuple[tuple[re.Pattern[str], ...], Transform], ...]:
     """The rows of the architectures called ``names`` whose transform writes its tensor more than once
@@ -466,8 +526,10 @@ def _copying_rows(names: tuple[str, ...]) -> tuple[tuple[tuple[re.Pattern[str], 
 
 
 def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype, Any]]:
-    """Each exported megatron-core tensor, its value, its dtype and its FP8 block (None: written as it is)."""
+    """Each exported megatron-core tensor, its value, its dtype and its encoding: its FP8 block,
+    :data:`MXFP4`, or None (written as it is)."""
     block = _fp8_block(plan)
+    mx = plan.options.quantize == MXFP4
     out = []
     for key, value in module.items():
         if not isinstance(value, (PendingTensor, torch.Tensor)):
@@ -476,7 +538,8 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
             continue
         exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts, architecture(plan))
         if exp.outputs:
-            out.append((exp, value, value.dtype, block if exp.linear else None))
+            out.append((exp, value, value.dtype, MXFP4 if mx and exp.transposed_slab else
+                        block if exp.linear else None))
     return out
 
 
@@ -525,13 +588,14 @@ class SafetensorsFile:
         self.exports = exports = _stacked_order(exports)
         self.entries: list[FileEntry] = []
         self.spans: list[tuple[int, int]] = []  # each export's entries: [first, stop)
+        self.stacks: dict[str, FileEntry] = {}  # each stacked tensor as its slabs make it (before encoding)
         start = 0
         slabs = collections.Counter(exp.outputs[0].name for exp, *_ in exports if exp.part is not None)
         for exp, _value, dtype, block in exports:
             if dtype not in ST_DTYPES:
                 raise LayoutError(f"{exp.key} is {dtype}, which safetensors cannot hold", culprit=exp.key)
             if exp.part is not None and exp.part > 0:  # in the stacked tensor its slab 0 laid out
-                stacked = self.entries[self.spans[-1][0]]
+                stacked = self.stacks[exp.outputs[0].name]
                 if dtype != stacked.dtype or tuple(exp.outputs[0].shape) != stacked.shape[1:]:
                     raise LayoutError(f"{exp.key} is {exp.outputs[0].shape} {dtype}, unlike the other slabs of "
                                       f"{stacked.name} {stacked.shape[1:]} {stacked.dtype}", culprit=exp.key,
@@ -540,9 +604,12 @@ class SafetensorsFile:
                 continue
             if exp.part == 0:
                 o = exp.outputs[0]
-                self.entries.append(FileEntry(o.name, dtype, (slabs[o.name], *o.shape), start))
+                whole = FileEntry(o.name, dtype, (slabs[o.name], *o.shape), start)
+                self.stacks[o.name] = whole
+                first = len(self.entries)
+                self.entries += [whole] if block != MXFP4 else _mxfp4_entries(whole)
                 start = self.entries[-1].start + self.entries[-1].nbytes
-                self.spans.append((len(self.entries) - 1, len(self.entries)))
+                self.spans.append((first, len(self.entries)))
                 continue
             first = len(self.entries)
             for o in exp.outputs:
@@ -583,7 +650,9 @@ class SafetensorsFile:
                 writer.put((memoryview(self.header), 0, None, None))
                 for (exp, value, _dtype, block), (first, stop) in zip(self.exports, self.spans):
                     entries = self.entries[first:stop]
-                    if exp.part is not None:
+                    if exp.part is not None and block == MXFP4:
+                        hi = _write_mxfp4_slab(writer, exp, value, entries, base)
+                    elif exp.part is not None:
                         hi = _write_slab(writer, exp, value, entries[0], base)
                     elif block is None:
                         _write_export(writer, exp, value, entries, base)
@@ -650,6 +719,47 @@ def _write_slab(writer: Any, exp: Export, value: Any, entry: FileEntry, base: in
             if error is not None:
                 raise error
     return at + slab
+
+
+def _mxfp4_entries(whole: FileEntry) -> list[FileEntry]:
+    """A stacked ``[E, in, out]`` tensor ``X`` as MXFP4 stores it: ``X_blocks`` ``[E, out, in/32,
+    16]`` and ``X_scales`` ``[E, out, in/32]``, uint8, back to back from ``whole.start``."""
+    codes = (*whole.shape[:-2], whole.shape[-1], whole.shape[-2])  # [E, out, in]
+    blocks = FileEntry(whole.name + mxfp4.BLOCKS_SUFFIX, torch.uint8, mxfp4.blocks_shape(codes), whole.start)
+    scales = FileEntry(whole.name + mxfp4.SCALES_SUFFIX, torch.uint8, mxfp4.scales_shape(codes),
+                       blocks.start + blocks.nbytes)
+    return [blocks, scales]
+
+
+def _write_mxfp4_slab(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int) -> int:
+    """Write one megatron-core tensor as slab ``exp.part`` of its stacked tensor's MXFP4 pair
+    (``entries``: blocks, scales), quantized from the slab ``[in, out]`` transposed back to
+    ``[out, in]`` (:func:`~reshard.core.mxfp4.quantize`), and wait until both are written: one slab
+    is held at a time, as :func:`_write_slab` holds it. Returns where the file is complete up to:
+    the slab's blocks (its scales, after all the blocks, are complete with the last slab)."""
+    blocks, scales = entries
+    b_slab, s_slab = blocks.nbytes // blocks.shape[0], scales.nbytes // scales.shape[0]
+    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
+        (out,) = exp.convert(whole)
+        if tuple(out.shape) != (blocks.shape[2] * mxfp4.GROUP, blocks.shape[1]):
+            raise WriterError(f"{exp.key}: made {tuple(out.shape)} for a slab of {blocks.name} {blocks.shape}")
+        try:
+            codes, scale = mxfp4.quantize(out.t())
+        except NonFiniteWeightError as exc:
+            raise LayoutError(f"{blocks.name}: {exc}", culprit="--quantize mxfp4", hint="the checkpoint's "
+                              "weights are not finite; convert it without --quantize") from None
+        del out
+        done = [threading.Event(), threading.Event()]
+        writer.put((tensor_bytes(codes), base + blocks.start + exp.part * b_slab, done[0].set, codes))
+        writer.put((tensor_bytes(scale), base + scales.start + exp.part * s_slab, done[1].set, scale))
+        del codes, scale
+        for event in done:
+            while not event.wait(0.5):
+                error = writer.failed()
+                if error is not None:
+                    raise error
+    last = exp.part == blocks.shape[0] - 1
+    return base + (scales.start + scales.nbytes if last else blocks.start + (exp.part + 1) * b_slab)
 
 
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,

@@ -84,6 +84,10 @@ class Transform(abc.ABC):
     #: Hugging Face tensor of, each a slab of a new leading axis (:mod:`reshard.models.stacked`;
     #: the Hugging Face name lacks the field); None: each tensor has Hugging Face tensors of its own.
     stacks: str | None = None
+    #: The Hugging Face tensor is a linear weight stored ``[in, out]``, the transpose of
+    #: megatron-core's ``[out, in]`` (:class:`~reshard.models.stacked.Stacked` slabs with
+    #: ``transpose``): a quantized release whose groups run along the input axis encodes these.
+    transpose: bool = False
 
     def fan_out(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> list[LazyTensor]:
         """Import of a transform that :attr:`stacks`: the megatron-core tensors numbered ``0 ..``, each
@@ -316,6 +320,14 @@ def linear_weight(key: str, tables: Sequence[NameTable]) -> bool:
     return any(row.linear and any(p.match(key) for p in row.core_patterns) for table in tables for row in table)
 
 
+def transposed_slab(key: str, tables: Sequence[NameTable]) -> bool:
+    """Whether megatron-core parameter ``key`` is written as a slab stored ``[in, out]``
+    (:attr:`Transform.transpose` of a stacking row) in ``tables``: the bytes ``--quantize mxfp4``
+    encodes, known before the architecture is decided."""
+    return any(row.transform is not None and row.transform.stacks is not None and row.transform.transpose
+               and any(p.match(key) for p in row.core_patterns) for table in tables for row in table)
+
+
 @dataclass(frozen=True)
 class Export:
     """One megatron-core tensor's Hugging Face outputs and byte runs (empty: not exported)."""
@@ -330,6 +342,9 @@ class Export:
     #: a transform that :attr:`~Transform.stacks`: this tensor is slab ``part`` of its one output,
     #: whose leading axis is as long as the tensors naming it (``outputs``: the slab's shape)
     part: int | None = None
+    #: a slab stored ``[in, out]``, the transpose of this ``[out, in]`` linear weight
+    #: (:attr:`Transform.transpose`): what ``--quantize mxfp4`` encodes
+    transposed_slab: bool = False
 
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts,
@@ -351,9 +366,12 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         part = None if transform.stacks is None else int(m[transform.stacks])
         linear = row.linear and part is None and all(o.name.endswith(".weight") and len(o.shape) == 2
                                                      for o in outputs)  # not biases, nor slabs of a 3-D tensor
+        transposed = part is not None and transform.transpose and len(shape) == 2
         if isinstance(transform, WholeTensorTransform):
-            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts), linear, part)
-        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)), linear=linear, part=part)
+            return Export(key, outputs, (), functools.partial(transform.convert, facts=facts), linear, part,
+                          transposed)
+        return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)), linear=linear, part=part,
+                      transposed_slab=transposed)
     raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture.name}", culprit=key,
                       hint="export a model whose every tensor that architecture holds")
 
