@@ -376,7 +376,9 @@ def test_a_sharded_mxfp4_export_keeps_each_pair_in_one_file_and_inspect_counts_i
 @pytest.mark.parametrize("back", ["mx2", "mx3"], ids=["per-rank-tp2-ep2", "torch_dist"])
 def test_mxfp4_through_megatron_core_gives_the_same_codes_back(folders, back):
     root, *_ = folders
-    assert len(list((root / "mcore").rglob("model_optim_rng.pt"))) == 4
+    # TP 2 x EP 2 at expert TP 1 (megatron-core builds MoE layers with biases at that degree only):
+    # two ranks, each holding half the experts
+    assert len(list((root / "mcore").rglob("model_optim_rng.pt"))) == 2
     first, again = _read(root / "mx"), _read(root / back)
     assert sorted(first) == sorted(again)
     assert [k for k in first if not torch.equal(first[k], again[k])] == []
