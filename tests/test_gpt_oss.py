@@ -8,6 +8,11 @@ into a folder transformers loads at default strictness with megatron-core's logi
 The layout is checked tensor by tensor too (gate and up interleaved in ``gate_up_proj``, ``down_proj``
 transposed, the sinks split by heads over TP), so a mistake in any of them fails here twice.
 
+In MXFP4, the release's format: a model whose expert widths are whole 32-value groups goes ``--to hf
+--quantize mxfp4`` into a folder transformers loads (it dequantizes on a CPU) at default strictness;
+that folder goes to bf16 (``--to hf``) with transformers' own dequantized weights and logits, to
+megatron-core at TP 2 x EP 2 with transformers' logits, and from there back to MXFP4 code for code.
+
 All real-tool work runs in one harness launch (:func:`gpt_oss`). megatron-core 0.16.1's local
 attention builds its sliding-window mask with ``device="cuda"``: the harness runs that one function
 (``get_sliding_window_causal_mask``) with its tensors made on the CPU (``mcore_harness._cpu_window_mask``).
@@ -112,8 +117,36 @@ def converted(hf) -> dict[str, Path]:
     return out
 
 
+#: The MXFP4 model: expert widths of whole 32-value groups (the release's are 2880 = 90 x 32).
+MX_CONFIG = {**CONFIG, "intermediate_size": 32}
+
+
 @pytest.fixture(scope="module")
-def gpt_oss(hf, converted) -> dict:
+def mx(hf) -> dict:
+    """A GPT-OSS transformers builds, quantized by reshard into the release's layout (``rel``), and
+    what the acceptance commands make of it: bf16 (``bf16``), megatron-core TP 2 x EP 2 (``tp2``) and
+    that checkpoint back in MXFP4 (``again``); with the logits transformers computes from ``rel``."""
+    import transformers
+
+    root = hf["root"] / "mx"
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.GptOssConfig(**MX_CONFIG, initializer_range=0.1), dtype=torch.float32)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith(("_bias", "router.bias")):
+                p.normal_(0, 0.1)
+    model.save_pretrained(root / "src")
+    out = {name: root / name for name in ("rel", "bf16", "tp2", "again")}
+    _run(str(root / "src"), str(out["rel"]), "--to", "hf", "--quantize", "mxfp4")
+    _run(str(out["rel"]), str(out["bf16"]), "--to", "hf")
+    _run(str(out["rel"]), str(out["tp2"]), "--target-tp", "2", "--target-ep", "2")
+    _run(str(out["tp2"]), str(out["again"]), "--to", "hf", "--quantize", "mxfp4")
+    return {**out, "root": root}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(hf, converted, mx) -> dict:
     """One harness launch: megatron-core writes its own GPT-OSS at TP 2 x EP 2 (expert TP 1) and runs
     the imports (TP 1; TP 2 x EP 2, also x PP 2; the torch_dist output loaded at TP 2 x EP 2), each model built
     from the checkpoint's own args (``--use-checkpoint-args``); then its checkpoint goes ``--to hf``."""
@@ -127,11 +160,12 @@ def gpt_oss(hf, converted) -> dict:
             {**forward, "ckpt": str(converted["tp2pp2"]), "tp": 2, "ep": 2, "etp": 1, "pp": 2,
              "out": str(work / "tp2pp2.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), "tp": 2, "ep": 2, "etp": 1,
-             "out": str(work / "dist.pt")}]
+             "out": str(work / "dist.pt")},
+            {**forward, "ckpt": str(mx["tp2"]), "tp": 2, "ep": 2, "etp": 1, "out": str(work / "mx_tp2.pt")}]
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dist")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dist", "mx_tp2")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
 
 
@@ -156,6 +190,59 @@ def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(gpt_oss):
     config = json.loads((gpt_oss["mcore_hf"] / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 4
     assert config["rope_parameters"] == {**ROPE, "factor": 32.0} and config["swiglu_limit"] == 7.0
+
+
+# --- MXFP4: the release's format, in and out -------------------------------------------------------
+
+def test_transformers_loads_reshards_mxfp4_release_and_its_bf16_export_alike(mx):
+    """transformers loads the ``--quantize mxfp4`` folder at default strictness (dequantizing it: no
+    triton here) and reshard's bf16 export of that folder: the same parameters bit for bit, the same
+    logits; the export holds no ``*_blocks``/``*_scales`` and no ``quantization_config``."""
+    import transformers
+
+    rel = json.loads((mx["rel"] / "config.json").read_text())["quantization_config"]
+    assert rel == {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "lm_head", "model.embed_tokens", "model.layers.*.mlp.router", "model.layers.*.self_attn"]}, rel
+    assert sorted(k for k in _tensors(mx["rel"]) if k.startswith("model.layers.0.mlp.experts.")) == [
+        f"model.layers.0.mlp.experts.{n}" for n in ("down_proj_bias", "down_proj_blocks", "down_proj_scales",
+                                                    "gate_up_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales")]
+    models = {}
+    for name in ("rel", "bf16"):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(mx[name], dtype=torch.float32,
+                                                                        output_loading_info=True)
+        assert not any(info.values()), (name, info)
+        models[name] = model.eval()
+    want, got = (models[n].state_dict() for n in ("rel", "bf16"))
+    assert sorted(got) == sorted(want) and [k for k in want if not torch.equal(got[k], want[k])] == []
+    with torch.no_grad():
+        a, b = (models[n](torch.tensor([TOKENS])).logits for n in ("rel", "bf16"))
+    assert torch.equal(a, b)
+    exported = _tensors(mx["bf16"])
+    assert not [k for k in exported if k.endswith(("_blocks", "_scales"))]
+    assert "quantization_config" not in json.loads((mx["bf16"] / "config.json").read_text())
+
+
+@needs_mcore
+def test_megatron_core_runs_the_mxfp4_import_with_transformers_logits(mx, gpt_oss):
+    """The MXFP4 folder straight to TP 2 x EP 2 (dequantized as it streams): megatron-core's forward
+    gives the logits transformers computes from the MXFP4 folder."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(mx["rel"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([TOKENS])).logits[0]
+    got = gpt_oss["logits"]["mx_tp2"]
+    diff = (got[:, :want.shape[1]] - want).abs().max().item()
+    assert diff < TOL, f"logits differ by {diff:.2e}"
+
+
+def test_megatron_core_back_to_mxfp4_gives_the_release_code_for_code(mx):
+    """TP 2 x EP 2 -> ``--to hf --quantize mxfp4``: every code, scale and bf16 tensor of the release
+    back, and its ``config.json``."""
+    want, got = _tensors(mx["rel"]), _tensors(mx["again"])
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])] == []
+    assert json.loads((mx["again"] / "config.json").read_text()) == json.loads((mx["rel"] / "config.json").read_text())
 
 
 # --- the layout, tensor by tensor ------------------------------------------------------------------
