@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mapped_pages import resident_bytes
 from mcore_fixtures import TOKENS, mcore_forward_moe, needs_mcore
 from plugin_stacked_moe import DOWN, GATE_UP, StackedMoe
 from reshard.cli import main
@@ -301,6 +302,35 @@ def test_the_stack_is_never_whole_in_memory(round_trip, run):
     assert held.made >= LAYERS * E * SLAB * 3 // 2  # both stacked tensors of every layer, each slab once or more
     assert held.peak < 3 * SLAB, (held.peak / SLAB, held.made / SLAB)
     assert held.largest_read <= SLAB, held.largest_read / SLAB
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "mxfp4"]], ids=["same-dtype", "mxfp4"])
+def test_an_export_gives_each_slabs_source_pages_back(tmp_path, quantize):
+    """A slab wider than the engine's gather block is read a block of megatron-core rows at a time:
+    columns of the mapped Hugging Face slab, copied out. Each such read gives back the pages it
+    touched, so the source held mapped stays about a slab, not the stacked tensor (a copied box that
+    gave nothing back made bf16 -> MXFP4 of GPT-OSS-120B's experts peak at the size of its source)."""
+    _hf_folder(tmp_path / "hf", E=4, H=256, F=2048)  # a gate_up slab is 4 MiB: two gather blocks
+    src = tmp_path / "hf" / "model.safetensors"
+    slab = 256 * 2 * 2048 * 4
+    slab_read, held = SlabView.read_box, []
+
+    def sampled(self, offsets, sizes, out=None):
+        got = slab_read(self, offsets, sizes, out)
+        held.append(resident_bytes(src))
+        return got
+
+    register_hf_architecture(StackedMoe)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(SlabView, "read_box", sampled)
+            assert main(["run", "--direct", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "hf",
+                         *quantize]) == 0
+    finally:
+        unregister_hf_architecture(StackedMoe.name)
+    assert len(held) >= LAYERS * 4 * 2  # every expert's gate_up read a block at a time
+    assert max(held) < slab, (max(held) / slab, src.stat().st_size / slab)
 
 
 @pytest.mark.parametrize("name, shape, needle", [

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from mapped_pages import resident_bytes
 from reshard.core import cpus as cpus_module
 from reshard.core import foreign, torch_writer
 from reshard.core.safe_load import load_shard
@@ -391,18 +392,6 @@ def test_sha256_while_writing_equals_the_files(tmp_path):
         assert convert_target(plan, t.rank, tmp_path / "again.pt").sha256 is None
 
 
-def _mapped_kib(path: Path) -> int:
-    """Resident KiB of this process's mappings of ``path``."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()
-        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            inside = len(head) >= 6 and head[5] == str(path)
-        elif inside and head[0] == "Rss:":
-            total += int(head[1])
-    return total
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc: Linux")
 def test_page_dropper_gives_back_mapped_pages_and_never_touches_memory(tmp_path):
     from reshard.core.pages import PageDropper
@@ -411,10 +400,10 @@ def test_page_dropper_gives_back_mapped_pages_and_never_touches_memory(tmp_path)
     torch.save({"w": torch.arange(8 << 20, dtype=torch.int32)}, f)  # 32 MiB
     w = load_shard(f)["w"]
     assert int(w.sum()) == (8 << 20) * ((8 << 20) - 1) // 2  # every page touched
-    before = _mapped_kib(f.resolve())
-    assert before > 30 << 10
+    before = resident_bytes(f)
+    assert before > 30 << 20
     PageDropper([f]).drop_tensor(w)
-    assert _mapped_kib(f.resolve()) < 1024  # given back ...
+    assert resident_bytes(f) < 1 << 20  # given back ...
     assert int(w[-1]) == (8 << 20) - 1  # ... and read again from the file on demand
     mem = torch.arange(1 << 20, dtype=torch.int64)  # anonymous memory: never dropped
     PageDropper([f]).drop_tensor(mem)
@@ -434,9 +423,9 @@ def test_dropping_an_entry_gives_back_its_folios_neighbours_too(tmp_path):
     sd = load_shard(f)
     a, b = sd["a"], sd["b"]
     assert int(a.sum()) > 0 and int(b[:4096].sum()) > 0  # a whole, and b's first 16 KiB
-    assert _mapped_kib(f.resolve()) >= 1024 + 16
+    assert resident_bytes(f) >= (1024 + 16) << 10
     PageDropper([f]).drop_tensor(a)
-    assert _mapped_kib(f.resolve()) < 16  # b's pages in a's last folio went too ...
+    assert resident_bytes(f) < 16 << 10  # b's pages in a's last folio went too ...
     assert torch.equal(b[:4096], torch.arange(4096, dtype=torch.int32))  # ... and read again on demand
 
 
@@ -463,7 +452,7 @@ def test_a_tensor_read_forward_block_by_block_leaves_nothing_mapped(tmp_path, pa
         n = min(step, rows - r0)
         out[:n].copy_(w[r0:r0 + n])
         pages.drop(w[r0].data_ptr(), n * cols * 2, whole)
-    assert _mapped_kib(f.resolve()) == 0
+    assert resident_bytes(f) == 0
     assert torch.equal(w[-1], torch.ones(cols, dtype=torch.float16))  # read again on demand
 
 

@@ -21,6 +21,7 @@ import torch
 
 from layout_helpers import convert
 from legacy_twin import as_legacy, perturbed_norms, rewrite_run
+from mapped_pages import resident_bytes
 from mcore019 import CudaGraphModule, InferenceCudaGraphScope, as_019_dist, load_019_common_state, serve_019_enums
 from mcore_fixtures import mcore_checkpoints, mcore_dist_checkpoints, mcore_forward, needs_mcore, rank_module
 from reshard.cli import main
@@ -597,19 +598,6 @@ def test_chunks_are_read_as_views_of_the_mapped_file_equal_to_torch_load(dist):
     assert torch.equal(qkv.read(0, 0, qkv.shape[0])[:c.sizes[1]], want)
 
 
-def _resident(path: Path) -> int:
-    """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps``)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(None, 5)
-            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
-                inside = len(head) == 6 and head[5].strip() == str(path)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
 def test_a_chunk_read_from_the_mapped_file_gives_its_pages_back(tmp_path):
     """Reading a chunk maps its pages into the process; once copied out they are given back, so
@@ -627,9 +615,9 @@ def test_a_chunk_read_from_the_mapped_file_gives_its_pages_back(tmp_path):
     view = emb.view(0, 0, emb.shape[0])  # a view of the mapping: touching it maps its pages
     assert view is not None
     want = view.clone()
-    assert _resident(distcp) >= want.numel() * want.element_size() // 2 and mapped
+    assert resident_bytes(distcp) >= want.numel() * want.element_size() // 2 and mapped
     copy = emb.read(0, 0, emb.shape[0], out=torch.empty(want.shape, dtype=want.dtype))  # copied, pages given back
-    assert _resident(distcp) < 4 << 20, _resident(distcp)  # at most a folio or two, not the 32 MiB chunk
+    assert resident_bytes(distcp) < 4 << 20, resident_bytes(distcp)  # at most a folio or two, not the 32 MiB chunk
     assert torch.equal(copy, want)
 
 

@@ -138,9 +138,14 @@ class SafeTensor(LazyTensor):
         box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         if out is None:
             view = self.view_box(offsets, sizes)
-            return view if view is not None else box.contiguous()
-        out.copy_(box)
-        if whole.dim() and 0 not in sizes:  # the rows the box lies in: given back once copied
+            if view is not None:  # the caller gives it back (release) once it is written
+                return view
+            out = box.contiguous()
+        else:
+            out.copy_(box)
+        # copied: the rows the box lies in are given back here, since the caller holds only the copy
+        # (part of each row, columns of a transposed slab: every page of those rows was touched)
+        if whole.dim() and 0 not in sizes:
             self.file.release(whole.narrow(0, offsets[0], sizes[0]))
         return out
 
