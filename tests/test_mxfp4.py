@@ -147,6 +147,31 @@ def test_quantization_is_the_ocp_rule_written_out(dtype):
     assert torch.equal(b2, blocks) and torch.equal(s2, scales)
 
 
+def test_every_bfloat16_under_every_scale_quantizes_as_its_float32_copy():
+    """bfloat16 weights are quantized from their bits (a table of every bfloat16 under every scale),
+    float32 ones through arithmetic checked against the rule above: each finite bfloat16 magnitude,
+    both signs, in a group whose largest magnitude puts it at each scale where its code can be
+    other than 0 (its exponent field from the largest's minus 5 up; subnormals under scales 0 to 3),
+    gets its float32 copy's code and scale."""
+    groups = []
+    for top in range(255):  # the largest magnitude's exponent field: scale byte max(top - 2, 0)
+        amax = top << 7 | 0x7F
+        first = 0 if top <= 8 else (top - 5) << 7
+        magnitudes = torch.arange(first, amax + 1, dtype=torch.int32)
+        values = torch.cat([magnitudes, magnitudes | 0x8000])
+        values = torch.cat([values, torch.zeros(-values.numel() % 31, dtype=torch.int32)])
+        body = values.view(-1, 31)
+        groups.append(torch.cat([torch.full((body.shape[0], 1), amax, dtype=torch.int32), body], dim=1))
+    bits = torch.cat(groups)
+    bits = torch.cat([bits, bits.new_zeros(-bits.shape[0] % 8, 32)]).view(-1, 8 * 32)
+    w = bits.to(torch.uint16).view(torch.bfloat16)
+    assert torch.isfinite(w).all() and w.numel() > 400_000
+    blocks, scales = mxfp4.quantize(w)
+    want_blocks, want_scales = mxfp4.quantize(w.float())
+    assert torch.equal(scales, want_scales) and set(scales.unique().tolist()) == set(range(253))
+    assert torch.equal(blocks, want_blocks)
+
+
 def test_an_all_zero_group_has_the_smallest_scale_and_zero_codes():
     w = torch.zeros(2, 64)
     w[1, 32:] = -0.0

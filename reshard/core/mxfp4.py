@@ -108,7 +108,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
     Why a table: a byte and its group's scale decide both of the byte's values, so one row of a
     ``[65536, 2]`` table (:func:`_pair_table`, 256 KiB in bf16) indexed by ``scale * 256 + byte``
-    is one gather per byte for two outputs, with no float arithmetic on the weight itself."""
+    is one gather per byte for two outputs, with no float arithmetic on the weight itself; the two
+    gathered as one integer of twice the width (a 16-bit dtype's pair as an ``int32``)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 3 or blocks.shape[-1] != GROUP_BYTES or tuple(blocks.shape[:-1]) != tuple(scales.shape):
@@ -119,16 +120,26 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
         out = torch.empty((*lead, rows, width), dtype=dtype, device=blocks.device)
     elif tuple(out.shape) != (*lead, rows, width) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out is {out.dtype} {list(out.shape)}, not a contiguous {dtype} {[*lead, rows, width]}")
+    pair = _PAIR_INTS.get(dtype.itemsize)
     table = _pair_table(dtype).to(blocks.device)
+    if pair is not None:  # a pair gathered as one integer: several times faster than as a row of two
+        table = table.view(pair).view(-1)
     flat_b = blocks.reshape(-1, groups, GROUP_BYTES)
     flat_s = scales.reshape(-1, groups)
     flat_o = out.view(-1, width)
     band = max(1, BAND_ELEMENTS // max(1, width))
+    index = torch.empty(min(band, flat_b.shape[0]) * groups * GROUP_BYTES, dtype=torch.int32, device=blocks.device)
     for r in range(0, flat_b.shape[0], band):
         b = flat_b[r:r + band]
-        index = flat_s[r:r + band].to(torch.int32).mul_(256).unsqueeze(-1) + b.to(torch.int32)
-        torch.index_select(table, 0, index.view(-1), out=flat_o[r:r + band].view(-1, 2))
+        i = torch.add(flat_s[r:r + band].to(torch.int32).mul_(256).unsqueeze(-1), b,
+                      out=index[:b.numel()].view(b.shape))
+        o = flat_o[r:r + band]
+        torch.index_select(table, 0, i.view(-1), out=o.view(pair).view(-1) if pair is not None else o.view(-1, 2))
     return out
+
+
+#: The integer dtype as wide as two values of an itemsize: a byte's pair of values as one element.
+_PAIR_INTS = {1: torch.int16, 2: torch.int32, 4: torch.int64}
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -154,7 +165,9 @@ def quantize(w: torch.Tensor, *, blocks: torch.Tensor | None = None,
     ``blocks``/``scales`` when given. A ``w`` whose inputs are not contiguous (a slab stored
     ``[in, out]``, transposed) is copied contiguous first: memory, one more copy of ``w``.
 
-    How: per band, the rows copied into a float32 buffer; each group's largest magnitude; its
+    How, for bfloat16 on a CPU (what releases and fine-tunes hold): from the band's bits, in place,
+    one table gather per value (:class:`_Bf16Bands`). Otherwise: per band, the rows copied into a
+    float32 buffer; each group's largest magnitude; its
     exponent from ``frexp`` (exact, subnormals included: ``amax = m * 2**e``, ``m`` in
     ``[0.5, 1)``, so ``floor(log2(amax)) = e - 1``); the band multiplied by ``2**-(s - 127)``
     (exact: a power of two, and a value it would make subnormal rounds to code 0 anyway); the
@@ -181,15 +194,21 @@ def quantize(w: torch.Tensor, *, blocks: torch.Tensor | None = None,
     flat_b = blocks.view(-1, rows, groups, GROUP_BYTES)
     flat_s = scales.view(-1, rows, groups)
     band = min(rows, max(1, BAND_ELEMENTS // max(1, width)))
-    buffer = torch.empty((band, width), dtype=compute, device=w.device)  # the band's copy, worked in place
+    by_bits = _Bf16Bands(band, width, w.device) if w.dtype == torch.bfloat16 and w.device.type == "cpu" else None
+    buffer = None if by_bits else torch.empty((band, width), dtype=compute, device=w.device)  # worked in place
     for i in range(flat_w.shape[0]):
         for r in range(0, rows, band):
             part = flat_w[i, r:r + band]
-            x = buffer[:part.shape[0]]
+            n = part.shape[0]
+            if by_bits is not None:
+                by_bits.quantize(part.reshape(n, groups, GROUP), r, flat_b[i, r:r + n], flat_s[i, r:r + n])
+                continue
+            assert buffer is not None
+            x = buffer[:n]
             x.copy_(part)
             codes, s = _quantize_band(x.view(-1, groups, GROUP), r)
-            flat_b[i, r:r + x.shape[0]] = codes
-            flat_s[i, r:r + x.shape[0]] = s
+            flat_b[i, r:r + n] = codes
+            flat_s[i, r:r + n] = s
     return blocks, scales
 
 
@@ -197,9 +216,7 @@ def _quantize_band(x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Ten
     """``(codes [n, groups, 16], scales [n, groups])`` of a band ``x`` ``[n, groups, 32]`` (a copy
     of the weight's rows, in the compute dtype; overwritten)."""
     amax = x.abs().amax(dim=-1)
-    if not torch.isfinite(amax).all():
-        bad = int(torch.nonzero(~torch.isfinite(amax))[0, 0])
-        raise NonFiniteWeightError(f"row {first + bad} holds a NaN or an infinity, which MXFP4 cannot scale")
+    _refuse_non_finite(torch.isfinite(amax), first)
     _, e = torch.frexp(amax)
     unbiased = (e.to(torch.int32) - 1 - E2M1_EMAX).clamp_(-SCALE_BIAS, SCALE_MAX - SCALE_BIAS)
     unbiased = torch.where(amax > 0, unbiased, torch.full_like(unbiased, -SCALE_BIAS))
@@ -213,6 +230,74 @@ def _quantize_band(x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Ten
     pairs = codes.view(*codes.shape[:-1], GROUP_BYTES, 2)
     packed = pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4))
     return packed, (unbiased + SCALE_BIAS).to(torch.uint8)
+
+
+def _refuse_non_finite(amax_finite: torch.Tensor, first: int) -> None:
+    """:class:`NonFiniteWeightError` naming the first row of a band whose groups are not all finite."""
+    if not amax_finite.all():
+        bad = int(torch.nonzero(~amax_finite)[0, 0])
+        raise NonFiniteWeightError(f"row {first + bad} holds a NaN or an infinity, which MXFP4 cannot scale")
+
+
+#: bfloat16's bits: all but the sign, infinity's (the least of the non-finite magnitudes), and the
+#: mantissa's width (below the exponent field).
+_BF16_MAGNITUDE, _BF16_INF, _BF16_MANTISSA = 0x7FFF, 0x7F80, 7
+#: The largest scale byte a finite bfloat16 group gets: its exponent field is at most 254.
+_BF16_SCALE_MAX = 254 - E2M1_EMAX
+
+
+class _Bf16Bands:
+    """Quantizes bfloat16 bands of up to ``n`` rows of ``width`` from their bits, in buffers of its
+    own reused band after band (fresh ones per band cost as much again in page faults): the same
+    codes and scales as the float32 copy would get (:func:`_quantize_band`), without that copy.
+
+    How: a finite float's magnitude bits order as its magnitude, so a group's ``amax`` is the
+    largest of its 15-bit magnitudes (NaN and infinity are the patterns from ``0x7F80`` up), and its
+    exponent field ``E`` (``amax`` in ``[2**(E - 127), 2**(E - 126))``, below ``2**-126`` when ``E``
+    is 0) gives the scale byte at once: ``E - 127 - 2 + 127``, clamped at 0 (subnormal and zero
+    groups included: their ``floor(log2)`` is below -126). A value's code then depends on its 16
+    bits and the scale byte alone: one gather from :func:`_bf16_code_table` at ``s * 65536 +
+    bits``, sign, ties and subnormals included."""
+
+    def __init__(self, n: int, width: int, device: torch.device) -> None:
+        elements = n * width
+        self.table = _bf16_code_table(device)
+        self.magnitude = torch.empty(elements, dtype=torch.int16, device=device)
+        self.amax = torch.empty(elements // GROUP, dtype=torch.int16, device=device)
+        self.key = torch.empty(elements, dtype=torch.int32, device=device)
+        self.code = torch.empty(elements, dtype=torch.uint8, device=device)
+        self.packed = torch.empty(elements // 2, dtype=torch.int16, device=device)
+
+    def quantize(self, x: torch.Tensor, first: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Band ``x`` ``[n, groups, 32]`` (the weight's rows, not copied) into ``codes`` ``[n, groups,
+        16]`` and ``scales`` ``[n, groups]``; ``first``: its first row, named by a refusal."""
+        n, groups, _ = x.shape
+        size = x.numel()
+        magnitude = torch.bitwise_and(x.view(torch.int16), _BF16_MAGNITUDE, out=self.magnitude[:size].view(x.shape))
+        amax = torch.amax(magnitude, dim=-1, out=self.amax[:n * groups].view(n, groups))
+        _refuse_non_finite(amax < _BF16_INF, first)
+        s = amax.bitwise_right_shift_(_BF16_MANTISSA).sub_(E2M1_EMAX).clamp_(min=0)
+        scales.copy_(s)
+        key = self.key[:size].view(x.shape)
+        key.copy_(x.view(torch.uint16))  # 0..65535
+        key.add_(s.to(torch.int32).bitwise_left_shift_(16).unsqueeze(-1))
+        code = torch.index_select(self.table, 0, key.view(-1), out=self.code[:size])
+        pairs = code.view(torch.int16)  # little-endian: the even column's code in the low byte
+        packed = torch.bitwise_right_shift(pairs, 4, out=self.packed[:size // 2]).bitwise_or_(pairs)
+        codes.view(-1).copy_(packed)  # low | high << 4 (| high << 8, dropped): the low byte kept
+
+
+@functools.lru_cache(maxsize=4)
+def _bf16_code_table(device: torch.device) -> torch.Tensor:
+    """``[(_BF16_SCALE_MAX + 1) * 65536]`` uint8 (16 MiB): at ``s * 65536 + bits``, the e2m1 code of
+    the bfloat16 ``bits`` under scale byte ``s``: the :data:`_MIDPOINTS` rule on the exact float64
+    value ``v * 2**(127 - s)`` (NaN and infinity patterns are never looked up)."""
+    v = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16).double()
+    finite = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    exponents = SCALE_BIAS - torch.arange(_BF16_SCALE_MAX + 1, dtype=torch.float64)
+    scaled = torch.ldexp(finite.unsqueeze(0), exponents.unsqueeze(1))  # [scales, 65536], exact
+    codes = torch.bucketize(scaled.abs(), _midpoints(torch.float64), right=False) + 8 * torch.signbit(v)
+    return codes.to(torch.uint8).view(-1).to(device)
 
 
 #: float32 bits kept by :func:`_codes_by_bits`' key: the sign, the exponent and 3 mantissa bits.
