@@ -294,10 +294,14 @@ def _bf16_code_table(device: torch.device) -> torch.Tensor:
     value ``v * 2**(127 - s)`` (NaN and infinity patterns are never looked up)."""
     v = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16).double()
     finite = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
-    exponents = SCALE_BIAS - torch.arange(_BF16_SCALE_MAX + 1, dtype=torch.float64)
-    scaled = torch.ldexp(finite.unsqueeze(0), exponents.unsqueeze(1))  # [scales, 65536], exact
-    codes = torch.bucketize(scaled.abs(), _midpoints(torch.float64), right=False) + 8 * torch.signbit(v)
-    return codes.to(torch.uint8).view(-1).to(device)
+    sign = 8 * torch.signbit(v).to(torch.uint8)
+    table = torch.empty(_BF16_SCALE_MAX + 1, 1 << 16, dtype=torch.uint8)
+    for s in range(0, _BF16_SCALE_MAX + 1, 16):  # 16 scales at a time: their float64 values are 8 MiB
+        exponents = SCALE_BIAS - torch.arange(s, min(s + 16, _BF16_SCALE_MAX + 1), dtype=torch.float64)
+        scaled = torch.ldexp(finite.unsqueeze(0), exponents.unsqueeze(1))  # exact
+        index = torch.bucketize(scaled.abs_(), _midpoints(torch.float64), right=False)
+        torch.add(index.to(torch.uint8), sign, out=table[s:s + len(exponents)])
+    return table.view(-1).to(device)
 
 
 #: float32 bits kept by :func:`_codes_by_bits`' key: the sign, the exponent and 3 mantissa bits.
