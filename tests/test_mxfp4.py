@@ -317,6 +317,14 @@ def test_a_stack_is_quantized_and_dequantized_a_slab_at_most_at_a_time(folders):
     assert max(seen["quantize"]) == slab and max(seen["dequantize"]) <= slab
     assert sum(seen["dequantize"]) >= 3 * LAYERS * E * (slab + F * H)  # three imports of the MXFP4 folder
 
+def test_each_code_is_decoded_once_per_import(folders):
+    """An import reads megatron-core's ``[gate; up]`` a half at a time, and the gate and up rows of
+    GPT-OSS's slab are interleaved: read box by box, each code row was decoded twice, once for each
+    half. The slab is decoded once for both: the three imports decode each stored code once."""
+    *_, seen = folders
+    assert sum(seen["dequantize"]) == 3 * LAYERS * E * (H * 2 * F + F * H)
+
+
 def test_quantize_mxfp4_writes_the_releases_layout_by_the_rule(folders):
     root, want, _ = folders
     got = _read(root / "mx")

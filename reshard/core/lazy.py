@@ -84,6 +84,12 @@ class LazyTensor(ABC):
         """``t`` (a view this tensor returned) has been written: give back what holds it (pages
         of a mapped file). Default: nothing."""
 
+    def transposed(self) -> LazyTensor | None:
+        """This tensor with its last two axes swapped, as a lazy tensor that reads it without
+        transposing anything (a decoder whose codes are stored in that order), or None: a reader
+        that wants the transpose then transposes what it reads. Default: None."""
+        return None
+
     def _destination(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                      out: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """Where :meth:`read_box` puts a box: ``(view, True)`` when no ``out`` is given and the box

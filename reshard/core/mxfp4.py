@@ -53,7 +53,7 @@ from reshard.core.fp8_block import NonFiniteWeightError
 from reshard.core.lazy import LazyTensor
 
 __all__ = ["BLOCKS_SUFFIX", "E2M1_MAGNITUDES", "GROUP", "NonFiniteWeightError", "SCALES_SUFFIX", "SCALE_BIAS",
-           "Mxfp4Dequantized", "blocks_shape", "dequantize", "quantize", "scales_shape"]
+           "Mxfp4Dequantized", "Mxfp4Rows", "blocks_shape", "dequantize", "quantize", "scales_shape"]
 
 #: Values along the input axis that share one scale.
 GROUP = 32
@@ -337,13 +337,18 @@ class Mxfp4Dequantized(LazyTensor):
     """A stored MXFP4 weight read as ``dtype`` in the model's layout ``[*, in, out]`` (the transpose
     of the codes' ``[*, out, in]``, as a bf16 release stores ``X``): each box dequantizes the code
     rows and the groups covering it, a band of rows at a time, into the box (memory: the box and
-    one band, never the whole weight)."""
+    one band, never the whole weight). A reader that wants ``[*, out, in]`` reads
+    :meth:`transposed`, which decodes into its boxes without transposing."""
 
     def __init__(self, blocks: torch.Tensor | LazyTensor, scales: torch.Tensor | LazyTensor,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         self.blocks, self.scales, self.dtype = blocks, scales, dtype
-        *lead, rows, groups, _ = blocks.shape
-        self.shape = (*lead, groups * GROUP, rows)
+        self.rows = Mxfp4Rows(blocks, scales, dtype)
+        *lead, out, inp = self.rows.shape
+        self.shape = (*lead, inp, out)
+
+    def transposed(self) -> LazyTensor:
+        return self.rows
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,9 +359,7 @@ class Mxfp4Dequantized(LazyTensor):
             return out
         *lead_off, c0, r0 = offsets
         *lead_n, cols, rows = sizes
-        g0, g1 = c0 // GROUP, -(-(c0 + cols) // GROUP)
-        skip = c0 - g0 * GROUP
-        band = max(1, BAND_ELEMENTS // ((g1 - g0) * GROUP))
+        band = max(1, BAND_ELEMENTS // cols)
         ones = (1,) * len(lead_n)
         for i in range(math.prod(lead_n)):
             index = _unflat(i, lead_n)
@@ -364,14 +367,57 @@ class Mxfp4Dequantized(LazyTensor):
             dst = out[tuple(index)]  # [cols, rows] of the box
             for r in range(r0, r0 + rows, band):
                 n = min(band, r0 + rows - r)
-                b = _box(self.blocks, (*at, r, g0, 0), (*ones, n, g1 - g0, GROUP_BYTES))
-                s = _box(self.scales, (*at, r, g0), (*ones, n, g1 - g0))
-                got = dequantize(b.reshape(n, g1 - g0, GROUP_BYTES), s.reshape(n, g1 - g0), self.dtype)
-                dst[:, r - r0:r - r0 + n].copy_(got[:, skip:skip + cols].t())
+                got = self.rows.read_box((*at, r, c0), (*ones, n, cols))
+                dst[:, r - r0:r - r0 + n].copy_(got.view(n, cols).t())
         return out
 
     def __repr__(self) -> str:
         return f"Mxfp4Dequantized({self.blocks!r}, dtype={self.dtype})"
+
+
+class Mxfp4Rows(LazyTensor):
+    """A stored MXFP4 weight read as ``dtype`` in the codes' own layout ``W`` ``[*, out, in]``: a box
+    decodes its code rows, a band at a time, straight into it when its columns are whole groups
+    (else a band's groups are decoded and its columns copied out). Memory: the box and one band."""
+
+    def __init__(self, blocks: torch.Tensor | LazyTensor, scales: torch.Tensor | LazyTensor,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.blocks, self.scales, self.dtype = blocks, scales, dtype
+        *lead, rows, groups, _ = blocks.shape
+        self.shape = (*lead, rows, groups * GROUP)
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None and (out.dtype != self.dtype or tuple(out.shape) != tuple(sizes)):
+            raise ValueError(f"out is {out.dtype} {list(out.shape)}, the box {self.dtype} {list(sizes)}")
+        out = torch.empty(sizes, dtype=self.dtype) if out is None else out
+        if 0 in sizes:
+            return out
+        *lead_off, r0, c0 = offsets
+        *lead_n, rows, cols = sizes
+        g0, g1 = c0 // GROUP, -(-(c0 + cols) // GROUP)
+        skip = c0 - g0 * GROUP
+        whole_groups = skip == 0 and cols == (g1 - g0) * GROUP
+        band = max(1, BAND_ELEMENTS // ((g1 - g0) * GROUP))
+        ones = (1,) * len(lead_n)
+        for i in range(math.prod(lead_n)):
+            index = _unflat(i, lead_n)
+            at = tuple(o + k for o, k in zip(lead_off, index))
+            dst = out[tuple(index)]  # [rows, cols] of the box
+            for r in range(r0, r0 + rows, band):
+                n = min(band, r0 + rows - r)
+                b = _box(self.blocks, (*at, r, g0, 0), (*ones, n, g1 - g0, GROUP_BYTES))
+                s = _box(self.scales, (*at, r, g0), (*ones, n, g1 - g0))
+                b, s = b.reshape(n, g1 - g0, GROUP_BYTES), s.reshape(n, g1 - g0)
+                part = dst[r - r0:r - r0 + n]
+                if whole_groups and part.is_contiguous():
+                    dequantize(b, s, self.dtype, out=part)
+                else:
+                    part.copy_(dequantize(b, s, self.dtype)[:, skip:skip + cols])
+        return out
+
+    def __repr__(self) -> str:
+        return f"Mxfp4Rows({self.blocks!r}, dtype={self.dtype})"
 
 
 def _unflat(i: int, dims: Sequence[int]) -> list[int]:

@@ -12,8 +12,9 @@ so nothing is ever held but a slab:
   with the leading axis as long as the tensors naming it, writes the slabs in order, one at a
   time, and keeps them in one file (:func:`stacked_name`);
 * import: :meth:`Stacked.fan_out` gives each megatron-core tensor as a lazy view of its slab
-  (:class:`SlabView`): a box read reads only the part of its slab that holds the box (a view where
-  the file is mapped) and copies the box out.
+  (:class:`SlabView`): a transposed or interleaved slab is read whole once for its boxes, any
+  other box reads only the rows of its slab that hold it (a view where the file is mapped), and
+  the box is copied out.
 
 Within a slab the transform may *transpose* (the last two axes: Hugging Face's ``[in, out]``
 against megatron-core's ``[out, in]``) and hold megatron-core's ``halves`` fused rows
@@ -37,6 +38,8 @@ Pure: no files. The ``hf`` format (:mod:`reshard.formats.hf`) streams the bytes.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -106,16 +109,28 @@ class Stacked(WholeTensorTransform):
 
 
 class SlabView(LazyTensor):
-    """megatron-core tensor ``index`` of a stacked Hugging Face tensor ``source``: a box reads only
-    the Hugging Face rows (of the slab, in its row order) that hold the box's rows, once for all
-    its halves, and copies the box out of them half by half (a box of one half's rows of an
-    interleaved slab reads the other half's rows between them too). Memory: the box, and what
-    ``source`` reads for it (a view where the file is mapped)."""
+    """megatron-core tensor ``index`` of a stacked Hugging Face tensor ``source``.
+
+    A slab that is transposed or interleaved is read whole, once, for all the boxes of it that
+    follow: a box of megatron-core rows is then the slab's columns (every row of the slab touched),
+    or one half's rows with the other half's between them, so reading each box on its own would
+    read the slab again for every box (a mapped slab's pages faulted in and given back block after
+    block; an MXFP4 slab decoded twice, once for the gate rows and once for the up rows). The slab
+    is a view where the source file is mapped, else read into memory; a source that reads its
+    transpose without transposing (:meth:`~reshard.core.lazy.LazyTensor.transposed`: MXFP4's codes
+    are stored ``[out, in]``) is read so. Each thread holds one such slab: it is given back once
+    every element of the tensor has been served, or when the thread reads another slab.
+
+    Any other slab (neither transposed nor interleaved) is read box by box: the rows of the slab
+    that hold the box. Memory: the box, and the slab or what ``source`` reads for the box."""
 
     def __init__(self, source: LazyTensor, index: int, transform: Stacked) -> None:
         self.source, self.index, self.transform = source, index, transform
         self.shape = transform.core_shape(tuple(source.shape[1:]))
         self.dtype = source.dtype
+        self.whole = transform.transpose or transform.interleave
+        # a transposed slab from a source that reads its transpose as stored: megatron-core's layout
+        self.rows_source = source.transposed() if transform.transpose else None
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,23 +146,68 @@ class SlabView(LazyTensor):
                 parts.append((j, a - lo, b - a, r * k + j if t.interleave else j * rows + r))
         if out is None:
             out = torch.empty(sizes, dtype=self.dtype)
-        if not parts:
+        if not parts or 0 in sizes:
+            return out
+        rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:]))
+        if self.whole:
+            band = self._band()
+            for _, at, n, start in parts:
+                out.narrow(0, at, n).copy_(band.rows[start::step][:n][(slice(None), *rest)])
+            band.left -= math.prod(sizes)
+            if band.left <= 0:
+                _bands.band = None
+                band.give_back()
             return out
         first = min(p[3] for p in parts)
-        last = max(p[3] + (p[2] - 1) * step for p in parts) + 1
-        if t.transpose:  # the slab is [the box's columns, Hugging Face rows]
-            got = self.source.read_box((self.index, offsets[1], first), (1, sizes[1], last - first))
-            hf_rows = got[0].t()
-        else:
-            got = self.source.read_box((self.index, first, *offsets[1:]), (1, last - first, *sizes[1:]))
-            hf_rows = got[0]
+        last = max(p[3] + p[2] for p in parts)
+        got = self.source.read_box((self.index, first, *offsets[1:]), (1, last - first, *sizes[1:]))
         for _, at, n, start in parts:
-            out.narrow(0, at, n).copy_(hf_rows[start - first::step][:n])
+            out.narrow(0, at, n).copy_(got[0][start - first:start - first + n])
         self.source.release(got)
         return out
 
+    def _band(self) -> _Band:
+        """This slab read whole (this thread's, read now unless it holds it already)."""
+        held = getattr(_bands, "band", None)
+        if held is not None and held.view is self:
+            return held
+        if held is not None:
+            _bands.band = None
+            held.give_back()
+        if self.rows_source is not None:
+            reader = self.rows_source
+            got = reader.read_box((self.index, 0, 0), (1, *self.shape))
+            hf_rows = got[0]
+        else:
+            reader = self.source
+            got = reader.read_box((self.index, *(0 for _ in self.shape)), (1, *self.source.shape[1:]))
+            hf_rows = got[0]
+            if self.transform.transpose:  # transposed once, blocked (boxes of its columns copy slowly)
+                hf_rows = hf_rows.t().contiguous()
+                reader.release(got)
+                got = hf_rows
+        band = _bands.band = _Band(self, hf_rows, got, reader)
+        return band
+
     def __repr__(self) -> str:
         return f"SlabView({self.source!r}[{self.index}], {self.transform!r})"
+
+
+class _Band:
+    """A slab :class:`SlabView` read whole: its Hugging Face rows in slab order (a transposed
+    slab's columns), what ``reader`` returned for it (given back at the end), and the elements of
+    the megatron-core tensor not served from it yet."""
+
+    def __init__(self, view: SlabView, rows: torch.Tensor, got: torch.Tensor, reader: LazyTensor) -> None:
+        self.view, self.rows, self.got, self.reader = view, rows, got, reader
+        self.left = math.prod(view.shape)
+
+    def give_back(self) -> None:
+        self.reader.release(self.got)
+
+
+#: Each thread's slab read whole (:class:`SlabView`): one at a time.
+_bands = threading.local()
 
 
 def stacked_name(key: str, tables: Sequence[NameTable]) -> str | None:
