@@ -92,6 +92,16 @@ def test_the_stacked_transform_is_torchs_stack_transpose_and_interleave():
     assert fanned[0].read_box((5,), (3,)).tolist() == [10, 1, 3]
 
 
+def test_the_slabs_transpose_is_made_without_transposing():
+    """What MXFP4 encodes, the slab ``[in, out]`` transposed back: the fc1's rows interleaved (whole
+    rows moved), the fc2 itself."""
+    torch.manual_seed(0)
+    fc1, fc2 = torch.randn(2 * 6, 5), torch.randn(5, 6)
+    (w1,) = GATE_UP.convert_transposed(fc1, None)
+    assert torch.equal(w1, GATE_UP.convert(fc1, None)[0].t()) and w1.is_contiguous()
+    assert DOWN.convert_transposed(fc2, None)[0] is fc2
+
+
 @pytest.mark.parametrize("wrong", [Stacked(transpose=True, halves=2), Stacked(halves=2, interleave=True)],
                          ids=["concatenated", "not-transposed"])
 def test_the_reference_catches_a_stack_concatenated_or_not_transposed(wrong):

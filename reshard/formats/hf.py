@@ -733,22 +733,23 @@ def _mxfp4_entries(whole: FileEntry) -> list[FileEntry]:
 
 def _write_mxfp4_slab(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int) -> int:
     """Write one megatron-core tensor as slab ``exp.part`` of its stacked tensor's MXFP4 pair
-    (``entries``: blocks, scales), quantized from the slab ``[in, out]`` transposed back to
-    ``[out, in]`` (:func:`~reshard.core.mxfp4.quantize`), and wait until both are written: one slab
-    is held at a time, as :func:`_write_slab` holds it. Returns where the file is complete up to:
-    the slab's blocks (its scales, after all the blocks, are complete with the last slab)."""
+    (``entries``: blocks, scales), quantized from the slab's transpose ``[out, in]``
+    (:func:`~reshard.core.mxfp4.quantize`; made from the tensor without transposing it twice,
+    :attr:`Export.convert_transposed`), and wait until both are written: one slab is held at a
+    time, as :func:`_write_slab` holds it. Returns where the file is complete up to: the slab's
+    blocks (its scales, after all the blocks, are complete with the last slab)."""
     blocks, scales = entries
     b_slab, s_slab = blocks.nbytes // blocks.shape[0], scales.nbytes // scales.shape[0]
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
-        (out,) = exp.convert(whole)
-        if tuple(out.shape) != (blocks.shape[2] * mxfp4.GROUP, blocks.shape[1]):
-            raise WriterError(f"{exp.key}: made {tuple(out.shape)} for a slab of {blocks.name} {blocks.shape}")
+        (w,) = exp.convert_transposed(whole)
+        if tuple(w.shape) != (blocks.shape[1], blocks.shape[2] * mxfp4.GROUP):
+            raise WriterError(f"{exp.key}: made {tuple(w.shape)} for a slab of {blocks.name} {blocks.shape}")
         try:
-            codes, scale = mxfp4.quantize(out.t())
+            codes, scale = mxfp4.quantize(w)
         except NonFiniteWeightError as exc:
             raise LayoutError(f"{blocks.name}: {exc}", culprit="--quantize mxfp4", hint="the checkpoint's "
                               "weights are not finite; convert it without --quantize") from None
-        del out
+        del w
         done = [threading.Event(), threading.Event()]
         writer.put((tensor_bytes(codes), base + blocks.start + exp.part * b_slab, done[0].set, codes))
         writer.put((tensor_bytes(scale), base + scales.start + exp.part * s_slab, done[1].set, scale))

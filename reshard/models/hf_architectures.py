@@ -115,6 +115,13 @@ class WholeTensorTransform(Transform):
     def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
         """The outputs, in :meth:`outputs` order."""
 
+    def convert_transposed(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
+        """The outputs with their last two axes swapped: for outputs stored ``[in, out]``
+        (:attr:`transpose`), the ``[out, in]`` weights a quantizer that groups the inputs encodes.
+        Default: views of :meth:`convert`'s outputs; a transform that transposes makes them
+        without transposing twice."""
+        return [x.transpose(-2, -1) for x in self.convert(t, facts)]
+
 
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     n = itemsize
@@ -345,6 +352,9 @@ class Export:
     #: a slab stored ``[in, out]``, the transpose of this ``[out, in]`` linear weight
     #: (:attr:`Transform.transpose`): what ``--quantize mxfp4`` encodes
     transposed_slab: bool = False
+    #: for a :attr:`transposed_slab`: the slab's transpose ``[out, in]`` from the tensor itself
+    #: (:meth:`WholeTensorTransform.convert_transposed`), else None
+    convert_transposed: Any = None
 
 
 def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts,
@@ -369,7 +379,8 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
         transposed = part is not None and transform.transpose and len(shape) == 2
         if isinstance(transform, WholeTensorTransform):
             return Export(key, outputs, (), functools.partial(transform.convert, facts=facts), linear, part,
-                          transposed)
+                          transposed, functools.partial(transform.convert_transposed, facts=facts)
+                          if transposed else None)
         return Export(key, outputs, tuple(transform.runs(shape, itemsize, facts)), linear=linear, part=part,
                       transposed_slab=transposed)
     raise LayoutError(f"{key} has no counterpart in Hugging Face's {architecture.name}", culprit=key,

@@ -87,12 +87,35 @@ class Stacked(WholeTensorTransform):
         if self.transpose and t.dim() != 2:
             raise ValueError(f"a transposed slab needs a 2-D tensor, not {tuple(t.shape)}")
         rows = t.shape[0] // self.halves
+        wide = _WIDE.get(self.halves * t.element_size())
+        if self.interleave and self.transpose and wide is not None and t.is_contiguous():
+            # slab column r * halves + j is row r of half j: row r of every half side by side (one
+            # copy), then transposed as one wide element each (torch transposes 32-bit elements
+            # about 3x as fast as 16-bit ones)
+            pairs = torch.empty(rows, t.shape[1], self.halves, dtype=t.dtype, device=t.device)
+            for j in range(self.halves):
+                pairs[..., j] = t[j * rows:(j + 1) * rows]
+            slab = pairs.view(wide).view(rows, t.shape[1]).t().contiguous()
+            return [slab.view(t.dtype).view(t.shape[1], t.shape[0])]
         out = t
         if self.interleave:  # [j * rows + r] -> [r * halves + j]
             out = t.reshape(self.halves, rows, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         if self.transpose:
             out = out.t()
         return [out.contiguous()]
+
+    def convert_transposed(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
+        """Export: :meth:`convert`'s slab with its last two axes swapped. Transposed, that is ``t``'s
+        own rows (interleaved when the halves are: one copy of whole rows), nothing transposed:
+        what MXFP4 encodes, ``[out, in]``."""
+        if not self.transpose:
+            return super().convert_transposed(t, facts)
+        if t.dim() != 2:
+            raise ValueError(f"a transposed slab needs a 2-D tensor, not {tuple(t.shape)}")
+        if not self.interleave:
+            return [t]
+        rows = t.shape[0] // self.halves
+        return [t.reshape(self.halves, rows, t.shape[1]).transpose(0, 1).reshape(t.shape)]
 
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         raise TypeError("a stacked tensor is many megatron-core tensors: read it with fan_out()")
@@ -106,6 +129,10 @@ class Stacked(WholeTensorTransform):
                                         f"{self.halves} equal row blocks", culprit=names[0],
                                         hint="check the file against config.json")
         return [SlabView(whole, i, self) for i in range(shape[0])]
+
+
+#: The integer dtype of an interleaved group's bytes (the halves' values of one row side by side).
+_WIDE = {4: torch.int32, 8: torch.int64}
 
 
 class SlabView(LazyTensor):
