@@ -142,11 +142,12 @@ class SlabView(LazyTensor):
     follow: a box of megatron-core rows is then the slab's columns (every row of the slab touched),
     or one half's rows with the other half's between them, so reading each box on its own would
     read the slab again for every box (a mapped slab's pages faulted in and given back block after
-    block; an MXFP4 slab decoded twice, once for the gate rows and once for the up rows). The slab
-    is a view where the source file is mapped, else read into memory; a source that reads its
-    transpose without transposing (:meth:`~reshard.core.lazy.LazyTensor.transposed`: MXFP4's codes
-    are stored ``[out, in]``) is read so. Each thread holds one such slab: it is given back once
-    every element of the tensor has been served, or when the thread reads another slab.
+    block; an MXFP4 slab decoded twice, once for the gate rows and once for the up rows). A source
+    that reads its transpose without transposing (:meth:`~reshard.core.lazy.LazyTensor.transposed`:
+    MXFP4's codes are stored ``[out, in]``) is read so; else the slab is read as stored (a view
+    where the file is mapped) and a transposed one transposed once into memory, its mapped pages
+    given back at once. Each thread holds one such slab: it is given back once every element of
+    the tensor has been served, or when the thread reads another slab.
 
     Any other slab (neither transposed nor interleaved) is read box by box: the rows of the slab
     that hold the box. Memory: the box, and the slab or what ``source`` reads for the box."""
