@@ -229,6 +229,29 @@ def run_reshard_cli(args: list[str], env: dict[str, str], crash: str | None = No
                           timeout=timeout)
 
 
+@pytest.fixture
+def reshard_cli_here(monkeypatch, capsys):
+    """``reshard ARGS`` run by :func:`reshard.cli.main` in this process, under ``env`` (the keys that
+    differ from this process's are set for the call), answered as :func:`run_reshard_cli` answers.
+    For a run after a killed one: the kill needs a process of its own, the resume does not, and a
+    flow process's imports cost seconds of CPU each."""
+    import subprocess
+
+    from reshard.cli import main
+
+    def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                if os.environ.get(key) != value:
+                    m.setenv(key, value)
+            code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["reshard", *args], code, out.out, out.err)
+
+    return run
+
+
 def output_bytes(folder: Path) -> dict[str, bytes]:
     """Every file a conversion wrote under ``folder`` (by its path there) with its bytes, the
     manifest left out (it records the run: two equal conversions differ in it)."""
