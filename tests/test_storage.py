@@ -247,6 +247,15 @@ def test_locations_share_botocore_data_but_never_a_session(s3_server, s3_bucket,
         wrong.fs.cat_file(f"{s3_bucket[5:]}/a/x")
 
 
+def test_an_unknown_storage_option_is_one_line_naming_it(capsys):
+    """s3fs hands the options it does not know to botocore's session, which raised a TypeError
+    traceback when the first client was made; now refused when the location is opened."""
+    assert main(["inspect", "s3://any-bucket/ckpt", "--storage-option", "bogus=1",
+                 "--storage-option", "endpoint_url=http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("reshard: error: s3://any-bucket/ckpt: unknown storage option 'bogus'")
+
+
 # --- faults --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,every", [("503", 3), ("500", 3), ("reset", 4), ("truncate", 4)])

@@ -133,15 +133,24 @@ def botocore_data_loader(data_path: str | None) -> Any:
     return create_loader(data_path)
 
 
-def _share_botocore_data(fs: Any) -> None:
+def _share_botocore_data(fs: Any, url: str) -> None:
     """Give an s3fs filesystem that has no session yet the session s3fs would make (from the
     same keyword arguments), reading botocore's data through :func:`botocore_data_loader`.
-    Credentials, region and configuration stay the session's own."""
+    Credentials, region and configuration stay the session's own. A storage option neither s3fs
+    nor botocore's session takes is refused here, by name, before anything is read."""
     for each in (fs, getattr(fs, "fs", None)):
         if type(each).__module__.split(".", 1)[0] == "s3fs" and getattr(each, "session", False) is None:
+            import inspect
+
             from aiobotocore.session import AioSession
 
-            session = AioSession(**getattr(each, "kwargs", {}))
+            kwargs = dict(getattr(each, "kwargs", {}))
+            unknown = sorted(set(kwargs) - set(inspect.signature(AioSession).parameters))
+            if unknown:
+                raise StorageError(f"unknown storage option {', '.join(map(repr, unknown))}", culprit=url,
+                                   hint="s3 takes s3fs.S3FileSystem's options: key, secret, token, endpoint_url, "
+                                        "region_name, client_kwargs, config_kwargs, ...")
+            session = AioSession(**kwargs)
             session.register_component("data_loader", botocore_data_loader(session.get_config_variable("data_path")))
             each.session = session
 
@@ -161,7 +170,7 @@ def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any
     except ValueError as exc:
         raise StorageError(f"cannot open: {exc}", culprit=url, hint="check the URL and storage options") from None
     _close_clients_on_their_loop(fs)
-    _share_botocore_data(fs)
+    _share_botocore_data(fs, url)
     return Location(fs, path, url)
 
 
