@@ -67,26 +67,50 @@ def zero_checkpoint(tmp_path_factory):
 ZERO_TAG = "global_step2"
 
 
-def run_zero_engine(out: Path, stage: int, dtype: str, dp: int, tp: int = 1, resume: Path | None = None) -> Path:
-    """Run ``tests/zero_engine.py`` on ``dp * tp`` processes: save a checkpoint under ``out`` (its
-    tag folder returned), or with ``resume`` load that universal checkpoint and write what the
-    engine resumed with to the file ``out``."""
-    import socket
+#: This test process's DeepSpeed launcher (``zero_engine.py --serve``) and its stderr log, started on first use.
+_ZERO_SERVER: list[tuple[Any, Path]] = []
+
+
+def _zero_server(workdir: Path) -> tuple[Any, Path]:
+    """DeepSpeed and torch imported once per test process, not once per rank of every engine run
+    (seconds of CPU each, and the suite starts over a hundred ranks). A server that died is
+    replaced; it ends when this process closes its stdin at exit."""
+    import atexit
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
-    script = str(Path(__file__).resolve().parent / "zero_engine.py")
-    tail = [str(tp)] + ([str(resume)] if resume is not None else [])
-    procs = [subprocess.Popen([sys.executable, script, str(out), port, str(r), str(dp * tp), str(stage), dtype, *tail],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(dp * tp)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError("DeepSpeed's engine failed:\n" + "\n".join(o[-3000:] for o in outs))
+    if not _ZERO_SERVER or _ZERO_SERVER[0][0].poll() is not None:
+        env = dict(os.environ, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
+        log = workdir / "zero-engine-server.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "zero_engine.py"),
+                                     "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, env=env)
+        _ZERO_SERVER[:] = [(proc, log)]
+        atexit.register(proc.stdin.close)
+    return _ZERO_SERVER[0]
+
+
+def run_zero_engine(out: Path, stage: int, dtype: str, dp: int, tp: int = 1, resume: Path | None = None) -> Path:
+    """Run ``tests/zero_engine.py`` on ``dp * tp`` processes (forked by this test process's
+    launcher): save a checkpoint under ``out`` (its tag folder returned), or with ``resume`` load
+    that universal checkpoint and write what the engine resumed with to the file ``out``."""
+    import select
+
+    workdir = out.parent
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"{out.name}.engine.log"
+    server, server_log = _zero_server(workdir)
+    job = [str(out), stage, dtype, dp, tp, str(resume) if resume is not None else None]
+    server.stdin.write(json.dumps(job) + "\t" + str(log) + "\n")
+    server.stdin.flush()
+    ready, _, _ = select.select([server.stdout], [], [], 600)
+    reply = server.stdout.readline().strip() if ready else "timed out"
+    if reply != "ok":
+        if not ready:
+            server.kill()
+        output = (log if log.is_file() else server_log).read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"DeepSpeed's engine failed ({reply or f'exit {server.wait()}'}):\n{output}")
     return out if resume is not None else out / ZERO_TAG
 
 
@@ -227,6 +251,29 @@ def run_reshard_cli(args: list[str], env: dict[str, str], crash: str | None = No
         e["RESHARD_CRASH_AT"] = crash
     return subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=e, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture
+def reshard_cli_here(monkeypatch, capsys):
+    """``reshard ARGS`` run by :func:`reshard.cli.main` in this process, under ``env`` (the keys that
+    differ from this process's are set for the call), answered as :func:`run_reshard_cli` answers.
+    For a run after a killed one: the kill needs a process of its own, the resume does not, and a
+    flow process's imports cost seconds of CPU each."""
+    import subprocess
+
+    from reshard.cli import main
+
+    def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                if os.environ.get(key) != value:
+                    m.setenv(key, value)
+            code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["reshard", *args], code, out.out, out.err)
+
+    return run
 
 
 def output_bytes(folder: Path) -> dict[str, bytes]:

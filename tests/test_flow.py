@@ -62,7 +62,7 @@ _cli = run_reshard_cli
 
 
 @pytest.mark.parametrize("crash", ["uploaded:3", "converted:1", "staged-all:1", "committed-files:1"])
-def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, prefect_env, crash):
+def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, prefect_env, reshard_cli_here, crash):
     src = sample_factory(2, 2.0)
     run_direct(str(src), str(tmp_path / "clean"), ReshardOptions(target_tp=8))
     args = ["run", str(src), str(tmp_path / "dst"), "--target-tp", "8", "--cache-dir", str(tmp_path / "cache"),
@@ -72,11 +72,11 @@ def test_sigkill_then_resume_gives_identical_output(sample_factory, tmp_path, pr
     written = record_kinds(cache_records(prefect_env) - before)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "dst" / MANIFEST_NAME).exists(), "a killed run must not look committed"
-    resumed = _cli(args, prefect_env)
+    resumed = reshard_cli_here(args, prefect_env)  # the kill needs its own process; the resume does not
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads(resumed.stdout)
     assert _files(tmp_path / "dst") == _files(tmp_path / "clean")
-    assert _cli(["verify", str(tmp_path / "dst")], prefect_env).returncode == 0
+    assert reshard_cli_here(["verify", str(tmp_path / "dst")], prefect_env).returncode == 0
     states = task_states(summary["flow_run_id"], expect={"convert-target": 8, "upload-target": 8})
     if crash.startswith("uploaded"):
         # every step whose result the killed run recorded is reused, no more and no less. Which
@@ -99,7 +99,7 @@ def _leftovers(cache: Path) -> list[str]:
 
 
 def test_killed_runs_leave_one_partial_output_each_at_most_and_the_commit_leaves_nothing(sample_factory, tmp_path,
-                                                                                        prefect_env):
+                                                                                        prefect_env, reshard_cli_here):
     """Two runs killed with their outputs half-written: the second's attempts reclaim the first's
     partial files, so at most one per output is left (it was one per attempt, forever); the run
     that commits removes the conversion's work folder; so does an up-to-date re-run's check."""
@@ -111,24 +111,24 @@ def test_killed_runs_leave_one_partial_output_each_at_most_and_the_commit_leaves
         assert killed.returncode == -9, killed.stderr[-2000:]
         partial = [p for p in _leftovers(tmp_path / "cache") if "/.partial/" in p and p.endswith(".pt")]
         assert 1 <= len(partial) <= 2, partial  # two outputs, one partial each at most
-    resumed = _cli(args, prefect_env)
+    resumed = reshard_cli_here(args, prefect_env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _leftovers(tmp_path / "cache") == []
     run_direct(str(src), str(tmp_path / "clean"), ReshardOptions(target_tp=2))
     assert _files(tmp_path / "dst") == _files(tmp_path / "clean")
     left = tmp_path / "cache" / "work" / json.loads(resumed.stdout)["conversion_id"][:24] / "out" / ".partial"
     left.mkdir(parents=True)  # as a run killed after this one's commit, before its own, would leave
-    assert _cli(args, prefect_env).returncode == 0  # up to date
+    assert reshard_cli_here(args, prefect_env).returncode == 0  # up to date
     assert _leftovers(tmp_path / "cache") == []
 
 
-def test_a_new_destinations_first_conversion_is_no_resume(sample_factory, tmp_path, prefect_env):
+def test_a_new_destinations_first_conversion_is_no_resume(sample_factory, tmp_path, prefect_env, reshard_cli_here):
     """A second destination of the same source reuses the per-shard steps (fetch, check) of the
     first: that is no resume, and the summary does not call it one."""
     src = sample_factory(8, 2.0)
     for dst in ("a", "b"):
-        res = _cli(["run", str(src), str(tmp_path / dst), "--target-tp", "2", "--cache-dir", str(tmp_path / "cache")],
-                   prefect_env)
+        res = reshard_cli_here(["run", str(src), str(tmp_path / dst), "--target-tp", "2", "--cache-dir",
+                                str(tmp_path / "cache")], prefect_env)
         assert res.returncode == 0, res.stderr[-2000:]
         line = res.stdout.splitlines()[0]
         assert line.startswith(f"committed {tmp_path / dst}") and "resumed" not in line, line

@@ -93,7 +93,7 @@ _cli = run_reshard_cli
 
 
 @pytest.mark.parametrize("crash", CRASH_POINTS)
-def test_sigkill_anywhere_then_resume(s3_server, s3_source, prefect_env, tmp_path, clean_tp2, crash):
+def test_sigkill_anywhere_then_resume(s3_server, s3_source, prefect_env, tmp_path, clean_tp2, reshard_cli_here, crash):
     bucket, src, so = s3_source
     dst = f"{bucket}/out/tp2"
     before = _listing(src, so)
@@ -106,7 +106,7 @@ def test_sigkill_anywhere_then_resume(s3_server, s3_source, prefect_env, tmp_pat
     assert killed.returncode == -9, killed.stderr[-3000:]
     with pytest.raises(ManifestMismatchError):  # nothing committed is visible after a kill
         verify(dst, so)
-    resumed = _cli(args, env)
+    resumed = reshard_cli_here(args, env)  # the kill needs its own process; the resume does not
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _outputs(dst, so) == clean_tp2
     verify(dst, so)

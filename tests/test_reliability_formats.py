@@ -156,7 +156,8 @@ KILLS = {"torch_dist-in": "fetched:1", "torch_dist-out-cut": "converted:2", "hf-
 
 
 @pytest.mark.parametrize("case", sorted(KILLS))
-def test_a_killed_flow_resumes_to_the_clean_bytes(s3_server, s3_bucket, on_s3, clean, prefect_env, tmp_path, case):
+def test_a_killed_flow_resumes_to_the_clean_bytes(s3_server, s3_bucket, on_s3, clean, prefect_env, tmp_path,
+                                                  reshard_cli_here, case):
     src, options = CASES[case]
     url, so = on_s3(src), s3_server.storage_options()
     dst = f"{s3_bucket}/killed"
@@ -171,7 +172,7 @@ def test_a_killed_flow_resumes_to_the_clean_bytes(s3_server, s3_bucket, on_s3, c
     written = record_kinds(cache_records(prefect_env) - records)
     with pytest.raises(ManifestMismatchError):  # nothing committed is visible after a kill
         verify(dst, so)
-    resumed = run_reshard_cli(args, env)
+    resumed = reshard_cli_here(args, env)  # the kill needs its own process; the resume does not
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
     assert _tree(dst, so) == clean(case)

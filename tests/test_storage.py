@@ -225,6 +225,37 @@ def test_the_cache_bound_is_a_setting_of_the_worker(tmp_path, monkeypatch):
         ShardCache(tmp_path / "c")
 
 
+def test_locations_share_botocore_data_but_never_a_session(s3_server, s3_bucket, monkeypatch):
+    """Every location is a fresh filesystem with a fresh botocore session (its own credentials);
+    botocore's data files (endpoint rules, the S3 model) are parsed once per process, not once per
+    location: a flow opens dozens."""
+    import botocore.loaders
+
+    so = s3_server.storage_options()
+    first = open_location(f"{s3_bucket}/a", so)
+    first.fs.pipe_file(f"{s3_bucket[5:]}/a/x", b"x")
+    reads: list[str] = []
+    parse = botocore.loaders.JSONFileLoader.load_file
+    monkeypatch.setattr(botocore.loaders.JSONFileLoader, "load_file",
+                        lambda self, path, *a, **k: reads.append(path) or parse(self, path, *a, **k))
+    second = open_location(f"{s3_bucket}/a", so)
+    assert second.fs.cat_file(f"{s3_bucket[5:]}/a/x") == b"x"
+    assert reads == [], "a second location parsed botocore's data again"
+    assert second.fs.session is not first.fs.session
+    wrong = open_location(f"{s3_bucket}/a", {**so, "secret": "not-the-secret"})
+    with pytest.raises(PermissionError):
+        wrong.fs.cat_file(f"{s3_bucket[5:]}/a/x")
+
+
+def test_an_unknown_storage_option_is_one_line_naming_it(capsys):
+    """s3fs hands the options it does not know to botocore's session, which raised a TypeError
+    traceback when the first client was made; now refused when the location is opened."""
+    assert main(["inspect", "s3://any-bucket/ckpt", "--storage-option", "bogus=1",
+                 "--storage-option", "endpoint_url=http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("reshard: error: s3://any-bucket/ckpt: unknown storage option 'bogus'")
+
+
 # --- faults --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,every", [("503", 3), ("500", 3), ("reset", 4), ("truncate", 4)])

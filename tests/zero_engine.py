@@ -2,7 +2,11 @@
 one process per (data-parallel, tensor-parallel) rank:
 ``python tests/zero_engine.py OUT PORT RANK WORLD STAGE DTYPE [TP [RESUME]]`` (global rank ``dp * TP + tp``,
 as Megatron-LM numbers them; with TP > 1 a model-parallel unit tells DeepSpeed the groups, as
-Megatron-DeepSpeed's ``mpu`` does).
+Megatron-DeepSpeed's ``mpu`` does), or ``python tests/zero_engine.py --serve`` (the tests' launcher,
+:func:`conftest.run_zero_engine`: one per test process, DeepSpeed and torch imported once; each line on
+stdin is ``JOB<TAB>LOG``, a JSON list ``[OUT, STAGE, DTYPE, DP, TP, RESUME]``; it forks one process per
+rank, which runs as the script runs, with their output in LOG, and answers ``ok`` or ``failed`` on
+stdout. It computes nothing itself, so forking is safe.)
 
 The model is :mod:`reshard.sample`'s small legacy GPT, its parameters registered under their
 Megatron names (so reshard's rule table reads the checkpoint), trained two steps with Adam so the
@@ -18,14 +22,10 @@ With ``RESUME`` (a universal checkpoint's folder) the engine is started with
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
-
-out, port, rank, world, stage, dtype = sys.argv[1:7]
-TP = int(sys.argv[7]) if len(sys.argv) > 7 else 1
-RESUME = sys.argv[8] if len(sys.argv) > 8 else None
-base, _, variant = dtype.partition("-")
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank)
 
 import deepspeed  # noqa: E402
 
@@ -127,62 +127,126 @@ class ModelParallelUnit:
         return self.dp_group
 
 
-mpu = None
-if TP > 1:
-    deepspeed.init_distributed(dist_backend="gloo")
-    mpu = ModelParallelUnit(TP)
-cfg = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=32)
-module = shard_state_dicts(cfg, full_weights(cfg, 0), TP, 2.0, dtype=torch.float32)[int(rank) % TP]
-model = Toy(module)
-if variant == "tied":  # the output layer is the word embeddings' Parameter under a second name (shared_params)
-    model.add_module("output_layer", Leaf())
-    model.output_layer.coef = {"weight": model.word_embeddings.coef["weight"]}
-    model.output_layer.register_parameter("weight", model.word_embeddings.weight)
-model.universal_checkpoint_info = {  # as Megatron-DeepSpeed declares its GPT's layout
-    "universal_checkpoint_version": 0.2,
-    "tp_replicated_parameter_patterns": [r".*layernorm\.(weight|bias)", r".*attention\.dense\.bias",
-                                         r".*mlp\.dense_4h_to_h\.bias"],  # (the frozen embeddings: none)
-    "parameter_with_row_parallelism_patterns": [r".*attention\.dense\.weight", r".*mlp\.dense_4h_to_h\.weight"],
-    "vocabulary_parameter_patterns": [r".*word_embeddings\.weight"],
-    "original_vocab_size": cfg.vocab,
-}
-decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(".weight") and "norm" not in n]
-no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not any(p is q for q in decay)]
-config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-          "zero_optimization": {"stage": int(stage)}}
-if base in ("bf16", "fp16"):
-    config[base] = {"enabled": True}
-for section, extra in VARIANTS[variant].items():
-    config.setdefault(section, {}).update(extra)
-if RESUME:
-    config["checkpoint"] = {"load_universal": True}
-engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True, mpu=mpu,
-                                  model_parameters=[{"params": decay, "weight_decay": 0.1 if not RESUME else 0.5},
-                                                    {"params": no_decay, "weight_decay": 0.0}])
-if RESUME:  # the groups' settings (weight decay 0.5 above) must come from the checkpoint
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+def run_rank(out: str, rank: int, stage: int, dtype: str, tp: int, resume: str | None) -> None:
+    """One rank's job (its process's distributed environment already set): train two steps and
+    save, or with ``resume`` load that universal checkpoint and save what was resumed. Ends the
+    process (gloo's threads may abort an orderly interpreter exit once the files are saved)."""
+    base, _, variant = dtype.partition("-")
+    mpu = None
+    if tp > 1:
+        deepspeed.init_distributed(dist_backend="gloo")
+        mpu = ModelParallelUnit(tp)
+    cfg = GPTConfig(layers=2, hidden=64, heads=8, vocab=128, seq=32)
+    module = shard_state_dicts(cfg, full_weights(cfg, 0), tp, 2.0, dtype=torch.float32)[rank % tp]
+    model = Toy(module)
+    if variant == "tied":  # the output layer is the word embeddings' Parameter under a second name (shared_params)
+        model.add_module("output_layer", Leaf())
+        model.output_layer.coef = {"weight": model.word_embeddings.coef["weight"]}
+        model.output_layer.register_parameter("weight", model.word_embeddings.weight)
+    model.universal_checkpoint_info = {  # as Megatron-DeepSpeed declares its GPT's layout
+        "universal_checkpoint_version": 0.2,
+        "tp_replicated_parameter_patterns": [r".*layernorm\.(weight|bias)", r".*attention\.dense\.bias",
+                                             r".*mlp\.dense_4h_to_h\.bias"],  # (the frozen embeddings: none)
+        "parameter_with_row_parallelism_patterns": [r".*attention\.dense\.weight", r".*mlp\.dense_4h_to_h\.weight"],
+        "vocabulary_parameter_patterns": [r".*word_embeddings\.weight"],
+        "original_vocab_size": cfg.vocab,
+    }
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(".weight") and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not any(p is q for q in decay)]
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}}
+    if base in ("bf16", "fp16"):
+        config[base] = {"enabled": True}
+    for section, extra in VARIANTS[variant].items():
+        config.setdefault(section, {}).update(extra)
+    if resume:
+        config["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=True, mpu=mpu,
+                                      model_parameters=[{"params": decay, "weight_decay": 0.1 if not resume else 0.5},
+                                                        {"params": no_decay, "weight_decay": 0.0}])
+    if resume:  # the groups' settings (weight decay 0.5 above) must come from the checkpoint
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    engine.load_checkpoint(RESUME)
-    state = {name: {"fp32": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
-                    "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
-             for name, p in model.named_parameters() if p.requires_grad}
-    inner = engine.optimizer.optimizer
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    if int(stage) == 3:  # keyed by the flat fp32 partitions (its universal loader empties the groups' params)
-        steps = [inner.state[t].get("step") for t in engine.optimizer.fp32_partitioned_groups_flat]
-    else:
-        steps = [inner.state[g["params"][0]].get("step") for g in inner.param_groups]
-    if int(rank) == 0:
-        torch.save({"params": state, "groups": groups, "steps": steps}, out)
+        engine.load_checkpoint(resume)
+        state = {name: {"fp32": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                        "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+                 for name, p in model.named_parameters() if p.requires_grad}
+        inner = engine.optimizer.optimizer
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        if stage == 3:  # keyed by the flat fp32 partitions (its universal loader empties the groups' params)
+            steps = [inner.state[t].get("step") for t in engine.optimizer.fp32_partitioned_groups_flat]
+        else:
+            steps = [inner.state[g["params"][0]].get("step") for g in inner.param_groups]
+        if rank == 0:
+            torch.save({"params": state, "groups": groups, "steps": steps}, out)
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        os._exit(0)
+    x_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(base, torch.float32)
+    for _ in range(2):
+        x = torch.ones(2, 4, dtype=x_dtype)
+        engine.backward(engine(x).float())
+        engine.step()
+    engine.save_checkpoint(out, tag="global_step2", client_state={"checkpoint_version": 3.0})
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)
-for _ in range(2):
-    x = torch.ones(2, 4, dtype=torch.bfloat16 if base == "bf16" else torch.float16 if base == "fp16" else torch.float32)
-    engine.backward(engine(x).float())
-    engine.step()
-engine.save_checkpoint(out, tag="global_step2", client_state={"checkpoint_version": 3.0})
-torch.distributed.barrier()
-sys.stdout.flush()
-os._exit(0)  # gloo's threads may abort an orderly interpreter exit once the files are saved
+
+
+def _set_rank_env(port: int | str, rank: int, world: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fork_job(job: list, log: str) -> bool:
+    """Fork the job's ranks (each one process, as the script's), their output in ``log``; True when
+    every rank exited 0."""
+    out, stage, dtype, dp, tp, resume = job
+    world, port = dp * tp, _free_port()
+    pids = []
+    with open(log, "a") as f:
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:  # the rank: never returns
+                try:
+                    null = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(null, 0)
+                    os.dup2(f.fileno(), 1)
+                    os.dup2(f.fileno(), 2)
+                    _set_rank_env(port, rank, world)
+                    run_rank(out, rank, stage, dtype, tp, resume)
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(1)
+            pids.append(pid)
+    return all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+
+
+def serve() -> None:
+    """Run jobs as they come on stdin (``JOB<TAB>LOG``), answering ``ok`` or ``failed``; ends with stdin."""
+    for line in sys.stdin:
+        job, log = line.rstrip("\n").split("\t")
+        ok = _fork_job(json.loads(job), log)
+        sys.stdout.write("ok\n" if ok else "failed\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        _out, _port, _rank, _world, _stage, _dtype = sys.argv[1:7]
+        _set_rank_env(_port, int(_rank), int(_world))
+        run_rank(_out, int(_rank), int(_stage), _dtype, int(sys.argv[7]) if len(sys.argv) > 7 else 1,
+                 sys.argv[8] if len(sys.argv) > 8 else None)

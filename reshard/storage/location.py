@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -118,6 +119,42 @@ def _close_clients_on_their_loop(fs: Any) -> None:
             each.close_session = close_client_on_its_loop
 
 
+@functools.cache
+def botocore_data_loader(data_path: str | None) -> Any:
+    """The process's one botocore data loader for ``data_path`` (botocore's ``data_path`` setting).
+
+    Why: every botocore session parses botocore's data files again when its first client is made
+    (the endpoint rules, the partitions, the S3 service model: over a megabyte of JSON, about 0.1 s
+    of CPU), and reshard opens a fresh filesystem, so a fresh session, for every location
+    (``skip_instance_cache``: listings and identity are read fresh) — a flow's every task did that
+    work again. The files never change while the process runs; the loader caches what it read."""
+    from botocore.loaders import create_loader
+
+    return create_loader(data_path)
+
+
+def _share_botocore_data(fs: Any, url: str) -> None:
+    """Give an s3fs filesystem that has no session yet the session s3fs would make (from the
+    same keyword arguments), reading botocore's data through :func:`botocore_data_loader`.
+    Credentials, region and configuration stay the session's own. A storage option neither s3fs
+    nor botocore's session takes is refused here, by name, before anything is read."""
+    for each in (fs, getattr(fs, "fs", None)):
+        if type(each).__module__.split(".", 1)[0] == "s3fs" and getattr(each, "session", False) is None:
+            import inspect
+
+            from aiobotocore.session import AioSession
+
+            kwargs = dict(getattr(each, "kwargs", {}))
+            unknown = sorted(set(kwargs) - set(inspect.signature(AioSession).parameters))
+            if unknown:
+                raise StorageError(f"unknown storage option {', '.join(map(repr, unknown))}", culprit=url,
+                                   hint="s3 takes s3fs.S3FileSystem's options: key, secret, token, endpoint_url, "
+                                        "region_name, client_kwargs, config_kwargs, ...")
+            session = AioSession(**kwargs)
+            session.register_component("data_loader", botocore_data_loader(session.get_config_variable("data_path")))
+            each.session = session
+
+
 def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
     """Resolve ``url`` into a :class:`Location`; a missing backend package is a clear error."""
     from fsspec.core import url_to_fs
@@ -133,6 +170,7 @@ def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any
     except ValueError as exc:
         raise StorageError(f"cannot open: {exc}", culprit=url, hint="check the URL and storage options") from None
     _close_clients_on_their_loop(fs)
+    _share_botocore_data(fs, url)
     return Location(fs, path, url)
 
 
