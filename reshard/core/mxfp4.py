@@ -195,7 +195,8 @@ def quantize(w: torch.Tensor, *, blocks: torch.Tensor | None = None,
     flat_s = scales.view(-1, rows, groups)
     band = min(rows, max(1, BAND_ELEMENTS // max(1, width)))
     by_bits = _Bf16Bands(band, width, w.device) if w.dtype == torch.bfloat16 and w.device.type == "cpu" else None
-    buffer = None if by_bits else torch.empty((band, width), dtype=compute, device=w.device)  # worked in place
+    # the band's copy, worked in place (bfloat16 on a CPU is read from its bits and needs none)
+    buffer = torch.empty((0 if by_bits else band, width), dtype=compute, device=w.device)
     for i in range(flat_w.shape[0]):
         for r in range(0, rows, band):
             part = flat_w[i, r:r + band]
@@ -203,7 +204,6 @@ def quantize(w: torch.Tensor, *, blocks: torch.Tensor | None = None,
             if by_bits is not None:
                 by_bits.quantize(part.reshape(n, groups, GROUP), r, flat_b[i, r:r + n], flat_s[i, r:r + n])
                 continue
-            assert buffer is not None
             x = buffer[:n]
             x.copy_(part)
             codes, s = _quantize_band(x.view(-1, groups, GROUP), r)
