@@ -11,6 +11,7 @@ plain split/merge           rows 0 .. N*L-1 of the logical part, each once, in o
 resized (vocabulary)        rows 0 .. keep-1 from the source, then total-keep zero rows
 fused parts (QKV v0, fc1)   each part sliced on its own: [part_0 slice; part_1 slice; ...]
 atom (heads, groups)        accepted exactly when N*L/atom divides by M
+sections (unequal parts)    each section sliced on its own, its atoms whole on every rank
 ==========================  ==================================================================
 """
 
@@ -22,7 +23,16 @@ import pytest
 import torch
 
 from reshard.core.errors import LayoutError
-from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, check_divisible, pieces_for_target
+from reshard.core.layouts import (
+    FILL,
+    PartitionSpec,
+    Piece,
+    assemble,
+    check_divisible,
+    part_segments,
+    pieces_for_target,
+    sectioned,
+)
 
 RANKS = range(1, 9)
 PART_LENS = (1, 2, 3, 4, 6, 12)
@@ -146,3 +156,66 @@ def test_divisibility_refuses_a_cut_head():
     check_divisible(spec, 6, 2, 4, "qkv")  # 4 heads over 4 ranks
     with pytest.raises(LayoutError, match="4 heads .* 3 target ranks"):
         check_divisible(spec, 6, 2, 3, "qkv")
+
+
+# --- fused sections of unequal widths ---------------------------------------------------------------
+
+def _sectioned_reference(sources: list[torch.Tensor], sections: tuple[int, ...], m: int, t: int) -> torch.Tensor:
+    """Independent reference: each section's full tensor (that section of every source rank), sliced."""
+    out = []
+    for i, rows in enumerate(sections):
+        first = sum(sections[:i])
+        full = torch.cat([s[first:first + rows] for s in sources])
+        step = full.shape[0] // m
+        out.append(full[t * step:(t + 1) * step])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("units", [(1, 1, 1), (2, 2, 1, 1, 4), (3, 1, 2)], ids=str)
+def test_sections_are_each_split_on_their_own(units):
+    """A Mamba-like ``[z; x; B; C; dt]``: every N -> M of whole units, against slicing each section."""
+    gen = torch.Generator().manual_seed(2)
+    atoms = (2,) * len(units)
+    refused = 0
+    for n, m in itertools.product((1, 2, 3, 4, 6), (1, 2, 3, 4, 6)):
+        total = [u * 6 for u in units]  # whole-model units of each section
+        if any(u % n for u in total):
+            continue
+        sections = tuple(u // n * 2 for u in total)  # rows of each section on one source rank
+        spec = sectioned(0, sections, atoms)
+        if any((u // n * n) % m for u in total):
+            refused += 1
+            with pytest.raises(LayoutError, match="fused section"):
+                check_divisible(spec, sum(sections), n, m, "in_proj")
+            continue
+        check_divisible(spec, sum(sections), n, m, "in_proj")
+        sources = [torch.randn(sum(sections), 3, generator=gen) for _ in range(n)]
+        for t in range(m):
+            want = _sectioned_reference(sources, sections, m, t)
+            assert torch.equal(assemble(spec, dict(enumerate(sources)), n, m, t), want), (n, m, t)
+            segs = part_segments(spec, sum(sections), n, m, t)
+            got = torch.cat([sources[s][start:start + rows] for s, start, rows in segs])
+            assert torch.equal(got, want), (n, m, t)
+    assert refused
+
+
+def test_sections_catch_a_plain_row_split_and_equal_parts():
+    """The wrong answers a sectioned tensor invites at 2 -> 1: the rank tensors concatenated as one
+    plain split, or cut as equal parts (as a gated fc1 is)."""
+    sections = (2, 1)  # rank r: [x_r (2 rows); dt_r (1 row)]
+    w = [torch.tensor([[0.0], [1.0], [2.0]]) + 10 * r for r in range(2)]
+    right = assemble(sectioned(0, sections), dict(enumerate(w)), 2, 1, 0)
+    assert right.flatten().tolist() == [0, 1, 10, 11, 2, 12]  # [x_0; x_1; dt_0; dt_1]
+    assert not torch.equal(right, torch.cat(w))
+    with pytest.raises(LayoutError, match="not divisible into 2 fused parts"):
+        check_divisible(PartitionSpec(dim=0, parts=2), 3, 2, 1, "in_proj")
+
+
+def test_sections_refuse_a_cut_unit_and_a_wrong_sum():
+    check_divisible(sectioned(0, (4, 2), (2, 1)), 6, 1, 2, "conv1d")  # 2 and 2 units over 2 ranks
+    with pytest.raises(LayoutError, match="fused section 1: 1 units of 2 rows cannot be divided evenly over 2"):
+        check_divisible(sectioned(0, (4, 2), (2, 2)), 6, 1, 2, "conv1d")  # one unit of B over 2 ranks
+    with pytest.raises(LayoutError, match="not a whole number of units of 4"):
+        check_divisible(sectioned(0, (4, 2), (2, 4)), 6, 1, 1, "conv1d")
+    with pytest.raises(LayoutError, match="add up to 5"):
+        check_divisible(sectioned(0, (4, 1)), 6, 1, 1, "conv1d")

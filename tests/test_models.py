@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from reshard.core.errors import MissingModelFactError, UnknownParameterError
+from reshard.core.errors import LayoutError, MissingModelFactError, UnknownParameterError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam
 from reshard.core.rules import Kind, Place, Rule
@@ -194,3 +194,73 @@ def test_a_plugin_family_places_its_layers_beside_the_stack_and_their_stage_copy
         assert not any(k.startswith("draft.") for k in first)
     finally:
         unregister_family(GPTWithDraftLayers.name)
+
+
+#: The plug-in's mixer: rows of each fused section in the whole model (z, x, B, C, dt), and each
+#: section's indivisible unit (B and C: whole groups of 4 rows).
+MIXER_SECTIONS = ((16, 1), (16, 1), (16, 4), (16, 4), (8, 1))
+
+
+class GPTWithSectionedMixer(ModelFamily):
+    """megatron-core GPT names plus ``mixer.in_proj.weight``, fused sections of unequal widths each
+    split over TP on its own (as megatron-core's Mamba mixer's ``[z; x; B; C; dt]``): the family
+    sizes them (``split_sections``) from the saved ``args``."""
+
+    name = "test-gpt-sectioned-mixer"
+    priority = 10
+    rules = MEGATRON_GPT_RULES + (Rule("mixer.in_proj", r"\.mixer\.in_proj\.weight$", Kind.COLUMN, family="core",
+                                       sections="mixer.in_proj"),)
+
+    def claims(self, keys: Sequence[str]) -> bool:
+        return any(".mixer." in k for k in keys)
+
+    def naming(self, keys: Sequence[str]) -> str:
+        return "megatron-core"
+
+    def split_sections(self, rule: Rule, key: str, rank_rows: int, n: int, args: Any) -> tuple[tuple[int, int], ...]:
+        assert rule.sections == "mixer.in_proj" and args.tensor_model_parallel_size == n
+        return tuple((rows // n, atom) for rows, atom in MIXER_SECTIONS)
+
+
+def _rank_sections(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s in_proj of the whole-model tensor ``full``: its slice of each section."""
+    out, first = [], 0
+    for rows, _ in MIXER_SECTIONS:
+        out.append(full[first + rank * rows // tp:first + (rank + 1) * rows // tp])
+        first += rows
+    return torch.cat(out)
+
+
+def test_a_plugin_family_splits_fused_sections_each_on_its_own(tmp_path):
+    """A 2 -> 1 merge and a 1 -> 4 split of a sectioned tensor give each section's own slices; a
+    target TP that would cut a unit of B is refused naming it, before anything is written."""
+    from reshard.api import convert
+    from reshard.sample import CoreGPTConfig, write_core_sample_checkpoint
+
+    rows = sum(r for r, _ in MIXER_SECTIONS)
+    full = {layer: torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 8) + 1000 * layer for layer in range(2)}
+    src = tmp_path / "tp2"
+    for rank, f in enumerate(write_core_sample_checkpoint(src, tp=2, cfg=CoreGPTConfig())):
+        sd = torch.load(f, weights_only=False)
+        for layer, w in full.items():
+            sd["model"][f"decoder.layers.{layer}.mixer.in_proj.weight"] = _rank_sections(w, 2, rank)
+        torch.save(sd, f)
+    with pytest.raises(UnknownParameterError, match="mixer.in_proj.weight"):
+        build_plan(str(src), ReshardOptions(target_tp=1))
+    register_family(GPTWithSectionedMixer)
+    try:
+        convert(str(src), str(tmp_path / "tp1"), target_tp=1)
+        convert(str(tmp_path / "tp1"), str(tmp_path / "tp4"), target_tp=4)
+        for tp in (1, 4):
+            for rank in range(tp):
+                (f,) = (tmp_path / f"tp{tp}").glob(f"iter_*/mp_rank_{rank:02d}/model_optim_rng.pt")
+                model = torch.load(f, weights_only=False)["model"]
+                for layer, w in full.items():
+                    got = model[f"decoder.layers.{layer}.mixer.in_proj.weight"]
+                    assert torch.equal(got, _rank_sections(w, tp, rank)), (tp, rank, layer)
+        with pytest.raises(LayoutError, match="fused section 2: 4 units of 4 rows cannot be divided evenly over 8") \
+                as refused:
+            build_plan(str(src), ReshardOptions(target_tp=8))  # B: 4 groups of 4 rows over 8 ranks
+        assert refused.value.hint == "choose a target TP among 1, 2, 4"
+    finally:
+        unregister_family(GPTWithSectionedMixer.name)

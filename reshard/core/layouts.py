@@ -34,6 +34,17 @@ gated fc1 (SwiGLU)       2       ``[W(F); V(F)]`` gate; up        1
 vocab rows (padded)      1       ``[V_pad/N]``                    1, resized (below)
 =======================  ======  ===============================  ====================
 
+*Sections*: a fused tensor whose parts differ in width (a state-space mixer's input projection
+``[z; x; B; C; dt]``, each split over TP on its own) gives ``sections``, the rows of each part on
+one source rank, and ``atoms``, each part's indivisible unit; every other rule of the table holds
+per part (target rank ``t`` owns the ``t``-th of ``M`` slices of each part, parts in order):
+
+=========================  ======  ==================================  ========================
+parameter                  parts   per-rank layout                     atoms
+=========================  ======  ==================================  ========================
+sectioned (unequal parts)  k       ``[S_1(L_1); ...; S_k(L_k)]``       one per section
+=========================  ======  ==================================  ========================
+
 *Resizing* (vocabulary padding): a spec may give ``total`` — the target's logical rows per part
 — and ``keep`` — how many leading logical rows are real (the true vocabulary). Target rows
 ``< keep`` come from the source; the rest are zero-filled (pieces with ``src == FILL``).
@@ -54,13 +65,47 @@ FILL = -1
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """How one parameter is split across tensor-parallel ranks (``keep``/``total``: see module doc)."""
+    """How one parameter is split across tensor-parallel ranks (``keep``/``total``, ``sections`` and
+    ``atoms``: see the module doc; with ``sections``, ``parts`` is their count)."""
 
     dim: int
     parts: int = 1
     atom: int = 1
     keep: int | None = None
     total: int | None = None
+    sections: tuple[int, ...] | None = None
+    atoms: tuple[int, ...] | None = None
+
+    def part_lengths(self, rank_len: int) -> tuple[int, ...]:
+        """Rows of each fused part on one source rank holding ``rank_len`` rows along ``dim``."""
+        if self.sections is not None:
+            return self.sections
+        return (rank_len // self.parts,) * self.parts
+
+    def part_atoms(self) -> tuple[int, ...]:
+        """Each fused part's indivisible unit."""
+        return self.atoms if self.atoms is not None else (self.atom,) * self.parts
+
+
+def sectioned(dim: int, sections: tuple[int, ...], atoms: tuple[int, ...] | None = None) -> PartitionSpec:
+    """The spec of a fused tensor of unequal parts: ``sections`` rows of each on one source rank,
+    each part split over the target ranks on its own (``atoms``: each part's unit, default 1)."""
+    if not sections or (atoms is not None and len(atoms) != len(sections)):
+        raise ValueError(f"sections {sections} need one atom each, got {atoms}")
+    return PartitionSpec(dim=dim, parts=len(sections), sections=tuple(sections),
+                         atoms=tuple(atoms) if atoms is not None else (1,) * len(sections))
+
+
+def part_segments(spec: PartitionSpec, rank_len: int, n_src: int, n_tgt: int, tgt: int) -> list[tuple[int, int, int]]:
+    """``(source rank or FILL, first row in the source, rows)`` along ``spec.dim`` for target ``tgt``,
+    in output order (parts outer, pieces inner — as :func:`assemble` concatenates them)."""
+    segs = []
+    first = 0
+    for part_len in spec.part_lengths(rank_len):
+        for pc in pieces_for_target(part_len, n_src, n_tgt, tgt, spec.keep, spec.total):
+            segs.append((pc.src, first + pc.start, pc.length))
+        first += part_len
+    return segs
 
 
 @dataclass(frozen=True)
@@ -112,6 +157,9 @@ def pieces_for_target(part_len: int, n_src: int, n_tgt: int, tgt: int, keep: int
 
 def check_divisible(spec: PartitionSpec, rank_len: int, n_src: int, n_tgt: int, key: str) -> None:
     """Refuse layouts that would cut an atom (a head) or leave unequal ranks."""
+    if spec.sections is not None:
+        _check_sections(spec, rank_len, n_src, n_tgt, key)
+        return
     if rank_len % spec.parts:
         raise LayoutError(f"dim {spec.dim} has {rank_len} rows per rank, not divisible into "
                           f"{spec.parts} fused parts", culprit=key,
@@ -132,6 +180,27 @@ def check_divisible(spec: PartitionSpec, rank_len: int, n_src: int, n_tgt: int, 
                           hint=f"choose a target TP that divides {units}")
 
 
+def _check_sections(spec: PartitionSpec, rank_len: int, n_src: int, n_tgt: int, key: str) -> None:
+    """A sectioned spec: the sections fill the rank's rows, and each divides into whole atoms on
+    every source and every target rank (no resizing: a sectioned tensor has no vocabulary rows)."""
+    sections, atoms = spec.part_lengths(rank_len), spec.part_atoms()
+    if sum(sections) != rank_len:
+        raise LayoutError(f"dim {spec.dim} has {rank_len} rows per rank, but its fused sections "
+                          f"{list(sections)} add up to {sum(sections)}", culprit=key,
+                          hint="check the model's saved args against the checkpoint")
+    if spec.keep is not None or spec.total is not None:
+        raise LayoutError("a tensor of fused sections cannot be resized", culprit=key)
+    for i, (rows, atom) in enumerate(zip(sections, atoms)):
+        if rows % atom:
+            raise LayoutError(f"fused section {i} has {rows} rows per source rank, not a whole number of "
+                              f"units of {atom}", culprit=key,
+                              hint="check the model's saved args against the checkpoint")
+        if (n_src * rows // atom) % n_tgt:
+            raise LayoutError(f"fused section {i}: {n_src * rows // atom} units of {atom} rows cannot be "
+                              f"divided evenly over {n_tgt} target ranks", culprit=key,
+                              hint=f"choose a target TP that divides {n_src * rows // atom}")
+
+
 def assemble(spec: PartitionSpec, sources: Mapping[int, torch.Tensor], n_src: int, n_tgt: int,
              tgt: int, piece_fn: Callable[[Piece, torch.Tensor], torch.Tensor] | None = None
              ) -> torch.Tensor:
@@ -143,24 +212,26 @@ def assemble(spec: PartitionSpec, sources: Mapping[int, torch.Tensor], n_src: in
     Returns a fresh tensor that owns its storage.
     """
     any_src = next(iter(sources.values()))
-    part_len = any_src.shape[spec.dim] // spec.parts
-    pieces = pieces_for_target(part_len, n_src, n_tgt, tgt, spec.keep, spec.total)
+    lengths = spec.part_lengths(any_src.shape[spec.dim])
+    starts = [sum(lengths[:p]) for p in range(spec.parts)]
+    # the pieces of every part come from the same source ranks, their lengths in proportion
+    cuts = [pieces_for_target(part_len, n_src, n_tgt, tgt, spec.keep, spec.total) for part_len in lengths]
     # per_piece[i][p] = rows of part p contributed by piece i
     per_piece: list[list[torch.Tensor]] = []
-    for pc in pieces:
+    for i, pc in enumerate(cuts[0]):
         if pc.src == FILL:
             shape = list(any_src.shape)
             shape[spec.dim] = pc.length
             per_piece.append([any_src.new_zeros(shape) for _ in range(spec.parts)])
             continue
         src = sources[pc.src]
-        chunks = [src.narrow(spec.dim, p * part_len + pc.start, pc.length) for p in range(spec.parts)]
+        chunks = [src.narrow(spec.dim, starts[p] + cuts[p][i].start, cuts[p][i].length) for p in range(spec.parts)]
         if piece_fn is not None:
             whole = chunks[0] if spec.parts == 1 else torch.cat(chunks, dim=spec.dim)
             whole = piece_fn(pc, whole)
-            chunks = list(torch.split(whole, pc.length, dim=spec.dim))
+            chunks = list(torch.split(whole, [c.shape[spec.dim] for c in chunks], dim=spec.dim))
         per_piece.append(chunks)
-    ordered = [per_piece[i][p] for p in range(spec.parts) for i in range(len(pieces))]
+    ordered = [per_piece[i][p] for p in range(spec.parts) for i in range(len(cuts[0]))]
     if len(ordered) == 1:
         return ordered[0].clone(memory_format=torch.contiguous_format)
     return torch.cat(ordered, dim=spec.dim)

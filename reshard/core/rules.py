@@ -27,6 +27,9 @@ Columns that refine a kind (all data, read by ``plan``):
 * ``tied_head``: the last stage's copy of the word embeddings when input and output
   embeddings are tied and PP > 1 (dropped when merging to PP = 1, recreated when splitting).
 * ``expert``: one routed expert's weight (MoE), numbered in its name as its family says.
+* ``sections``: fused parts of unequal widths, each split over TP on its own (a state-space mixer's
+  input projection); the value names the layout, which the family sizes
+  (:meth:`reshard.models.base.ModelFamily.split_sections`). Column kind only.
 * ``family``: ``legacy`` or ``core`` naming; ``optional``: present only with some model options
   (untied output, TE fused norms, ...). Unused-rule reports cover the checkpoint's own family,
   non-optional rules only.
@@ -102,6 +105,7 @@ class Rule:
     family: str = "legacy"
     optional: bool = False
     expert: bool = False
+    sections: str | None = None
 
     @property
     def dim(self) -> int | None:

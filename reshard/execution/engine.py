@@ -41,7 +41,15 @@ import torch
 from reshard.core import foreign
 from reshard.core.cpus import usable_cores
 from reshard.core.errors import CorruptCheckpointError
-from reshard.core.layouts import FILL, PartitionSpec, Piece, assemble, pieces_for_target, source_ranks_for_target
+from reshard.core.layouts import (
+    FILL,
+    PartitionSpec,
+    Piece,
+    assemble,
+    part_segments,
+    pieces_for_target,
+    source_ranks_for_target,
+)
 from reshard.core.lazy import LazyTensor, materialized
 from reshard.core.pages import PageDropper
 from reshard.core.plan_types import LAYER_FILE, PIPE_RANK_FILE, ParamPlan, Plan, TargetPlan
@@ -271,7 +279,7 @@ def pending_lazy_assembled(spec: PartitionSpec, sources: dict[int, LazyTensor], 
     row-parallel weight); sources that read the whole tensor for any box are read in one block."""
     any_src = next(iter(sources.values()))
     d = spec.dim
-    segs = _segments(spec, any_src.shape[d] // spec.parts, n, m, tgt)
+    segs = part_segments(spec, any_src.shape[d], n, m, tgt)
     shape = list(any_src.shape)
     shape[d] = sum(length for _, _, length in segs)
     dtype, isz = any_src.dtype, any_src.dtype.itemsize
@@ -357,13 +365,6 @@ def _stream_region(sink: RecordSink, addr: int, nbytes: int, keep: torch.Tensor,
         off += k
 
 
-def _segments(spec: PartitionSpec, part_len: int, n: int, m: int, tgt: int) -> list[tuple[int, int, int]]:
-    """``(source rank or FILL, first row in the source, rows)`` along ``spec.dim``, in output order
-    (parts outer, pieces inner — as :func:`reshard.core.layouts.assemble` concatenates them)."""
-    pieces = pieces_for_target(part_len, n, m, tgt, spec.keep, spec.total)
-    return [(pc.src, p * part_len + pc.start, pc.length) for p in range(spec.parts) for pc in pieces]
-
-
 def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n: int, m: int, tgt: int,
                        name: str, culprit: str, pages: PageDropper, scratch: ScratchBuffers | None = None) -> Any:
     """A partitioned parameter's target slice, written piece by piece, never assembled whole:
@@ -373,8 +374,7 @@ def _pending_assembled(spec: PartitionSpec, sources: dict[int, torch.Tensor], n:
     if isinstance(any_src, LazyTensor):
         return pending_lazy_assembled(spec, sources, n, m, tgt, name, culprit, scratch)  # type: ignore[arg-type]
     d = spec.dim
-    part_len = any_src.shape[d] // spec.parts
-    segs = _segments(spec, part_len, n, m, tgt)
+    segs = part_segments(spec, any_src.shape[d], n, m, tgt)
     used = {s for s, _, _ in segs if s != FILL}
     kinds = {(tuple(sources[s].shape), sources[s].dtype) for s in used} | {(tuple(any_src.shape), any_src.dtype)}
     if not all(_streamable(sources[s]) for s in used) or len(kinds) != 1:
@@ -453,7 +453,7 @@ class _QuantState:
             p = entry.param
             if p.spec is None or p.quant_slot is None:
                 continue
-            part_len = p.shape[p.spec.dim] // p.spec.parts
+            part_len = p.spec.part_lengths(p.shape[p.spec.dim])[0]  # every part cut into as many pieces
             k = len(pieces_for_target(part_len, n, m, tp.tp_rank, p.spec.keep, p.spec.total))
             numels[(p.layer, p.quant_slot.value)] = quant_groups_for(p, plan.options) * k  # type: ignore[index]
         self.layers = sorted({layer for layer, _ in numels})
@@ -465,8 +465,7 @@ class _QuantState:
                 pages: PageDropper) -> PendingTensor:
         plan = self.plan
         shape = list(p.shape)
-        part_len = p.shape[p.spec.dim] // p.spec.parts  # type: ignore[union-attr]
-        segs = _segments(p.spec, part_len, plan.source_tp, plan.target_tp, tgt)  # type: ignore[arg-type]
+        segs = part_segments(p.spec, p.shape[p.spec.dim], plan.source_tp, plan.target_tp, tgt)  # type: ignore[arg-type, union-attr]
         shape[p.spec.dim] = sum(length for _, _, length in segs)  # type: ignore[union-attr]
 
         def produce(sink: RecordSink) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from reshard.core.checks import check_copy_equals
 from reshard.core.errors import LayoutError
-from reshard.core.layouts import FILL, pieces_for_target, source_ranks_for_target
+from reshard.core.layouts import FILL, part_segments, source_ranks_for_target
 from reshard.core.options import ReshardOptions
 from reshard.core.pipeline_stages import StageLayout
 from reshard.core.plan_types import ParamPlan, SourceStage, TargetParam, TargetPlan, TensorDegrees, elems, nbytes
@@ -99,9 +99,7 @@ def target_ranks_needed(p: ParamPlan, n: int, m: int, t: int) -> list[int]:
     """Source TP ranks whose rows target TP rank ``t`` copies for ``p`` (empty if all zero fill)."""
     if p.spec is None:
         return []
-    part_len = p.shape[p.spec.dim] // p.spec.parts
-    return sorted({pc.src for pc in pieces_for_target(part_len, n, m, t, p.spec.keep, p.spec.total)
-                   if pc.src != FILL})
+    return sorted({src for src, _, _ in part_segments(p.spec, p.shape[p.spec.dim], n, m, t) if src != FILL})
 
 
 def target_size(p: ParamPlan, n: int, m: int, quantize: bool) -> int:

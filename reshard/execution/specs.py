@@ -4,11 +4,12 @@ divisibility check — and, when a target TP is refused, the target TPs that sat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reshard.core.errors import CheckpointFormatError, LayoutError, MissingModelFactError, ReshardError
-from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target
+from reshard.core.layouts import PartitionSpec, check_divisible, pieces_for_target, sectioned
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ParamPlan, elems
 from reshard.core.rules import Kind, QKVLayout, Rule
@@ -36,8 +37,11 @@ def target_specs(raw: list[CanonicalParam], options: ReshardOptions, args: Any, 
     def at(tm: int, facts_origin: dict[str, str]) -> tuple[bool | None, Vocab, list[ParamPlan]]:
         swiglu = family.decide_swiglu(options, args, raw, n, tm, facts_origin, where)
         vocab = family.decide_vocab(options, args, raw, n, tm, facts_origin, where, padded_for, default_divisor)
-        ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm)
-        expert_ctx = _SpecContext(version, heads, groups, head_dim, swiglu, ne, me or tm)
+        def sections(r: CanonicalParam, rank_rows: int, src: int) -> tuple[tuple[int, int], ...]:
+            return family.split_sections(r.rule, r.key, rank_rows, src, args)
+
+        ctx = _SpecContext(version, heads, groups, head_dim, swiglu, n, tm, sections)
+        expert_ctx = _SpecContext(version, heads, groups, head_dim, swiglu, ne, me or tm, sections)
         return swiglu, vocab, [r.planned(_spec_for(r, ctx, vocab) if not r.rule.expert else
                                          _expert_spec(r, expert_ctx, vocab, me is not None)) for r in raw]
 
@@ -83,6 +87,8 @@ class _SpecContext:
     swiglu: bool | None
     n: int
     m: int
+    #: the family's sizes of a sectioned parameter's fused sections (``ModelFamily.split_sections``)
+    sections: Callable[[CanonicalParam, int, int], tuple[tuple[int, int], ...]]
 
 
 def _spec_for(r: CanonicalParam, c: _SpecContext, vocab: Vocab) -> PartitionSpec | None:
@@ -93,6 +99,11 @@ def _spec_for(r: CanonicalParam, c: _SpecContext, vocab: Vocab) -> PartitionSpec
     dim = rule.dim
     if len(shape) <= dim:
         raise CheckpointFormatError(f"rank-{len(shape)} tensor cannot be split on dim {dim}", culprit=key)
+    if rule.sections is not None:
+        sized = c.sections(r, shape[dim], c.n)
+        spec = sectioned(dim, tuple(rows for rows, _ in sized), tuple(atom for _, atom in sized))
+        check_divisible(spec, shape[dim], c.n, c.m, key)
+        return spec
     parts, atom = 1, 1
     keep = total = None
     if rule.kind is Kind.QKV:
@@ -194,6 +205,9 @@ def check_quantization(plans: list[ParamPlan], options: ReshardOptions, n: int, 
             raise CheckpointFormatError("quantized weight outside a numbered layer", culprit=p.key)
         g = quant_groups_for(p, options)
         row_elems = elems(p.shape) // p.shape[p.spec.dim]
+        if p.spec.sections is not None:
+            raise LayoutError("a tensor of fused sections of unequal widths cannot be quantized per piece",
+                              culprit=p.key, hint="leave out --quantize for this model")
         part_len = p.shape[p.spec.dim] // p.spec.parts
         for t in range(m):
             for pc in pieces_for_target(part_len, n, m, t):

@@ -127,6 +127,10 @@ class UniversalFormat(CheckpointFormat):
         if plan.source.format == DEEPSPEED_ZERO3:
             return  # written whole and flat: no row is cut
         for p in plan.params:
+            if p.spec is not None and p.spec.sections is not None:
+                raise LayoutError("fused sections of unequal widths, which DeepSpeed's universal checkpoint cannot "
+                                  "describe (its sub-parameters are equal)", culprit=p.key,
+                                  hint="write the per-rank or torch_dist format instead")
             if p.spec is not None and p.spec.parts > 2:
                 raise LayoutError(f"checkpoint_version {plan.version} stores QKV as [3, heads, head_dim] rows, which "
                                   f"DeepSpeed's universal loader would cut wrongly (it cuts whole rows)",

@@ -68,6 +68,15 @@ class ModelFamily(ABC):
         Default: any."""
         return None
 
+    def split_sections(self, rule: Rule, key: str, rank_rows: int, n: int, args: Any) -> tuple[tuple[int, int], ...]:
+        """The fused sections of parameter ``key`` (its rule names them, ``Rule.sections``): for each,
+        in order along the split dim, ``(rows on one of the n source ranks, indivisible unit)``. Each
+        section is split over the target ranks on its own, as megatron-core's sharded state dict
+        splits a state-space mixer's input projection. Refuse (a ``LayoutError`` naming the field)
+        what the saved ``args`` cannot size. A family whose table names sections overrides this."""
+        raise NotImplementedError(f"{type(self).__name__} names fused sections {rule.sections!r} "
+                                  f"but does not size them")
+
     def describe(self) -> list[str]:
         """Further lines for ``reshard formats`` (e.g. the Hugging Face architectures a family maps)."""
         return []
