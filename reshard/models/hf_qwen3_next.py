@@ -206,29 +206,33 @@ class InProjSplit(Segments):
         return out
 
 
-def _shifted(t: torch.Tensor, by: float, name: str) -> torch.Tensor:
-    """``t + by`` in ``t``'s dtype, refused where it does not come back to ``t`` exactly."""
-    out = (t.double() + by).to(t.dtype)
-    if not torch.equal((out.double() - by).to(t.dtype), t):
-        raise CheckpointFormatError(f"{name} holds values whose zero-centred form (w - 1) is not exact in {t.dtype}",
-                                    culprit=name, hint="convert in float32 (the gated norm's weights differ by "
-                                                       "rounding otherwise)")
+def zero_centred(w: torch.Tensor, name: str) -> torch.Tensor:
+    """Import: ``w - 1`` in ``w``'s dtype, refused where ``(w - 1) + 1`` is not ``w`` again (exact for
+    every ``w`` in ``[0.5, 2]``: Sterbenz)."""
+    out = (w.double() - 1.0).to(w.dtype)
+    if not torch.equal((out.double() + 1.0).to(w.dtype), w):
+        bad = w[(out.double() + 1.0).to(w.dtype) != w]
+        raise CheckpointFormatError(f"holds gated norm weights (e.g. {bad[0].item():g}) whose zero-centred form "
+                                    f"w - 1 is not exact in {w.dtype}", culprit=name,
+                                    hint="convert a float32 copy of the folder (its w - 1 is exact there)")
     return out
 
 
 class ZeroCentred(WholeTensorTransform):
     """The mixer's gated norm: transformers scales by ``w``, megatron-core's zero-centred ``out_norm``
-    by ``1 + w'``; ``w = w' + 1`` both ways, exactly or refused."""
+    by ``1 + w'``. Import: ``w' = w - 1``, exact or refused (:func:`zero_centred`); export:
+    ``w = w' + 1`` rounded to the dtype (a zero-centred weight holds more precision near 0 than
+    ``1 + w'`` can: the export's notes say so)."""
 
     def outputs(self, names: tuple[str, ...], shape: tuple[int, ...], facts: ModelFacts) -> list[OutTensor]:
         return [OutTensor(names[0], shape)]
 
     def convert(self, t: torch.Tensor, facts: ModelFacts) -> list[torch.Tensor]:
-        return [_shifted(t, 1.0, "out_norm.weight")]
+        return [(t.double() + 1.0).to(t.dtype)]
 
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         w = parts[0]
-        return Converted(w, lambda t: _shifted(t, -1.0, names[0]), tuple(w.shape))
+        return Converted(w, lambda t: zero_centred(t, names[0]), tuple(w.shape))
 
 
 _A = _L + "self_attention."
@@ -427,7 +431,10 @@ class Qwen3NextFamily(HFArchitectureFamily):
         if self.moe != "some":
             out.pop("norm_topk_prob", None)
         linear = sum(t == LINEAR_ATTENTION for t in config["layer_types"])
-        return HFArchitecture(name=self.name, config=out, names=self.names,
+        note = ("linear_attn.norm.weight is 1 + megatron-core's zero-centred out_norm.weight, rounded to the "
+                "weights' dtype (a zero-centred weight holds more precision near 0; exact for the weights an import "
+                "wrote)")
+        return HFArchitecture(name=self.name, config=out, names=self.names, notes=(note,),
                               reason=f"{linear} gated DeltaNet and {len(config['layer_types']) - linear} gated "
                                      "attention layers" + (f", {config['num_experts']} experts and a gated shared "
                                                            "expert per MoE layer" if any(moe_layers) else ""))
