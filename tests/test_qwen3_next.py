@@ -98,10 +98,13 @@ def made(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("qwen3_next")
     out = {"root": root, "next": _made(root, "next_hf", "Qwen3NextForCausalLM", CONFIG),
            "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE)}
-    paths = {name: root / name for name in ("tp1", "tp2", "back", "dense_tp2", "dense_back")}
+    paths = {name: root / name for name in ("tp1", "tp2", "back", "tp2pp2", "back_pp", "dense_tp2", "dense_back")}
     _run(str(out["next"]["hf"]), str(paths["tp1"]), "--target-tp", "1")
     _run(str(out["next"]["hf"]), str(paths["tp2"]), "--target-tp", "2", "--target-ep", "2")
     _run(str(paths["tp2"]), str(paths["back"]), "--to", "hf")
+    # PP 2 from TP 2 x EP 2: stage 1 starts with a DeltaNet layer (2) and holds the attention layer (3)
+    _run(str(paths["tp2"]), str(paths["tp2pp2"]), "--target-tp", "2", "--target-ep", "2", "--target-pp", "2")
+    _run(str(paths["tp2pp2"]), str(paths["back_pp"]), "--to", "hf")
     _run(str(out["dense"]["hf"]), str(paths["dense_tp2"]), "--target-tp", "2")
     _run(str(paths["dense_tp2"]), str(paths["dense_back"]), "--to", "hf")
     return {**out, **paths}
@@ -117,18 +120,20 @@ def harness(made) -> dict:
     jobs = [{"kind": "write", "out": str(root / "mcore"), "tp": 2, "ep": 2, "model": MCORE_MODEL, "tokens": TOKENS},
             {**forward, "ckpt": str(made["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
             {**forward, "ckpt": str(made["tp2"]), "tp": 2, "ep": 2, "out": str(work / "tp2.pt")},
+            {**forward, "ckpt": str(made["tp2pp2"]), "tp": 2, "ep": 2, "pp": 2, "out": str(work / "tp2pp2.pt")},
             {**forward, "ckpt": str(made["dense_tp2"]), "tp": 2, "out": str(work / "dense_tp2.pt")}]
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "dense_tp2")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
 @needs_mcore
-@pytest.mark.parametrize("layout,model", [("tp1", "next"), ("tp2", "next"), ("dense_tp2", "dense")])
+@pytest.mark.parametrize("layout,model", [("tp1", "next"), ("tp2", "next"), ("tp2pp2", "next"),
+                                          ("dense_tp2", "dense")])
 def test_megatron_core_runs_the_import_with_transformers_logits(made, harness, layout, model):
     got, want = harness["logits"][layout], made[model]["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
@@ -150,7 +155,7 @@ def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(harness):
 
 # --- both ways, bit for bit ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src,back", [("next", "back"), ("dense", "dense_back")])
+@pytest.mark.parametrize("src,back", [("next", "back"), ("next", "back_pp"), ("dense", "dense_back")])
 def test_hf_to_megatron_and_back_gives_every_tensor_bit_for_bit(made, src, back):
     want, got = _tensors(made[src]["hf"]), _tensors(made[back])
     assert set(got) == set(want)
@@ -269,3 +274,37 @@ def test_a_cut_key_head_is_refused_naming_the_tps_that_work(made, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "self_attention." in err[0] and "fused section 0: 2 units of 8 rows" in err[0], err
     assert err[0].endswith("(fix: choose a target TP among 1, 2)"), err
+
+
+# --- FP8 block releases out and in ---------------------------------------------------------------------
+
+def test_fp8_export_loads_in_transformers_and_reads_back_as_the_model_it_encodes(made, tmp_path):
+    """``--to hf --quantize fp8`` (blocks of 8: they divide every linear weight, as transformers' CPU
+    path needs): transformers loads it with every key and computes what the plain export computes with
+    the blocks' dequantized linear weights (the mixer's in_proj_qkvz, in_proj_ba, out_proj among them);
+    the folder goes to megatron-core at TP 2 x EP 2 and back to the same dequantized weights."""
+    from safetensors.torch import save_file
+
+    from test_fp8_export import dequantized
+    from test_hf_export import hf_logits
+
+    fp8_dir = tmp_path / "fp8"
+    _run(str(made["tp2"]), str(fp8_dir), "--to", "hf", "--quantize", "fp8", "--fp8-block", "8")
+    fp8, plain = _tensors(fp8_dir), _tensors(made["back"])
+    assert {k[:-len("_scale_inv")] for k in fp8 if k.endswith("_scale_inv")} >= {
+        "model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.0.linear_attn.in_proj_ba.weight",
+        "model.layers.0.linear_attn.out_proj.weight", "model.layers.3.self_attn.q_proj.weight"}
+    want = {k: dequantized(fp8[k], fp8[k + "_scale_inv"], (8, 8)) if k + "_scale_inv" in fp8 else v
+            for k, v in plain.items()}
+    encoded = tmp_path / "encoded"
+    encoded.mkdir()
+    (encoded / "config.json").write_text((made["back"] / "config.json").read_text())
+    save_file(want, str(encoded / "model.safetensors"), metadata={"format": "pt"})
+    got, expect = hf_logits(fp8_dir), hf_logits(encoded)
+    assert (got - expect).abs().max() < 1e-2 * expect.abs().max()
+    _run(str(fp8_dir), str(tmp_path / "tp2"), "--target-tp", "2", "--target-ep", "2")
+    _run(str(tmp_path / "tp2"), str(tmp_path / "again"), "--to", "hf")
+    again = _tensors(tmp_path / "again")
+    assert set(again) == set(want)
+    for key, t in want.items():
+        assert torch.equal(again[key], t), key
