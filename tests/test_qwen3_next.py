@@ -126,7 +126,8 @@ def harness(made) -> dict:
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
     return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2")},
-            "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
+            "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
+            "mcore_dir": root / "mcore"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
@@ -151,6 +152,17 @@ def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(harness):
     config = json.loads((harness["mcore_hf"] / "config.json").read_text())
     assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["mlp_only_layers"] == [1]
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@needs_mcore
+def test_an_import_holds_the_entries_megatron_core_saves(made, harness):
+    """Every rank file of the TP 2 x EP 2 import holds the names (extra states included) and shapes
+    megatron-core's own model of the same config saves there."""
+    for rank_dir in ("mp_rank_00_000", "mp_rank_01_001"):
+        ours, theirs = _rank(made["tp2"], rank_dir)["model"], _rank(harness["mcore_dir"], rank_dir)["model"]
+        assert sorted(ours) == sorted(theirs)
+        for key, t in theirs.items():
+            assert t is None and ours[key] is None or ours[key].shape == t.shape, key
 
 
 # --- both ways, bit for bit ------------------------------------------------------------------------
