@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mcore_fixtures import TOKENS, needs_mcore, run_harness
+from mcore_fixtures import TOKENS, copy_with_args, needs_mcore, run_harness
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
 
@@ -78,7 +78,8 @@ def _made(root: Path, name: str, cls: str, config: dict) -> dict:
 
     torch.manual_seed(3)
     cfg_cls = {"Qwen3NextForCausalLM": transformers.Qwen3NextConfig,
-               "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig}[cls]
+               "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig,
+               "Qwen3_5MoeForCausalLM": transformers.Qwen3_5MoeTextConfig}[cls]
     model = getattr(transformers, cls)(cfg_cls(**config, initializer_range=0.1)).eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
@@ -320,3 +321,66 @@ def test_fp8_export_loads_in_transformers_and_reads_back_as_the_model_it_encodes
     assert set(again) == set(want)
     for key, t in want.items():
         assert torch.equal(again[key], t), key
+
+
+# --- Qwen3.5's MoE text model -------------------------------------------------------------------------
+
+def test_qwen3_5_moe_goes_to_megatron_core_and_back_as_itself_or_as_qwen3_next(made, tmp_path):
+    """Qwen3.5-MoE (every layer MoE, split projections) -> TP 2 x EP 2 -> HF: as Qwen3-Next's class by
+    default (it computes the same model; transformers gives the same logits), bit for bit as
+    ``Qwen3_5MoeForCausalLM`` under ``--hf-architecture``."""
+    from test_hf_export import hf_logits
+
+    config = {k: v for k, v in CONFIG.items() if k != "mlp_only_layers"}
+    src = _made(tmp_path, "q35moe", "Qwen3_5MoeForCausalLM", config)
+    _run(str(src["hf"]), str(tmp_path / "tp2"), "--target-tp", "2", "--target-ep", "2")
+    _run(str(tmp_path / "tp2"), str(tmp_path / "as_next"), "--to", "hf")
+    _run(str(tmp_path / "tp2"), str(tmp_path / "back"), "--to", "hf", "--hf-architecture", "Qwen3_5MoeForCausalLM")
+    want, got = _tensors(src["hf"]), _tensors(tmp_path / "back")
+    assert set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    as_next = json.loads((tmp_path / "as_next" / "config.json").read_text())
+    assert as_next["architectures"] == ["Qwen3NextForCausalLM"] and as_next["mlp_only_layers"] == []
+    assert (hf_logits(tmp_path / "as_next") - src["want"]).abs().max() < TOL
+
+
+# --- export refusals ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"attention_output_gate": False}, "96 rows are not 2 query groups of 32 rows"),  # planned before the export
+    ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "args.apply_layernorm_1p is False"),
+    ({"linear_attention_freq": 2}, "contradicts the gated DeltaNet layers"),
+    ({"moe_router_score_function": "sigmoid"}, "router scores not by softmax"),
+])
+def test_an_export_the_classes_do_not_compute_is_refused_in_one_line(made, tmp_path, capsys, changes, needle):
+    src = copy_with_args(made["tp2"], tmp_path / "src", **changes)
+    assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dense_model_is_not_written_as_qwen3_5_moe(made, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", "--direct", str(made["dense_tp2"]), str(out), "--to", "hf", "--hf-architecture",
+                 "Qwen3_5MoeForCausalLM"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Qwen3_5MoeForCausalLM does not compute it" in err[0], err
+
+
+def test_a_gated_norm_weight_whose_w_minus_1_is_not_exact_is_refused_in_one_line(made, tmp_path, capsys):
+    """In bf16, ``w - 1`` of a gated norm weight below 0.5 rounds: refused naming the tensor, nothing
+    committed."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "bf16"
+    src.mkdir()
+    tensors = {k: v.to(torch.bfloat16) for k, v in _tensors(made["dense"]["hf"]).items()}
+    tensors["model.layers.0.linear_attn.norm.weight"][0] = 0.0123
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((made["dense"]["hf"] / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--target-tp", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.layers.0.linear_attn.norm.weight" in err[0] and "w - 1" in err[0], err
+    assert not (tmp_path / "out").exists()
