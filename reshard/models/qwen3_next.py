@@ -53,6 +53,10 @@ VARIANT = "gated_delta_net"
 LINEAR_HEADS = "linear_heads"
 
 _IN_PROJ, _CONV, _GATED_QKV = "gdn.in_proj", "gdn.conv1d", "gated_qkv"
+#: The names megatron-core's ``sharded_state_dict`` gives each section (``_split_tensor_factory``: the
+#: torch_dist keys ``<name>.<section>``), in :meth:`Qwen3Next.split_sections` order.
+SECTION_NAMES: dict[str, tuple[str, ...]] = {_IN_PROJ: ("query", "key", "value", "z", "beta", "alpha"),
+                                              _CONV: ("query", "key", "value")}
 _M = DECODER_LAYER + re.escape(MIXER)
 _IN_PROJ_KEY = re.compile(_M + r"in_proj\.weight$")
 
