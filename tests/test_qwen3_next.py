@@ -384,3 +384,25 @@ def test_a_gated_norm_weight_whose_w_minus_1_is_not_exact_is_refused_in_one_line
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.layers.0.linear_attn.norm.weight" in err[0] and "w - 1" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_releases_multi_token_prediction_weights_are_left_out_with_a_warning(made, tmp_path, capsys):
+    """A release's ``mtp.*`` tensors (``mtp_num_hidden_layers``), which transformers does not load:
+    the import leaves them out and says so; the rest is the folder's."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "release"
+    shutil.copytree(made["dense"]["hf"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    save_file({"mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32)},
+              str(src / "model-mtp.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    _run(str(src), str(tmp_path / "tp1"), "--target-tp", "1")
+    said = capsys.readouterr()
+    assert "mtp_num_hidden_layers 1: the folder's multi-token prediction weights (mtp.*) are not imported" in \
+        said.out + said.err
+    module = _rank(tmp_path / "tp1", "mp_rank_00")["model"]
+    assert not any("mtp" in k for k in module)
