@@ -94,6 +94,8 @@ LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 #: The family facts an import records beside the mixer's heads: which layers are gated DeltaNet
 #: layers and which have a dense MLP (their norms have other megatron-core names).
 LINEAR_LAYERS, DENSE_LAYERS = "linear_layers", "dense_layers"
+#: The releases' multi-token prediction weights, which transformers does not load (nor reshard).
+MTP_PREFIX = "mtp."
 
 
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -388,7 +390,18 @@ class Qwen3NextFamily(HFArchitectureFamily):
         experts = c.get("num_experts") or 0
         return [int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(layers)]
 
+    def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
+        """The release's multi-token prediction layers (``mtp.*``, ``mtp_num_hidden_layers``): not
+        imported, as transformers does not load them (``_keys_to_ignore_on_load_unexpected``)."""
+        declared = config.get("mtp_num_hidden_layers")
+        if not isinstance(declared, int) or declared <= 0:
+            return []
+        return [f"mtp_num_hidden_layers {declared}: the folder's multi-token prediction weights (mtp.*) are not "
+                f"imported (transformers' {self.name} does not load them either)"]
+
     def table_name(self, name: str, facts: ModelFacts) -> str | None:
+        if name.startswith(MTP_PREFIX):
+            return None  # the release's multi-token prediction layers: see import_warnings
         m = re.match(r"^model\.layers\.(\d+)\.(input|post_attention)_layernorm\.weight$", name)
         if m is None:
             return name
