@@ -397,8 +397,8 @@ def test_a_releases_multi_token_prediction_weights_are_left_out_with_a_warning(m
     shutil.copytree(made["dense"]["hf"], src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
-    save_file({"mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32)},
-              str(src / "model-mtp.safetensors"), metadata={"format": "pt"})
+    tensors = {**_tensors(src), "mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32)}
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     capsys.readouterr()
     _run(str(src), str(tmp_path / "tp1"), "--target-tp", "1")
     said = capsys.readouterr()
