@@ -406,3 +406,36 @@ def test_a_releases_multi_token_prediction_weights_are_left_out_with_a_warning(m
         said.out + said.err
     module = _rank(tmp_path / "tp1", "mp_rank_00")["model"]
     assert not any("mtp" in k for k in module)
+
+
+# --- the layer pattern both ways ------------------------------------------------------------------------
+
+def test_an_irregular_layer_pattern_is_one_flag_per_layer_both_ways(tmp_path):
+    """``layer_types`` that no ``linear_attention_freq`` int spells are one flag per layer in the args
+    (megatron-core's list form) and come back as the same ``layer_types``."""
+    types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    src = _made(tmp_path, "irregular", "Qwen3_5ForCausalLM", {**DENSE, "layer_types": types})
+    _run(str(src["hf"]), str(tmp_path / "tp2"), "--target-tp", "2")
+    assert _rank(tmp_path / "tp2", "mp_rank_00")["args"].linear_attention_freq == [0, 1, 1, 0]
+    _run(str(tmp_path / "tp2"), str(tmp_path / "back"), "--to", "hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["layer_types"] == types
+    want, got = _tensors(src["hf"]), _tensors(tmp_path / "back")
+    assert set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
+
+
+def test_a_release_config_without_layer_types_reads_full_attention_interval(made, tmp_path):
+    """transformers 4's ``config.json`` of the releases: ``full_attention_interval`` (and the rotary's
+    ``rope_theta``, ``partial_rotary_factor`` at the top), no ``layer_types``."""
+    import shutil
+
+    src = tmp_path / "release"
+    shutil.copytree(made["next"]["hf"], src)
+    config = json.loads((src / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    del config["layer_types"]
+    config.update(full_attention_interval=4, rope_theta=rope["rope_theta"], rope_scaling=None,
+                  partial_rotary_factor=rope["partial_rotary_factor"])
+    (src / "config.json").write_text(json.dumps(config))
+    _run(str(src), str(tmp_path / "tp1"), "--target-tp", "1")
+    args = _rank(tmp_path / "tp1", "mp_rank_00")["args"]
+    assert args.linear_attention_freq == 4 and args.rotary_percent == 0.25
