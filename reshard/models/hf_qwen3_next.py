@@ -71,7 +71,9 @@ from reshard.models.hf_architectures import (
     Same,
     VocabRows,
     WholeTensorTransform,
+    expect_rows,
     name_table,
+    row_bytes,
 )
 from reshard.models.hf_common import (
     CORE_LAYER,
@@ -98,22 +100,6 @@ LINEAR_LAYERS, DENSE_LAYERS = "linear_layers", "dense_layers"
 MTP_PREFIX = "mtp."
 
 
-def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    n = itemsize
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def _expect(names: tuple[str, ...], parts: Sequence[LazyTensor], rows: tuple[int, ...]) -> None:
-    """Import: the Hugging Face tensors fused into one have these rows and agree otherwise."""
-    got = tuple(p.shape[0] if p.shape else 0 for p in parts)
-    if got != rows or len({tuple(p.shape[1:]) for p in parts}) != 1 or len({p.dtype for p in parts}) != 1:
-        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in parts)
-        raise CheckpointFormatError(f"are {shapes}; config.json implies {rows} rows and the rest alike",
-                                    culprit=", ".join(names), hint="check config.json against the weights")
-
-
 class Segments(ByteTransform):
     """A megatron-core tensor whose rows are runs of rows of several Hugging Face tensors: the
     subclass lists them (:meth:`segments`: ``(output, first row there, first row here, rows)``) and
@@ -136,11 +122,11 @@ class Segments(ByteTransform):
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
         self._check(shape, facts)
-        row = _row_bytes(shape, itemsize)
+        row = row_bytes(shape, itemsize)
         return [Run(here * row, rows * row, out, there * row) for out, there, here, rows in self.segments(facts)]
 
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
-        _expect(names, parts, self.out_rows(facts))
+        expect_rows(names, parts, self.out_rows(facts))
         return RowConcat([(parts[out], there, rows) for out, there, _, rows in
                           sorted(self.segments(facts), key=lambda s: s[2])])
 
