@@ -126,7 +126,11 @@ def harness(made) -> dict:
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2")},
+    # megatron-core's own checkpoint resharded in its layout: sections merged (TP 1), experts dealt to EP 4
+    _run(str(root / "mcore"), str(root / "mcore_tp1"), "--target-tp", "1", "--target-ep", "4")
+    run_harness([{**forward, "ckpt": str(root / "mcore_tp1"), "tp": 1, "ep": 4, "out": str(work / "mcore_tp1.pt")}],
+                work)
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2", "mcore_tp1")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
             "mcore_dir": root / "mcore"}
 
@@ -140,6 +144,15 @@ def test_megatron_core_runs_the_import_with_transformers_logits(made, harness, l
     got, want = harness["logits"][layout], made[model]["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
     assert diff < TOL, f"{layout}: logits differ by {diff:.2e}"
+
+
+@needs_mcore
+def test_megatron_core_runs_its_own_checkpoint_resharded_with_its_logits(harness):
+    """megatron-core's TP 2 x EP 2 checkpoint -> TP 1 x EP 4 (each section of the mixer merged on its
+    own): megatron-core computes the logits it computed at TP 2 x EP 2."""
+    got, want = harness["logits"]["mcore_tp1"], harness["mcore"]
+    diff = (got[:, :128] - want[:, :128]).abs().max().item()  # the vocabulary, padded for TP 2 and for TP 1
+    assert diff < TOL, f"logits differ by {diff:.2e}"
 
 
 @needs_mcore
