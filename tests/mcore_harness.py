@@ -93,6 +93,11 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
     """One model (with ``vp_stage``: model chunk ``vp_stage`` of this pipeline rank, as Megatron-LM's
     ``get_model`` builds it for the interleaved schedule; ``seed`` None: go on drawing from the
     generator, so the chunks of a rank differ)."""
+    if m.get("gdn"):  # gated DeltaNet layers (Qwen3-Next, Qwen3.5): megatron-core's hybrid spec, with stand-ins
+        import mcore_gdn
+
+        return mcore_gdn.build_model({**m, "vocab": padded_vocab(m["vocab"], m["divisible_by"], tp)}, tp, pp, seed,
+                                     ep, etp, vp_stage)
     if seed is not None:
         torch.manual_seed(seed)
     norm = m.get("norm", "LayerNorm")
@@ -268,7 +273,7 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
         recorded.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
     recorded.update({k: m[k] for k in GPT_OSS_ARGS if k in m})
     recorded.update(m.get("yarn") or {})
-    return argparse.Namespace(**recorded, **moe,
+    made = argparse.Namespace(**recorded, **moe,
         num_layers=m["layers"], hidden_size=m["hidden"], ffn_hidden_size=m["ffn"],
         num_attention_heads=m["heads"], kv_channels=m.get("kv_channels") or m["hidden"] // m["heads"],
         group_query_attention=groups is not None, num_query_groups=groups or 1, swiglu=bool(m.get("swiglu")),
@@ -280,6 +285,11 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
         **stage_args(m, pp), attention_backend=AttnBackend.auto,
         params_dtype=torch.float32, ckpt_format="torch", tokenizer_type="NullTokenizer", save="/ckpt",
         transformer_impl="local")
+    if m.get("gdn"):
+        import mcore_gdn
+
+        return mcore_gdn.megatron_args(m, made)
+    return made
 
 
 def stage_args(m: dict[str, Any], pp: int) -> dict[str, Any]:
@@ -313,6 +323,14 @@ def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
 
 def options_from_args(a: Any) -> dict[str, Any]:
     """The model options (as :func:`build_model` takes them) that Megatron-LM's saved ``args`` describe."""
+    if getattr(a, "experimental_attention_variant", None):
+        import mcore_gdn
+
+        return mcore_gdn.options_from_args(a, _options_from_args(a))
+    return _options_from_args(a)
+
+
+def _options_from_args(a: Any) -> dict[str, Any]:
     return {"layers": a.num_layers, "hidden": a.hidden_size, "heads": a.num_attention_heads,
             "groups": a.num_query_groups if a.group_query_attention else None, "ffn": a.ffn_hidden_size,
             "swiglu": a.swiglu, "openai_gelu": getattr(a, "openai_gelu", False), "norm": a.normalization,

@@ -123,14 +123,15 @@ class WholeTensorTransform(Transform):
         return [x.transpose(-2, -1) for x in self.convert(t, facts)]
 
 
-def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of one leading-dim row of a tensor of ``shape`` (a transform's byte runs move whole rows)."""
     n = itemsize
     for d in shape[1:]:
         n *= d
     return n
 
 
-def _expect_rows(names: tuple[str, ...], parts: Sequence[LazyTensor], rows: tuple[int, ...]) -> None:
+def expect_rows(names: tuple[str, ...], parts: Sequence[LazyTensor], rows: tuple[int, ...]) -> None:
     """Import: the Hugging Face tensors fused into one must have these rows and agree otherwise."""
     got = tuple(p.shape[0] if p.shape else 0 for p in parts)
     rest = {tuple(p.shape[1:]) for p in parts}
@@ -145,7 +146,7 @@ class Same(ByteTransform):
         return [OutTensor(names[0], shape)]
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
-        return [Run(0, shape[0] * _row_bytes(shape, itemsize), 0, 0)] if shape else [Run(0, itemsize, 0, 0)]
+        return [Run(0, shape[0] * row_bytes(shape, itemsize), 0, 0)] if shape else [Run(0, itemsize, 0, 0)]
 
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         return parts[0]
@@ -162,7 +163,7 @@ class VocabRows(ByteTransform):
         return [OutTensor(names[0], (self.rows(shape, facts), *shape[1:]))]
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
-        return [Run(0, self.rows(shape, facts) * _row_bytes(shape, itemsize), 0, 0)]
+        return [Run(0, self.rows(shape, facts) * row_bytes(shape, itemsize), 0, 0)]
 
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         return parts[0]  # the true rows: the planner pads them as Megatron does (``vocab_divisor``)
@@ -187,7 +188,7 @@ class QKVSplit(ByteTransform):
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
         g, q, d = self._dims(shape, facts)
-        row = _row_bytes(shape, itemsize)
+        row = row_bytes(shape, itemsize)
         out = []
         for i in range(g):
             base = i * (q + 2) * d * row
@@ -199,7 +200,7 @@ class QKVSplit(ByteTransform):
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         q_, k_, v_ = parts
         g, heads, d = facts.query_groups or 0, facts.heads or 0, facts.head_dim or 0
-        _expect_rows(names, parts, (heads * d, g * d, g * d))
+        expect_rows(names, parts, (heads * d, g * d, g * d))
         q = heads // g
         return RowConcat([seg for i in range(g)
                           for seg in ((q_, i * q * d, q * d), (k_, i * d, d), (v_, i * d, d))])
@@ -213,12 +214,12 @@ class GatedSplit(ByteTransform):
         return [OutTensor(names[0], (f, *shape[1:])), OutTensor(names[1], (f, *shape[1:]))]
 
     def runs(self, shape: tuple[int, ...], itemsize: int, facts: ModelFacts) -> list[Run]:
-        half = shape[0] // 2 * _row_bytes(shape, itemsize)
+        half = shape[0] // 2 * row_bytes(shape, itemsize)
         return [Run(0, half, 0, 0), Run(half, half, 1, 0)]
 
     def gather(self, names: tuple[str, ...], parts: Sequence[LazyTensor], facts: ModelFacts) -> LazyTensor:
         gate, up = parts
-        _expect_rows(names, parts, (gate.shape[0], gate.shape[0]))
+        expect_rows(names, parts, (gate.shape[0], gate.shape[0]))
         return RowConcat([(gate, 0, gate.shape[0]), (up, 0, up.shape[0])])
 
 

@@ -29,14 +29,16 @@ QWEN_ROUTED: NameTable = name_table(
                                 _H + "mlp.experts.{expert}.up_proj.weight"), LINEAR),
     (EXPERT_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",), LINEAR),
 )
-#: megatron-core MoE layers <-> Qwen2-MoE's: the routed experts, one shared expert and its sigmoid
-#: gate, on top of Llama's names (its dense layers).
-QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + QWEN_ROUTED + name_table(
+#: A megatron-core MoE layer's shared expert and its sigmoid gate <-> Qwen's (Qwen2-MoE, Qwen3-Next).
+QWEN_SHARED: NameTable = name_table(
     (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
      (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), LINEAR),
     (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_expert.down_proj.weight",), LINEAR),
     (_L + "mlp.shared_experts.gate_weight", Same(), (_H + "mlp.shared_expert_gate.weight",)),
 )
+#: megatron-core MoE layers <-> Qwen2-MoE's: the routed experts, one shared expert and its sigmoid
+#: gate, on top of Llama's names (its dense layers).
+QWEN2_MOE_NAMES: NameTable = LLAMA_NAMES + QWEN_ROUTED + QWEN_SHARED
 #: megatron-core MoE layers <-> Qwen3-MoE's: Qwen2-MoE's router and experts, no shared expert.
 QWEN3_MOE_NAMES: NameTable = QWEN3_NAMES + QWEN_ROUTED
 

@@ -420,10 +420,11 @@ _CORE_SUBMODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_att
 _CORE_INNER = ("gate_weight", "linear_fc1.", "linear_fc2.")
 _CORE_ENTRIES = ("weight", "bias", "_extra_state")
 #: megatron-core's local-spec linear layers carry an ``_extra_state`` entry (None); legacy ones none.
-#: (a multi-token prediction layer's decoder layer and its ``eh_proj`` likewise).
+#: (a multi-token prediction layer's decoder layer and its ``eh_proj`` likewise; a mixer's linear
+#: ``in_proj`` and ``out_proj``, which megatron-core builds as its linear layers, too).
 _CORE_LINEAR_WEIGHT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(?:.+\.)?"
-                                 r"linear_(?:proj|qkv|fc1|fc2|q_down_proj|q_up_proj|q_proj|kv_down_proj|kv_up_proj)"
-                                 r"|mtp\.layers\.\d+\.eh_proj)\.weight$")
+                                 r"(?:linear_(?:proj|qkv|fc1|fc2|q_down_proj|q_up_proj|q_proj|kv_down_proj|kv_up_proj)"
+                                 r"|in_proj|out_proj)|mtp\.layers\.\d+\.eh_proj)\.weight$")
 _CORE_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
