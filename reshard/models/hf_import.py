@@ -88,7 +88,7 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
             continue
         module[key] = transform.gather(names, [tensors[n] for n in names], model.facts)
     _check_layers(module, model)
-    return core_module(module)
+    return family.core_module(module) if family is not None else core_module(module)
 
 
 def _check_layers(module: Mapping[str, Any], model: HFModel) -> None:

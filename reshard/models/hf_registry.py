@@ -29,6 +29,8 @@ architecture             module                          megatron-core model
 ``DeepseekV3ForCausalLM`` :mod:`~reshard.models.hf_deepseek` multi-latent attention, DeepSeek MoE, MTP
 ``GptOssForCausalLM``    :mod:`~reshard.models.hf_gpt_oss`  learned attention sinks, MoE with biases, clamped
                                                          gated activation, YaRN, alternating windows
+``NemotronHForCausalLM`` :mod:`~reshard.models.hf_nemotron_h` hybrid ``MambaModel``: Mamba-2, attention without
+                                                         rotary, squared-ReLU MLP layers
 =======================  ==============================  =============================================
 
 Anything else is refused with what differs — never an approximate export.
@@ -53,7 +55,7 @@ BUILTIN: tuple[str, ...] = (
     "reshard.models.hf_llama:LLAMA", "reshard.models.hf_mistral:MISTRAL", "reshard.models.hf_qwen:QWEN2",
     "reshard.models.hf_qwen:QWEN3", "reshard.models.hf_mixtral:MIXTRAL", "reshard.models.hf_qwen_moe:QWEN2_MOE",
     "reshard.models.hf_qwen_moe:QWEN3_MOE", "reshard.models.hf_gpt2:GPT2", "reshard.models.hf_deepseek:DEEPSEEK_V3",
-    "reshard.models.hf_gpt_oss:GPT_OSS")
+    "reshard.models.hf_gpt_oss:GPT_OSS", "reshard.models.hf_nemotron_h:NEMOTRON_H")
 ENTRY_POINT_GROUP = "reshard.hf_architectures"
 
 _ARCHITECTURES: PluginRegistry[HFArchitectureFamily] = PluginRegistry(

@@ -1,0 +1,266 @@
+"""Nemotron-H (transformers' ``NemotronHForCausalLM``) <-> megatron-core's hybrid ``MambaModel``: a tiny
+model transformers builds (Mamba-2, MLP, attention and Mamba layers, two groups of Mamba heads) is
+imported to megatron-core at TP 1 and TP 2, whose forward gives transformers' logits; a checkpoint
+megatron-core writes at TP 2 goes ``--to hf`` into a folder transformers loads at default
+strictness with megatron-core's logits; HF -> TP 2 (x PP 2) -> HF gives back every tensor bit for
+bit.
+
+The layout is checked tensor by tensor too: each rank's ``in_proj`` is its slice of each of
+``[z; x; B; C; dt]`` (B and C whole groups), its ``conv1d`` its slice of each of ``[x; B; C]``, its
+``A_log``, ``D``, ``dt_bias`` and gated-norm weight its heads' and groups' rows. megatron-core's
+Mamba mixer needs ``mamba_ssm``'s Triton kernels and Transformer Engine: it runs here with the
+stand-ins :mod:`mcore_mamba` names (the SSD scan and the gated norm written from their definitions),
+all jobs in one launch (:func:`mamba`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_fixtures import TOKENS
+from reshard.cli import main
+from reshard.core.safe_load import load_shard
+
+TOL = 2e-5
+#: Mamba, MLP, attention, Mamba: a pipeline split in two starts its second stage with attention.
+PATTERN = "M-*M"
+CONFIG = {"vocab_size": 96, "hidden_size": 32, "layers_block_type": ["mamba", "mlp", "attention", "mamba"],
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+          "ssm_state_size": 8, "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 4,
+          "max_position_embeddings": 64, "tie_word_embeddings": False}
+#: The same architecture written by megatron-core itself (:func:`mcore_mamba.megatron_args`).
+MCORE_MODEL = {"pattern": PATTERN, "hidden": 32, "ffn": 48, "heads": 4, "groups": 2, "head_dim": 8, "vocab": 96,
+               "seq": 64, "state": 8, "mamba_head_dim": 8, "mamba_groups": 2, "mamba_heads": 8}
+HARNESS = Path(__file__).with_name("mcore_mamba.py")
+_M = "decoder.layers.{}.mixer."
+#: Rows of each fused section in the whole model: in_proj's z, x, B, C, dt; conv1d's x, B, C.
+D_INNER, GS, HEADS = 64, 16, 8
+IN_PROJ = (D_INNER, D_INNER, GS, GS, HEADS)
+CONV = (D_INNER, GS, GS)
+
+
+def _run(*argv: str) -> None:
+    assert main(["run", "--direct", *argv]) == 0
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _rank(folder: Path, rank_dir: str) -> dict:
+    return load_shard(next(folder.glob(f"*/{rank_dir}/model_optim_rng.pt")))
+
+
+def _transformers(folder: Path):
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([TOKENS])).logits[0], info
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> dict:
+    """The folder transformers saves (fp32; norms and the mixer's vectors drawn away from their
+    initial values) and its logits."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    root = tmp_path_factory.mktemp("nemotron_h")
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.NemotronHConfig(**CONFIG, initializer_range=0.1), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key or key.endswith((".D", "conv1d.bias")):
+                p.add_(torch.rand_like(p))  # distinct from their initial values: a misplaced one must show
+            elif key.endswith("A_log"):
+                p.add_(torch.rand_like(p) * 0.3)
+            elif key.endswith("dt_bias"):  # every step above time_step_min, where transformers would clamp it
+                p.add_(3.0)  # (megatron-core does not clamp: hf_nemotron_h's docstring)
+        want = model(torch.tensor([TOKENS])).logits[0]
+    model.save_pretrained(root / "hf")
+    return {"root": root, "hf": root / "hf", "want": want}
+
+
+@pytest.fixture(scope="module")
+def converted(hf) -> dict[str, Path]:
+    """reshard's outputs: TP 1, TP 2, TP 2 x PP 2, and both back to HF."""
+    root, src = hf["root"], str(hf["hf"])
+    out = {name: root / name for name in ("tp1", "tp2", "tp2pp2", "back", "back_pp")}
+    _run(src, str(out["tp1"]), "--target-tp", "1")
+    _run(src, str(out["tp2"]), "--target-tp", "2")
+    _run(src, str(out["tp2pp2"]), "--target-tp", "2", "--target-pp", "2")
+    _run(str(out["tp2"]), str(out["back"]), "--to", "hf")
+    _run(str(out["tp2pp2"]), str(out["back_pp"]), "--to", "hf")
+    return out
+
+
+@pytest.fixture(scope="module")
+def mamba(hf, converted) -> dict:
+    """One launch of megatron-core's MambaModel (:mod:`mcore_mamba`): it writes its own model at TP 2
+    and runs the imports at TP 1 and TP 2, each built from the checkpoint's own args; then its
+    checkpoint goes ``--to hf``."""
+    root = hf["root"]
+    work = root / "harness"
+    work.mkdir()
+    forward = {"kind": "forward", "tokens": TOKENS}
+    jobs = [{"kind": "write", "out": str(root / "mcore"), "tp": 2, "model": MCORE_MODEL, "tokens": TOKENS},
+            {**forward, "ckpt": str(converted["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
+            {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "out": str(work / "tp2.pt")}]
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, str(HARNESS), str(work / "jobs.json")], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2")},
+            "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
+
+
+# --- megatron-core computes what transformers computes --------------------------------------------
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
+    got = mamba["logits"][layout]
+    assert got.shape == hf["want"].shape
+    assert torch.allclose(got, hf["want"], atol=TOL, rtol=0), (got - hf["want"]).abs().max()
+
+
+def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(mamba):
+    """megatron-core's own TP 2 checkpoint, ``--to hf``: transformers loads it at default strictness
+    and computes megatron-core's logits (the export's ``time_step_min`` 0: no clamp of the steps)."""
+    got, info = _transformers(mamba["mcore_hf"])
+    assert not any(info.values()), info
+    assert torch.allclose(got, mamba["mcore"], atol=TOL, rtol=0), (got - mamba["mcore"]).abs().max()
+    config = json.loads((mamba["mcore_hf"] / "config.json").read_text())
+    assert (config["hybrid_override_pattern"], config["n_groups"], config["time_step_min"]) == (PATTERN, 2, 0.0)
+
+
+# --- the layout, tensor by tensor ---------------------------------------------------------------
+
+def _sections(full: torch.Tensor, rows: tuple[int, ...], tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank`` of ``tp``'s rows: its slice of each section, as megatron-core's mixer holds them."""
+    out, first = [], 0
+    for n in rows:
+        out.append(full[first + rank * n // tp:first + (rank + 1) * n // tp])
+        first += n
+    return torch.cat(out)
+
+
+def test_each_rank_holds_its_slice_of_every_section(hf, converted):
+    """TP 2: ``in_proj`` per section (z, x by heads; B, C by whole groups; dt by heads), ``conv1d``
+    per section (x, B, C), ``A_log`` (not A), ``D``, ``dt_bias`` by heads, the gated norm by groups;
+    the layer norms of every kind under Transformer Engine's fused names."""
+    src = _tensors(hf["hf"])
+    for rank in range(2):
+        module = _rank(converted["tp2"], f"mp_rank_{rank:02d}")["model"]
+        for layer in (0, 3):
+            h, m = f"backbone.layers.{layer}.mixer.", _M.format(layer)
+            assert torch.equal(module[m + "in_proj.weight"], _sections(src[h + "in_proj.weight"], IN_PROJ, 2, rank))
+            for p in ("weight", "bias"):
+                assert torch.equal(module[m + f"conv1d.{p}"], _sections(src[h + f"conv1d.{p}"], CONV, 2, rank))
+            for p in ("A_log", "D", "dt_bias"):
+                assert torch.equal(module[m + p], src[h + p].chunk(2)[rank]), p
+            assert torch.equal(module[m + "norm.weight"], src[h + "norm.weight"].chunk(2)[rank])
+            assert torch.equal(module[m + "out_proj.weight"], src[h + "out_proj.weight"].chunk(2, dim=1)[rank])
+            assert torch.equal(module[m + "in_proj.layer_norm_weight"], src[f"backbone.layers.{layer}.norm.weight"])
+        assert torch.equal(module["decoder.layers.1.mlp.linear_fc1.layer_norm_weight"],
+                           src["backbone.layers.1.norm.weight"])
+        assert torch.equal(module["decoder.layers.2.self_attention.linear_qkv.layer_norm_weight"],
+                           src["backbone.layers.2.norm.weight"])
+        assert torch.equal(module["decoder.final_norm.weight"], src["backbone.norm_f.weight"])
+
+
+def test_the_import_holds_megatron_cores_own_entries_and_args(converted, mamba, hf):
+    """The TP 2 import's rank files hold the entries megatron-core's own TP 2 checkpoint holds, with
+    the args that rebuild the model (``--use-checkpoint-args``) and the vocabulary padded as
+    Megatron-LM pads it."""
+    for rank in range(2):
+        ours = _rank(converted["tp2"], f"mp_rank_{rank:02d}")
+        theirs = torch.load(next((hf["root"] / "mcore").glob(f"*/mp_rank_{rank:02d}/model_optim_rng.pt")),
+                            weights_only=False)
+        assert set(ours["model"]) == set(theirs["model"])
+        assert {k: tuple(v.shape) for k, v in ours["model"].items() if v is not None} == \
+               {k: tuple(v.shape) for k, v in theirs["model"].items() if v is not None}
+    args = _rank(converted["tp2"], "mp_rank_00")["args"]
+    assert (args.hybrid_override_pattern, args.is_hybrid_model, args.mamba_num_heads, args.mamba_head_dim,
+            args.mamba_num_groups, args.mamba_state_dim) == (PATTERN, True, 8, 8, 2, 8)
+    assert (args.squared_relu, args.swiglu, args.position_embedding_type, args.add_bias_linear) == \
+           (True, False, "none", False)
+    assert args.spec == ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+
+
+@pytest.mark.parametrize("back", ["back", "back_pp"])
+def test_hf_to_megatron_and_back_gives_every_tensor_bit_for_bit(hf, converted, back):
+    want, got = _tensors(hf["hf"]), _tensors(converted[back])
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    logits, info = _transformers(converted[back])
+    assert not any(info.values()), info
+
+
+def test_pipeline_stages_split_the_hybrid_pattern(converted):
+    """PP 2 over ``M-*M``: stage 1 starts with the attention layer, its layers numbered from 0."""
+    second = _rank(converted["tp2pp2"], "mp_rank_00_001")["model"]
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in second
+    assert "decoder.layers.1.mixer.in_proj.weight" in second and "decoder.final_norm.weight" in second
+
+
+def test_the_older_pattern_spelling_reads_alike(hf, converted, tmp_path):
+    """A config.json with ``hybrid_override_pattern`` (no ``layers_block_type``) imports to the same files."""
+    src = shutil.copytree(hf["hf"], tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    del config["layers_block_type"]
+    (src / "config.json").write_text(json.dumps({**config, "hybrid_override_pattern": PATTERN}))
+    _run(str(src), str(tmp_path / "tp2"), "--target-tp", "2")
+    for rank in range(2):
+        a, b = (_rank(f, f"mp_rank_{rank:02d}") for f in (converted["tp2"], tmp_path / "tp2"))
+        assert a["model"].keys() == b["model"].keys()
+        assert all(v is None or torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+
+
+# --- refusals --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,needle", [
+    ({"conv_kernel": 3}, "conv_kernel 3 (megatron-core's causal conv has kernel 4)"),
+    ({"use_bias": True}, "use_bias True (megatron-core's mixer has no linear biases)"),
+    ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act 'gelu' (megatron-core's mixer activation is SiLU)"),
+    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon 1e-06 (transformers' mixer norm takes it"),
+    ({"layers_block_type": ["mamba", "mlp", "attention"]}, "layer pattern 'M-*' has 3"),
+])
+def test_a_config_megatron_core_does_not_compute_is_refused_in_one_line(hf, tmp_path, capsys, change, needle):
+    src = shutil.copytree(hf["hf"], tmp_path / "hf")
+    config = {**json.loads((hf["hf"] / "config.json").read_text()), **change}
+    if "layers_block_type" in change:
+        config["num_hidden_layers"] = 4
+    (src / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tp_the_groups_do_not_divide_by_is_refused_in_one_line(hf, tmp_path, capsys):
+    """2 groups over 4 ranks: megatron-core asserts ``ngroups % tp_size == 0``; refused before writing."""
+    capsys.readouterr()
+    assert main(["run", "--direct", str(hf["hf"]), str(tmp_path / "o"), "--target-tp", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reshard: error: --target-tp:") and len(err.splitlines()) == 1, err
+    assert "2 groups (args.mamba_num_groups, n_groups) and 8 heads do not divide over 4" in err, err
+    assert "(fix: choose a target TP among 1, 2)" in err, err
+    assert not (tmp_path / "o").exists()
