@@ -26,7 +26,8 @@ stand-in, each written here from its definition:
   functions that raise;
 * CUDA: ``torch.cuda.current_device`` is the CPU and the CUDA RNG tracker's ``fork`` a no-op.
 
-Jobs: ``write`` builds the model from ``model`` options at TP ``tp`` (seeded; norms and mixer
+Jobs (``tp``, ``ep``, ``etp``: TP, EP and expert TP; the world the smallest holding both grids):
+``write`` builds the model from ``model`` options at TP ``tp`` (seeded; norms and mixer
 vectors drawn away from their initial values), saves Megatron-LM's per-rank files with the
 ``args`` Megatron-LM would and the logits of ``tokens``; ``forward`` loads the checkpoint ``ckpt``
 at TP ``tp`` from its own args and saves the logits to ``out``. A job's ``expect_failure`` records
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import socket
 import sys
@@ -139,9 +141,17 @@ def _stack_spec() -> Any:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     class NormedColumnParallelLinear(ColumnParallelLinear):
         """Transformer Engine's ``TELayerNormColumnParallelLinear`` stood in: the layer's RMSNorm
@@ -158,7 +168,38 @@ def _stack_spec() -> Any:
             x = x32.to(x.dtype) * self.layer_norm_weight
             return super().forward(x)
 
+    class GroupedLinear(MegatronModule):
+        """Transformer Engine's ``TEColumnParallelGroupedLinear`` (``split`` 0: output rows over the expert
+        TP) and ``TERowParallelGroupedLinear`` (``split`` 1: inputs) stood in: one ``weight{i}`` per local
+        expert, each expert's tokens times its own; the token dispatcher reduces a row-parallel output
+        over the expert TP (megatron-core's explicit expert communication), so there is none here."""
+
+        split = 0
+
+        def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: Any, init_method: Any,
+                     bias: bool, pg_collection: Any, **kw: Any) -> None:
+            super().__init__(config)
+            assert not bias
+            etp = pg_collection.expt_tp.size()
+            shape = (output_size // etp, input_size) if self.split == 0 else (output_size, input_size // etp)
+            for i in range(num_gemms):
+                w = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
+                init_method(w)
+                self.register_parameter(f"weight{i}", w)
+
+        def forward(self, x: torch.Tensor, m_splits: list[int]) -> Any:
+            parts = torch.split(x, m_splits)
+            return torch.cat([p @ getattr(self, f"weight{i}").t() for i, p in enumerate(parts)]), None
+
+    class GroupedRowLinear(GroupedLinear):
+        split = 1
+
     mamba_block.TENorm = WrappedTorchNorm  # the stack's final norm
+    moe = ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=GroupedLinear,
+                                                                         linear_fc2=GroupedRowLinear)),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
             mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
@@ -173,11 +214,13 @@ def _stack_spec() -> Any:
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=NormedColumnParallelLinear,
                                                                 linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add))))
+            mlp_bda=get_bias_dropout_add)),
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm, mlp=moe, mlp_bda=get_bias_dropout_add))))
 
 
 # --- args <-> model -------------------------------------------------------------------------------
-def megatron_args(m: dict[str, Any], tp: int) -> argparse.Namespace:
+def megatron_args(m: dict[str, Any], tp: int, ep: int = 1, etp: int = 1) -> argparse.Namespace:
     """The ``args`` Megatron-LM's ``pretrain_mamba.py`` saves for model options ``m`` (the keys the
     model is rebuilt from)."""
     padded = -(-m["vocab"] // (128 * tp)) * 128 * tp
@@ -193,10 +236,16 @@ def megatron_args(m: dict[str, Any], tp: int) -> argparse.Namespace:
         mamba_num_groups=m["mamba_groups"], mamba_num_heads=m["mamba_heads"],
         spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, transformer_impl="transformer_engine",
-        use_legacy_models=False, ckpt_format="torch", params_dtype=torch.float32, bf16=False, fp16=False)
+        use_legacy_models=False, ckpt_format="torch", params_dtype=torch.float32, bf16=False, fp16=False,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        **({} if "experts" not in m else dict(
+            num_experts=m["experts"], moe_router_topk=m["topk"], moe_ffn_hidden_size=m["moe_ffn"],
+            moe_shared_expert_intermediate_size=m["shared_ffn"], moe_shared_expert_gate=False,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+            moe_router_topk_scaling_factor=1.0, moe_router_dtype="fp32", moe_grouped_gemm=True)))
 
 
-def build(a: Any, tp: int) -> Any:
+def build(a: Any, tp: int, ep: int = 1, etp: int = 1) -> Any:
     """``MambaModel`` as Megatron-LM builds it from ``args`` ``a`` (TP ``tp``; mixer on its prefill path)."""
     from megatron.core.activations import squared_relu
     from megatron.core.models.mamba.mamba_model import MambaModel
@@ -211,7 +260,16 @@ def build(a: Any, tp: int) -> Any:
         add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias, mamba_state_dim=a.mamba_state_dim,
         mamba_head_dim=a.mamba_head_dim, mamba_num_groups=a.mamba_num_groups, mamba_num_heads=a.mamba_num_heads,
         use_mamba_mem_eff_path=False, tensor_model_parallel_size=tp, use_cpu_initialization=True,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        **({} if not getattr(a, "num_experts", None) else dict(
+            num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk, moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+            moe_router_score_function=a.moe_router_score_function,
+            moe_router_enable_expert_bias=a.moe_router_enable_expert_bias,
+            moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor, moe_router_dtype=a.moe_router_dtype,
+            moe_grouped_gemm=True, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0)))
     return MambaModel(cfg, _stack_spec(), vocab_size=a.padded_vocab_size,
                       max_sequence_length=a.max_position_embeddings, hybrid_override_pattern=a.hybrid_override_pattern,
                       position_embedding_type=a.position_embedding_type,
@@ -224,8 +282,11 @@ def logits(model: Any, tokens: list[int], vocab: int) -> torch.Tensor:
     mask = torch.ones(1, 1, len(tokens), len(tokens), dtype=torch.bool).triu(1)
     with torch.no_grad():
         out = model.eval()(ids, torch.arange(len(tokens))[None], mask)[0]
-    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, out.contiguous())
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.contiguous(), group=group)
     return torch.cat(parts, -1)[:, :vocab]
 
 
@@ -235,31 +296,42 @@ def _draw(model: Any, seed: int) -> None:
     same, own = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1 + dist.get_rank())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layer_norm_weight") or "final_norm" in name:
+            if name.endswith("layer_norm_weight") or "final_norm" in name or "pre_mlp_layernorm" in name:
                 p.add_(torch.rand(p.shape, generator=same) * 0.5)
             elif name.endswith(("A_log", ".D", "conv1d.bias", "mixer.norm.weight")):
                 p.add_(torch.rand(p.shape, generator=own) * 0.5)
+            elif ".experts.linear_fc" in name:  # each expert-parallel rank's experts their own
+                p.add_(torch.randn(p.shape, generator=own) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn(b.shape, generator=same) * 0.1)
 
 
 # --- the ranks ------------------------------------------------------------------------------------
 def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     install_mamba_stand_ins()
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    import megatron.core.transformer.moe.moe_utils as moe_utils  # names te_general_gemm only with TE installed
+
+    moe_utils.te_general_gemm = None
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    tp = job["tp"]
+    tp, ep, etp = job["tp"], job.get("ep", 1), job.get("etp") or job["tp"]
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)
         mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        if ep > 1:
+            name += f"_{ps.get_expert_model_parallel_rank():03d}"
         if job["kind"] == "write":
-            args = megatron_args(job["model"], tp)
+            args = megatron_args(job["model"], tp, ep, etp)
             torch.manual_seed(job.get("seed", 11))
-            model = build(args, tp)
+            model = build(args, tp, ep, etp)
             _draw(model, job.get("seed", 11))
             out = Path(job["out"])
             f = out / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt"
@@ -276,7 +348,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
         latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
         it = ckpt / ("release" if latest == "release" else f"iter_{int(latest):07d}")
         state = torch.load(it / name / "model_optim_rng.pt", weights_only=False)
-        model = build(state["args"], tp)
+        model = build(state["args"], tp, ep, etp)
         failed = ""
         try:
             model.load_state_dict(state["model"], strict=True)
@@ -310,7 +382,9 @@ def main(jobs_file: str) -> None:
     import megatron.core.ssm.mamba_mixer  # noqa: F401
 
     for job in json.loads(Path(jobs_file).read_text()):
-        mp.start_processes(_worker, args=(job["tp"], _free_port(), job), nprocs=job["tp"], start_method="fork")
+        # the smallest world holding the dense grid (TP) and the expert grid (expert TP x EP)
+        world = math.lcm(job["tp"], (job.get("etp") or job["tp"]) * job.get("ep", 1))
+        mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
 
 
 if __name__ == "__main__":

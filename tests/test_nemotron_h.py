@@ -1,9 +1,9 @@
 """Nemotron-H (transformers' ``NemotronHForCausalLM``) <-> megatron-core's hybrid ``MambaModel``: a tiny
-model transformers builds (Mamba-2, MLP, attention and Mamba layers, two groups of Mamba heads) is
-imported to megatron-core at TP 1 and TP 2, whose forward gives transformers' logits; a checkpoint
-megatron-core writes at TP 2 goes ``--to hf`` into a folder transformers loads at default
-strictness with megatron-core's logits; HF -> TP 2 (x PP 2) -> HF gives back every tensor bit for
-bit.
+model transformers builds (Mamba-2, MLP, attention and MoE layers, two groups of Mamba heads, 4 routed
+experts and a shared one) is imported to megatron-core at TP 1, TP 2 and TP 2 x EP 2, whose forward
+gives transformers' logits; a checkpoint megatron-core writes at TP 2 x EP 2 goes ``--to hf`` into a
+folder transformers loads at default strictness with megatron-core's logits; HF -> TP 2 x EP 2
+(x PP 2) -> HF gives back every tensor bit for bit.
 
 The layout is checked tensor by tensor too: each rank's ``in_proj`` is its slice of each of
 ``[z; x; B; C; dt]`` (B and C whole groups), its ``conv1d`` its slice of each of ``[x; B; C]``, its
@@ -30,15 +30,18 @@ from reshard.cli import main
 from reshard.core.safe_load import load_shard
 
 TOL = 2e-5
-#: Mamba, MLP, attention, Mamba: a pipeline split in two starts its second stage with attention.
-PATTERN = "M-*M"
-CONFIG = {"vocab_size": 96, "hidden_size": 32, "layers_block_type": ["mamba", "mlp", "attention", "mamba"],
+#: Mamba, MLP, attention, MoE, Mamba, MoE: a pipeline split in two starts its second stage with MoE.
+PATTERN = "M-*EME"
+CONFIG = {"vocab_size": 96, "hidden_size": 32,
+          "layers_block_type": ["mamba", "mlp", "attention", "moe", "mamba", "moe"],
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
           "ssm_state_size": 8, "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 4,
-          "max_position_embeddings": 64, "tie_word_embeddings": False}
+          "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "moe_shared_expert_intermediate_size": 24, "max_position_embeddings": 64, "tie_word_embeddings": False}
 #: The same architecture written by megatron-core itself (:func:`mcore_mamba.megatron_args`).
 MCORE_MODEL = {"pattern": PATTERN, "hidden": 32, "ffn": 48, "heads": 4, "groups": 2, "head_dim": 8, "vocab": 96,
-               "seq": 64, "state": 8, "mamba_head_dim": 8, "mamba_groups": 2, "mamba_heads": 8}
+               "seq": 64, "state": 8, "mamba_head_dim": 8, "mamba_groups": 2, "mamba_heads": 8, "experts": 4,
+               "topk": 2, "moe_ffn": 16, "shared_ffn": 24}
 HARNESS = Path(__file__).with_name("mcore_mamba.py")
 _M = "decoder.layers.{}.mixer."
 #: Rows of each fused section in the whole model: in_proj's z, x, B, C, dt; conv1d's x, B, C.
@@ -91,6 +94,9 @@ def hf(tmp_path_factory) -> dict:
                 p.add_(torch.rand_like(p) * 0.3)
             elif key.endswith("dt_bias"):  # every step above time_step_min, where transformers would clamp it
                 p.add_(3.0)  # (megatron-core does not clamp: hf_nemotron_h's docstring)
+        for key, b in model.named_buffers():
+            if key.endswith("e_score_correction_bias"):  # transformers zeroes it: a misplaced one must show
+                b.normal_(0, 0.1)
         want = model(torch.tensor([TOKENS])).logits[0]
     model.save_pretrained(root / "hf")
     return {"root": root, "hf": root / "hf", "want": want}
@@ -98,41 +104,45 @@ def hf(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def converted(hf) -> dict[str, Path]:
-    """reshard's outputs: TP 1, TP 2, TP 2 x PP 2, and both back to HF."""
+    """reshard's outputs: TP 1, TP 2, TP 2 x EP 2 (expert TP 1) and x PP 2, both back to HF."""
     root, src = hf["root"], str(hf["hf"])
-    out = {name: root / name for name in ("tp1", "tp2", "tp2pp2", "back", "back_pp")}
+    out = {name: root / name for name in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "back", "back_pp")}
     _run(src, str(out["tp1"]), "--target-tp", "1")
     _run(src, str(out["tp2"]), "--target-tp", "2")
-    _run(src, str(out["tp2pp2"]), "--target-tp", "2", "--target-pp", "2")
-    _run(str(out["tp2"]), str(out["back"]), "--to", "hf")
-    _run(str(out["tp2pp2"]), str(out["back_pp"]), "--to", "hf")
+    ep2 = ("--target-tp", "2", "--target-ep", "2", "--target-etp", "1")
+    _run(src, str(out["tp2ep2"]), *ep2)
+    _run(src, str(out["tp2ep2pp2"]), *ep2, "--target-pp", "2")
+    _run(str(out["tp2ep2"]), str(out["back"]), "--to", "hf")
+    _run(str(out["tp2ep2pp2"]), str(out["back_pp"]), "--to", "hf")
     return out
 
 
 @pytest.fixture(scope="module")
 def mamba(hf, converted) -> dict:
-    """One launch of megatron-core's MambaModel (:mod:`mcore_mamba`): it writes its own model at TP 2
-    and runs the imports at TP 1 and TP 2, each built from the checkpoint's own args; then its
-    checkpoint goes ``--to hf``."""
+    """One launch of megatron-core's MambaModel (:mod:`mcore_mamba`): it writes its own model at TP 2 x
+    EP 2 and runs the imports at TP 1, TP 2 and TP 2 x EP 2, each built from the checkpoint's own args;
+    then its checkpoint goes ``--to hf``."""
     root = hf["root"]
     work = root / "harness"
     work.mkdir()
     forward = {"kind": "forward", "tokens": TOKENS}
-    jobs = [{"kind": "write", "out": str(root / "mcore"), "tp": 2, "model": MCORE_MODEL, "tokens": TOKENS},
+    ep2 = {"tp": 2, "ep": 2, "etp": 1}
+    jobs = [{"kind": "write", "out": str(root / "mcore"), **ep2, "model": MCORE_MODEL, "tokens": TOKENS},
             {**forward, "ckpt": str(converted["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
-            {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "out": str(work / "tp2.pt")}]
+            {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "out": str(work / "tp2.pt")},
+            {**forward, "ckpt": str(converted["tp2ep2"]), **ep2, "out": str(work / "tp2ep2.pt")}]
     (work / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, str(HARNESS), str(work / "jobs.json")], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2"])
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
     got = mamba["logits"][layout]
     assert got.shape == hf["want"].shape
@@ -140,7 +150,7 @@ def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layou
 
 
 def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(mamba):
-    """megatron-core's own TP 2 checkpoint, ``--to hf``: transformers loads it at default strictness
+    """megatron-core's own TP 2 x EP 2 checkpoint, ``--to hf``: transformers loads it at default strictness
     and computes megatron-core's logits (the export's ``time_step_min`` 0: no clamp of the steps)."""
     got, info = _transformers(mamba["mcore_hf"])
     assert not any(info.values()), info
@@ -167,7 +177,7 @@ def test_each_rank_holds_its_slice_of_every_section(hf, converted):
     src = _tensors(hf["hf"])
     for rank in range(2):
         module = _rank(converted["tp2"], f"mp_rank_{rank:02d}")["model"]
-        for layer in (0, 3):
+        for layer in (0, 4):
             h, m = f"backbone.layers.{layer}.mixer.", _M.format(layer)
             assert torch.equal(module[m + "in_proj.weight"], _sections(src[h + "in_proj.weight"], IN_PROJ, 2, rank))
             for p in ("weight", "bias"):
@@ -181,26 +191,49 @@ def test_each_rank_holds_its_slice_of_every_section(hf, converted):
                            src["backbone.layers.1.norm.weight"])
         assert torch.equal(module["decoder.layers.2.self_attention.linear_qkv.layer_norm_weight"],
                            src["backbone.layers.2.norm.weight"])
+        assert torch.equal(module["decoder.layers.3.pre_mlp_layernorm.weight"], src["backbone.layers.3.norm.weight"])
         assert torch.equal(module["decoder.final_norm.weight"], src["backbone.norm_f.weight"])
 
 
+def test_expert_parallel_ranks_hold_their_experts_grouped(hf, converted):
+    """TP 2 x EP 2 (world 2: the files of TP rank r and EP rank r, as Megatron-LM saves them): EP rank
+    e holds experts 2e and 2e + 1 as megatron-core's stack spec names them (``linear_fc1.weight{i}``,
+    local numbers), whole (expert TP 1); the router and its expert bias and the shared expert (split
+    over TP) on every rank."""
+    src = _tensors(hf["hf"])
+    for tp_rank in range(2):
+        module = _rank(converted["tp2ep2"], f"mp_rank_{tp_rank:02d}_{tp_rank:03d}")["model"]
+        h, m = "backbone.layers.5.mixer.", "decoder.layers.5.mlp."
+        for local, expert in ((0, 2 * tp_rank), (1, 2 * tp_rank + 1)):
+            assert torch.equal(module[m + f"experts.linear_fc1.weight{local}"],
+                               src[h + f"experts.{expert}.up_proj.weight"])
+            assert torch.equal(module[m + f"experts.linear_fc2.weight{local}"],
+                               src[h + f"experts.{expert}.down_proj.weight"])
+        assert torch.equal(module[m + "router.weight"], src[h + "gate.weight"])
+        assert torch.equal(module[m + "router.expert_bias"], src[h + "gate.e_score_correction_bias"])
+        assert torch.equal(module[m + "shared_experts.linear_fc1.weight"],
+                           src[h + "shared_experts.up_proj.weight"].chunk(2)[tp_rank])
+
+
 def test_the_import_holds_megatron_cores_own_entries_and_args(converted, mamba, hf):
-    """The TP 2 import's rank files hold the entries megatron-core's own TP 2 checkpoint holds, with
-    the args that rebuild the model (``--use-checkpoint-args``) and the vocabulary padded as
-    Megatron-LM pads it."""
+    """The TP 2 x EP 2 import's rank files hold the entries megatron-core's own TP 2 x EP 2 checkpoint
+    holds, with the args that rebuild the model (``--use-checkpoint-args``) and the vocabulary padded
+    as Megatron-LM pads it."""
     for rank in range(2):
-        ours = _rank(converted["tp2"], f"mp_rank_{rank:02d}")
-        theirs = torch.load(next((hf["root"] / "mcore").glob(f"*/mp_rank_{rank:02d}/model_optim_rng.pt")),
-                            weights_only=False)
+        ours = _rank(converted["tp2ep2"], f"mp_rank_{rank:02d}_{rank:03d}")
+        folder = next((hf["root"] / "mcore").glob(f"*/mp_rank_{rank:02d}_{rank:03d}"))
+        theirs = torch.load(folder / "model_optim_rng.pt", weights_only=False)
         assert set(ours["model"]) == set(theirs["model"])
         assert {k: tuple(v.shape) for k, v in ours["model"].items() if v is not None} == \
                {k: tuple(v.shape) for k, v in theirs["model"].items() if v is not None}
-    args = _rank(converted["tp2"], "mp_rank_00")["args"]
+    args = _rank(converted["tp2ep2"], "mp_rank_00_000")["args"]
     assert (args.hybrid_override_pattern, args.is_hybrid_model, args.mamba_num_heads, args.mamba_head_dim,
             args.mamba_num_groups, args.mamba_state_dim) == (PATTERN, True, 8, 8, 2, 8)
     assert (args.squared_relu, args.swiglu, args.position_embedding_type, args.add_bias_linear) == \
            (True, False, "none", False)
     assert args.spec == ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+    assert (args.num_experts, args.moe_router_topk, args.moe_router_score_function, args.moe_router_enable_expert_bias,
+            args.moe_shared_expert_intermediate_size, args.expert_model_parallel_size) == (4, 2, "sigmoid", True, 24, 2)
 
 
 @pytest.mark.parametrize("back", ["back", "back_pp"])
@@ -214,10 +247,12 @@ def test_hf_to_megatron_and_back_gives_every_tensor_bit_for_bit(hf, converted, b
 
 
 def test_pipeline_stages_split_the_hybrid_pattern(converted):
-    """PP 2 over ``M-*M``: stage 1 starts with the attention layer, its layers numbered from 0."""
-    second = _rank(converted["tp2pp2"], "mp_rank_00_001")["model"]
-    assert "decoder.layers.0.self_attention.linear_qkv.weight" in second
+    """PP 2 over ``M-*EME``: stage 1 starts with an MoE layer, its layers numbered from 0."""
+    second = _rank(converted["tp2ep2pp2"], "mp_rank_01_001_001")["model"]
+    assert "decoder.layers.0.mlp.router.weight" in second
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight1" in second
     assert "decoder.layers.1.mixer.in_proj.weight" in second and "decoder.final_norm.weight" in second
+    assert not any(k.startswith("decoder.layers.3.") for k in second)
 
 
 def test_the_older_pattern_spelling_reads_alike(hf, converted, tmp_path):
@@ -241,12 +276,14 @@ def test_the_older_pattern_spelling_reads_alike(hf, converted, tmp_path):
     ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act 'gelu' (megatron-core's mixer activation is SiLU)"),
     ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon 1e-06 (transformers' mixer norm takes it"),
     ({"layers_block_type": ["mamba", "mlp", "attention"]}, "layer pattern 'M-*' has 3"),
+    ({"norm_topk_prob": False}, "norm_topk_prob False with top-2 (megatron-core normalises"),
+    ({"n_group": 2, "topk_group": 1}, "n_group 2 (transformers scores a group by its top 2"),
 ])
 def test_a_config_megatron_core_does_not_compute_is_refused_in_one_line(hf, tmp_path, capsys, change, needle):
     src = shutil.copytree(hf["hf"], tmp_path / "hf")
     config = {**json.loads((hf["hf"] / "config.json").read_text()), **change}
     if "layers_block_type" in change:
-        config["num_hidden_layers"] = 4
+        config["num_hidden_layers"] = 6
     (src / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
     assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"]) == 2

@@ -1,6 +1,6 @@
 """``NemotronHForCausalLM`` (transformers' ``models/nemotron_h``) both ways: megatron-core's hybrid
-``MambaModel`` (:mod:`reshard.models.nemotron_h` is its megatron-core side), dense layers (Mamba-2,
-attention, squared-ReLU MLP).
+``MambaModel`` (:mod:`reshard.models.nemotron_h` is its megatron-core side): Mamba-2, attention,
+squared-ReLU MLP and MoE layers.
 
 =================================================  ===============================================  =========
 Hugging Face (``backbone.layers.{l}.``)            megatron-core (``decoder.layers.{l}.``)          transform
@@ -15,6 +15,11 @@ Hugging Face (``backbone.layers.{l}.``)            megatron-core (``decoder.laye
 ``mixer.o_proj.weight``                            ``self_attention.linear_proj.weight``            same
 ``norm.weight`` of an MLP layer                    ``mlp.linear_fc1.layer_norm_weight``             same
 ``mixer.up_proj.weight``, ``mixer.down_proj``      ``mlp.linear_fc1.weight``, ``mlp.linear_fc2``    same
+``norm.weight`` of an MoE layer                    ``pre_mlp_layernorm.weight``                     same
+``mixer.gate.weight`` (float32)                    ``mlp.router.weight`` (float32)                  same
+``mixer.gate.e_score_correction_bias``             ``mlp.router.expert_bias``                       same
+``mixer.experts.{e}.{up,down}_proj.weight``        ``mlp.experts.linear_fc{1,2}.weight{e}``         same
+``mixer.shared_experts.{up,down}_proj.weight``     ``mlp.shared_experts.linear_fc{1,2}.weight``     same
 ``backbone.embeddings.weight``                     ``embedding.word_embeddings.weight``             vocab
 ``backbone.norm_f.weight``                         ``decoder.final_norm.weight``                    same
 ``lm_head.weight``                                 ``output_layer.weight``                          vocab
@@ -33,6 +38,11 @@ The arithmetic, read from transformers 5.24 (``modeling_nemotron_h.py``) and meg
 * each layer is ``x + mixer(RMSNorm(x))``; attention has no rotary embedding (megatron-core's
   ``position_embedding_type`` ``none``), MLPs are ``down(relu(up(x))^2)`` (Megatron-LM's
   ``--squared-relu``), no linear biases;
+* MoE layers: sigmoid scores of the router's logits (float32), the top-k chosen by score + expert
+  bias, the chosen scores normalised when k > 1 and scaled by ``routed_scaling_factor``, squared-ReLU
+  experts, plus one ungated shared expert — megatron-core's ``moe_router_score_function`` sigmoid
+  with ``moe_router_enable_expert_bias``; the stack spec's experts are grouped
+  (``linear_fc1.weight{e}``, the name the import writes; SequentialMLP's ``local_experts.{e}`` read);
 * the mixer: ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)``, the SSD scan over heads with B and
   C shared by the ``n / g`` heads of a group, ``+ D x``, then the gated norm ``RMSNorm_g(y silu(z))``
   normalised per group of ``d / g`` channels, then ``out_proj``. megatron-core fixes the conv kernel
@@ -70,7 +80,7 @@ from reshard.models.hf_architectures import (
     name_table,
 )
 from reshard.models.hf_common import EXTRA_STATE, config_int, has_key, import_refusal, megatron_model, not_exact
-from reshard.models.megatron_gpt import core_module
+from reshard.models.megatron_gpt import core_module, experts_per_layer
 from reshard.models.nemotron_h import (
     ATTENTION,
     CONV_KERNEL,
@@ -107,6 +117,15 @@ NEMOTRON_H_NAMES = name_table(
     (_L + "mlp.linear_fc1.layer_norm_weight", Same(), (_H + _NORM + _KIND_MARK + MLP,)),
     (_L + "mlp.linear_fc1.weight", Same(), (_H + "mixer.up_proj.weight",), LINEAR),
     (_L + "mlp.linear_fc2.weight", Same(), (_H + "mixer.down_proj.weight",), LINEAR),
+    (_L + "pre_mlp_layernorm.weight", Same(), (_H + _NORM + _KIND_MARK + MOE,)),
+    (_L + "mlp.router.weight", Same(), (_H + "mixer.gate.weight",)),
+    (_L + "mlp.router.expert_bias", Same(), (_H + "mixer.gate.e_score_correction_bias",)),
+    ((_L + "mlp.experts.linear_fc1.weight{expert}", _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight"),
+     Same(), (_H + "mixer.experts.{expert}.up_proj.weight",), LINEAR),
+    ((_L + "mlp.experts.linear_fc2.weight{expert}", _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight"),
+     Same(), (_H + "mixer.experts.{expert}.down_proj.weight",), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc1.weight", Same(), (_H + "mixer.shared_experts.up_proj.weight",), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mixer.shared_experts.down_proj.weight",), LINEAR),
     ("decoder.final_norm.weight", Same(), ("backbone.norm_f.weight",)),
     ("output_layer.weight", VocabRows(), ("lm_head.weight",)),
     (EXTRA_STATE, None, ()),
@@ -151,6 +170,28 @@ def config_pattern(c: Mapping[str, Any], where: str) -> str:
     return pattern
 
 
+def _moe_args(c: Mapping[str, Any], need: Any, refuse: Any) -> dict[str, Any]:
+    """Megatron-LM's MoE ``args`` of Nemotron-H's MoE layers: sigmoid scores, the expert bias
+    (``e_score_correction_bias``) choosing the top-k, the chosen scores normalised when k > 1 (what
+    megatron-core does; transformers when ``norm_topk_prob``), scaled by ``routed_scaling_factor``;
+    squared-ReLU experts and one ungated shared expert (transformers builds one whatever
+    ``n_shared_experts`` says), grouped experts as the stack spec builds them."""
+    topk = need("num_experts_per_tok")
+    if bool(c.get("norm_topk_prob", True)) != (topk > 1):
+        raise refuse(f"norm_topk_prob {c.get('norm_topk_prob')!r} with top-{topk} (megatron-core normalises the "
+                     "chosen sigmoid scores exactly when it picks more than one)")
+    if c.get("n_group", 1) != 1:
+        raise refuse(f"n_group {c.get('n_group')!r} (transformers scores a group by its top 2, megatron-core by its "
+                     "top k / topk_group: equal only by chance)")
+    return dict(num_experts=need("n_routed_experts", "num_local_experts"), moe_router_topk=topk,
+                moe_ffn_hidden_size=need("moe_intermediate_size"),
+                moe_shared_expert_intermediate_size=need("moe_shared_expert_intermediate_size"),
+                moe_shared_expert_gate=False, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+                moe_router_topk_scaling_factor=float(c.get("routed_scaling_factor", 1.0)), moe_router_dtype="fp32",
+                moe_grouped_gemm=True, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+
+
 class NemotronHForCausalLM(HFArchitectureFamily):
     """transformers' ``NemotronHForCausalLM``: megatron-core's hybrid ``MambaModel`` with Mamba-2,
     attention and squared-ReLU MLP layers, both ways, exactly or refused naming the setting."""
@@ -180,8 +221,6 @@ class NemotronHForCausalLM(HFArchitectureFamily):
         c = {**_DEFAULTS, **config}
         refuse, need = import_refusal(self.name, where), config_int(c, where)
         pattern = config_pattern(c, where)
-        if MOE in pattern:
-            raise refuse("MoE layers (layers_block_type 'moe'); reshard imports Nemotron-H's dense layers")
         for field, want, what in (
                 ("conv_kernel", CONV_KERNEL, "megatron-core's causal conv has kernel 4"),
                 ("mamba_hidden_act", "silu", "megatron-core's mixer activation is SiLU"),
@@ -214,7 +253,7 @@ class NemotronHForCausalLM(HFArchitectureFamily):
             add_qkv_bias=False, qk_layernorm=False, position_embedding_type="none", max_position_embeddings=max_pos,
             is_hybrid_model=True, hybrid_override_pattern=pattern, hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0,
             mamba_state_dim=state, mamba_head_dim=mhead_dim, mamba_num_groups=groups, mamba_num_heads=mheads,
-            spec=list(STACK_SPEC))
+            spec=list(STACK_SPEC), **(_moe_args(c, need, refuse) if MOE in pattern else {}))
         model = megatron_model(self.name, self.names, vocab=need("vocab_size"), hidden=hidden, layers=len(pattern),
                                heads=heads, groups=kv, head_dim=head_dim,
                                ffn=need("intermediate_size") if MLP in pattern else int(c.get("intermediate_size")
@@ -267,9 +306,8 @@ class NemotronHForCausalLM(HFArchitectureFamily):
         saved = hybrid_pattern(args)
         if saved is not None and saved != pattern:
             raise not_exact(f"args.hybrid_override_pattern {saved!r} but the layers hold {pattern!r}")
-        if MOE in pattern or "?" in pattern:
-            raise not_exact(f"layer pattern {pattern!r} (reshard exports Nemotron-H's Mamba, attention and MLP "
-                            "layers)")
+        if "?" in pattern:
+            raise not_exact(f"layer pattern {pattern!r} (a layer of none of Nemotron-H's kinds)")
         has = has_key(keys)
         if has(r"\.(?:linear_proj|linear_qkv|linear_fc[12]|in_proj|out_proj)\.bias$"):
             raise not_exact("linear biases (Nemotron-H has none)")
@@ -280,7 +318,7 @@ class NemotronHForCausalLM(HFArchitectureFamily):
         if ATTENTION in pattern and saved_arg(args, "position_embedding_type") != "none":
             raise not_exact(f"position_embedding_type {saved_arg(args, 'position_embedding_type')!r} (Nemotron-H's "
                             "attention has no position embedding)")
-        if MLP in pattern and (saved_arg(args, "swiglu") or not saved_arg(args, "squared_relu")):
+        if (MLP in pattern or MOE in pattern) and (saved_arg(args, "swiglu") or not saved_arg(args, "squared_relu")):
             raise not_exact("an MLP activation other than squared ReLU (args.squared_relu)")
         eps = float(saved_arg(args, "norm_epsilon", default=1e-5))
         if MAMBA in pattern and eps != MIXER_NORM_EPS:
@@ -295,8 +333,9 @@ class NemotronHForCausalLM(HFArchitectureFamily):
             "hidden_size": hidden, "num_hidden_layers": facts.num_layers,
             "layers_block_type": [_HF_KIND_NAMES[k] for k in pattern], "hybrid_override_pattern": pattern,
             "num_attention_heads": facts.heads, "num_key_value_heads": facts.query_groups, "head_dim": facts.head_dim,
-            "intermediate_size": widths.get("dense", 0), "mlp_hidden_act": "relu2", "attention_bias": False,
-            "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False, "layer_norm_epsilon": eps,
+            "intermediate_size": widths.get("dense") or saved_arg(args, "ffn_hidden_size"), "mlp_hidden_act": "relu2",
+            "attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
+            "layer_norm_epsilon": eps,
             "ssm_state_size": saved_arg(args, "mamba_state_dim"), "mamba_num_heads": mheads,
             "mamba_head_dim": head_dim, "n_groups": gs // saved_arg(args, "mamba_state_dim"),
             "expand": d // hidden if hidden and d % hidden == 0 else 2, "conv_kernel": CONV_KERNEL,
@@ -306,9 +345,38 @@ class NemotronHForCausalLM(HFArchitectureFamily):
             "time_step_min": 0.0,  # megatron-core clamps no step (transformers' default time_step_limit: none)
             "num_nextn_predict_layers": 0, "use_cache": True,
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            **(self._routing(args, keys, widths) if MOE in pattern else {}),
         }
         return HFArchitecture(name=self.name, config=config, names=self.names,
-                              reason=f"a hybrid stack of Mamba-2, attention and squared-ReLU MLP layers ({pattern})")
+                              reason=f"a hybrid stack of Mamba-2, attention, squared-ReLU MLP and MoE layers "
+                                     f"({pattern})")
+
+    @staticmethod
+    def _routing(args: Any, keys: set[str], widths: Mapping[str, int]) -> dict[str, Any]:
+        """``config.json``'s MoE entries, or the refusal of routing transformers' Nemotron-H does not do
+        (it scores by sigmoid, chooses by the expert bias, normalises the chosen scores when it picks
+        more than one, and adds one ungated shared expert)."""
+        has = has_key(keys)
+        if saved_arg(args, "moe_router_score_function", default="softmax") != "sigmoid":
+            raise not_exact("router scores not by sigmoid (Nemotron-H's router is sigmoid with an expert bias)")
+        if not has(r"\.mlp\.router\.expert_bias$"):
+            raise not_exact("no router expert bias (Nemotron-H chooses experts by e_score_correction_bias)")
+        if not has(r"\.mlp\.shared_experts\.linear_fc1\.weight$") or has(r"\.shared_experts\.gate_weight$"):
+            raise not_exact("MoE layers without one ungated shared expert (Nemotron-H's have one)")
+        if saved_arg(args, "moe_router_num_groups") not in (None, 1):
+            raise not_exact("group-limited routing (moe_router_num_groups)")
+        for flag, what in (("moe_expert_capacity_factor", "token dropping (expert capacity)"),
+                           ("moe_input_jitter_eps", "router input jitter"), ("moe_latent_size", "a latent MoE")):
+            if saved_arg(args, flag):
+                raise not_exact(f"{what} ({flag})")
+        topk = saved_arg(args, "moe_router_topk")
+        if not isinstance(topk, int):
+            raise not_exact("the router's top-k is unknown (the saved args lack moe_router_topk)")
+        experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
+        return {"n_routed_experts": experts, "num_experts_per_tok": topk, "moe_intermediate_size": widths.get("expert"),
+                "moe_shared_expert_intermediate_size": widths.get("shared"), "n_shared_experts": 1,
+                "norm_topk_prob": topk > 1, "n_group": 1, "topk_group": 1, "moe_latent_size": None,
+                "routed_scaling_factor": float(saved_arg(args, "moe_router_topk_scaling_factor") or 1.0)}
 
 
 NEMOTRON_H = NemotronHForCausalLM()
