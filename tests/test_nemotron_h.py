@@ -16,6 +16,7 @@ all jobs in one launch (:func:`mamba`).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -23,11 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mcore_fixtures import TOKENS
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
+from test_fp8_export import dequantized
 
 TOL = 2e-5
 #: Mamba, MLP, attention, MoE, Mamba, MoE: a pipeline split in two starts its second stage with MoE.
@@ -301,3 +303,36 @@ def test_a_tp_the_groups_do_not_divide_by_is_refused_in_one_line(hf, tmp_path, c
     assert "2 groups (args.mamba_num_groups, n_groups) and 8 heads do not divide over 4" in err, err
     assert "(fix: choose a target TP among 1, 2)" in err, err
     assert not (tmp_path / "o").exists()
+
+
+# --- FP8 blocks out and in -------------------------------------------------------------------------
+
+#: The linear layers' weights ``--quantize fp8`` encodes (the mixer's projections, attention, MLPs,
+#: routed and shared experts); the conv, the mixer's vectors, norms, router, embeddings and head keep
+#: their dtype.
+FP8_LINEAR = re.compile(r"\.(?:in_proj|out_proj|q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)\.weight$")
+
+
+def test_fp8_blocks_out_and_back_in(converted, tmp_path):
+    """``--to hf --quantize fp8`` (blocks of 8): exactly the linear weights become e4m3 blocks with their
+    scales; transformers loads the folder at default strictness with the logits of the model the
+    blocks encode; reshard reads it to megatron-core at TP 2 x EP 2 and back as that model, bit for bit."""
+    fp8_dir, encoded = tmp_path / "fp8", tmp_path / "encoded"
+    _run(str(converted["tp2ep2"]), str(fp8_dir), "--to", "hf", "--quantize", "fp8", "--fp8-block", "8")
+    fp8, plain = _tensors(fp8_dir), _tensors(converted["back"])
+    linear = {k for k in plain if FP8_LINEAR.search(k)}
+    assert {k for k, v in fp8.items() if v.dtype == torch.float8_e4m3fn} == linear
+    assert set(fp8) == set(plain) | {k + "_scale_inv" for k in linear}
+    want = {k: dequantized(fp8[k], fp8[k + "_scale_inv"], (8, 8)) if k in linear else v for k, v in plain.items()}
+    encoded.mkdir()
+    (encoded / "config.json").write_text((converted["back"] / "config.json").read_text())
+    save_file(want, str(encoded / "model.safetensors"), metadata={"format": "pt"})
+    got, info = _transformers(fp8_dir)
+    assert not any(info.values()), info
+    ref = _transformers(encoded)[0]
+    assert (got - ref).abs().max() < 1e-2 * ref.abs().max()  # transformers runs FP8 models in bf16 on a CPU
+    _run(str(fp8_dir), str(tmp_path / "tp2ep2"), "--target-tp", "2", "--target-ep", "2", "--target-etp", "1")
+    _run(str(tmp_path / "tp2ep2"), str(tmp_path / "again"), "--to", "hf")
+    again = _tensors(tmp_path / "again")
+    assert sorted(again) == sorted(want)
+    assert all(torch.equal(again[k], t) for k, t in want.items())
