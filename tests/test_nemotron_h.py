@@ -336,3 +336,21 @@ def test_fp8_blocks_out_and_back_in(converted, tmp_path):
     again = _tensors(tmp_path / "again")
     assert sorted(again) == sorted(want)
     assert all(torch.equal(again[k], t) for k, t in want.items())
+
+
+def test_a_bf16_folder_keeps_its_float32_router_both_ways(hf, tmp_path):
+    """A bf16 folder as transformers saves it (the router's ``gate.weight`` and
+    ``e_score_correction_bias`` kept in float32, as megatron-core makes its router's) goes to TP 2 x
+    EP 2 and back bit for bit, every dtype kept, ``config.json`` saying bfloat16."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf["hf"], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    _run(str(tmp_path / "bf16"), str(tmp_path / "tp2ep2"), "--target-tp", "2", "--target-ep", "2",
+         "--target-etp", "1")
+    _run(str(tmp_path / "tp2ep2"), str(tmp_path / "back"), "--to", "hf")
+    want, got = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "back")
+    assert want["backbone.layers.3.mixer.gate.weight"].dtype == torch.float32
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == t.dtype and torch.equal(got[k], t) for k, t in want.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
