@@ -24,14 +24,16 @@ stand-in, each written here from its definition:
 * Triton: megatron-core's ``inference/contexts/attention_context/triton/tensor_ops`` (dynamic
   batching's cache updates, imported by the mixer, never called here) is a module of three
   functions that raise;
-* CUDA: ``torch.cuda.current_device`` is the CPU and the CUDA RNG tracker's ``fork`` a no-op.
+* CUDA: ``torch.cuda.current_device`` is the CPU, ``torch.cuda.synchronize`` (``dist_checkpointing``'s
+  save) and the CUDA RNG tracker's ``fork`` are no-ops.
 
 Jobs (``tp``, ``ep``, ``etp``: TP, EP and expert TP; the world the smallest holding both grids):
 ``write`` builds the model from ``model`` options at TP ``tp`` (seeded; norms and mixer
 vectors drawn away from their initial values), saves Megatron-LM's per-rank files with the
 ``args`` Megatron-LM would and the logits of ``tokens``; ``forward`` loads the checkpoint ``ckpt``
-at TP ``tp`` from its own args and saves the logits to ``out``. A job's ``expect_failure`` records
-each rank's load error instead (a checkpoint that must not load).
+at TP ``tp`` from its own args and saves the logits to ``out``; ``write_dist`` and ``forward_dist`` do
+the same in torch_dist (``dist_checkpointing.save`` / ``load`` of the model's sharded state dict). A
+job's ``expect_failure`` records each rank's load error instead (a checkpoint that must not load).
 """
 
 from __future__ import annotations
@@ -311,6 +313,7 @@ def _draw(model: Any, seed: int) -> None:
 def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     install_mamba_stand_ins()
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]  # dist_checkpointing's save
     import megatron.core.transformer.moe.moe_utils as moe_utils  # names te_general_gemm only with TE installed
 
     moe_utils.te_general_gemm = None
@@ -344,7 +347,40 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             if rank == 0:
                 torch.save(got, out / "logits.pt")
             return
+        if job["kind"] == "write_dist":  # Megatron-LM's --ckpt-format torch_dist: the sharded state dict
+            from megatron.core import dist_checkpointing
+
+            args = megatron_args(job["model"], tp, ep, etp)
+            args.ckpt_format = "torch_dist"
+            torch.manual_seed(job.get("seed", 11))
+            model = build(args, tp, ep, etp)
+            _draw(model, job.get("seed", 11))
+            out = Path(job["out"])
+            folder = out / f"iter_{ITERATION:07d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                                     "model": model.sharded_state_dict()}, str(folder))
+            if rank == 0:
+                (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+            got = logits(model, job["tokens"], args.vocab_size)
+            if rank == 0:
+                torch.save(got, out / "logits.pt")
+            return
         ckpt = Path(job["ckpt"])
+        if job["kind"] == "forward_dist":  # megatron-core's own loader on a torch_dist checkpoint
+            from megatron.core import dist_checkpointing
+
+            latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+            folder = ckpt / ("release" if latest == "release" else f"iter_{int(latest):07d}")
+            args = torch.load(folder / "common.pt", weights_only=False)["args"]
+            model = build(args, tp, ep, etp)
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))["model"]
+            model.load_state_dict(state, strict=True)
+            got = logits(model, job["tokens"], args.vocab_size)
+            if rank == 0:
+                torch.save(got, job["out"])
+            return
         latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
         it = ckpt / ("release" if latest == "release" else f"iter_{int(latest):07d}")
         state = torch.load(it / name / "model_optim_rng.pt", weights_only=False)

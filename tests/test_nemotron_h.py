@@ -40,10 +40,16 @@ CONFIG = {"vocab_size": 96, "hidden_size": 32,
           "ssm_state_size": 8, "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 4,
           "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
           "moe_shared_expert_intermediate_size": 24, "max_position_embeddings": 64, "tie_word_embeddings": False}
+#: A dense model (Mamba, MLP, attention, Mamba), which torch_dist holds.
+DENSE_CONFIG = {**{k: v for k, v in CONFIG.items() if not k.startswith(("n_routed", "num_experts", "moe_"))},
+                "layers_block_type": ["mamba", "mlp", "attention", "mamba"]}
 #: The same architecture written by megatron-core itself (:func:`mcore_mamba.megatron_args`).
 MCORE_MODEL = {"pattern": PATTERN, "hidden": 32, "ffn": 48, "heads": 4, "groups": 2, "head_dim": 8, "vocab": 96,
                "seq": 64, "state": 8, "mamba_head_dim": 8, "mamba_groups": 2, "mamba_heads": 8, "experts": 4,
                "topk": 2, "moe_ffn": 16, "shared_ffn": 24}
+#: megatron-core's dense model (:data:`DENSE_CONFIG`'s), written in torch_dist.
+DENSE_MODEL = {**{k: v for k, v in MCORE_MODEL.items() if k not in ("experts", "topk", "moe_ffn", "shared_ffn")},
+               "pattern": "M-*M"}
 HARNESS = Path(__file__).with_name("mcore_mamba.py")
 _M = "decoder.layers.{}.mixer."
 #: Rows of each fused section in the whole model: in_proj's z, x, B, C, dt; conv1d's x, B, C.
@@ -76,18 +82,16 @@ def _transformers(folder: Path):
         return model.eval()(torch.tensor([TOKENS])).logits[0], info
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> dict:
-    """The folder transformers saves (fp32; norms and the mixer's vectors drawn away from their
-    initial values) and its logits."""
+def _saved_model(folder: Path, config: dict, seed: int) -> torch.Tensor:
+    """A model transformers builds and saves in ``folder`` (fp32; norms and the mixer's vectors drawn
+    away from their initial values); its logits."""
     import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    root = tmp_path_factory.mktemp("nemotron_h")
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.NemotronHConfig(**CONFIG, initializer_range=0.1), dtype=torch.float32).eval()
+        transformers.NemotronHConfig(**config, initializer_range=0.1), dtype=torch.float32).eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
             if "norm" in key or key.endswith((".D", "conv1d.bias")):
@@ -100,15 +104,25 @@ def hf(tmp_path_factory) -> dict:
             if key.endswith("e_score_correction_bias"):  # transformers zeroes it: a misplaced one must show
                 b.normal_(0, 0.1)
         want = model(torch.tensor([TOKENS])).logits[0]
-    model.save_pretrained(root / "hf")
-    return {"root": root, "hf": root / "hf", "want": want}
+    model.save_pretrained(folder)
+    return want
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> dict:
+    """The folders transformers saves — the hybrid model with MoE layers and a dense one (``M-*M``),
+    which torch_dist holds (grouped experts are not written there yet) — and their logits."""
+    root = tmp_path_factory.mktemp("nemotron_h")
+    return {"root": root, "hf": root / "hf", "want": _saved_model(root / "hf", CONFIG, 3),
+            "dense": root / "dense", "dense_want": _saved_model(root / "dense", DENSE_CONFIG, 4)}
 
 
 @pytest.fixture(scope="module")
 def converted(hf) -> dict[str, Path]:
     """reshard's outputs: TP 1, TP 2, TP 2 x EP 2 (expert TP 1) and x PP 2, both back to HF."""
     root, src = hf["root"], str(hf["hf"])
-    out = {name: root / name for name in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "back", "back_pp")}
+    out = {name: root / name for name in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "back", "back_pp", "dist",
+                                          "back_dist")}
     _run(src, str(out["tp1"]), "--target-tp", "1")
     _run(src, str(out["tp2"]), "--target-tp", "2")
     ep2 = ("--target-tp", "2", "--target-ep", "2", "--target-etp", "1")
@@ -116,6 +130,8 @@ def converted(hf) -> dict[str, Path]:
     _run(src, str(out["tp2ep2pp2"]), *ep2, "--target-pp", "2")
     _run(str(out["tp2ep2"]), str(out["back"]), "--to", "hf")
     _run(str(out["tp2ep2pp2"]), str(out["back_pp"]), "--to", "hf")
+    _run(str(hf["dense"]), str(out["dist"]), "--to", "torch_dist")
+    _run(str(out["dist"]), str(out["back_dist"]), "--to", "hf")
     return out
 
 
@@ -132,23 +148,58 @@ def mamba(hf, converted) -> dict:
     jobs = [{"kind": "write", "out": str(root / "mcore"), **ep2, "model": MCORE_MODEL, "tokens": TOKENS},
             {**forward, "ckpt": str(converted["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
             {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "out": str(work / "tp2.pt")},
-            {**forward, "ckpt": str(converted["tp2ep2"]), **ep2, "out": str(work / "tp2ep2.pt")}]
+            {**forward, "ckpt": str(converted["tp2ep2"]), **ep2, "out": str(work / "tp2ep2.pt")},
+            {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), "tp": 2, "out": str(work / "dist.pt")},
+            {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "model": DENSE_MODEL,
+             "tokens": TOKENS}]
     (work / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, str(HARNESS), str(work / "jobs.json")], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2")},
-            "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf"}
+    _run(str(root / "mcore_dist"), str(root / "mcore_dist_hf"), "--to", "hf")
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2", "dist")},
+            "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
+            "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"), "mcore_dist_hf": root / "mcore_dist_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2", "dist"])
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
-    got = mamba["logits"][layout]
-    assert got.shape == hf["want"].shape
-    assert torch.allclose(got, hf["want"], atol=TOL, rtol=0), (got - hf["want"]).abs().max()
+    """The per-rank imports strict-loaded; the dense model's torch_dist loaded by megatron-core's
+    ``dist_checkpointing`` (in_proj and conv1d as their split keys) at TP 2."""
+    got, want = mamba["logits"][layout], hf["dense_want" if layout == "dist" else "want"]
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
+
+
+def test_a_megatron_core_torch_dist_checkpoint_goes_to_hf_with_its_logits(mamba):
+    """megatron-core's own TP 2 torch_dist save (``in_proj.weight.z`` ... ``conv1d.bias.C``), fused
+    back on reading, ``--to hf``: transformers' logits are megatron-core's."""
+    got, info = _transformers(mamba["mcore_dist_hf"])
+    assert not any(info.values()), info
+    assert torch.allclose(got, mamba["mcore_dist"], atol=TOL, rtol=0), (got - mamba["mcore_dist"]).abs().max()
+
+
+def test_torch_dist_holds_the_split_keys_and_refuses_grouped_experts(hf, converted, tmp_path, capsys):
+    """The torch_dist output keys each layer apart, the mixer's fused tensors as megatron-core's
+    sharded state dict splits them, and reads back bit for bit; MoE layers' grouped experts are
+    refused in one line before anything is written."""
+    from reshard.core.dcp_metadata import read_metadata
+
+    keys = set(read_metadata(next(converted["dist"].glob("iter_*/.metadata"))).tensors)
+    assert {f"decoder.layers.0.mixer.in_proj.weight.{p}" for p in ("z", "x", "B", "C", "dt")} <= keys
+    assert {f"decoder.layers.3.mixer.conv1d.bias.{p}" for p in ("x", "B", "C")} <= keys
+    assert "decoder.layers.0.mixer.in_proj.weight" not in keys
+    assert "decoder.layers.2.self_attention.linear_qkv.weight" in keys
+    want, got = _tensors(hf["dense"]), _tensors(converted["back_dist"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], t) for k, t in want.items())
+    capsys.readouterr()
+    assert main(["run", "--direct", str(hf["hf"]), str(tmp_path / "o"), "--to", "torch_dist"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "grouped GEMM's names" in err and "not written to torch_dist yet" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(mamba):

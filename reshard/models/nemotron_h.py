@@ -76,6 +76,7 @@ NEMOTRON_H_RULES: tuple[Rule, ...] = (
 #: The model fact of the layer pattern (megatron-core's ``hybrid_override_pattern`` symbols).
 PATTERN_FACT = "hybrid_override_pattern"
 _MIXER_KEY = re.compile(_M + r"A_log$")
+_IN_PROJ_KEY, _CONV_KEY = re.compile(_M + r"in_proj\.weight$"), re.compile(_M + r"conv1d\.(?:weight|bias)$")
 
 
 def layer_kind(keys: Sequence[str], layer: int) -> str | None:
@@ -124,6 +125,8 @@ class NemotronH(MegatronCoreFamily):
 
     name = "nemotron-h"
     rules = NEMOTRON_H_RULES
+    dist_stacks_layers = False  # MambaStack.sharded_state_dict keys every layer apart (decoder.layers.{i}.)
+    dist_per_rank_only = frozenset()  # MambaModel keeps output_layer._extra_state in its sharded state dict
     priority = 45
     supported = ("megatron-core MambaModel names (decoder.layers.N.mixer.*: in_proj, conv1d, A_log, D, dt_bias, "
                  "norm, out_proj; attention, MLP and MoE layers; decoder.final_norm)")
@@ -172,6 +175,18 @@ class NemotronH(MegatronCoreFamily):
             return {}
         origin[PATTERN_FACT] = "args"
         return {PATTERN_FACT: pattern}
+
+    def dist_parts(self, name: str, args: Any = None) -> tuple[tuple[str, int | None], ...] | None:
+        """``in_proj.weight`` as ``.z .x .B .C .dt``, ``conv1d.weight`` / ``.bias`` as ``.x .B .C``
+        (``MambaMixer.sharded_state_dict``'s ``_split_tensor_factory``), the whole model's rows of each."""
+        names = IN_PROJ_SECTIONS if _IN_PROJ_KEY.match(name) else CONV_SECTIONS if _CONV_KEY.match(name) else None
+        if names is None:
+            return None
+        if args is None:
+            return tuple((n, None) for n in names)
+        d, gs, heads = mixer_dims(args, name)
+        rows = (d, d, gs, gs, heads) if names == IN_PROJ_SECTIONS else (d, gs, gs)
+        return tuple(zip(names, rows, strict=True))
 
     def summary(self, args: Any, model_facts: ModelFacts, experts: int) -> dict[str, Any]:
         """The layer pattern and the mixer's sizes the saved ``args`` record."""
