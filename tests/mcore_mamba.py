@@ -27,7 +27,8 @@ stand-in, each written here from its definition:
 * CUDA: ``torch.cuda.current_device`` is the CPU, ``torch.cuda.synchronize`` (``dist_checkpointing``'s
   save) and the CUDA RNG tracker's ``fork`` are no-ops.
 
-Jobs (``tp``, ``ep``, ``etp``: TP, EP and expert TP; the world the smallest holding both grids):
+Jobs (``tp``, ``ep``, ``etp``, ``pp``: TP, EP, expert TP and pipeline stages, a ``forward``'s stages
+passing their hidden states on by ``send``/``recv``; the world the smallest holding both grids):
 ``write`` builds the model from ``model`` options at TP ``tp`` (seeded; norms and mixer
 vectors drawn away from their initial values), saves Megatron-LM's per-rank files with the
 ``args`` Megatron-LM would and the logits of ``tokens``; ``forward`` loads the checkpoint ``ckpt``
@@ -247,8 +248,10 @@ def megatron_args(m: dict[str, Any], tp: int, ep: int = 1, etp: int = 1) -> argp
             moe_router_topk_scaling_factor=1.0, moe_router_dtype="fp32", moe_grouped_gemm=True)))
 
 
-def build(a: Any, tp: int, ep: int = 1, etp: int = 1) -> Any:
-    """``MambaModel`` as Megatron-LM builds it from ``args`` ``a`` (TP ``tp``; mixer on its prefill path)."""
+def build(a: Any, tp: int, ep: int = 1, etp: int = 1, pp: int = 1) -> Any:
+    """``MambaModel`` as Megatron-LM builds it from ``args`` ``a`` (TP ``tp``, this rank's pipeline
+    stage of ``pp``; the mixer on its prefill path)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.activations import squared_relu
     from megatron.core.models.mamba.mamba_model import MambaModel
     from megatron.core.transformer import TransformerConfig
@@ -262,6 +265,9 @@ def build(a: Any, tp: int, ep: int = 1, etp: int = 1) -> Any:
         add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias, mamba_state_dim=a.mamba_state_dim,
         mamba_head_dim=a.mamba_head_dim, mamba_num_groups=a.mamba_num_groups, mamba_num_heads=a.mamba_num_heads,
         use_mamba_mem_eff_path=False, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
         params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         **({} if not getattr(a, "num_experts", None) else dict(
@@ -275,16 +281,27 @@ def build(a: Any, tp: int, ep: int = 1, etp: int = 1) -> Any:
     return MambaModel(cfg, _stack_spec(), vocab_size=a.padded_vocab_size,
                       max_sequence_length=a.max_position_embeddings, hybrid_override_pattern=a.hybrid_override_pattern,
                       position_embedding_type=a.position_embedding_type,
-                      share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights)
+                      share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
 
 
-def logits(model: Any, tokens: list[int], vocab: int) -> torch.Tensor:
-    """The forward's logits ``[tokens, vocab]``, gathered over TP, the padding rows cut."""
+def logits(model: Any, tokens: list[int], vocab: int, hidden: int = 0) -> torch.Tensor | None:
+    """The forward's logits ``[tokens, vocab]``, gathered over TP, the padding rows cut (None on a
+    pipeline stage before the last: it sends its hidden states ``[tokens, 1, hidden]`` on)."""
+    from megatron.core import parallel_state as ps
+
     ids = torch.tensor([tokens])
     mask = torch.ones(1, 1, len(tokens), len(tokens), dtype=torch.bool).triu(1)
+    if not ps.is_pipeline_first_stage():
+        received = torch.empty(len(tokens), 1, hidden)
+        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
     with torch.no_grad():
-        out = model.eval()(ids, torch.arange(len(tokens))[None], mask)[0]
-    from megatron.core import parallel_state as ps
+        out = model.eval()(ids, torch.arange(len(tokens))[None], mask)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    out = out[0]
 
     group = ps.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
@@ -323,12 +340,14 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    tp, ep, etp = job["tp"], job.get("ep", 1), job.get("etp") or job["tp"]
+    tp, ep, etp, pp = job["tp"], job.get("ep", 1), job.get("etp") or job["tp"], job.get("pp", 1)
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                     expert_tensor_parallel_size=etp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        if pp > 1:
+            name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
         if ep > 1:
             name += f"_{ps.get_expert_model_parallel_rank():03d}"
         if job["kind"] == "write":
@@ -384,7 +403,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
         latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
         it = ckpt / ("release" if latest == "release" else f"iter_{int(latest):07d}")
         state = torch.load(it / name / "model_optim_rng.pt", weights_only=False)
-        model = build(state["args"], tp, ep, etp)
+        model = build(state["args"], tp, ep, etp, pp)
         failed = ""
         try:
             model.load_state_dict(state["model"], strict=True)
@@ -398,8 +417,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
             if rank == 0:
                 Path(job["out"]).write_text(json.dumps(errors))
             return
-        got = logits(model, job["tokens"], state["args"].vocab_size)
-        if rank == 0:
+        got = logits(model, job["tokens"], state["args"].vocab_size, state["args"].hidden_size)
+        if got is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_expert_model_parallel_rank() == 0:
             torch.save(got, job["out"])
     finally:
         ps.destroy_model_parallel()
@@ -419,7 +438,7 @@ def main(jobs_file: str) -> None:
 
     for job in json.loads(Path(jobs_file).read_text()):
         # the smallest world holding the dense grid (TP) and the expert grid (expert TP x EP)
-        world = math.lcm(job["tp"], (job.get("etp") or job["tp"]) * job.get("ep", 1))
+        world = job.get("pp", 1) * math.lcm(job["tp"], (job.get("etp") or job["tp"]) * job.get("ep", 1))
         mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
 
 

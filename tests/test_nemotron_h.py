@@ -151,6 +151,7 @@ def mamba(hf, converted) -> dict:
             {**forward, "ckpt": str(converted["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
             {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "out": str(work / "tp2.pt")},
             {**forward, "ckpt": str(converted["tp2ep2"]), **ep2, "out": str(work / "tp2ep2.pt")},
+            {**forward, "ckpt": str(converted["tp2ep2pp2"]), **ep2, "pp": 2, "out": str(work / "tp2ep2pp2.pt")},
             {**forward, "ckpt": str(converted["etp2"]), "tp": 2, "ep": 2, "etp": 2, "out": str(work / "etp2.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), "tp": 2, "out": str(work / "dist.pt")},
             {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "model": DENSE_MODEL,
@@ -161,17 +162,18 @@ def mamba(hf, converted) -> dict:
     assert done.returncode == 0, done.stderr[-4000:]
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
     _run(str(root / "mcore_dist"), str(root / "mcore_dist_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2", "etp2", "dist")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "dist")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
             "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"), "mcore_dist_hf": root / "mcore_dist_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2", "etp2", "dist"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "dist"])
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
-    """The per-rank imports strict-loaded; the dense model's torch_dist loaded by megatron-core's
-    ``dist_checkpointing`` (in_proj and conv1d as their split keys) at TP 2."""
+    """The per-rank imports strict-loaded (at PP 2 the second stage starts with an MoE layer, megatron-core's
+    ``MambaStack`` choosing its layers of the pattern); the dense model's torch_dist loaded by
+    megatron-core's ``dist_checkpointing`` (in_proj and conv1d as their split keys) at TP 2."""
     got, want = mamba["logits"][layout], hf["dense_want" if layout == "dist" else "want"]
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
