@@ -120,16 +120,18 @@ def hf(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def converted(hf) -> dict[str, Path]:
     """reshard's outputs: TP 1, TP 2, TP 2 x EP 2 (expert TP 1; and x PP 2), TP 2 x EP 2 at the default
-    expert TP (2), the first two back to HF; the dense model in torch_dist and back."""
+    expert TP (2), PP 2 with one layer on the first stage, the first two back to HF; the dense model in
+    torch_dist and back."""
     root, src = hf["root"], str(hf["hf"])
-    out = {name: root / name for name in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "back", "back_pp", "dist",
-                                          "back_dist")}
+    out = {name: root / name for name in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "uneven", "back", "back_pp",
+                                          "dist", "back_dist")}
     _run(src, str(out["tp1"]), "--target-tp", "1")
     _run(src, str(out["tp2"]), "--target-tp", "2")
     ep2 = ("--target-tp", "2", "--target-ep", "2", "--target-etp", "1")
     _run(src, str(out["tp2ep2"]), *ep2)
     _run(src, str(out["tp2ep2pp2"]), *ep2, "--target-pp", "2")
     _run(src, str(out["etp2"]), "--target-tp", "2", "--target-ep", "2")  # the expert TP: the TP, by default
+    _run(src, str(out["uneven"]), "--target-tp", "1", "--target-pp", "2", "--target-first-stage-layers", "1")
     _run(str(out["tp2ep2"]), str(out["back"]), "--to", "hf")
     _run(str(out["tp2ep2pp2"]), str(out["back_pp"]), "--to", "hf")
     _run(str(hf["dense"]), str(out["dist"]), "--to", "torch_dist")
@@ -152,6 +154,7 @@ def mamba(hf, converted) -> dict:
             {**forward, "ckpt": str(converted["tp2"]), "tp": 2, "out": str(work / "tp2.pt")},
             {**forward, "ckpt": str(converted["tp2ep2"]), **ep2, "out": str(work / "tp2ep2.pt")},
             {**forward, "ckpt": str(converted["tp2ep2pp2"]), **ep2, "pp": 2, "out": str(work / "tp2ep2pp2.pt")},
+            {**forward, "ckpt": str(converted["uneven"]), "tp": 1, "pp": 2, "out": str(work / "uneven.pt")},
             {**forward, "ckpt": str(converted["etp2"]), "tp": 2, "ep": 2, "etp": 2, "out": str(work / "etp2.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), "tp": 2, "out": str(work / "dist.pt")},
             {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "model": DENSE_MODEL,
@@ -162,16 +165,18 @@ def mamba(hf, converted) -> dict:
     assert done.returncode == 0, done.stderr[-4000:]
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
     _run(str(root / "mcore_dist"), str(root / "mcore_dist_hf"), "--to", "hf")
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "dist")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2",
+                                                                       "uneven", "dist")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
             "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"), "mcore_dist_hf": root / "mcore_dist_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "dist"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "uneven", "dist"])
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
-    """The per-rank imports strict-loaded (at PP 2 the second stage starts with an MoE layer, megatron-core's
+    """The per-rank imports strict-loaded (at PP 2 the second stage starts with an MoE layer, or, one
+    layer on the first stage (``decoder_first_pipeline_num_layers``), with the MLP: megatron-core's
     ``MambaStack`` choosing its layers of the pattern); the dense model's torch_dist loaded by
     megatron-core's ``dist_checkpointing`` (in_proj and conv1d as their split keys) at TP 2."""
     got, want = mamba["logits"][layout], hf["dense_want" if layout == "dist" else "want"]
