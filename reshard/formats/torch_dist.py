@@ -233,6 +233,7 @@ class TorchDistFormat(CheckpointFormat):
             raise LayoutError("torch_dist has no place for quantized weights (int8 scales, FP8 block scales)",
                               culprit="--quantize", hint="quantize int8 into a per-rank layout or fp8 into a "
                                                           "Hugging Face folder (drop --to torch_dist)")
+        plan_layout(plan)  # entries stored split into parts need the args that size them: refused here
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return f"{output_iteration(source)}/{DISTCP_NAME}"
@@ -758,8 +759,12 @@ def model_layout(names: Sequence[str], args: Any = None) -> ModelLayout:
 
 
 def plan_layout(plan: Plan) -> ModelLayout:
-    """The :class:`ModelLayout` of the model a plan writes, over all its files."""
-    return model_layout([tp.out_key for t in plan.targets for tp in t.params], plan.target_state(0).get("args"))
+    """The :class:`ModelLayout` of the model a plan writes, over all its files (with the output's
+    ``args`` where the family stores some entry split into parts, which they size)."""
+    names = [tp.out_key for t in plan.targets for tp in t.params]
+    family = claiming_family(names)
+    split = any(family.dist_parts(n) is not None for n in names)
+    return model_layout(names, plan.target_state(0).get("args") if split else None)
 
 
 @dataclass(frozen=True)
