@@ -415,3 +415,18 @@ def test_a_bf16_folder_keeps_its_float32_router_both_ways(hf, tmp_path):
     assert sorted(got) == sorted(want)
     assert all(got[k].dtype == t.dtype and torch.equal(got[k], t) for k, t in want.items())
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_names_under_transformers_5s_in_memory_prefix_read_alike(hf, converted, tmp_path):
+    """A folder whose names start ``model.`` (transformers 5's module path, which its loader maps from
+    the release's ``backbone.``) imports to the same files."""
+    src = shutil.copytree(hf["hf"], tmp_path / "hf")
+    tensors = _tensors(src)
+    (src / "model.safetensors").unlink()
+    save_file({("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in tensors.items()},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    _run(str(src), str(tmp_path / "tp2"), "--target-tp", "2")
+    for rank in range(2):
+        a, b = (_rank(f, f"mp_rank_{rank:02d}") for f in (converted["tp2"], tmp_path / "tp2"))
+        assert a["model"].keys() == b["model"].keys()
+        assert all(v is None or torch.equal(v, b["model"][k]) for k, v in a["model"].items())
