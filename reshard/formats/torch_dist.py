@@ -64,7 +64,7 @@ from reshard.core.dcp_metadata import (
     read_metadata,
 )
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
-from reshard.core.lazy import LazyTensor
+from reshard.core.lazy import LazyTensor, RowConcat
 from reshard.core.pages import PageDropper
 from reshard.core.remote import RemoteStorage, RemoteTensor
 from reshard.core.safe_load import load_shard, refusal_reason, safe_torch_load, tensor_record
@@ -72,6 +72,7 @@ from reshard.core.source import MEGATRON, MEGATRON_LATEST, SourceCheckpoint, ite
 from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat, size_groups
 from reshard.formats.megatron import TOKENIZER_DIR, TOKENIZER_FILE, iteration_folder, tokenizer_files
+from reshard.models import claiming_family
 from reshard.models.bridge_config import RUN_CONFIG, run_config
 from reshard.models.given_facts import run_config_facts
 from reshard.models.megatron_gpt import (
@@ -218,6 +219,12 @@ class TorchDistFormat(CheckpointFormat):
     ckpt_format = TORCH_DIST
 
     def check_plan(self, plan: Plan) -> None:
+        grouped = next((tp.out_key for t in plan.targets for tp in t.params
+                        if expert_index(tp.out_key) is not None and _GROUPED_EXPERT.search(tp.out_key)), None)
+        if grouped is not None:  # megatron-core keys them as SequentialMLP's, under the experts' shared key
+            raise LayoutError("experts under grouped GEMM's names (one weight per expert, numbered in its name) are "
+                              "not written to torch_dist yet", culprit=grouped,
+                              hint="write a per-rank layout (drop --to torch_dist)")
         if plan.facts.naming != "megatron-core" and plan.version < MIN_CORE_COMPATIBLE_VERSION:
             raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
                               "megatron-core, which torch_dist holds", culprit=plan.source.origin,
@@ -226,6 +233,7 @@ class TorchDistFormat(CheckpointFormat):
             raise LayoutError("torch_dist has no place for quantized weights (int8 scales, FP8 block scales)",
                               culprit="--quantize", hint="quantize int8 into a per-rank layout or fp8 into a "
                                                           "Hugging Face folder (drop --to torch_dist)")
+        plan_layout(plan)  # entries stored split into parts need the args that size them: refused here
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return f"{output_iteration(source)}/{DISTCP_NAME}"
@@ -428,7 +436,43 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
         module[name] = value.load() if isinstance(value, _ByteItem) else value
     for name, value in PER_RANK_ONLY.items():
         module.setdefault(name, value)
-    return module
+    return fused_parts(module)
+
+
+def fused_parts(module: dict[str, Any]) -> dict[str, Any]:
+    """``module`` with the entries megatron-core's sharded state dict stores split into parts
+    (``<name>.<part>``, as the claiming family's ``dist_parts`` says) fused back into one lazy tensor
+    in its parts' order, at the place of its first part."""
+    names = list(module)
+    family = claiming_family(names)
+    parts_of: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        base, _, part = name.rpartition(".")
+        parts = family.dist_parts(base) if base else None
+        if parts and part in (p for p, _ in parts):
+            parts_of[base] = tuple(p for p, _ in parts)
+    if not parts_of:
+        return module
+    out: dict[str, Any] = {}
+    for name, value in module.items():
+        base = name.rpartition(".")[0]
+        if base not in parts_of:
+            out[name] = value
+            continue
+        if base in out:
+            continue
+        keys = [f"{base}.{p}" for p in parts_of[base]]
+        missing = [k for k in keys if not isinstance(module.get(k), LazyTensor)]
+        if missing:
+            raise CorruptCheckpointError(f"{missing[0]} is missing beside {name} (megatron-core stores {base} as "
+                                         f"{', '.join(parts_of[base])})", culprit=missing[0],
+                                         hint="the checkpoint is incomplete; re-copy it")
+        out[base] = RowConcat([(module[k], 0, module[k].shape[0]) for k in keys])
+    return out
+
+
+#: A routed expert's weight under grouped GEMM's per-rank name (``linear_fc1.weight{e}``).
+_GROUPED_EXPERT = re.compile(r"\.experts\.linear_fc[12]\.(?:weight|bias)\d+$")
 
 
 def _is_stacked(key: str) -> bool:
@@ -674,10 +718,20 @@ class ModelLayout:
     #: a layer beside the stack (never stacked, :func:`reshard.models.megatron_gpt.beside_stack_entry`)
     #: -> its experts (the leading axis of its experts' keys)
     beside_experts: Mapping[str, int] = field(default_factory=dict)
+    #: entries megatron-core stores split into parts (the family's ``dist_parts``): name -> (part, rows)
+    parts: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    #: per-rank entries torch_dist does not store (the family's ``dist_per_rank_only``)
+    per_rank_only: frozenset[str] = frozenset(PER_RANK_ONLY)
 
 
-def model_layout(names: Sequence[str]) -> ModelLayout:
-    """The :class:`ModelLayout` of a module with entries ``names`` (a whole model's)."""
+def model_layout(names: Sequence[str], args: Any = None) -> ModelLayout:
+    """The :class:`ModelLayout` of a module with entries ``names`` (a whole model's; ``args``: its
+    saved ``args``, which size the parts of an entry stored split)."""
+    family = claiming_family(list(names))
+    parts = {n: p for n in names if (p := family.dist_parts(n, args)) is not None}
+    if any(rows is None for p in parts.values() for _, rows in p):
+        raise LayoutError("the args that size the parts torch_dist stores split are unknown", culprit="--to torch_dist",
+                          hint="give the model's args (--model-config), or write a per-rank layout")
     core = is_megatron_core(names)
     given = set(names)
     names = list(core_module(dict.fromkeys(names)) if core else as_megatron_core(dict.fromkeys(names)))
@@ -695,14 +749,22 @@ def model_layout(names: Sequence[str]) -> ModelLayout:
         beside = beside_stack_entry(name)
         if beside and _dist_name(beside[1])[1] is not None:
             beside_experts.setdefault(beside[0], set()).add(_dist_name(beside[1])[1])
-    return ModelLayout(core, 1 + max(per_layer, default=-1), len({frozenset(v) for v in per_layer.values()}) <= 1,
+    stacked = family.dist_stacks_layers and len({frozenset(v) for v in per_layer.values()}) <= 1
+    return ModelLayout(core, 1 + max(per_layer, default=-1), stacked,
                        {i: len(e) for i, e in experts.items()}, made_up, renames=dist_renames(names),
-                       beside_experts={k: len(e) for k, e in beside_experts.items()})
+                       beside_experts={k: len(e) for k, e in beside_experts.items()},
+                       parts={n: tuple((p, int(r)) for p, r in ps) for n, ps in parts.items()},
+                       per_rank_only=frozenset(PER_RANK_ONLY) if family.dist_per_rank_only is None
+                       else family.dist_per_rank_only)
 
 
 def plan_layout(plan: Plan) -> ModelLayout:
-    """The :class:`ModelLayout` of the model a plan writes, over all its files."""
-    return model_layout([tp.out_key for t in plan.targets for tp in t.params])
+    """The :class:`ModelLayout` of the model a plan writes, over all its files (with the output's
+    ``args`` where the family stores some entry split into parts, which they size)."""
+    names = [tp.out_key for t in plan.targets for tp in t.params]
+    family = claiming_family(names)
+    split = any(family.dist_parts(n) is not None for n in names)
+    return model_layout(names, plan.target_state(0).get("args") if split else None)
 
 
 @dataclass(frozen=True)
@@ -745,7 +807,7 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
     layers, stacked = layout.layers, layout.stacked
     items = []
     for name, value in module.items():
-        if name in PER_RANK_ONLY:
+        if name in layout.per_rank_only:
             continue
         for dist, per_rank in layout.renames.items():
             name = name.replace(per_rank, dist)
@@ -767,10 +829,38 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
             shard = f"shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, axes))}" if lead else "shard_0_1"
             items.append(GlobalItem(f"{key}/{shard}", (), (), (), None, value))
             continue
-        shape = tuple(value.shape)
-        items.append(GlobalItem(key, (*lead, *[0] * len(shape)), (*(1 for _ in lead), *shape), (*axes, *shape),
-                                value.dtype, value))
+        for part_key, piece in _split(key, value, layout.parts.get(name)):
+            shape = tuple(piece.shape)
+            items.append(GlobalItem(part_key, (*lead, *[0] * len(shape)), (*(1 for _ in lead), *shape),
+                                    (*axes, *shape), piece.dtype, piece))
     return items
+
+
+def _split(key: str, value: Any, parts: tuple[tuple[str, int], ...] | None) -> list[tuple[str, Any]]:
+    """``value`` under ``key``, or its parts along dim 0 under ``key.<part>`` (a pending tensor's as
+    pending row ranges, each made from the whole tensor while its part is written)."""
+    if parts is None:
+        return [(key, value)]
+    if sum(rows for _, rows in parts) != value.shape[0]:
+        raise LayoutError(f"{key} has {value.shape[0]} rows, its parts {dict(parts)} add up to "
+                          f"{sum(rows for _, rows in parts)}", culprit=key, hint="check the model's args")
+    out, first = [], 0
+    for part, rows in parts:
+        shape = (rows, *value.shape[1:])
+        if isinstance(value, PendingTensor):
+            piece: Any = PendingTensor(shape, value.dtype, functools.partial(_rows_of, value, first, rows),
+                                       value.requires_grad, f"{key}.{part}")
+        else:
+            piece = value[first:first + rows]
+        out.append((f"{key}.{part}", piece))
+        first += rows
+    return out
+
+
+def _rows_of(whole: PendingTensor, first: int, rows: int, sink: Any) -> None:
+    """Write rows ``first .. first + rows`` of the pending tensor ``whole`` (made whole, then let go)."""
+    with whole.borrowed() as t:
+        sink.write(t[first:first + rows].contiguous())
 
 
 def _dist_name(rest: str) -> tuple[str, int | None]:

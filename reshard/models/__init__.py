@@ -3,13 +3,14 @@
 megatron-core names, dense or MoE; :mod:`~reshard.models.megatron_gpt`) and DeepSeek-V3-class models
 (multi-latent attention, DeepSeek MoE, multi-token prediction; under megatron-core's local spec and
 Transformer Engine's; :mod:`~reshard.models.deepseek`) and models with learned attention sinks
-(GPT-OSS; :mod:`~reshard.models.gpt_oss`). ``resolve_family(keys)`` picks the family
+(GPT-OSS; :mod:`~reshard.models.gpt_oss`) and megatron-core's hybrid ``MambaModel`` (Nemotron-H;
+:mod:`~reshard.models.nemotron_h`). ``resolve_family(keys)`` picks the family
 that claims a checkpoint's parameter names and resolves every name to its rule.
 
 Hugging Face architectures are plug-ins of their own (:mod:`reshard.models.hf_registry`), one module
 each: Llama, Mistral, Qwen2 and Qwen3, Qwen2-MoE and Qwen3-MoE, Mixtral, GPT-2, DeepSeek-V3/Kimi-K2,
-GPT-OSS (``hf_llama``, ``hf_mistral``, ``hf_qwen``, ``hf_qwen_moe``, ``hf_mixtral``, ``hf_gpt2``,
-``hf_deepseek``, ``hf_gpt_oss``), written with :mod:`reshard.models.hf_architectures`."""
+GPT-OSS, Nemotron-H (``hf_llama``, ``hf_mistral``, ``hf_qwen``, ``hf_qwen_moe``, ``hf_mixtral``, ``hf_gpt2``,
+``hf_deepseek``, ``hf_gpt_oss``, ``hf_nemotron_h``), written with :mod:`reshard.models.hf_architectures`."""
 
 from __future__ import annotations
 

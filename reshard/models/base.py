@@ -77,6 +77,22 @@ class ModelFamily(ABC):
         raise NotImplementedError(f"{type(self).__name__} names fused sections {rule.sections!r} "
                                   f"but does not size them")
 
+    #: torch_dist: whether megatron-core's sharded state dict stacks the layers of this family's stack
+    #: along a leading axis when they hold the same entries (a GPT model's ``TransformerBlock`` does;
+    #: a stack that keys every layer apart does not).
+    dist_stacks_layers: ClassVar[bool] = True
+    #: torch_dist: the per-rank entries megatron-core's sharded state dict leaves out (None: a GPT
+    #: model's, :data:`reshard.models.megatron_gpt.PER_RANK_ONLY`).
+    dist_per_rank_only: ClassVar[frozenset[str] | None] = None
+
+    def dist_parts(self, name: str, args: Any = None) -> tuple[tuple[str, int | None], ...] | None:
+        """torch_dist: the parts per-rank entry ``name`` (a whole model's, TP 1) is stored as when
+        megatron-core's sharded state dict splits it — keys ``name + "." + part``, in order along dim
+        0, each a global tensor of its own — with each part's rows as the saved ``args`` size them
+        (None without ``args``); None for an entry stored whole. The torch_dist format fuses the parts
+        on reading and splits them on writing. Default: none."""
+        return None
+
     def describe(self) -> list[str]:
         """Further lines for ``reshard formats`` (e.g. the Hugging Face architectures a family maps)."""
         return []

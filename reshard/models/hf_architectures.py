@@ -48,7 +48,7 @@ import torch
 from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.lazy import Converted, LazyTensor, RowConcat
 from reshard.core.plan_types import ModelFacts
-from reshard.models.megatron_gpt import core_name, expert_index
+from reshard.models.megatron_gpt import core_module, core_name, expert_index
 
 
 @dataclass(frozen=True)
@@ -471,6 +471,12 @@ class HFArchitectureFamily(abc.ABC):
         does not save), or :class:`CheckpointFormatError` for weights that contradict ``model``.
         Default: none."""
         return {}
+
+    def core_module(self, module: Mapping[str, Any]) -> dict[str, Any]:
+        """Import: the imported megatron-core ``module`` (values untouched) as megatron-core's own
+        per-rank module of this class's model holds it: its order and the ``None`` extra states of its
+        linear layers. Default: a GPT model's (:func:`~reshard.models.megatron_gpt.core_module`)."""
+        return core_module(module)
 
     def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
         """Import: what ``config`` declares that the folder does not hold (``args``: the imported

@@ -30,7 +30,8 @@ BUFFERS = (re.compile(r"\.rotary_emb\.inv_freq$"),)
 def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str, Any]:
     """megatron-core's per-rank module at TP 1 from the Hugging Face ``tensors`` (name -> lazy
     tensor): each row of the architecture's name table gathers its Hugging Face tensors into the
-    megatron-core tensor (local-spec names), then megatron-core's order and extra states. A tensor
+    megatron-core tensor (its first megatron-core name), then megatron-core's order and extra states
+    (the architecture's :meth:`~reshard.models.hf_architectures.HFArchitectureFamily.core_module`). A tensor
     no row names, or one a row misses, is an error; a tied model's ``lm_head`` copy is dropped
     (transformers ties it to the embedding on load, as megatron-core does); names saved without
     the base model's prefix (:attr:`HFModel.base_prefix`) are read with it; the architecture's
@@ -88,7 +89,7 @@ def core_tensors(tensors: Mapping[str, LazyTensor], model: HFModel) -> dict[str,
             continue
         module[key] = transform.gather(names, [tensors[n] for n in names], model.facts)
     _check_layers(module, model)
-    return core_module(module)
+    return family.core_module(module) if family is not None else core_module(module)
 
 
 def _check_layers(module: Mapping[str, Any], model: HFModel) -> None:

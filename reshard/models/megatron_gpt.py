@@ -117,8 +117,9 @@ MEGATRON_GPT_RULES: tuple[Rule, ...] = (
 
 
 #: megatron-core keeps the router's expert bias in float32 whatever the model's dtype (as DeepSeek
-#: publishes ``e_score_correction_bias``): no sign of a model of mixed dtypes.
-FLOAT32_BUFFER = re.compile(r"\.mlp\.router\.expert_bias$")
+#: publishes ``e_score_correction_bias``), and makes the router's weight in float32 (0.16.1's
+#: ``TopKRouter``; transformers keeps Nemotron-H's ``gate.weight`` so): no sign of a model of mixed dtypes.
+FLOAT32_BUFFER = re.compile(r"\.mlp\.router\.(?:expert_bias|weight)$")
 
 
 # -- megatron-core's expert numbering (MoE) ----------------------------------------------------------
