@@ -99,7 +99,8 @@ def made(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("qwen3_next")
     out = {"root": root, "next": _made(root, "next_hf", "Qwen3NextForCausalLM", CONFIG),
            "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE)}
-    paths = {name: root / name for name in ("tp1", "tp2", "back", "tp2pp2", "back_pp", "dense_tp2", "dense_back")}
+    paths = {name: root / name for name in ("tp1", "tp2", "back", "tp2pp2", "back_pp", "dense_tp2", "dense_back",
+                                            "dense_dist", "dense_dist_back")}
     _run(str(out["next"]["hf"]), str(paths["tp1"]), "--target-tp", "1")
     _run(str(out["next"]["hf"]), str(paths["tp2"]), "--target-tp", "2", "--target-ep", "2")
     _run(str(paths["tp2"]), str(paths["back"]), "--to", "hf")
@@ -108,6 +109,8 @@ def made(tmp_path_factory) -> dict:
     _run(str(paths["tp2pp2"]), str(paths["back_pp"]), "--to", "hf")
     _run(str(out["dense"]["hf"]), str(paths["dense_tp2"]), "--target-tp", "2")
     _run(str(paths["dense_tp2"]), str(paths["dense_back"]), "--to", "hf")
+    _run(str(out["dense"]["hf"]), str(paths["dense_dist"]), "--to", "torch_dist")
+    _run(str(paths["dense_dist"]), str(paths["dense_dist_back"]), "--to", "hf")
     return {**out, **paths}
 
 
@@ -122,7 +125,9 @@ def harness(made) -> dict:
             {**forward, "ckpt": str(made["tp1"]), "tp": 1, "out": str(work / "tp1.pt")},
             {**forward, "ckpt": str(made["tp2"]), "tp": 2, "ep": 2, "out": str(work / "tp2.pt")},
             {**forward, "ckpt": str(made["tp2pp2"]), "tp": 2, "ep": 2, "pp": 2, "out": str(work / "tp2pp2.pt")},
-            {**forward, "ckpt": str(made["dense_tp2"]), "tp": 2, "out": str(work / "dense_tp2.pt")}]
+            {**forward, "ckpt": str(made["dense_tp2"]), "tp": 2, "out": str(work / "dense_tp2.pt")},
+            {**forward, "kind": "forward_dist", "ckpt": str(made["dense_dist"]), "tp": 2,
+             "out": str(work / "dense_dist.pt")}]
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
@@ -130,7 +135,8 @@ def harness(made) -> dict:
     _run(str(root / "mcore"), str(root / "mcore_tp1"), "--target-tp", "1", "--target-ep", "4")
     run_harness([{**forward, "ckpt": str(root / "mcore_tp1"), "tp": 1, "ep": 4, "out": str(work / "mcore_tp1.pt")}],
                 work)
-    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2", "mcore_tp1")},
+    return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2", "dense_dist",
+                                                                 "mcore_tp1")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
             "mcore_dir": root / "mcore"}
 
@@ -139,7 +145,7 @@ def harness(made) -> dict:
 
 @needs_mcore
 @pytest.mark.parametrize("layout,model", [("tp1", "next"), ("tp2", "next"), ("tp2pp2", "next"),
-                                          ("dense_tp2", "dense")])
+                                          ("dense_tp2", "dense"), ("dense_dist", "dense")])
 def test_megatron_core_runs_the_import_with_transformers_logits(made, harness, layout, model):
     got, want = harness["logits"][layout], made[model]["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
@@ -181,7 +187,8 @@ def test_an_import_holds_the_entries_megatron_core_saves(made, harness):
 
 # --- both ways, bit for bit ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src,back", [("next", "back"), ("next", "back_pp"), ("dense", "dense_back")])
+@pytest.mark.parametrize("src,back", [("next", "back"), ("next", "back_pp"), ("dense", "dense_back"),
+                                      ("dense", "dense_dist_back")])
 def test_hf_to_megatron_and_back_gives_every_tensor_bit_for_bit(made, src, back):
     want, got = _tensors(made[src]["hf"]), _tensors(made[back])
     assert set(got) == set(want)
@@ -452,3 +459,21 @@ def test_a_release_config_without_layer_types_reads_full_attention_interval(made
     _run(str(src), str(tmp_path / "tp1"), "--target-tp", "1")
     args = _rank(tmp_path / "tp1", "mp_rank_00")["args"]
     assert args.linear_attention_freq == 4 and args.rotary_percent == 0.25
+
+
+def test_torch_dist_holds_the_mixers_split_keys_and_refuses_the_experts(made, tmp_path, capsys):
+    """The dense model's torch_dist keys the mixer's fused tensors as megatron-core's sharded state dict
+    does (``in_proj.weight.query`` ... ``conv1d.weight.value``; megatron-core loads them above); the MoE
+    model's experts are refused in one line, nothing written."""
+    from reshard.core.dcp_metadata import read_metadata
+
+    keys = set(read_metadata(next(made["dense_dist"].glob("iter_*/.metadata"))).tensors)
+    mixer = "decoder.layers.0.self_attention."
+    assert {mixer + f"in_proj.weight.{p}" for p in ("query", "key", "value", "z", "beta", "alpha")} <= keys
+    assert {mixer + f"conv1d.weight.{p}" for p in ("query", "key", "value")} <= keys
+    assert mixer + "in_proj.weight" not in keys
+    assert main(["run", "--direct", str(made["next"]["hf"]), str(tmp_path / "o"), "--to", "torch_dist"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "routed experts of a qwen3-next model are not written to torch_dist yet" in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()

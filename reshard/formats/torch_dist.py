@@ -225,6 +225,13 @@ class TorchDistFormat(CheckpointFormat):
             raise LayoutError("experts under grouped GEMM's names (one weight per expert, numbered in its name) are "
                               "not written to torch_dist yet", culprit=grouped,
                               hint="write a per-rank layout (drop --to torch_dist)")
+        family = claiming_family([tp.out_key for t in plan.targets for tp in t.params])
+        expert = None if family.dist_experts else next(
+            (tp.out_key for t in plan.targets for tp in t.params if expert_index(tp.out_key) is not None), None)
+        if expert is not None:
+            raise LayoutError(f"the routed experts of a {family.name} model are not written to torch_dist yet (the "
+                              f"keys megatron-core's loader wants for them are not known)", culprit=expert,
+                              hint="write a per-rank layout (drop --to torch_dist)")
         if plan.facts.naming != "megatron-core" and plan.version < MIN_CORE_COMPATIBLE_VERSION:
             raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
                               "megatron-core, which torch_dist holds", culprit=plan.source.origin,

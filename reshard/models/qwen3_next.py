@@ -59,6 +59,7 @@ SECTION_NAMES: dict[str, tuple[str, ...]] = {_IN_PROJ: ("query", "key", "value",
                                               _CONV: ("query", "key", "value")}
 _M = DECODER_LAYER + re.escape(MIXER)
 _IN_PROJ_KEY = re.compile(_M + r"in_proj\.weight$")
+_CONV_KEY = re.compile(_M + r"conv1d\.(?:weight|bias)$")
 
 
 def _rule(name: str, pattern: str, kind: Kind, **kw: Any) -> Rule:
@@ -70,7 +71,7 @@ def _rule(name: str, pattern: str, kind: Kind, **kw: Any) -> Rule:
 QWEN3_NEXT_RULES: tuple[Rule, ...] = (
     _rule("gdn.in_proj.weight", _IN_PROJ_KEY.pattern, Kind.COLUMN, sections=_IN_PROJ),
     _rule("gdn.in_proj.layer_norm_weight", _M + r"in_proj\.layer_norm_weight$", Kind.REPLICATED),
-    _rule("gdn.conv1d", _M + r"conv1d\.(?:weight|bias)$", Kind.COLUMN, sections=_CONV),
+    _rule("gdn.conv1d", _CONV_KEY.pattern, Kind.COLUMN, sections=_CONV),
     _rule("gdn.dt_bias_A_log", _M + r"(?:dt_bias|A_log)$", Kind.COLUMN),
     _rule("gdn.out_norm", _M + r"out_norm\.weight$", Kind.REPLICATED),
     _rule("gdn.out_proj", _M + r"out_proj\.weight$", Kind.ROW),
@@ -112,11 +113,15 @@ class Qwen3Next(MegatronCoreFamily):
     name = "qwen3-next"
     rules = QWEN3_NEXT_RULES
     priority = 40
+    #: megatron-core's loader, on the model its Transformer Engine spec builds here, asks for the
+    #: experts under keys (``mlp.experts.experts.linear_fc1.weight``) reshard does not write yet: refused.
+    dist_experts = False
     supported = ("megatron-core GPT names with gated DeltaNet layers (self_attention.in_proj, conv1d, A_log, "
                  "dt_bias, out_norm, out_proj) and gated attention, dense or MoE MLP")
 
     def claims(self, keys: Sequence[str]) -> bool:
-        return any(_IN_PROJ_KEY.match(k) for k in keys)
+        """A mixer's ``in_proj``, whole (per-rank) or as torch_dist's first part (:meth:`dist_parts`)."""
+        return any(_IN_PROJ_KEY.match(k) or _IN_PROJ_KEY.match(k.removesuffix(".query")) for k in keys)
 
     def naming(self, keys: Sequence[str]) -> str:
         return "megatron-core"
@@ -139,6 +144,22 @@ class Qwen3Next(MegatronCoreFamily):
         if rule.sections == _CONV:
             return qkv
         return (*qkv, (nv * dv // n, r * dv), (nv // n, r), (nv // n, r))
+
+    def dist_parts(self, name: str, args: Any = None) -> tuple[tuple[str, int | None], ...] | None:
+        """torch_dist: ``in_proj.weight`` as ``.query .key .value .z .beta .alpha`` and ``conv1d.weight``
+        (``.bias``) as ``.query .key .value`` (``GatedDeltaNet.sharded_state_dict``'s
+        ``_split_tensor_factory``), each part the whole model's rows of its section."""
+        layout = _IN_PROJ if _IN_PROJ_KEY.match(name) else _CONV if _CONV_KEY.match(name) else None
+        if layout is None:
+            return None
+        names = SECTION_NAMES[layout]
+        if args is None:
+            return tuple((n, None) for n in names)
+        h = linear_heads(args, name)
+        qk, v, nv = h["linear_num_key_heads"] * h["linear_key_head_dim"], \
+            h["linear_num_value_heads"] * h["linear_value_head_dim"], h["linear_num_value_heads"]
+        rows = (qk, qk, v, v, nv, nv) if layout == _IN_PROJ else (qk, qk, v)
+        return tuple(zip(names, rows, strict=True))
 
     @staticmethod
     def _gated_group_rows(key: str, rank_rows: int, n: int, args: Any) -> int:
