@@ -28,8 +28,9 @@ import torch
 
 from mcore_fixtures import TOKENS, copy_with_args, edit_saved_args, needs_mcore, run_harness
 from reshard.cli import main
-from test_deepseek import add_mtp_layer, hf_folder_logits, mtp_reference
+from test_deepseek import add_mtp_layer, dequantized_logits, hf_folder_logits, mtp_reference
 from test_hf_export import hf_tensors
+from test_hf_import import make_fp8_folder
 
 pytestmark = needs_mcore
 TOL = 5e-5
@@ -114,6 +115,11 @@ def glm_runs(tmp_path_factory):
     want["glm45_mtp.mtp"] = mtp_reference(hf["glm45_mtp"])
     runs[("glm45_mtp", 2, 2)] = _run(hf["glm45_mtp"], root / "glm45_mtp_tp2_ep2", "--target-tp", "2",
                                      "--target-ep", "2")
+    hf["glm45_fp8"] = root / "hf" / "glm45_fp8"  # as the FP8 releases: block-scaled linear weights
+    want["glm45_fp8"] = dequantized_logits(hf["glm45"], make_fp8_folder(hf["glm45"], hf["glm45_fp8"], torch.float32),
+                                           root / "hf" / "glm45_fp8_dequantized")
+    runs[("glm45_fp8", 2, 2)] = _run(hf["glm45_fp8"], root / "glm45_fp8_tp2_ep2", "--target-tp", "2",
+                                     "--target-ep", "2")
     for what, edit in WRONG.items():
         runs[what] = edit_saved_args(_run(hf["glm45"], root / f"wrong_{len(runs)}", "--target-tp", "2",
                                           "--target-ep", "2"), **edit)
@@ -156,6 +162,25 @@ def test_megatron_core_runs_the_imported_mtp_layer_with_transformers_mtp_logits(
     (mtp,) = glm_runs["got"]["glm45_mtp.mtp"]
     torch.testing.assert_close(mtp[:-1, :128], glm_runs["want"]["glm45_mtp.mtp"], rtol=0, atol=TOL)
     assert (mtp[:-1, :128] - logits[:-1, :128]).abs().max() > 1e-2  # not the main head's logits again
+
+
+def test_an_fp8_glm_folder_is_imported_as_the_model_it_encodes(glm_runs):
+    logits = glm_runs["got"][("glm45_fp8", 2, 2)]
+    torch.testing.assert_close(logits[:, :128], glm_runs["want"]["glm45_fp8"], rtol=0, atol=TOL)
+
+
+def test_the_fp8_export_of_a_glm_model_encodes_every_linear_weight(glm_runs, tmp_path):
+    out = _run(glm_runs["runs"][("glm45_mtp", 2, 2)], tmp_path / "fp8", "--to", "hf", "--quantize", "fp8")
+    got = hf_tensors(out)
+    fp8 = sorted(k for k, v in got.items() if v.dtype == torch.float8_e4m3fn)
+    assert {k.split(".")[-2] for k in fp8} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"}
+    assert all(k + "_scale_inv" in got for k in fp8)
+    for k in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+              "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_norm.weight", "lm_head.weight"):
+        assert got[k].dtype == torch.float32, k
+    config = json.loads((out / "config.json").read_text())
+    assert "model.layers.1.mlp.gate" in config["quantization_config"]["modules_to_not_convert"]
 
 
 @pytest.mark.parametrize("what", list(WRONG))
