@@ -268,7 +268,7 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
     if m.get("mla"):  # Megatron-LM's MLA and DeepSeek-router args (its CLI names are the config's)
         moe |= dict(multi_latent_attention=True, **m["mla"], apply_rope_fusion=False)
     if m.get("mla") or m.get("router"):  # the DeepSeek and GLM routers' args (the CLI names are the config's)
-        moe |= {k: v for k, v in m.get("router", {}).items()}
+        moe |= {k: v for k, v in m.get("router", {}).items() if v is not None}
     if m.get("mtp"):
         moe |= dict(mtp_num_layers=m["mtp"])
     groups = m.get("groups")

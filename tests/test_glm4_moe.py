@@ -115,6 +115,8 @@ def glm_runs(tmp_path_factory):
     want["glm45_mtp.mtp"] = mtp_reference(hf["glm45_mtp"])
     runs[("glm45_mtp", 2, 2)] = _run(hf["glm45_mtp"], root / "glm45_mtp_tp2_ep2", "--target-tp", "2",
                                      "--target-ep", "2")
+    # over two pipeline stages: the MoE layer, the MTP layer and megatron-core's copy of the embeddings on the last
+    runs["glm45_mtp_pp2"] = _run(hf["glm45_mtp"], root / "glm45_mtp_pp2", "--target-tp", "1", "--target-pp", "2")
     hf["glm45_fp8"] = root / "hf" / "glm45_fp8"  # as the FP8 releases: block-scaled linear weights
     want["glm45_fp8"] = dequantized_logits(hf["glm45"], make_fp8_folder(hf["glm45"], hf["glm45_fp8"], torch.float32),
                                            root / "hf" / "glm45_fp8_dequantized")
@@ -123,17 +125,18 @@ def glm_runs(tmp_path_factory):
     for what, edit in WRONG.items():
         runs[what] = edit_saved_args(_run(hf["glm45"], root / f"wrong_{len(runs)}", "--target-tp", "2",
                                           "--target-ep", "2"), **edit)
-    jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": 1, "from_args": True, "model": {},
+    layouts = {"glm45_mtp_pp2": (1, 1, 2)}
+    jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
              "tokens": TOKENS, "out": str(root / f"forward_{i}.pt")}
             for i, (key, run) in enumerate(runs.items())
-            for tp, ep in [key[1:] if isinstance(key, tuple) else (2, 2)]]
+            for tp, ep, pp in [layouts.get(key, (*key[1:], 1) if isinstance(key, tuple) else (2, 2, 1))]]
     run_harness(jobs, root)
     got = {}
     for key, job in zip(runs, jobs):
         got[key] = torch.load(job["out"])
         mtp = torch.load(job["out"] + ".mtp")
         if mtp:
-            got[key[0] + ".mtp"] = mtp
+            got[(key if isinstance(key, str) else key[0]) + ".mtp"] = mtp
     return {"hf": hf, "want": want, "runs": runs, "got": got, "written": written}
 
 
@@ -181,6 +184,13 @@ def test_the_fp8_export_of_a_glm_model_encodes_every_linear_weight(glm_runs, tmp
         assert got[k].dtype == torch.float32, k
     config = json.loads((out / "config.json").read_text())
     assert "model.layers.1.mlp.gate" in config["quantization_config"]["modules_to_not_convert"]
+
+
+def test_megatron_core_runs_the_mtp_layer_imported_over_pipeline_stages(glm_runs):
+    logits = glm_runs["got"]["glm45_mtp_pp2"]
+    torch.testing.assert_close(logits[:, :128], glm_runs["want"]["glm45_mtp"], rtol=0, atol=TOL)
+    (mtp,) = glm_runs["got"]["glm45_mtp_pp2.mtp"]
+    torch.testing.assert_close(mtp[:-1, :128], glm_runs["want"]["glm45_mtp.mtp"], rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("what", list(WRONG))
