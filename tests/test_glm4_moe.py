@@ -95,9 +95,10 @@ def _run(src: Path, out: Path, *extra: str) -> Path:
 
 @pytest.fixture(scope="session")
 def glm_runs(tmp_path_factory):
-    """Both models (and ``glm45`` with an MTP layer) imported at (TP, EP) (1, 1) and (2, 2), ``glm45``
-    wrongly in each way of :data:`WRONG`, megatron-core's own :data:`MCORE_MODEL` written at TP 2 x
-    EP 2; megatron-core's logits for each, two harness runs."""
+    """Both models imported at (TP, EP) (1, 1) and (2, 2); ``glm45`` with an MTP layer at TP 2 x EP 2,
+    at TP 1 x PP 2, into torch_dist and back to TP 1 x EP 2; an FP8 copy of ``glm45``; ``glm45``
+    wrongly in each way of :data:`WRONG`; megatron-core's own :data:`MCORE_MODEL` written at TP 2 x
+    EP 2; megatron-core's logits (and MTP logits) for each, two harness runs."""
     root = tmp_path_factory.mktemp("glm4_moe")
     written = root / "mcore_write"
     run_harness([{"kind": "write", "out": str(written), "tp": 2, "ep": 2, "model": MCORE_MODEL, "tokens": TOKENS}],
@@ -125,11 +126,16 @@ def glm_runs(tmp_path_factory):
     for what, edit in WRONG.items():
         runs[what] = edit_saved_args(_run(hf["glm45"], root / f"wrong_{len(runs)}", "--target-tp", "2",
                                           "--target-ep", "2"), **edit)
-    layouts = {"glm45_mtp_pp2": (1, 1, 2)}
+    dist = _run(runs[("glm45_mtp", 2, 2)], root / "glm45_mtp_dist", "--to", "torch_dist")
+    runs["glm45_mtp_from_dist"] = _run(dist, root / "glm45_mtp_from_dist", "--target-tp", "1", "--target-ep", "2")
+    layouts = {"glm45_mtp_pp2": (1, 1, 2), "glm45_mtp_from_dist": (1, 2, 1)}
     jobs = [{"kind": "forward", "ckpt": str(run), "tp": tp, "ep": ep, "pp": pp, "from_args": True, "model": {},
              "tokens": TOKENS, "out": str(root / f"forward_{i}.pt")}
             for i, (key, run) in enumerate(runs.items())
             for tp, ep, pp in [layouts.get(key, (*key[1:], 1) if isinstance(key, tuple) else (2, 2, 1))]]
+    runs["glm45_mtp_dist"] = dist
+    jobs.append({"kind": "forward_dist", "ckpt": str(dist), "tp": 2, "ep": 2, "from_args": True, "model": {},
+                 "tokens": TOKENS, "out": str(root / "forward_dist.pt")})
     run_harness(jobs, root)
     got = {}
     for key, job in zip(runs, jobs):
@@ -190,6 +196,13 @@ def test_megatron_core_runs_the_mtp_layer_imported_over_pipeline_stages(glm_runs
     logits = glm_runs["got"]["glm45_mtp_pp2"]
     torch.testing.assert_close(logits[:, :128], glm_runs["want"]["glm45_mtp"], rtol=0, atol=TOL)
     (mtp,) = glm_runs["got"]["glm45_mtp_pp2.mtp"]
+    torch.testing.assert_close(mtp[:-1, :128], glm_runs["want"]["glm45_mtp.mtp"], rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("case", ["glm45_mtp_dist", "glm45_mtp_from_dist"], ids=["torch_dist_out", "torch_dist_in"])
+def test_the_mtp_layer_goes_through_torch_dist_both_ways(glm_runs, case):
+    torch.testing.assert_close(glm_runs["got"][case][:, :128], glm_runs["want"]["glm45_mtp"], rtol=0, atol=TOL)
+    (mtp,) = glm_runs["got"][case + ".mtp"]
     torch.testing.assert_close(mtp[:-1, :128], glm_runs["want"]["glm45_mtp.mtp"], rtol=0, atol=TOL)
 
 
