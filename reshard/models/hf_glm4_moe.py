@@ -35,9 +35,9 @@ from reshard.models.deepseek import mtp_layers
 from reshard.models.facts import saved_arg
 from reshard.models.hf_architectures import HF_DTYPES, HFArchitecture, HFModel, NameTable
 from reshard.models.hf_common import (
-    NOT_EXPORTED_FLAGS,
     ROPE_BASE_DEFAULT,
     config_int,
+    decided_norm,
     has_key,
     import_refusal,
     megatron_model,
@@ -157,31 +157,28 @@ class Glm4Moe(CarriesMtpLayers):
         if not has(r"\.self_attention\.linear_qkv\.weight$") or not has(r"\.mlp\.router\.weight$") or not (
                 sigmoid or has(r"\.mlp\.router\.expert_bias$")):
             return None
-        for flag, what in (*NOT_EXPORTED_FLAGS, ("multi_latent_attention", "multi-latent attention"),
-                           ("add_bias_linear", "linear biases besides the QKV's"),
+        if has(r"\.self_attention\.(?:in_proj\.weight|softmax_offset)$"):
+            return None  # gated DeltaNet layers or attention sinks: the classes that claim those names decide
+        norm, qk_norm = decided_norm(args, facts, keys)  # the checks every built-in export starts with
+        for flag, what in (("add_bias_linear", "linear biases besides the QKV's"),
                            ("moe_shared_expert_gate", "a gated shared expert"),
                            ("moe_expert_capacity_factor", "token dropping (expert capacity)"),
                            ("moe_input_jitter_eps", "router input jitter")):
             if saved_arg(args, flag, default=False):
                 raise not_exact(f"{what} ({flag})")
-        if saved_arg(args, "normalization") != "RMSNorm":
-            raise not_exact(f"normalization {saved_arg(args, 'normalization')} (Glm4Moe uses RMSNorm)")
+        if norm != "RMSNorm":
+            raise not_exact(f"normalization {norm} (Glm4Moe uses RMSNorm)")
         if not facts.swiglu:
             raise not_exact("the MLP is not SwiGLU")
         if saved_arg(args, "position_embedding_type") != "rope" or has(r"position_embeddings\."):
             raise not_exact(f"position embedding {saved_arg(args, 'position_embedding_type')} (rotary needed)")
-        if facts.heads is None or facts.query_groups is None or facts.head_dim is None or facts.hidden is None:
-            raise not_exact("heads, query groups or head dim unknown (give --num-heads / --num-query-groups)")
         partial = float(saved_arg(args, "rotary_percent", default=1.0))
-        rotary = facts.head_dim * partial
+        rotary = (facts.head_dim or 0) * partial  # decided_norm refused a model whose head dim is unknown
         if rotary != int(rotary) or int(rotary) % 2:
             raise not_exact(f"rotary_percent {partial} of head dim {facts.head_dim} (not an even number of dims)")
         biased = sorted(k for k in keys if k.endswith(".bias") and ".linear_qkv." not in k)
         if biased:
             raise not_exact(f"biases besides the QKV's ({biased[0]}; Glm4Moe has a QKV bias alone)")
-        qk_norm = has(r"\.(q_layernorm|k_layernorm)\.weight$")
-        if qk_norm != bool(saved_arg(args, "qk_layernorm", default=qk_norm)):
-            raise not_exact("args.qk_layernorm contradicts the query/key layer norms the tensors hold")
         if not sigmoid:
             raise not_exact("a router expert bias with softmax scores (Glm4Moe routes on sigmoid scores)")
         if not has(r"\.mlp\.router\.expert_bias$"):
