@@ -278,3 +278,10 @@ def test_an_export_transformers_would_compute_otherwise_is_refused_in_one_line(g
                                                                                words):
     src = copy_with_args(glm_runs["runs"][("glm45", 2, 2)], tmp_path / "src", **change)
     assert words in _refused(src, tmp_path / "out", capsys, "--to", "hf")
+
+
+def test_group_routing_that_keeps_every_group_is_exported_as_none(glm_runs, tmp_path):
+    """megatron-core keeping 2 of 2 groups routes over every expert: GLM's ``n_group`` 1 computes it."""
+    src = copy_with_args(glm_runs["runs"][("glm45", 2, 2)], tmp_path / "src", moe_router_group_topk=2)
+    config = json.loads((_run(src, tmp_path / "hf", "--to", "hf") / "config.json").read_text())
+    assert (config["n_group"], config["topk_group"], config["num_experts_per_tok"]) == (1, 1, 2)
