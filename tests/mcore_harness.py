@@ -120,8 +120,10 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
 
         _mla_shims()
         config_class = MLATransformerConfig
-        kw.update(m["mla"], apply_rope_fusion=False, bias_activation_fusion=False, mtp_num_layers=m.get("mtp"))
+        kw.update(m["mla"], apply_rope_fusion=False, bias_activation_fusion=False)
         spec_kw.update(multi_latent_attention=True)
+    if m.get("mtp"):  # multi-token prediction layers (DeepSeek-V3, GLM-4.5)
+        kw.update(mtp_num_layers=m["mtp"])
     if m.get("window_size") is not None:  # sliding-window attention (JSON gives the pair as a list)
         _cpu_window_mask()
         kw.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
@@ -170,7 +172,8 @@ def build_model(m: dict[str, Any], tp: int, pp: int, seed: int | None, ep: int =
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                     share_embeddings_and_output_weights=m.get("tied", True), vp_stage=vp_stage,
-                    position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000))
+                    position_embedding_type=m.get("pos", "learned_absolute"), rotary_base=m.get("rope_base", 10000),
+                    rotary_percent=m.get("rotary_percent", 1.0))
     if m.get("norm_noise"):  # norms distinct from ones (a swapped norm must show), alike at every layout
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -263,12 +266,16 @@ def megatron_args(m: dict[str, Any], tp: int, pp: int, ep: int = 1, etp: int | N
                    moe_shared_expert_gate=m.get("shared_gate", False))
 
     if m.get("mla"):  # Megatron-LM's MLA and DeepSeek-router args (its CLI names are the config's)
-        moe |= dict(multi_latent_attention=True, **m["mla"], **{k: v for k, v in m.get("router", {}).items()},
-                    mtp_num_layers=m.get("mtp"), apply_rope_fusion=False)
+        moe |= dict(multi_latent_attention=True, **m["mla"], apply_rope_fusion=False)
+    if m.get("mla") or m.get("router"):  # the DeepSeek and GLM routers' args (the CLI names are the config's)
+        moe |= {k: v for k, v in m.get("router", {}).items() if v is not None}
+    if m.get("mtp"):
+        moe |= dict(mtp_num_layers=m["mtp"])
     groups = m.get("groups")
     # what Megatron-LM records for these (only where a model sets them: older fixtures' args stay as they were)
     recorded = {arg: m[key] for key, arg in (("qkv_bias", "add_qkv_bias"), ("eps", "norm_epsilon"),
-                                             ("rope_base", "rotary_base"), ("qk_norm", "qk_layernorm")) if key in m}
+                                             ("rope_base", "rotary_base"), ("qk_norm", "qk_layernorm"),
+                                             ("rotary_percent", "rotary_percent")) if key in m}
     if m.get("window_size") is not None:  # Megatron-LM's --window-size (a tuple) and --window-attn-skip-freq
         recorded.update(window_size=tuple(m["window_size"]), window_attn_skip_freq=m.get("window_attn_skip_freq"))
     recorded.update({k: m[k] for k in GPT_OSS_ARGS if k in m})
@@ -337,6 +344,7 @@ def _options_from_args(a: Any) -> dict[str, Any]:
             "bias": a.add_bias_linear, "qkv_bias": getattr(a, "add_qkv_bias", False),
             "eps": getattr(a, "norm_epsilon", getattr(a, "layernorm_epsilon", None)),  # megatron-core 0.19's name
             "rope_base": getattr(a, "rotary_base", 10000), "pos": a.position_embedding_type,
+            "rotary_percent": getattr(a, "rotary_percent", 1.0),
             "qk_norm": getattr(a, "qk_layernorm", False), "kv_channels": a.kv_channels,
             "window_size": getattr(a, "window_size", None), "window_attn_skip_freq": getattr(a, "window_attn_skip_freq",
                                                                                                None),

@@ -38,8 +38,8 @@ class GPTWithLMHead(ModelFamily):
 
 
 def test_builtin_family_and_registry_rules():
-    assert [f.name for f in families()] == ["gpt-oss", "qwen3-next", "nemotron-h", "deepseek-te", "deepseek",
-                                            "megatron-gpt"]  # the catch-all last
+    assert [f.name for f in families()] == ["gpt-oss", "qwen3-next", "megatron-gpt-mtp", "nemotron-h",
+                                            "deepseek-te", "deepseek", "megatron-gpt"]  # the catch-all last
     family, res = resolve_family(["transformer.layers.0.attention.dense.weight"])
     assert family.name == "megatron-gpt" and family.naming(["decoder.layers.0.x"]) == "megatron-core"
     assert res.by_key["transformer.layers.0.attention.dense.weight"].name == "attn.dense.weight"

@@ -86,7 +86,7 @@ _TE_DECODER_RULES: tuple[Rule, ...] = (
 _MTP = "^" + re.escape(MTP_LAYERS) + r"\d+\."
 
 
-def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
+def mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
     """megatron-core's multi-token prediction layers (``mtp.layers.{i}``, on the last pipeline stage):
     the input norms ``enorm`` (of the next token's embedding) and ``hnorm`` (of the hidden state),
     ``eh_proj`` ``[h, 2h]`` (column-parallel: rows split, gathered in the forward), a whole decoder
@@ -106,8 +106,8 @@ def _mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
 
 #: The family's table: the decoder's rules and the multi-token prediction layers' (local spec, and
 #: as Transformer Engine's spec holds them).
-DEEPSEEK_RULES: tuple[Rule, ...] = _DECODER_RULES + _mtp_rules(_DECODER_RULES)
-DEEPSEEK_TE_RULES: tuple[Rule, ...] = _TE_DECODER_RULES + _mtp_rules(_TE_DECODER_RULES)
+DEEPSEEK_RULES: tuple[Rule, ...] = _DECODER_RULES + mtp_rules(_DECODER_RULES)
+DEEPSEEK_TE_RULES: tuple[Rule, ...] = _TE_DECODER_RULES + mtp_rules(_TE_DECODER_RULES)
 
 #: A key of an MLA checkpoint (what the family claims by).
 MLA_KEY = re.compile(r"^decoder\.layers\.\d+\.self_attention\.linear_(?:q_down|q|kv_down)_proj\.")
@@ -178,19 +178,7 @@ class DeepSeek(MegatronCoreFamily):
         pipeline layout string (reshard puts them on the last stage, where megatron-core builds them
         without one). A target TP that cuts a head is refused by ``linear_proj``'s spec (split by
         heads), with the target TPs every tensor allows."""
-        if holds_mtp_layers(p.key for p in params):
-            for layout, culprit in ((saved_arg(args, LAYOUT_ARG), f"args.{LAYOUT_ARG}"),
-                                    (options.target_pipeline_layout, "--target-pipeline-layout")):
-                if layout:
-                    raise LayoutError(f"multi-token prediction layers with the pipeline layout {layout!r}: reshard "
-                                      "places them on the last stage without a layout string only", culprit=culprit,
-                                      hint="give the stages with --target-pp (and --target-vpp, "
-                                           "--target-first-stage-layers, --target-last-stage-layers)")
-
-        mtp = mtp_layer_count(p.key for p in params)
-        if mtp:
-            origin["mtp_layers"] = "parameter names"
-        return {"mtp_layers": mtp} if mtp else {}
+        return mtp_family_facts(options, args, params, origin, where)
 
     def summary(self, args: Any, model_facts: ModelFacts, experts: int) -> dict[str, Any]:
         """The routing, the multi-latent attention's ranks and head dims (as the saved ``args``
@@ -227,6 +215,27 @@ class DeepSeekTE(DeepSeek):
                                   "Transformer Engine's spec saves them (it keeps the down projections whole on "
                                   "every rank)", culprit=where, hint="the checkpoint mixes two layouts; re-save it")
         return ModelFamily.decide_groups(self, options, args, heads, params, head_dim, n, origin, where)
+
+
+def mtp_family_facts(options: ReshardOptions, args: Any, params: list[CanonicalParam], origin: dict[str, str],
+                     where: str) -> dict[str, Any]:
+    """The family fact ``mtp_layers`` (the multi-token prediction layers ``params`` hold; what an
+    export writes copies of the embeddings and head for), or the refusal of MTP layers placed by a
+    pipeline layout string (reshard puts them on the last stage, where megatron-core builds them
+    without one). Every megatron-core family with such layers decides it here."""
+    if holds_mtp_layers(p.key for p in params):
+        for layout, culprit in ((saved_arg(args, LAYOUT_ARG), f"args.{LAYOUT_ARG}"),
+                                (options.target_pipeline_layout, "--target-pipeline-layout")):
+            if layout:
+                raise LayoutError(f"multi-token prediction layers with the pipeline layout {layout!r}: reshard "
+                                  "places them on the last stage without a layout string only", culprit=culprit,
+                                  hint="give the stages with --target-pp (and --target-vpp, "
+                                       "--target-first-stage-layers, --target-last-stage-layers)")
+
+    mtp = mtp_layer_count(p.key for p in params)
+    if mtp:
+        origin["mtp_layers"] = "parameter names"
+    return {"mtp_layers": mtp} if mtp else {}
 
 
 def _down_projections(params: Sequence[CanonicalParam], args: Any) -> Iterator[tuple[CanonicalParam, int]]:

@@ -102,10 +102,27 @@ class SharedCopies(VocabRows):
         return [dataclasses.replace(run, out=i) for i in range(1 + mtp_layers(facts))]
 
 
+#: The word embeddings and the output layer, with their copies in each multi-token prediction layer.
+SHARED_COPIES_NAMES: NameTable = name_table(
+    ("embedding.word_embeddings.weight", SharedCopies("embed_tokens.weight"), ("model.embed_tokens.weight",)),
+    ("output_layer.weight", SharedCopies("shared_head.head.weight"), ("lm_head.weight",)),
+)
+#: A megatron-core MoE layer with a sigmoid router's expert bias (``e_score_correction_bias``), routed
+#: experts and a shared expert <-> DeepSeek MoE's names (GLM-4.5 names its MoE layers alike).
+DEEPSEEK_MOE_NAMES: NameTable = name_table(
+    (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
+    (_L + "mlp.router.expert_bias", Same(), (_H + "mlp.gate.e_score_correction_bias",)),
+    (EXPERT_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight",
+                                _H + "mlp.experts.{expert}.up_proj.weight"), LINEAR),
+    (EXPERT_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
+     (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), LINEAR),
+    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_experts.down_proj.weight",), LINEAR),
+)
+
 #: megatron-core (local spec) <-> transformers' DeepseekV3ForCausalLM; every linear weight is FP8
 #: in DeepSeek's own release (``LINEAR``), the router, norms, embeddings and head are not.
-_DECODER_NAMES: NameTable = name_table(
-    ("embedding.word_embeddings.weight", SharedCopies("embed_tokens.weight"), ("model.embed_tokens.weight",)),
+_DECODER_NAMES: NameTable = SHARED_COPIES_NAMES + name_table(
     (_L + "input_layernorm.weight", Same(), (_H + "input_layernorm.weight",)),
     (_A + "linear_q_down_proj.weight", Same(), (_HA + "q_a_proj.weight",), LINEAR),
     ((_A + "q_layernorm.weight", _A + "linear_q_up_proj.layer_norm_weight"), Same(), (_HA + "q_a_layernorm.weight",)),
@@ -120,23 +137,14 @@ _DECODER_NAMES: NameTable = name_table(
      (_H + "post_attention_layernorm.weight",)),
     (_L + "mlp.linear_fc1.weight", GatedSplit(), (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), LINEAR),
     (_L + "mlp.linear_fc2.weight", Same(), (_H + "mlp.down_proj.weight",), LINEAR),
-    (_L + "mlp.router.weight", Same(), (_H + "mlp.gate.weight",)),
-    (_L + "mlp.router.expert_bias", Same(), (_H + "mlp.gate.e_score_correction_bias",)),
-    (EXPERT_FC1, GatedSplit(), (_H + "mlp.experts.{expert}.gate_proj.weight",
-                                _H + "mlp.experts.{expert}.up_proj.weight"), LINEAR),
-    (EXPERT_FC2, Same(), (_H + "mlp.experts.{expert}.down_proj.weight",), LINEAR),
-    (_L + "mlp.shared_experts.linear_fc1.weight", GatedSplit(),
-     (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), LINEAR),
-    (_L + "mlp.shared_experts.linear_fc2.weight", Same(), (_H + "mlp.shared_experts.down_proj.weight",), LINEAR),
     ("decoder.final_layernorm.weight", Same(), ("model.norm.weight",)),
-    ("output_layer.weight", SharedCopies("shared_head.head.weight"), ("lm_head.weight",)),
     (EXTRA_STATE, None, ()),
-)
+) + DEEPSEEK_MOE_NAMES
 
 _M, _HM = MTP_LAYERS + "{layer}.", MTP_HF + "{layer}."
 
 
-def _mtp_names(table: NameTable) -> NameTable:
+def mtp_names(table: NameTable) -> NameTable:
     """Multi-token prediction layer ``i``: megatron-core's ``mtp.layers.{i}`` <-> the folder's
     ``model.layers.{num_hidden_layers + i}`` (in the table as ``model.mtp_layers.{i}``, see
     :data:`MTP_HF`): its norms, ``eh_proj`` and a decoder layer
@@ -152,7 +160,7 @@ def _mtp_names(table: NameTable) -> NameTable:
 
 
 #: The whole table: the multi-token prediction layers', then the decoder's.
-DEEPSEEK_V3_NAMES: NameTable = _mtp_names(_DECODER_NAMES) + _DECODER_NAMES
+DEEPSEEK_V3_NAMES: NameTable = mtp_names(_DECODER_NAMES) + _DECODER_NAMES
 
 #: transformers' DeepseekV3Config defaults for what a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -167,14 +175,14 @@ _DEFAULTS: dict[str, Any] = {
 LATENT_NORM_EPS = 1e-6
 
 
-class DeepseekV3(HFArchitectureFamily):
-    """transformers' ``DeepseekV3ForCausalLM`` (also Kimi-K2's folders): megatron-core MLA + DeepSeek
-    MoE, both ways, exactly or refused naming the setting."""
+class CarriesMtpLayers(HFArchitectureFamily):
+    """A class whose releases carry multi-token prediction layers as DeepSeek-V3's do (DeepSeek-V3,
+    GLM-4.5): decoder layers after the model's own in the folder, ``mtp.layers.{i}`` in megatron-core
+    (the table's :data:`MTP_HF` names, renamed both ways here; the copies of the embeddings and head
+    in each are written, never imported)."""
 
-    name = "DeepseekV3ForCausalLM"
-    priority = 0
-    model_types = ("deepseek_v3", "kimi_k2")
-    names = DEEPSEEK_V3_NAMES
+    #: The model transformers saves without the layers (for the import's warning).
+    saved_without = "the model"
 
     # -- multi-token prediction layers' names (see the module docstring) --------------------------
     def folder_name(self, name: str, facts: ModelFacts) -> str:
@@ -195,6 +203,30 @@ class DeepseekV3(HFArchitectureFamily):
                                             "multi-token prediction layer (no eh_proj, or one missing before it)",
                                             culprit=where, hint="check num_hidden_layers in config.json")
         return {"mtp_num_layers": len(mtp)} if mtp else {}
+
+    def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
+        """``num_nextn_predict_layers`` beyond the multi-token prediction layers the folder holds:
+        transformers declares the releases' MTP layer but saves no weights for it (its model has
+        none). The output says what it holds (fewer layers: vLLM's MTP speculative decoding would
+        look for weights that are not there), and this says why it changed."""
+        declared = config.get("num_nextn_predict_layers")
+        held = int(getattr(args, "mtp_num_layers", None) or 0)
+        if not isinstance(declared, int) or declared <= held:
+            return []
+        return [f"num_nextn_predict_layers {declared} -> {held}: config.json declares {declared} multi-token "
+                f"prediction layer{'s' if declared > 1 else ''} but the folder holds the weights of "
+                f"{held or 'none'} (transformers saves {self.saved_without} without them)"]
+
+
+class DeepseekV3(CarriesMtpLayers):
+    """transformers' ``DeepseekV3ForCausalLM`` (also Kimi-K2's folders): megatron-core MLA + DeepSeek
+    MoE, both ways, exactly or refused naming the setting."""
+
+    name = "DeepseekV3ForCausalLM"
+    priority = 0
+    model_types = ("deepseek_v3", "kimi_k2")
+    names = DEEPSEEK_V3_NAMES
+    saved_without = "DeepSeek-V3"
 
     # -- import ---------------------------------------------------------------------------------
     def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
@@ -277,19 +309,6 @@ class DeepseekV3(HFArchitectureFamily):
                            padded_vocab_source=vocab, padded_vocab_target=None, make_vocab_size_divisible_by=None,
                            source_pp_layers=(layers,), target_pp_layers=(layers,))
         return HFModel(self.name, args, facts, self.names)
-
-    def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:
-        """``num_nextn_predict_layers`` beyond the multi-token prediction layers the folder holds:
-        transformers declares DeepSeek-V3's one MTP layer but saves no weights for it (its model has
-        none). The output says what it holds (fewer layers: vLLM's MTP speculative decoding would
-        look for weights that are not there), and this says why it changed."""
-        declared = config.get("num_nextn_predict_layers")
-        held = int(getattr(args, "mtp_num_layers", None) or 0)
-        if not isinstance(declared, int) or declared <= held:
-            return []
-        return [f"num_nextn_predict_layers {declared} -> {held}: config.json declares {declared} multi-token "
-                f"prediction layer{'s' if declared > 1 else ''} but the folder holds the weights of "
-                f"{held or 'none'} (transformers saves DeepSeek-V3 without them)"]
 
     # -- export ---------------------------------------------------------------------------------
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,

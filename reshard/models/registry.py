@@ -11,7 +11,8 @@ from reshard.plugins import PluginRegistry
 #: Built-in families, as "module:class" (imported on first use).
 BUILTIN: tuple[str, ...] = ("reshard.models.megatron_gpt:MegatronGPT", "reshard.models.deepseek:DeepSeek",
                             "reshard.models.deepseek:DeepSeekTE", "reshard.models.gpt_oss:GptOss",
-                            "reshard.models.qwen3_next:Qwen3Next", "reshard.models.nemotron_h:NemotronH")
+                            "reshard.models.qwen3_next:Qwen3Next", "reshard.models.nemotron_h:NemotronH",
+                            "reshard.models.glm4_moe:GptWithMtpLayers")
 ENTRY_POINT_GROUP = "reshard.models"
 
 _FAMILIES: PluginRegistry[ModelFamily] = PluginRegistry("model family", ModelFamily, BUILTIN, ENTRY_POINT_GROUP)
