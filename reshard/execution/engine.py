@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from reshard.core import foreign
+from reshard.core.allocator import return_large_buffers
 from reshard.core.cpus import usable_cores
 from reshard.core.errors import CorruptCheckpointError
 from reshard.core.layouts import (
@@ -680,6 +681,7 @@ def convert_target(plan: Plan, tgt: int, out_path: str | os.PathLike[str],
     :meth:`~reshard.formats.base.CheckpointFormat.writes_streams`); ``out_path`` then keeps little
     more than the file's structure."""
     t0 = time.perf_counter()
+    return_large_buffers()
     device = device or torch.device("cpu")
     out_path = Path(out_path)
     shards = _load_sources(plan, tgt)
