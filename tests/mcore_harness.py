@@ -44,7 +44,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import warnings
 import zlib
@@ -68,6 +67,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 from megatron.core.transformer.enums import AttnBackend  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from rendezvous import free_port  # noqa: E402
 
 ITERATION = 7
 
@@ -708,26 +709,11 @@ def _write_dist(job: dict[str, Any], model: GPTModel, tp: int, pp: int) -> None:
                 torch.save(MTP_LOGITS, out / "mtp_logits.pt")
 
 
-def _free_port() -> int:
-    """A port for the ranks' rendezvous, below Linux's ephemeral range (32768-60999): a port the kernel
-    hands out (a bind to 0) lies in that range, where every outgoing connection of the suite (S3,
-    Prefect) takes its local port too, so one could take it before rank 0 listens (EADDRINUSE)."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000 for the ranks' rendezvous")
-
-
 def main(jobs_file: str) -> None:
     jobs = json.loads(Path(jobs_file).read_text())
     for job in jobs:
         world = world_size(job["tp"], job.get("pp", 1), job.get("ep", 1), job.get("etp"))
-        mp.start_processes(_worker, args=(world, _free_port(), job), nprocs=world, start_method="fork")
+        mp.start_processes(_worker, args=(world, free_port(), job), nprocs=world, start_method="fork")
 
 
 def serve() -> None:

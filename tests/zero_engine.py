@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import sys
 
 import deepspeed  # noqa: E402
@@ -37,6 +35,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from rendezvous import free_port  # noqa: E402
 from reshard.sample import GPTConfig, full_weights, shard_state_dicts  # noqa: E402
 
 FROZEN = "position_embeddings.weight"
@@ -200,26 +199,11 @@ def _set_rank_env(port: int | str, rank: int, world: int) -> None:
                       LOCAL_RANK=str(rank))
 
 
-def _free_port() -> int:
-    """A port for the ranks' rendezvous, below Linux's ephemeral range (32768-60999): a port the kernel
-    hands out (a bind to 0) lies in that range, where every outgoing connection of the suite (S3,
-    Prefect) takes its local port too, so one could take it before rank 0 listens (EADDRINUSE)."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000 for the ranks' rendezvous")
-
-
 def _fork_job(job: list, log: str) -> bool:
     """Fork the job's ranks (each one process, as the script's), their output in ``log``; True when
     every rank exited 0."""
     out, stage, dtype, dp, tp, resume = job
-    world, port = dp * tp, _free_port()
+    world, port = dp * tp, free_port()
     pids = []
     with open(log, "a") as f:
         for rank in range(world):

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 import reshard.models.facts as facts
+from reshard.core.errors import LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.plan_types import CanonicalParam, ModelFacts, ParamPlan, SourceStage
 from reshard.core.rules import Rule, layer_index
@@ -74,8 +75,8 @@ class ModelFamily(ABC):
         section is split over the target ranks on its own, as megatron-core's sharded state dict
         splits a state-space mixer's input projection. Refuse (a ``LayoutError`` naming the field)
         what the saved ``args`` cannot size. A family whose table names sections overrides this."""
-        raise NotImplementedError(f"{type(self).__name__} names fused sections {rule.sections!r} "
-                                  f"but does not size them")
+        raise LayoutError(f"the {self.name} family's table names fused sections {rule.sections!r}, which it "
+                          f"does not size", culprit=key, hint="the family must override split_sections")
 
     #: torch_dist: whether megatron-core's sharded state dict stacks the layers of this family's stack
     #: along a leading axis when they hold the same entries (a GPT model's ``TransformerBlock`` does;

@@ -46,6 +46,7 @@ The arithmetic, read from transformers 5.24 and megatron-core 0.16.1:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -105,11 +106,13 @@ class Segments(ByteTransform):
     subclass lists them (:meth:`segments`: ``(output, first row there, first row here, rows)``) and
     the outputs' rows (:meth:`out_rows`); the bytes move both ways by those runs."""
 
+    @abc.abstractmethod
     def out_rows(self, facts: ModelFacts) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The rows of each Hugging Face tensor, in the table's order."""
 
+    @abc.abstractmethod
     def segments(self, facts: ModelFacts) -> list[tuple[int, int, int, int]]:
-        raise NotImplementedError
+        """The runs of rows: ``(output, first row there, first row here, rows)``."""
 
     def _check(self, shape: tuple[int, ...], facts: ModelFacts) -> None:
         if shape[0] != sum(self.out_rows(facts)):
