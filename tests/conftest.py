@@ -166,19 +166,26 @@ def upload_to_s3(local: Path, s3_server, s3_bucket: str, monkeypatch, prefix: st
 
 @pytest.fixture(scope="session")
 def prefect_env(tmp_path_factory):
-    """A temporary Prefect server/database for the session, offline, with results persisted
-    under a temp folder. Yields the environment a subprocess needs to talk to the same server."""
+    """The run's Prefect server (one ``prefect server start`` shared by every xdist worker, see
+    tests/prefect_server.py), offline, with this worker's results persisted under a temp folder of
+    its own (tests count the records their runs write). Yields the environment a subprocess needs
+    to talk to the same server; this process's flows use it too."""
+    from filelock import FileLock
+    from prefect.settings import PREFECT_API_URL, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+
+    from prefect_server import session_server
+    from shared_builds import shared_root
+
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     os.environ["DO_NOT_TRACK"] = "1"
     results = tmp_path_factory.mktemp("prefect-results")
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(results)
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(),
-                   PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(results))
-        yield env
+    # the run's pytest process: xdist's controller for a worker, this process without xdist
+    run_pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    with FileLock(str(shared_root() / "prefect-server.lock")):
+        api_url = session_server(shared_root() / "prefect-server", run_pid)
+    with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_RESULTS_LOCAL_STORAGE_PATH: results}):
+        yield dict(os.environ, PREFECT_API_URL=api_url, PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(results))
 
 
 def read_task_runs(flow_run_id: str, timeout: float = 30.0, expect: dict[str, int] | None = None) -> list[Any]:
@@ -204,6 +211,18 @@ def read_task_runs(flow_run_id: str, timeout: float = 30.0, expect: dict[str, in
                     or time.monotonic() > deadline:
                 return runs
             time.sleep(0.2)
+
+
+def flow_runs_to(destination: str | Path) -> list[Any]:
+    """The server's flow runs whose parameters name ``destination``, newest first: the Prefect server
+    is shared by the run's xdist workers, so "the latest run" may be another test's."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    want = json.dumps(str(destination))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200)
+    return [r for r in runs if want in json.dumps(r.parameters, default=str)]
 
 
 def task_name(run: Any) -> str:

@@ -5,13 +5,18 @@ and home under ``root``, analytics and UI off, and a 1-second scheduler loop; ``
 the environment a CLI, worker or ``serve`` process needs to use it (short poll intervals, results
 and the shard cache under ``root``). Every wait is bounded; ``stop()`` sends SIGTERM to the
 server's process group and SIGKILL after a grace period.
+
+:func:`session_server` is the one server of a test run that the session fixture ``prefect_env``
+shares between pytest-xdist's workers (each worker used to start its own, and an idle Prefect server
+keeps a few percent of a core busy): the first worker to ask starts it through this file run as a
+script, which stops it once the run's pytest process is gone, however the run ends.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +24,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rendezvous import free_port
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env() -> dict[str, str]:
@@ -71,8 +72,15 @@ def tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
+#: Services the session server does without: its flows run in the test processes (no deployments,
+#: schedules, automations or paused runs), while the task run recorder and the event persister,
+#: which the tests read task runs through, stay on.
+IDLE_SERVICES = ("SCHEDULER", "LATE_RUNS", "FOREMAN", "CANCELLATION_CLEANUP", "PAUSE_EXPIRATIONS",
+                 "REPOSSESSOR", "DB_VACUUM", "TRIGGERS", "EVENT_LOGGER")
+
+
 class PrefectServer:
-    def __init__(self, root: Path, start_timeout: float = 120.0):
+    def __init__(self, root: Path, start_timeout: float = 120.0, services_off: tuple[str, ...] = ()):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.start_timeout = start_timeout
@@ -80,6 +88,7 @@ class PrefectServer:
         self.proc: subprocess.Popen | None = None
         self.log = self.root / "server.log"
         self.startup_s: float | None = None
+        self.services_off = services_off
 
     @property
     def api_url(self) -> str:
@@ -91,6 +100,7 @@ class PrefectServer:
                    PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1",
                    PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED="false",
                    PREFECT_LOGGING_SERVER_LEVEL="WARNING")
+        env.update({f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in self.services_off})
         return env
 
     def client_env(self, **extra: str) -> dict[str, str]:
@@ -147,3 +157,50 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.5, o
             detail = on_timeout() if on_timeout else ""
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail}")
         time.sleep(interval)
+
+
+def session_server(root: Path, watch_pid: int, timeout: float = 240.0) -> str:
+    """The API URL of the run's shared server under ``root`` (a folder every worker of the run sees),
+    started by the first caller (callers hold a file lock around this). The server lives until
+    ``watch_pid`` (the run's pytest process) exits."""
+    url_file = root / "api-url"
+    if url_file.exists():
+        return url_file.read_text()
+    root.mkdir(parents=True, exist_ok=True)
+    keeper = spawn([sys.executable, __file__, str(root), str(watch_pid)], base_env(), root / "keeper.log")
+    wait_for(lambda: url_file.exists() or keeper.poll() is not None, timeout,
+             "the session's Prefect server", on_timeout=lambda: tail(root / "keeper.log"))
+    if not url_file.exists():
+        raise RuntimeError(f"the session's Prefect server did not start:\n{tail(root / 'keeper.log')}"
+                           f"\n{tail(root / 'server' / 'server.log')}")
+    return url_file.read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _keep(root: Path, watch_pid: int) -> None:
+    """Run the session server until ``watch_pid`` exits (this file run as a script)."""
+    server = PrefectServer(root / "server", start_timeout=180.0, services_off=IDLE_SERVICES)
+    server.start()
+    try:
+        tmp = root / "api-url.tmp"
+        tmp.write_text(server.api_url)
+        tmp.rename(root / "api-url")
+        print(json.dumps({"api_url": server.api_url, "startup_s": round(server.startup_s or 0, 1)}), flush=True)
+        while _alive(watch_pid) and server.proc is not None and server.proc.poll() is None:
+            time.sleep(1.0)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _keep(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,5 +1,5 @@
-"""The one port picker of the tests' multi-process launchers (the megatron-core harness and the
-DeepSpeed engine's fork server), imported by both as a sibling module."""
+"""The one port picker of the tests' multi-process launchers (the megatron-core harness, the
+DeepSpeed engine's fork server) and servers (Prefect, Dask), imported as a sibling module."""
 
 from __future__ import annotations
 

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cache_records, read_task_runs, record_kinds, run_reshard_cli, task_name, task_states
+from conftest import (
+    cache_records,
+    flow_runs_to,
+    read_task_runs,
+    record_kinds,
+    run_reshard_cli,
+    task_name,
+    task_states,
+)
 from reshard.direct import run_direct
 from reshard.execution.plan import ReshardOptions
 from reshard.flows.params import ReshardParams
@@ -190,14 +198,6 @@ def _convert_tags(flow_run_id: str, expected: int) -> list[list[str]]:
             if task_name(r) == "convert-target"]
 
 
-def _latest_flow_run_id() -> str:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    with get_client(sync_client=True) as client:
-        return str(client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)[0].id)
-
-
 def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, tmp_path):
     """8 -> 2 with rank file 7 corrupt: target 0 (sources 0-3) still converts — it does not wait
     for every shard — while target 1 never starts, the cross-rank checks refuse the run, and
@@ -211,7 +211,7 @@ def test_a_target_converts_as_soon_as_its_own_sources_are_ready(sample_factory, 
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     with pytest.raises(CorruptCheckpointError):
         run_flow(_params(src, tmp_path / "dst", tmp_path, target_tp=2))
-    states = task_states(_latest_flow_run_id(), expect={"check-shard": 8, "convert-target": 1})
+    states = task_states(str(flow_runs_to(tmp_path / "dst")[0].id), expect={"check-shard": 8, "convert-target": 1})
     assert states["check-shard"].count("Failed") == 1, states
     assert states["convert-target"].count("Completed") == 1, states
     assert "Completed" not in states.get("upload-target", []), states

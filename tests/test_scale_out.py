@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from conftest import upload_to_s3
-from prefect_server import free_port, spawn, stop, tail, wait_for
+from prefect_server import spawn, stop, tail, wait_for
+from rendezvous import free_port
 from reshard.core.options import ReshardOptions
 from reshard.direct import run_direct
 from reshard.sample import GPTConfig, write_sample_checkpoint
@@ -164,11 +165,20 @@ def test_one_target_cut_into_files_is_written_by_both_workers(tmp_path, prefect_
             if p.is_file() and p.name != MANIFEST_NAME}
     assert sum(name.endswith(".distcp") for name in want) >= 8
     cluster = Cluster(tmp_path / "cluster", _cluster_env(prefect_env, s3_server), {"a": {}, "b": {}})
+    pids = {cluster.workers[n].pid for n in cluster.workers}
+    seen = []
     try:
-        out = _run(cluster, src, f"{s3_bucket}/dist", so, **opts)
+        # Dask places each file's task by the workers' load and where its inputs are; on a loaded
+        # machine one worker may take them all in a run (a run whose tasks each end before the next
+        # is submitted). Each run must equal --direct; one of up to three must have used both.
+        for attempt in range(3):
+            dst = f"{s3_bucket}/dist{attempt}"
+            out = _run(cluster, src, dst, so, **opts)
+            assert _outputs(dst, so) == want
+            seen.append(out["converted_on"])
+            if {int(w.rsplit(" ", 1)[1]) for w in out["converted_on"].values()} == pids:
+                break
     finally:
         cluster.stop()
-    assert _outputs(f"{s3_bucket}/dist", so) == want
-    pids = {cluster.workers[n].pid for n in cluster.workers}
-    made_by = {int(w.rsplit(" ", 1)[1]) for w in out["converted_on"].values()}
-    assert made_by == pids, (out["converted_on"], pids)  # both workers wrote files of the one checkpoint
+    made_by = {int(w.rsplit(" ", 1)[1]) for w in seen[-1].values()}
+    assert made_by == pids, (seen, pids)  # both workers wrote files of the one checkpoint
