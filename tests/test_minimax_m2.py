@@ -35,6 +35,13 @@ LINEAR = r"\.(?:q_proj|k_proj|v_proj|o_proj|w1|w2|w3)\.weight$"
 BLOCK = (16, 16)
 
 
+#: What MiniMax-M2's FP8 release's config.json says beyond transformers' own fields (transformers
+#: 4's rope layout with ``rotary_dim``, the fields its own code and vLLM read): carried through.
+RELEASE_FIELDS = {"rope_theta": 5000000, "attn_type_list": [1, 1], "qk_norm_type": "per_layer", "use_qk_norm": True,
+                  "scoring_func": "sigmoid", "use_routing_bias": True, "shared_intermediate_size": 0,
+                  "use_mtp": True, "num_mtp_modules": 3, "mtp_transformer_layers": 1}
+
+
 def make_minimax(folder: Path, seed: int = 0) -> None:
     """Save a random MiniMaxM2ForCausalLM of :data:`CONFIG` in bf16 to ``folder``."""
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
@@ -50,6 +57,26 @@ def make_minimax(folder: Path, seed: int = 0) -> None:
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
     model.to(torch.bfloat16).save_pretrained(folder)
+
+
+def release_like(encoded: dict[str, torch.Tensor], bf16: Path, fp8: Path) -> dict[str, torch.Tensor]:
+    """Make the FP8 folder ``fp8`` (of the bf16 folder ``bf16``) what MiniMax-M2's release holds: the
+    router and the expert bias in float32, ``fmt`` the dtype's name, the modules it keeps, its
+    config.json's own fields (:data:`RELEASE_FIELDS`, ``rotary_dim`` without ``rope_parameters``);
+    returns ``encoded`` (the tensors the model computes with) as changed."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(fp8 / "model.safetensors")
+    for key in tensors:
+        if key.endswith(("block_sparse_moe.gate.weight", "e_score_correction_bias")):
+            tensors[key] = encoded[key] = tensors[key].float()
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["rope_parameters"]
+    config["quantization_config"].update(fmt="float8_e4m3fn",
+                                         modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
+    (fp8 / "config.json").write_text(json.dumps({**config, **RELEASE_FIELDS}))
+    return encoded
 
 
 def _run(src: Path, out: Path, *extra: str) -> Path:
@@ -74,7 +101,7 @@ def minimax(tmp_path_factory):
     root = tmp_path_factory.mktemp("minimax_m2")
     bf16, fp8 = root / "bf16", root / "fp8"
     make_minimax(bf16)
-    encoded = make_fp8_folder(bf16, fp8, torch.bfloat16, linear=LINEAR)
+    encoded = release_like(make_fp8_folder(bf16, fp8, torch.bfloat16, linear=LINEAR), bf16, fp8)
     return {"bf16": bf16, "fp8": fp8, "encoded": encoded, "root": root,
             "bf16_to_hf": _run(bf16, root / "bf16_to_hf", "--to", "hf"),
             "fp8_to_hf": _run(fp8, root / "fp8_to_hf", "--to", "hf"),
@@ -103,10 +130,13 @@ def test_an_fp8_folder_is_written_as_the_bf16_model_it_encodes(minimax):
     fp8 = [k for k in stored if re.search(LINEAR, k)]
     assert len(fp8) == 2 * (4 + 3 * 4)  # two layers: q, k, v, o and four experts' w1, w2, w3
     for key, want in minimax["encoded"].items():  # the linear weights dequantized by DeepSeek's formula
-        assert got[key].dtype == torch.bfloat16 and torch.equal(got[key], want), key
+        assert got[key].dtype == want.dtype and torch.equal(got[key], want), key
+    assert got["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32  # as the release
     config = json.loads((minimax["fp8_to_hf"] / "config.json").read_text())
-    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
-    want_logits = hf_logits(_folder(minimax["encoded"], minimax["bf16"], minimax["root"] / "encoded"))
+    release = json.loads((minimax["fp8"] / "config.json").read_text())
+    assert config == {**{k: v for k, v in release.items() if k != "quantization_config"}, "dtype": "bfloat16"}
+    assert "rope_parameters" not in config and config["rotary_dim"] == 4
+    want_logits = hf_logits(_folder(minimax["encoded"], minimax["fp8_to_hf"], minimax["root"] / "encoded"))
     torch.testing.assert_close(hf_logits(minimax["fp8_to_hf"]), want_logits, rtol=0, atol=0)
     assert (want_logits - hf_logits(minimax["bf16"])).abs().max() > 0  # FP8 is not the bf16 model
 
@@ -151,6 +181,10 @@ def test_an_fp8_folder_requantized_is_the_block_formula_of_the_model_it_encodes(
         want_q, want_s = block_reference(minimax["encoded"][key], (32, 48))
         assert torch.equal(got[key + "_scale_inv"], want_s), key
         assert torch.equal(got[key].view(torch.uint8), want_q.view(torch.uint8)), key
+    config, release = (json.loads((d / "config.json").read_text()) for d in (out, minimax["fp8"]))
+    quant = config.pop("quantization_config")
+    assert config == {**{k: v for k, v in release.items() if k != "quantization_config"}, "dtype": "bfloat16"}
+    assert (quant["fmt"], quant["weight_block_size"]) == ("e4m3", [32, 48])
 
 
 @pytest.mark.parametrize("extra", [("--target-tp", "1"), ("--to", "torch_dist")], ids=["megatron", "torch_dist"])
