@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,28 @@ def test_a_bf16_folder_is_written_back_bit_for_bit_with_its_config(minimax):
     source = json.loads((minimax["bf16"] / "config.json").read_text())
     assert json.loads((minimax["bf16_to_hf"] / "config.json").read_text()) == source
     torch.testing.assert_close(hf_logits(minimax["bf16_to_hf"]), hf_logits(minimax["bf16"]), rtol=0, atol=0)
+
+
+def test_the_expert_counts_other_name_reads_alike(minimax, tmp_path):
+    """``num_experts`` is transformers' alias of ``num_local_experts``: the same folder, and its own
+    config.json written back."""
+    src = shutil.copytree(minimax["bf16"], tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = config.pop("num_local_experts")
+    (src / "config.json").write_text(json.dumps(config))
+    out = _run(src, tmp_path / "out", "--to", "hf")
+    assert json.loads((out / "config.json").read_text()) == config
+    want, got = hf_tensors(minimax["bf16"]), hf_tensors(out)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_folder_whose_config_contradicts_its_weights_is_refused(minimax, tmp_path, capsys):
+    src = shutil.copytree(minimax["bf16"], tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 5}))
+    assert main(["run", "--direct", str(src), str(tmp_path / "out"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "num_experts_per_tok 5 of 4 experts" in err, err
 
 
 def test_an_fp8_folder_is_written_as_the_bf16_model_it_encodes(minimax):

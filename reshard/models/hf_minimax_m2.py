@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from reshard.core.errors import LayoutError
+from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.plan_types import ModelFacts
 from reshard.models.facts import saved_arg
 from reshard.models.hf_architectures import (
@@ -51,7 +51,6 @@ from reshard.models.hf_common import (
     HF_LAYER,
     config_int,
     has_key,
-    import_refusal,
     megatron_model,
     not_exact,
     rope_of,
@@ -77,11 +76,21 @@ CONFIG_ARG = "hf_minimax_m2_config"
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
     "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
-    "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_experts_per_tok": 8,
-    "num_local_experts": 256}
+    "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_experts_per_tok": 8}
+#: transformers' default expert count, under either name (``num_experts`` is its alias).
+_EXPERTS = 256
 #: The norm megatron-core does not compute, in the words of every refusal.
 NORM = ("q_norm / k_norm: one RMSNorm over the whole query/key projection (heads x head_dim), which "
         "megatron-core's qk_layernorm computes per head")
+
+
+def expert_count(config: Mapping[str, Any]) -> Any:
+    """The routed experts ``config.json`` says: ``num_local_experts``, else its alias ``num_experts``,
+    else transformers' default."""
+    for key in ("num_local_experts", "num_experts"):
+        if config.get(key) is not None:
+            return config[key]
+    return _EXPERTS
 
 
 def partial_rotary(c: Mapping[str, Any], head_dim: int) -> float:
@@ -113,17 +122,17 @@ class MiniMaxM2(HFArchitectureFamily):
         ``args`` (:data:`CONFIG_ARG`) for the export back: a release's own fields (``rotary_dim``,
         ``auto_map``, what vLLM reads) are no megatron-core fact to rebuild them from."""
         c = {**_DEFAULTS, **config}
-        refuse, need = import_refusal(self.name, where), config_int(c, where)
+        need = config_int(c, where)
         hidden, layers, heads = need("hidden_size"), need("num_hidden_layers"), need("num_attention_heads")
         head_dim = c.get("head_dim") or hidden // heads
-        base, rope_type, _ = rope_of(c)
-        partial = partial_rotary(c, head_dim)
-        experts, topk = need("num_local_experts", "num_experts"), need("num_experts_per_tok")
-        if not 0 < topk <= experts:
-            raise refuse(f"num_experts_per_tok {topk} of {experts} experts")
+        base, partial = rope_of(c)[0], partial_rotary(c, head_dim)
+        experts, topk = expert_count(c), need("num_experts_per_tok")
+        if not isinstance(experts, int) or not 0 < topk <= experts:
+            raise CheckpointFormatError(f"num_experts_per_tok {topk} of {experts!r} experts", culprit=where,
+                                        hint="check num_experts_per_tok and num_local_experts in config.json")
         moe_ffn = need("intermediate_size")
         arch_args = dict(
-            normalization="RMSNorm", norm_epsilon=float(c["rms_norm_eps"]), swiglu=c["hidden_act"] == "silu",
+            normalization="RMSNorm", norm_epsilon=float(c["rms_norm_eps"]), swiglu=True,  # act(w1 x) * w3 x
             position_embedding_type="rope", rotary_base=base, rotary_percent=partial, rotary_interleaved=False,
             add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
             max_position_embeddings=need("max_position_embeddings"), num_experts=experts, moe_router_topk=topk,
@@ -131,8 +140,6 @@ class MiniMaxM2(HFArchitectureFamily):
             moe_router_dtype="fp32", moe_router_pre_softmax=False, moe_router_load_balancing_type="none",
             moe_layer_freq=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1, moe_grouped_gemm=False,
             **{CONFIG_ARG: dict(config)})
-        if rope_type != "default":
-            arch_args["rope_type"] = rope_type  # carried in the config.json; no megatron-core output is written
         return megatron_model(self.name, self.names, vocab=need("vocab_size"), hidden=hidden, layers=layers,
                               heads=heads, groups=need("num_key_value_heads"), head_dim=head_dim, ffn=moe_ffn,
                               tied=bool(c["tie_word_embeddings"]), arch_args=arch_args)
@@ -152,9 +159,9 @@ class MiniMaxM2(HFArchitectureFamily):
             return None
         experts = max(experts_per_layer(keys, "--to hf").values(), default=0)
         c = {**_DEFAULTS, **carried}
-        found = {"num_hidden_layers": facts.num_layers, "hidden_size": facts.hidden, "num_local_experts": experts}
-        wrong = [f"{k} {c.get(k, c.get('num_experts'))} (the weights: {v})" for k, v in found.items()
-                 if c.get(k, c.get("num_experts")) != v]
+        said = {"num_hidden_layers": (c["num_hidden_layers"], facts.num_layers),
+                "hidden_size": (c["hidden_size"], facts.hidden), "num_local_experts": (expert_count(c), experts)}
+        wrong = [f"{k} {config} (the weights: {weights})" for k, (config, weights) in said.items() if config != weights]
         if wrong:
             raise not_exact(f"its config.json says {wrong[0]}")
         config = {k: v for k, v in carried.items() if k not in ("quantization_config", "torch_dtype")}
