@@ -246,3 +246,23 @@ def test_a_megatron_core_model_is_not_written_as_minimax_m2(qwen3_moe_core, tmp_
     assert not dst.exists()
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "q_norm / k_norm" in err and "per head" in err, err
+
+
+def test_its_config_json_describes_no_megatron_checkpoint(minimax, qwen3_moe_core, tmp_path, capsys):
+    """``--model-config`` (the facts of a checkpoint that saves none) with MiniMax-M2's config.json:
+    no megatron-core model is it, so it is refused naming the norm."""
+    config = json.loads((minimax["bf16"] / "config.json").read_text())  # at the checkpoint's sizes
+    config.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                  num_local_experts=4, intermediate_size=48, vocab_size=256, rms_norm_eps=1e-6)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    src = shutil.copytree(qwen3_moe_core["plain"], tmp_path / "src")
+    for f in src.rglob("model_optim_rng.pt"):  # a checkpoint that saves no args
+        sd = torch.load(f, weights_only=False)
+        del sd["args"]
+        torch.save(sd, f)
+    dst = tmp_path / "hf"
+    assert main(["run", "--direct", str(src), str(dst), "--to", "hf", "--model-config",
+                 str(tmp_path / "config.json")]) == 2
+    assert not dst.exists()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "q_norm / k_norm" in err and "config.json" in err, err
