@@ -323,3 +323,5 @@ def test_quantization_config_reads_fp8_and_refuses_every_other_scheme_by_name():
         read_quantization_config({"quantization_config": {"quant_method": "fp8"}}, "config.json")
     with pytest.raises(CheckpointFormatError, match="fmt"):
         read_quantization_config({"quantization_config": dict(qc, fmt="e5m2")}, "config.json")
+    # MiniMax-M2's release names the format by its dtype
+    assert read_quantization_config({"quantization_config": dict(qc, fmt="float8_e4m3fn")}, "config.json") == (128, 64)

@@ -43,6 +43,7 @@ def sources(tmp_path_factory):
     dense, moe = mcore_checkpoints(root / "dense"), mcore_moe_checkpoints(root / "moe")
     return {"llama": dense[("llama", 2, 1)], "qwen": dense[("qwen", 2, 1)], "qwen3": dense[("qwen3", 2, 1)],
             "mixtral": moe[("mixtral", 2, 2, 1)], "qwen_moe": moe[("qwen_moe", 1, 2, 1)],
+            "qwen3_moe": moe[("qwen3_moe", 2, 2, 1)],
             "mha": dense[("mha", 2, 1)]}
 
 
@@ -73,7 +74,7 @@ def _export(src: Path, out: Path, *extra: str) -> Path:
     return out
 
 
-CASES = ["llama", "qwen", "qwen3", "mixtral", "qwen_moe"]
+CASES = ["llama", "qwen", "qwen3", "mixtral", "qwen_moe", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -114,7 +115,7 @@ def test_fp8_export_is_the_block_formula_of_the_plain_export(sources, tmp_path, 
     assert 1 < files < 1.5 * math.ceil(total / 60_000), (files, total)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen_moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen_moe", "qwen3_moe"])
 def test_transformers_loads_the_fp8_export_as_the_model_it_encodes(sources, tmp_path, name):
     """transformers (which reads FP8 on a CPU by dequantizing whole blocks: the blocks must divide
     the weights there) loads the export with every key, and computes what the plain model computes

@@ -14,6 +14,7 @@ that bound: :func:`test_the_logits_comparison_catches_each_plausible_wrong_impor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -89,11 +90,12 @@ def fp8_reference(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch
     return out
 
 
-def make_fp8_folder(src: Path, dst: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def make_fp8_folder(src: Path, dst: Path, dtype: torch.dtype,
+                    linear: str = r"_proj\.weight$") -> dict[str, torch.Tensor]:
     """``src`` as an FP8 block-scaled checkpoint (DeepSeek's layout: every projection of attention and
-    MLP float8_e4m3fn with a float32 ``weight_scale_inv`` per block, the rest in ``dtype``, one file,
-    ``quantization_config`` in config.json); returns the tensors the model computes with (each FP8
-    weight dequantized by :func:`fp8_reference`)."""
+    MLP — the weights whose names match ``linear`` — float8_e4m3fn with a float32 ``weight_scale_inv``
+    per block, the rest in ``dtype``, one file, ``quantization_config`` in config.json); returns the
+    tensors the model computes with (each FP8 weight dequantized by :func:`fp8_reference`)."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir(parents=True)
@@ -103,7 +105,7 @@ def make_fp8_folder(src: Path, dst: Path, dtype: torch.dtype) -> dict[str, torch
     stored, model = {}, {}
     b0, b1 = FP8_BLOCK
     for key, w in sorted(tensors.items()):
-        if not key.endswith("_proj.weight"):
+        if not re.search(linear, key):
             stored[key] = model[key] = w.to(dtype)
             continue
         rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)

@@ -36,6 +36,9 @@ from reshard.core.errors import CheckpointFormatError
 from reshard.core.lazy import LazyTensor
 
 E4M3 = torch.float8_e4m3fn
+#: ``quantization_config.fmt`` values naming e4m3: DeepSeek's releases write ``e4m3``, MiniMax-M2's
+#: the dtype's own name.
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")
 #: e4m3's largest finite value: a block's largest magnitude maps onto it.
 E4M3_MAX = 448.0
 #: ``weight_block_size`` when none is asked for (DeepSeek-V3's, vLLM's default).
@@ -76,7 +79,7 @@ def read_quantization_config(config: Mapping[str, Any], where: str) -> tuple[int
             hint="reshard reads FP8 block-scaled checkpoints (quant_method 'fp8' with weight_block_size); "
                  "dequantize others with their own tools first")
     fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in E4M3_NAMES:
         raise CheckpointFormatError(f"quantization_config.fmt is {fmt!r}", culprit=where,
                                     hint="reshard reads FP8 e4m3 (float8_e4m3fn) weights only")
     if qc.get("scale_fmt") not in (None, "float32", "fp32"):

@@ -218,10 +218,15 @@ class HFFormat(CheckpointFormat):
 
     def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
         """The default read, and what ``config.json`` declares that the folder does not hold (its
-        architecture's :meth:`~reshard.models.hf_architectures.HFArchitectureFamily.import_warnings`)."""
-        read = super().read(source, options, headers_only=headers_only)
+        architecture's :meth:`~reshard.models.hf_architectures.HFArchitectureFamily.import_warnings`);
+        an architecture megatron-core does not compute (``hf_only``) refused unless ``--to hf``."""
         config = _json(Path(source.files[0]))
         arch = hf_architecture(read_config(config, str(source.files[0])).architecture)
+        if arch.hf_only is not None and options.to != self.name:  # refused before anything is written
+            raise LayoutError(f"megatron-core does not compute {arch.name}: {arch.hf_only}",
+                              culprit=str(source.files[0]), hint="convert it to a Hugging Face folder (--to hf, "
+                                                                 "--quantize fp8 for FP8 blocks)")
+        read = super().read(source, options, headers_only=headers_only)
         return dataclasses.replace(read, warnings=(*read.warnings, *arch.import_warnings(config, read.args)))
 
     def load(self, path: Any) -> dict[str, Any]:

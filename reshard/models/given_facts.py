@@ -100,10 +100,15 @@ FLAG_ARGS = {"normalization": "normalization", "position_embedding_type": "posit
 
 
 def from_hf_config(config: Mapping[str, Any], where: str) -> argparse.Namespace:
-    """The model facts of a Hugging Face ``config.json`` (any architecture reshard imports)."""
+    """The model facts of a Hugging Face ``config.json`` (any architecture reshard imports into
+    megatron-core: not one whose models it does not compute, ``hf_only``)."""
     from reshard.models.hf_registry import read_config
 
-    args = read_config(config, where).args
+    model = read_config(config, where)
+    if model.family is not None and model.family.hf_only is not None:
+        raise LayoutError(f"megatron-core does not compute {model.architecture}: {model.family.hf_only}",
+                          culprit=where, hint="give the config.json of the model the checkpoint holds")
+    args = model.args
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in LAYOUT_ARGS})
 
 

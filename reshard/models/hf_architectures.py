@@ -438,6 +438,10 @@ class HFArchitectureFamily(abc.ABC):
     #: claims a model by its shape alone (the built-ins with Llama's arithmetic, GPT-2), beside which a
     #: class claiming a model only it computes (DeepSeek's MLA, Mistral's window) decides first.
     fallback: bool = False
+    #: Why megatron-core does not compute this class's models (None: it does): such a class's folders
+    #: are converted Hugging Face -> Hugging Face only (read under megatron-core names, written back
+    #: by :meth:`decide`), and the ``hf`` format refuses any other output for them in these words.
+    hf_only: str | None = None
 
     def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
         """Import: the megatron-core model ``config`` (a ``config.json``) describes, or

@@ -37,6 +37,8 @@ architecture             module                          megatron-core model
                                                          rotary, squared-ReLU MLP layers
 ``Glm4MoeForCausalLM``    :mod:`~reshard.models.hf_glm4_moe`  partial rotary, QKV bias, sigmoid-routed MoE with
                                                          expert bias and a shared expert, MTP
+``MiniMaxM2ForCausalLM``  :mod:`~reshard.models.hf_minimax_m2` none: q/k RMSNorm over all heads; Hugging Face
+                                                         folders to Hugging Face folders only (bf16, FP8)
 =======================  ==============================  =============================================
 
 Anything else is refused with what differs — never an approximate export.
@@ -63,7 +65,8 @@ BUILTIN: tuple[str, ...] = (
     "reshard.models.hf_qwen_moe:QWEN3_MOE", "reshard.models.hf_gpt2:GPT2", "reshard.models.hf_deepseek:DEEPSEEK_V3",
     "reshard.models.hf_gpt_oss:GPT_OSS", "reshard.models.hf_qwen3_next:QWEN3_NEXT",
     "reshard.models.hf_qwen3_next:QWEN3_5", "reshard.models.hf_qwen3_next:QWEN3_5_MOE",
-    "reshard.models.hf_nemotron_h:NEMOTRON_H", "reshard.models.hf_glm4_moe:GLM4_MOE")
+    "reshard.models.hf_nemotron_h:NEMOTRON_H", "reshard.models.hf_minimax_m2:MINIMAX_M2",
+    "reshard.models.hf_glm4_moe:GLM4_MOE")
 ENTRY_POINT_GROUP = "reshard.hf_architectures"
 
 _ARCHITECTURES: PluginRegistry[HFArchitectureFamily] = PluginRegistry(
