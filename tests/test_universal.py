@@ -16,6 +16,7 @@ import torch
 
 from conftest import ZERO_TAG, run_zero_engine
 from reshard.cli import main
+from shared_builds import once
 
 #: (ZeRO stage, dtype, data-parallel ranks[, TP]): fp32, bf16 with unequal partitions (DP 3),
 #: ZeRO-1, DeepSpeed's BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation: files that name
@@ -24,13 +25,18 @@ BF16_OPTIMIZER = (1, "bf16-fp32acc", 2)
 CONFIGS = [(2, "fp32", 2), (2, "bf16", 3), (1, "bf16", 2), BF16_OPTIMIZER, (2, "bf16", 2, 2)]
 
 
-def _ds_to_universal(step: Path, out: Path) -> Path:
-    """DeepSpeed's converter, as its users run it (the output folder is the new tag's)."""
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step),
-           "--output_folder", str(out / ZERO_TAG), "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
+def _ds_to_universal(step: Path) -> Path:
+    """DeepSpeed's converter, as its users run it (the output folder is the new tag's), once per
+    source checkpoint per test run: several tests compare with, or resume from, the same output,
+    and none writes into it (shared_builds)."""
+
+    def convert(out: Path) -> None:
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step),
+               "--output_folder", str(out / ZERO_TAG), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    return once(f"ds-to-universal-{step.parent.name}", convert)
 
 
 def _same(got: Any, want: Any, where: str) -> None:
@@ -61,7 +67,7 @@ def _files(root: Path) -> set[str]:
 def test_universal_equals_ds_to_universal(zero_checkpoint, config, tmp_path):
     step = zero_checkpoint(*config)
     assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--to", "universal"]) == 0
-    got, want = tmp_path / "got", _ds_to_universal(step, tmp_path / "want")
+    got, want = tmp_path / "got", _ds_to_universal(step)
     zero = {f for f in _files(want) if f.startswith(f"{ZERO_TAG}/zero/")}
     assert {f for f in _files(got) if f.startswith(f"{ZERO_TAG}/zero/")} == zero
     for f in sorted(zero):  # the master weights, both moments, the step, the optimizer's settings
@@ -95,7 +101,7 @@ def test_zero3_universal_equals_ds_to_universal(zero_checkpoint, config, tmp_pat
     model-states files carried), and no others."""
     step = zero_checkpoint(*config)
     assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--to", "universal"]) == 0
-    got, want = tmp_path / "got", _ds_to_universal(step, tmp_path / "want")
+    got, want = tmp_path / "got", _ds_to_universal(step)
     files = _files(want)
     assert _files(got) - {"reshard_manifest.json"} == files
     for f in sorted(files - {"latest_universal"}):
@@ -121,7 +127,7 @@ def test_an_engine_resumes_from_it_as_from_deepspeeds_own(zero_checkpoint, confi
     stage, dtype = config[0], config[1]
     step = zero_checkpoint(*config)
     assert main(["run", "--direct", str(step), str(tmp_path / "got"), "--to", "universal"]) == 0
-    want_dir = _ds_to_universal(step, tmp_path / "want")
+    want_dir = _ds_to_universal(step)
     got = _resumed(run_zero_engine(tmp_path / "got.pt", stage, dtype, resume_dp, 1, resume=tmp_path / "got"))
     want = _resumed(run_zero_engine(tmp_path / "want.pt", stage, dtype, resume_dp, 1, resume=want_dir))
     _same(got, want, "resumed")
@@ -149,7 +155,7 @@ def test_bf16_optimizer_master_weights_equal_ds_to_universal(zero_checkpoint, tm
     assert main(["run", "--direct", str(step), str(tmp_path / "m"), "--target-tp", "1", "--weights", "master"]) == 0
     got = torch.load(tmp_path / "m" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     bf16 = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    want = _ds_to_universal(step, tmp_path / "want") / ZERO_TAG / "zero"
+    want = _ds_to_universal(step) / ZERO_TAG / "zero"
     assert list(got) == list(bf16)
     for key, value in got.items():
         assert torch.equal(value, torch.load(want / key / "fp32.pt")["param"]), key
