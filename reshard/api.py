@@ -104,7 +104,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None, cache
 
     with local_view(src, storage_options, cache_dir, ReshardOptions()) as path:
         source = locate(path)
-        built = build_plan(source, ReshardOptions.checked(target_tp=source.tp, version=version, module_key=module_key))
+        built = build_plan(source, ReshardOptions.checked(target_tp=source.tp, version=version, module_key=module_key,
+                                                          to=get_format(source.format).inspected_as(source)))
         total_bytes = sum(f.stat().st_size for f in source.distinct_files)
         fmt = get_format(built.source.format)
         stored = fmt.stored(built.source)

@@ -138,6 +138,15 @@ def test_the_expert_counts_other_name_reads_alike(minimax, tmp_path):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_inspect_describes_the_folder_as_its_hugging_face_conversion_reads_it(minimax, capsys):
+    """``reshard inspect`` plans what it describes; for a model megatron-core does not compute that
+    is the one conversion there is (``--to hf``), not a refusal."""
+    assert main(["inspect", str(minimax["fp8"]), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["architecture"] == "MiniMaxM2ForCausalLM" and rec["experts"] == 4, rec
+    assert rec["quantization"]["method"] == "fp8", rec
+
+
 def test_a_folder_whose_config_contradicts_its_weights_is_refused(minimax, tmp_path, capsys):
     src = shutil.copytree(minimax["bf16"], tmp_path / "src")
     config = json.loads((src / "config.json").read_text())

@@ -159,6 +159,12 @@ class Reading:
         they are not. From the small files alone (no tensor header). Default: None."""
         return None
 
+    def inspected_as(self, source: SourceCheckpoint) -> str | None:
+        """The output format ``inspect`` plans the checkpoint with (it describes the model as a
+        conversion reads it, and a conversion has an output); None: the default output. A source
+        that only one output can be made of names that one. Default: None."""
+        return None
+
     def stored(self, source: SourceCheckpoint) -> dict[str, Any]:
         """What ``inspect`` shows of the files as stored, beyond the planner's view of the weights
         as a conversion reads them: the ``architecture`` they name, their stored ``dtypes``, and the

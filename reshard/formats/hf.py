@@ -216,6 +216,13 @@ class HFFormat(CheckpointFormat):
                                    "names": sorted({re.sub(r"\.\d+\.", ".*.", k) for k in encoded})}
         return out
 
+    def inspected_as(self, source: SourceCheckpoint) -> str | None:
+        """A folder of an architecture megatron-core does not compute (``hf_only``) is described as
+        what it can only be converted into: a Hugging Face folder."""
+        config = _json(Path(source.files[0]))
+        arch = hf_architecture(read_config(config, str(source.files[0])).architecture)
+        return self.name if arch.hf_only is not None else None
+
     def read(self, source: SourceCheckpoint, options: ReshardOptions, *, headers_only: bool = False) -> SourceRead:
         """The default read, and what ``config.json`` declares that the folder does not hold (its
         architecture's :meth:`~reshard.models.hf_architectures.HFArchitectureFamily.import_warnings`);
