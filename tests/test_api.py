@@ -305,22 +305,20 @@ def test_the_readmes_walk_through_runs(tmp_path, monkeypatch, capsys, prefect_en
 # --- the flow as a building block of a user's own flow -------------------------------------------
 
 @pytest.mark.slow
-def test_the_post_training_example_runs_reshard_as_a_subflow_on_a_real_server(sample_factory, tmp_path):
-    """docs/examples/post_training.py on a real ``prefect server``: the user's flow runs reshard's
-    flow as a subflow (a child run of the parent's), gets the typed record, and its evaluation
-    task loads the export in transformers."""
-    from prefect_server import PrefectServer
-
+def test_the_post_training_example_runs_reshard_as_a_subflow_on_a_real_server(sample_factory, tmp_path,
+                                                                             prefect_env):
+    """docs/examples/post_training.py on a real ``prefect server`` (the run's, tests/prefect_server.py):
+    the user's flow runs reshard's flow as a subflow (a child run of the parent's), gets the typed
+    record, and its evaluation task loads the export in transformers."""
     src = sample_factory(4)
-    with PrefectServer(tmp_path / "server") as server:  # __enter__ starts it, __exit__ stops it
-        env = server.client_env()
-        res = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "post_training.py"), str(src),
-                              str(tmp_path / "hf")], capture_output=True, text=True, env=env, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
-        out = json.loads(res.stdout.strip().splitlines()[-1])
-        check = subprocess.run([sys.executable, "-c", _READ_RUN, out["conversion_flow_run"]], capture_output=True,
-                               text=True, env=env, timeout=120)
-        assert check.returncode == 0, check.stderr[-3000:]
+    env = dict(prefect_env, PREFECT_HOME=str(tmp_path / "client-home"), RESHARD_CACHE_DIR=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "post_training.py"), str(src),
+                          str(tmp_path / "hf")], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    check = subprocess.run([sys.executable, "-c", _READ_RUN, out["conversion_flow_run"]], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert check.returncode == 0, check.stderr[-3000:]
     run = json.loads(check.stdout)
     assert run == {"name_of_flow": "reshard", "state": "COMPLETED", "is_subflow": True,
                    "parent_flow": "post-training"}
