@@ -100,7 +100,7 @@ def made(tmp_path_factory) -> dict:
     out = {"root": root, "next": _made(root, "next_hf", "Qwen3NextForCausalLM", CONFIG),
            "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE)}
     paths = {name: root / name for name in ("tp1", "tp2", "back", "tp2pp2", "back_pp", "dense_tp2", "dense_back",
-                                            "dense_dist", "dense_dist_back")}
+                                            "dense_dist", "dense_dist_back", "next_dist", "next_dist_back")}
     _run(str(out["next"]["hf"]), str(paths["tp1"]), "--target-tp", "1")
     _run(str(out["next"]["hf"]), str(paths["tp2"]), "--target-tp", "2", "--target-ep", "2")
     _run(str(paths["tp2"]), str(paths["back"]), "--to", "hf")
@@ -111,13 +111,16 @@ def made(tmp_path_factory) -> dict:
     _run(str(paths["dense_tp2"]), str(paths["dense_back"]), "--to", "hf")
     _run(str(out["dense"]["hf"]), str(paths["dense_dist"]), "--to", "torch_dist")
     _run(str(paths["dense_dist"]), str(paths["dense_dist_back"]), "--to", "hf")
+    _run(str(out["next"]["hf"]), str(paths["next_dist"]), "--to", "torch_dist")
+    _run(str(paths["next_dist"]), str(paths["next_dist_back"]), "--to", "hf")
     return {**out, **paths}
 
 
 @pytest.fixture(scope="module")
 def harness(made) -> dict:
     """One harness launch: megatron-core runs the imports (each model built from the checkpoint's own
-    args) and writes its own Qwen3-Next at TP 2 x EP 2, which then goes ``--to hf``."""
+    args; the torch_dist ones through its ``dist_checkpointing.load``) and writes its own Qwen3-Next at
+    TP 2 x EP 2, per rank and in torch_dist, which then go ``--to hf``."""
     root = made["root"]
     work = root / "harness"
     forward = dict(kind="forward", from_args=True, model={}, tokens=TOKENS)
@@ -127,25 +130,31 @@ def harness(made) -> dict:
             {**forward, "ckpt": str(made["tp2pp2"]), "tp": 2, "ep": 2, "pp": 2, "out": str(work / "tp2pp2.pt")},
             {**forward, "ckpt": str(made["dense_tp2"]), "tp": 2, "out": str(work / "dense_tp2.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(made["dense_dist"]), "tp": 2,
-             "out": str(work / "dense_dist.pt")}]
+             "out": str(work / "dense_dist.pt")},
+            {**forward, "kind": "forward_dist", "ckpt": str(made["next_dist"]), "tp": 2, "ep": 2,
+             "out": str(work / "next_dist.pt")},
+            {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "ep": 2, "model": MCORE_MODEL,
+             "tokens": TOKENS}]
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
+    _run(str(root / "mcore_dist"), str(root / "mcore_dist_hf"), "--to", "hf")
     # megatron-core's own checkpoint resharded in its layout: sections merged (TP 1), experts dealt to EP 4
     _run(str(root / "mcore"), str(root / "mcore_tp1"), "--target-tp", "1", "--target-ep", "4")
     run_harness([{**forward, "ckpt": str(root / "mcore_tp1"), "tp": 1, "ep": 4, "out": str(work / "mcore_tp1.pt")}],
                 work)
     return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2", "dense_dist",
-                                                                 "mcore_tp1")},
+                                                                 "next_dist", "mcore_tp1")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
-            "mcore_dir": root / "mcore"}
+            "mcore_dir": root / "mcore", "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"),
+            "mcore_dist_hf": root / "mcore_dist_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
 @needs_mcore
 @pytest.mark.parametrize("layout,model", [("tp1", "next"), ("tp2", "next"), ("tp2pp2", "next"),
-                                          ("dense_tp2", "dense"), ("dense_dist", "dense")])
+                                          ("dense_tp2", "dense"), ("dense_dist", "dense"), ("next_dist", "next")])
 def test_megatron_core_runs_the_import_with_transformers_logits(made, harness, layout, model):
     got, want = harness["logits"][layout], made[model]["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
@@ -172,6 +181,17 @@ def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(harness):
     config = json.loads((harness["mcore_hf"] / "config.json").read_text())
     assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["mlp_only_layers"] == [1]
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@needs_mcore
+def test_a_megatron_core_torch_dist_checkpoint_goes_to_hf_with_its_logits(harness):
+    """megatron-core's own TP 2 x EP 2 torch_dist save (the mixer's split keys, the experts on their
+    global axis, each MoE layer's ``pre_mlp_layernorm``), ``--to hf``: transformers loads it with nothing
+    missing or left over and computes megatron-core's logits."""
+    got, info = _transformers(harness["mcore_dist_hf"])
+    assert not any(info.values()), info
+    diff = (got - harness["mcore_dist"][:, :got.shape[1]]).abs().max().item()
+    assert diff < TOL, f"logits differ by {diff:.2e}"
 
 
 @needs_mcore
@@ -461,19 +481,25 @@ def test_a_release_config_without_layer_types_reads_full_attention_interval(made
     assert args.linear_attention_freq == 4 and args.rotary_percent == 0.25
 
 
-def test_torch_dist_holds_the_mixers_split_keys_and_refuses_the_experts(made, tmp_path, capsys):
-    """The dense model's torch_dist keys the mixer's fused tensors as megatron-core's sharded state dict
-    does (``in_proj.weight.query`` ... ``conv1d.weight.value``; megatron-core loads them above); the MoE
-    model's experts are refused in one line, nothing written."""
+@pytest.mark.parametrize("model", ["dense", "next"])
+def test_torch_dist_holds_the_mixers_split_keys_and_the_experts(made, model):
+    """torch_dist keys the mixer's fused tensors as megatron-core's sharded state dict does
+    (``in_proj.weight.query`` ... ``conv1d.weight.value``), an MoE layer's experts on the global expert
+    axis beside its own ``pre_mlp_layernorm`` (Transformer Engine's spec has no keys map folding it into
+    ``mlp.linear_fc1``), and reads back bit for bit (megatron-core loads them above)."""
     from reshard.core.dcp_metadata import read_metadata
 
-    keys = set(read_metadata(next(made["dense_dist"].glob("iter_*/.metadata"))).tensors)
+    meta = read_metadata(next(made[f"{model}_dist"].glob("iter_*/.metadata")))
+    keys = set(meta.tensors)
     mixer = "decoder.layers.0.self_attention."
     assert {mixer + f"in_proj.weight.{p}" for p in ("query", "key", "value", "z", "beta", "alpha")} <= keys
     assert {mixer + f"conv1d.weight.{p}" for p in ("query", "key", "value")} <= keys
     assert mixer + "in_proj.weight" not in keys
-    assert main(["run", "--direct", str(made["next"]["hf"]), str(tmp_path / "o"), "--to", "torch_dist"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "routed experts of a qwen3-next model are not written to torch_dist yet" in err
-    assert len(err.splitlines()) == 1
-    assert not (tmp_path / "o").exists()
+    if model == "next":  # layer 1 dense (its norm fused into fc1), 0, 2, 3 MoE
+        assert meta.tensors["decoder.layers.2.mlp.experts.experts.linear_fc1.weight"].shape == (4, 32, 32)
+        assert meta.tensors["decoder.layers.2.mlp.experts.experts.linear_fc2.weight"].shape == (4, 32, 16)
+        assert {"decoder.layers.2.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+                "decoder.layers.2.mlp.shared_experts.gate_weight"} <= keys
+        assert not any(k.startswith("decoder.layers.2.mlp.linear_fc1.") for k in keys)
+    want, got = _tensors(made[model]["hf"]), _tensors(made[f"{model}_dist_back"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], t) for k, t in want.items())
