@@ -45,6 +45,14 @@ MCORE_MODEL = {"layers": 4, "hidden": 32, "heads": 4, "groups": 2, "kv_channels"
                "gdn": {"linear_attention_freq": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
                        "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}}
 _GDN = "decoder.layers.{}.self_attention."
+#: A vision tower of one block (Qwen3.5's folders hold one beside the language model) and the language
+#: model's rotary embedding as the releases state it: M-RoPE sections, which text tokens' equal
+#: positions on the three axes make the plain rotary embedding.
+VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+          "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3}
+MROPE = {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                             "mrope_interleaved": True}}
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -90,6 +98,25 @@ def _made(root: Path, name: str, cls: str, config: dict) -> dict:
     return {"hf": root / name, "want": want}
 
 
+def _made_vl(root: Path, name: str, cls: str, text: dict) -> dict:
+    """A vision-language folder transformers saves (``cls``: ``Qwen3_5ForConditionalGeneration`` or
+    the MoE one; ``text``: its language model's config, with :data:`MROPE`) and the logits of its
+    forward on text tokens."""
+    import transformers
+
+    torch.manual_seed(5)
+    config = getattr(transformers, cls.replace("ForConditionalGeneration", "Config"))(
+        text_config={**text, **MROPE, "initializer_range": 0.1}, vision_config=VISION)
+    model = getattr(transformers, cls)(config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key or key.endswith(("A_log", "dt_bias")):
+                p.add_(torch.rand_like(p) * 0.5)
+        want = model(input_ids=torch.tensor([TOKENS])).logits[0]
+    model.save_pretrained(root / name)
+    return {"hf": root / name, "want": want}
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict:
     """The two folders (``next``: Qwen3-Next with MoE, ``dense``: Qwen3.5) and reshard's outputs of them."""
@@ -98,9 +125,11 @@ def made(tmp_path_factory) -> dict:
     hf_logging.disable_progress_bar()
     root = tmp_path_factory.mktemp("qwen3_next")
     out = {"root": root, "next": _made(root, "next_hf", "Qwen3NextForCausalLM", CONFIG),
-           "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE)}
+           "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE),
+           "vl": _made_vl(root, "vl_hf", "Qwen3_5ForConditionalGeneration", DENSE)}
     paths = {name: root / name for name in ("tp1", "tp2", "back", "tp2pp2", "back_pp", "dense_tp2", "dense_back",
-                                            "dense_dist", "dense_dist_back", "next_dist", "next_dist_back")}
+                                            "dense_dist", "dense_dist_back", "next_dist", "next_dist_back",
+                                            "vl_tp2")}
     _run(str(out["next"]["hf"]), str(paths["tp1"]), "--target-tp", "1")
     _run(str(out["next"]["hf"]), str(paths["tp2"]), "--target-tp", "2", "--target-ep", "2")
     _run(str(paths["tp2"]), str(paths["back"]), "--to", "hf")
@@ -113,6 +142,7 @@ def made(tmp_path_factory) -> dict:
     _run(str(paths["dense_dist"]), str(paths["dense_dist_back"]), "--to", "hf")
     _run(str(out["next"]["hf"]), str(paths["next_dist"]), "--to", "torch_dist")
     _run(str(paths["next_dist"]), str(paths["next_dist_back"]), "--to", "hf")
+    _run(str(out["vl"]["hf"]), str(paths["vl_tp2"]), "--target-tp", "2")
     return {**out, **paths}
 
 
@@ -133,6 +163,7 @@ def harness(made) -> dict:
              "out": str(work / "dense_dist.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(made["next_dist"]), "tp": 2, "ep": 2,
              "out": str(work / "next_dist.pt")},
+            {**forward, "ckpt": str(made["vl_tp2"]), "tp": 2, "out": str(work / "vl_tp2.pt")},
             {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "ep": 2, "model": MCORE_MODEL,
              "tokens": TOKENS}]
     work.mkdir()
@@ -144,7 +175,7 @@ def harness(made) -> dict:
     run_harness([{**forward, "ckpt": str(root / "mcore_tp1"), "tp": 1, "ep": 4, "out": str(work / "mcore_tp1.pt")}],
                 work)
     return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2", "dense_dist",
-                                                                 "next_dist", "mcore_tp1")},
+                                                                 "next_dist", "vl_tp2", "mcore_tp1")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
             "mcore_dir": root / "mcore", "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"),
             "mcore_dist_hf": root / "mcore_dist_hf"}
@@ -154,7 +185,8 @@ def harness(made) -> dict:
 
 @needs_mcore
 @pytest.mark.parametrize("layout,model", [("tp1", "next"), ("tp2", "next"), ("tp2pp2", "next"),
-                                          ("dense_tp2", "dense"), ("dense_dist", "dense"), ("next_dist", "next")])
+                                          ("dense_tp2", "dense"), ("dense_dist", "dense"), ("next_dist", "next"),
+                                          ("vl_tp2", "vl")])
 def test_megatron_core_runs_the_import_with_transformers_logits(made, harness, layout, model):
     got, want = harness["logits"][layout], made[model]["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
@@ -503,3 +535,47 @@ def test_torch_dist_holds_the_mixers_split_keys_and_the_experts(made, model):
         assert not any(k.startswith("decoder.layers.2.mlp.linear_fc1.") for k in keys)
     want, got = _tensors(made[model]["hf"]), _tensors(made[f"{model}_dist_back"])
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], t) for k, t in want.items())
+
+
+# --- Qwen3.5's vision-language folders ---------------------------------------------------------------
+
+def test_a_vision_language_folder_imports_its_language_model_with_one_warning(tmp_path, capsys):
+    """``Qwen3_5MoeForConditionalGeneration``'s folder (``model.language_model.*``, ``text_config``) at
+    TP 2 x EP 2: its language model, said once to leave the vision tower out, back as a text class that
+    transformers loads with the folder's logits on text tokens (megatron-core runs the dense one above);
+    the vision-language class itself is refused as an export in one line."""
+    moe = {k: v for k, v in CONFIG.items() if k != "mlp_only_layers"}
+    src = _made_vl(tmp_path, "vl_moe", "Qwen3_5MoeForConditionalGeneration", moe)
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src["hf"]), str(tmp_path / "tp2"), "--target-tp", "2", "--target-ep", "2"]) == 0
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "vision tower" in line]
+    assert len(said) == 1 and "model.visual.*" in said[0] and "Qwen3_5MoeForCausalLM" in said[0], said
+    ranks = _rank(tmp_path / "tp2", "mp_rank_00_000")
+    assert not any("visual" in k for k in ranks["model"])
+    assert ranks["args"].hf_token_ids == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}  # text_config's
+    _run(str(tmp_path / "tp2"), str(tmp_path / "back"), "--to", "hf", "--hf-architecture", "Qwen3_5MoeForCausalLM")
+    got, info = _transformers(tmp_path / "back")
+    assert not any(info.values()), info
+    diff = (got - src["want"]).abs().max().item()
+    assert diff < TOL, f"logits differ by {diff:.2e}"
+    argv = ["run", "--direct", str(tmp_path / "tp2"), str(tmp_path / "o"), "--to", "hf", "--hf-architecture",
+            "Qwen3_5MoeForConditionalGeneration"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vision tower" in err[0] and "Qwen3_5MoeForCausalLM" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_vision_language_config_without_text_config_is_refused_in_one_line(made, tmp_path, capsys):
+    import shutil
+
+    src = shutil.copytree(made["vl"]["hf"], tmp_path / "vl")
+    config = json.loads((src / "config.json").read_text())
+    del config["text_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "text_config" in err[0] and err[0].startswith("reshard: error:"), err
+    assert not (tmp_path / "o").exists()
