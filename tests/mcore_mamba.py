@@ -175,7 +175,12 @@ def _stack_spec() -> Any:
         """Transformer Engine's ``TEColumnParallelGroupedLinear`` (``split`` 0: output rows over the expert
         TP) and ``TERowParallelGroupedLinear`` (``split`` 1: inputs) stood in: one ``weight{i}`` per local
         expert, each expert's tokens times its own; the token dispatcher reduces a row-parallel output
-        over the expert TP (megatron-core's explicit expert communication), so there is none here."""
+        over the expert TP (megatron-core's explicit expert communication), so there is none here. Its
+        state is Transformer Engine's: one ``_extra_state`` per rank (None: no FP8 metadata), and the
+        sharded state dict of megatron-core's ``TEGroupedLinear._sharded_state_dict_grouped`` (each
+        ``weight{i}`` the global expert ``e``'s slice, on an expert axis after the given ones, and the extra
+        state as ``_extra_state``, ``_extra_state1`` ... one object per expert, merged back on loading as
+        its ``merge_extra_states`` does)."""
 
         split = 0
 
@@ -183,16 +188,46 @@ def _stack_spec() -> Any:
                      bias: bool, pg_collection: Any, **kw: Any) -> None:
             super().__init__(config)
             assert not bias
+            self.num_gemms, self.pg = num_gemms, pg_collection
             etp = pg_collection.expt_tp.size()
             shape = (output_size // etp, input_size) if self.split == 0 else (output_size, input_size // etp)
             for i in range(num_gemms):
                 w = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
                 init_method(w)
                 self.register_parameter(f"weight{i}", w)
+            self._register_load_state_dict_pre_hook(self._merge_extra_states, with_module=False)
 
         def forward(self, x: torch.Tensor, m_splits: list[int]) -> Any:
             parts = torch.split(x, m_splits)
             return torch.cat([p @ getattr(self, f"weight{i}").t() for i, p in enumerate(parts)]), None
+
+        def get_extra_state(self) -> Any:
+            return None
+
+        def set_extra_state(self, state: Any) -> None:
+            assert state is None
+
+        def _merge_extra_states(self, state_dict: dict, prefix: str, *_: Any) -> None:
+            for i in range(1, self.num_gemms):
+                assert state_dict.pop(f"{prefix}_extra_state{i}", None) is None
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+            from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+            ep, first = self.pg.ep.size() * self.num_gemms, self.pg.ep.rank() * self.num_gemms
+            out = {}
+            for i in range(self.num_gemms):
+                sub = make_sharded_tensors_for_checkpoint(
+                    {f"{i}.weight": getattr(self, f"weight{i}"), f"{i}._extra_state": self.get_extra_state()}, "",
+                    {f"{i}.weight": self.split}, (*sharded_offsets, (len(sharded_offsets), first + i, ep)),
+                    tp_group=self.pg.expt_tp, dp_cp_group=metadata["dp_cp_group"])
+                replace_prefix_for_sharding(sub, f"{i}.", prefix)
+                out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+                out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+            for sh in out.values():  # replicated over the expert data-parallel ranks
+                sh.replica_id = (*sh.replica_id[:2], self.pg.expt_dp.rank())
+            return out
 
     class GroupedRowLinear(GroupedLinear):
         split = 1

@@ -40,16 +40,10 @@ CONFIG = {"vocab_size": 96, "hidden_size": 32,
           "ssm_state_size": 8, "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 4,
           "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
           "moe_shared_expert_intermediate_size": 24, "max_position_embeddings": 64, "tie_word_embeddings": False}
-#: A dense model (Mamba, MLP, attention, Mamba), which torch_dist holds.
-DENSE_CONFIG = {**{k: v for k, v in CONFIG.items() if not k.startswith(("n_routed", "num_experts", "moe_"))},
-                "layers_block_type": ["mamba", "mlp", "attention", "mamba"]}
 #: The same architecture written by megatron-core itself (:func:`mcore_mamba.megatron_args`).
 MCORE_MODEL = {"pattern": PATTERN, "hidden": 32, "ffn": 48, "heads": 4, "groups": 2, "head_dim": 8, "vocab": 96,
                "seq": 64, "state": 8, "mamba_head_dim": 8, "mamba_groups": 2, "mamba_heads": 8, "experts": 4,
                "topk": 2, "moe_ffn": 16, "shared_ffn": 24}
-#: megatron-core's dense model (:data:`DENSE_CONFIG`'s), written in torch_dist.
-DENSE_MODEL = {**{k: v for k, v in MCORE_MODEL.items() if k not in ("experts", "topk", "moe_ffn", "shared_ffn")},
-               "pattern": "M-*M"}
 HARNESS = Path(__file__).with_name("mcore_mamba.py")
 _M = "decoder.layers.{}.mixer."
 #: Rows of each fused section in the whole model: in_proj's z, x, B, C, dt; conv1d's x, B, C.
@@ -110,18 +104,15 @@ def _saved_model(folder: Path, config: dict, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> dict:
-    """The folders transformers saves — the hybrid model with MoE layers and a dense one (``M-*M``),
-    which torch_dist holds (grouped experts are not written there yet) — and their logits."""
+    """The folder transformers saves (the hybrid model with MoE layers) and its logits."""
     root = tmp_path_factory.mktemp("nemotron_h")
-    return {"root": root, "hf": root / "hf", "want": _saved_model(root / "hf", CONFIG, 3),
-            "dense": root / "dense", "dense_want": _saved_model(root / "dense", DENSE_CONFIG, 4)}
+    return {"root": root, "hf": root / "hf", "want": _saved_model(root / "hf", CONFIG, 3)}
 
 
 @pytest.fixture(scope="module")
 def converted(hf) -> dict[str, Path]:
     """reshard's outputs: TP 1, TP 2, TP 2 x EP 2 (expert TP 1; and x PP 2), TP 2 x EP 2 at the default
-    expert TP (2), PP 2 with one layer on the first stage, the first two back to HF; the dense model in
-    torch_dist and back."""
+    expert TP (2), PP 2 with one layer on the first stage, the first two back to HF; torch_dist and back."""
     root, src = hf["root"], str(hf["hf"])
     out = {name: root / name for name in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "uneven", "back", "back_pp",
                                           "dist", "back_dist")}
@@ -134,7 +125,7 @@ def converted(hf) -> dict[str, Path]:
     _run(src, str(out["uneven"]), "--target-tp", "1", "--target-pp", "2", "--target-first-stage-layers", "1")
     _run(str(out["tp2ep2"]), str(out["back"]), "--to", "hf")
     _run(str(out["tp2ep2pp2"]), str(out["back_pp"]), "--to", "hf")
-    _run(str(hf["dense"]), str(out["dist"]), "--to", "torch_dist")
+    _run(src, str(out["dist"]), "--to", "torch_dist")
     _run(str(out["dist"]), str(out["back_dist"]), "--to", "hf")
     return out
 
@@ -143,7 +134,7 @@ def converted(hf) -> dict[str, Path]:
 def mamba(hf, converted) -> dict:
     """One launch of megatron-core's MambaModel (:mod:`mcore_mamba`): it writes its own model at TP 2 x
     EP 2 and runs the imports at TP 1, TP 2 and TP 2 x EP 2, each built from the checkpoint's own args;
-    then its checkpoint goes ``--to hf``."""
+    and in torch_dist; then its checkpoints go ``--to hf``, the torch_dist one to its per-rank layout too."""
     root = hf["root"]
     work = root / "harness"
     work.mkdir()
@@ -156,19 +147,21 @@ def mamba(hf, converted) -> dict:
             {**forward, "ckpt": str(converted["tp2ep2pp2"]), **ep2, "pp": 2, "out": str(work / "tp2ep2pp2.pt")},
             {**forward, "ckpt": str(converted["uneven"]), "tp": 1, "pp": 2, "out": str(work / "uneven.pt")},
             {**forward, "ckpt": str(converted["etp2"]), "tp": 2, "ep": 2, "etp": 2, "out": str(work / "etp2.pt")},
-            {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), "tp": 2, "out": str(work / "dist.pt")},
-            {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "model": DENSE_MODEL,
-             "tokens": TOKENS}]
+            {**forward, "kind": "forward_dist", "ckpt": str(converted["dist"]), **ep2, "out": str(work / "dist.pt")},
+            {"kind": "write_dist", "out": str(root / "mcore_dist"), **ep2, "model": MCORE_MODEL, "tokens": TOKENS}]
     (work / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, str(HARNESS), str(work / "jobs.json")], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
     _run(str(root / "mcore_dist"), str(root / "mcore_dist_hf"), "--to", "hf")
+    _run(str(root / "mcore_dist"), str(root / "mcore_dist_ranks"), "--target-tp", "2", "--target-ep", "2",
+         "--target-etp", "1")
     return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2",
                                                                        "uneven", "dist")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
-            "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"), "mcore_dist_hf": root / "mcore_dist_hf"}
+            "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"), "mcore_dist_hf": root / "mcore_dist_hf",
+            "mcore_dist_ranks": root / "mcore_dist_ranks"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
@@ -177,39 +170,56 @@ def mamba(hf, converted) -> dict:
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
     """The per-rank imports strict-loaded (at PP 2 the second stage starts with an MoE layer, or, one
     layer on the first stage (``decoder_first_pipeline_num_layers``), with the MLP: megatron-core's
-    ``MambaStack`` choosing its layers of the pattern); the dense model's torch_dist loaded by
-    megatron-core's ``dist_checkpointing`` (in_proj and conv1d as their split keys) at TP 2."""
-    got, want = mamba["logits"][layout], hf["dense_want" if layout == "dist" else "want"]
+    ``MambaStack`` choosing its layers of the pattern); the torch_dist output loaded by megatron-core's
+    ``dist_checkpointing`` (in_proj and conv1d as their split keys, the grouped experts as
+    ``TEGroupedMLP.sharded_state_dict`` keys them) at TP 2 x EP 2."""
+    got, want = mamba["logits"][layout], hf["want"]
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
 
 
 def test_a_megatron_core_torch_dist_checkpoint_goes_to_hf_with_its_logits(mamba):
-    """megatron-core's own TP 2 torch_dist save (``in_proj.weight.z`` ... ``conv1d.bias.C``), fused
-    back on reading, ``--to hf``: transformers' logits are megatron-core's."""
+    """megatron-core's own TP 2 x EP 2 torch_dist save (``in_proj.weight.z`` ... ``conv1d.bias.C`` fused
+    back on reading; the grouped experts on the expert axis), ``--to hf``: transformers' logits are
+    megatron-core's."""
     got, info = _transformers(mamba["mcore_dist_hf"])
     assert not any(info.values()), info
     assert torch.allclose(got, mamba["mcore_dist"], atol=TOL, rtol=0), (got - mamba["mcore_dist"]).abs().max()
 
 
-def test_torch_dist_holds_the_split_keys_and_refuses_grouped_experts(hf, converted, tmp_path, capsys):
+def test_torch_dist_holds_the_split_keys_and_the_grouped_experts(hf, converted):
     """The torch_dist output keys each layer apart, the mixer's fused tensors as megatron-core's
-    sharded state dict splits them, and reads back bit for bit; MoE layers' grouped experts are
-    refused in one line before anything is written."""
+    sharded state dict splits them, an MoE layer's grouped experts as ``TEGroupedMLP``'s (SequentialMLP's
+    keys: the global expert axis leading, one extra state per expert) beside its own
+    ``pre_mlp_layernorm``, and reads back bit for bit."""
     from reshard.core.dcp_metadata import read_metadata
 
-    keys = set(read_metadata(next(converted["dist"].glob("iter_*/.metadata"))).tensors)
+    meta = read_metadata(next(converted["dist"].glob("iter_*/.metadata")))
+    keys = set(meta.tensors)
     assert {f"decoder.layers.0.mixer.in_proj.weight.{p}" for p in ("z", "x", "B", "C", "dt")} <= keys
-    assert {f"decoder.layers.3.mixer.conv1d.bias.{p}" for p in ("x", "B", "C")} <= keys
+    assert {f"decoder.layers.4.mixer.conv1d.bias.{p}" for p in ("x", "B", "C")} <= keys
     assert "decoder.layers.0.mixer.in_proj.weight" not in keys
     assert "decoder.layers.2.self_attention.linear_qkv.weight" in keys
-    want, got = _tensors(hf["dense"]), _tensors(converted["back_dist"])
+    experts = "decoder.layers.3.mlp.experts.experts."
+    assert meta.tensors[experts + "linear_fc1.weight"].shape == (4, 16, 32)
+    assert meta.tensors[experts + "linear_fc2.weight"].shape == (4, 32, 16)
+    extra = {experts + f"linear_fc{i}._extra_state/shard_{e}_4" for i in (1, 2) for e in range(4)}
+    assert extra <= set(meta.byte_items)
+    assert "decoder.layers.3.pre_mlp_layernorm.weight" in keys
+    want, got = _tensors(hf["hf"]), _tensors(converted["back_dist"])
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], t) for k, t in want.items())
-    capsys.readouterr()
-    assert main(["run", "--direct", str(hf["hf"]), str(tmp_path / "o"), "--to", "torch_dist"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "grouped GEMM's names" in err and "not written to torch_dist yet" in err and len(err.splitlines()) == 1
-    assert not (tmp_path / "o").exists()
+
+
+def test_a_megatron_core_torch_dist_checkpoint_reads_into_its_own_rank_files(hf, mamba):
+    """megatron-core's TP 2 x EP 2 torch_dist save, written in its per-rank layout at that layout: every
+    rank file holds what megatron-core's own per-rank save of the same model holds (the same seed), the
+    experts under grouped GEMM's names with the linear layer's one extra state."""
+    for folder in sorted((hf["root"] / "mcore").glob("*/mp_rank_*")):
+        theirs = torch.load(folder / "model_optim_rng.pt", weights_only=False)["model"]
+        ours = _rank(mamba["mcore_dist_ranks"], folder.name)["model"]
+        assert set(ours) == set(theirs), set(ours) ^ set(theirs)
+        for key, value in theirs.items():
+            assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value, key
 
 
 def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(mamba):
@@ -430,3 +440,28 @@ def test_names_under_transformers_5s_in_memory_prefix_read_alike(hf, converted, 
         a, b = (_rank(f, f"mp_rank_{rank:02d}") for f in (converted["tp2"], tmp_path / "tp2"))
         assert a["model"].keys() == b["model"].keys()
         assert all(v is None or torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+
+
+def test_grouped_extra_states_a_source_lacks_are_made_up_per_expert(converted, tmp_path):
+    """A per-rank source without the grouped experts' extra states (written before reshard kept Transformer
+    Engine's one per linear layer) goes to torch_dist with the one object per expert megatron-core's
+    ``TEGroupedMLP`` asks for, each None."""
+    from reshard.core.dcp_metadata import read_metadata
+    from reshard.formats.torch_dist import common_state, per_rank_module
+
+    src = shutil.copytree(converted["tp2ep2"], tmp_path / "src")
+    for f in src.rglob("model_optim_rng.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["model"] = {k: v for k, v in sd["model"].items() if not re.search(r"experts\.linear_fc\d\._extra_state", k)}
+        torch.save(sd, f)
+    _run(str(src), str(tmp_path / "dist"), "--to", "torch_dist")
+    index = next((tmp_path / "dist").glob("iter_*/.metadata"))
+    meta = read_metadata(index)
+    for layer in (3, 5):
+        experts = f"decoder.layers.{layer}.mlp.experts.experts."
+        assert {experts + f"linear_fc{i}._extra_state/shard_{e}_4" for i in (1, 2) for e in range(4)} <= \
+            set(meta.byte_items)
+    module = per_rank_module(meta, index.parent, "transformer_engine", grouped=True)
+    assert common_state(meta, index.parent)["args"].moe_grouped_gemm
+    assert module["decoder.layers.3.mlp.experts.linear_fc1._extra_state"] is None
+    assert "decoder.layers.3.mlp.experts.linear_fc1.weight3" in module

@@ -45,6 +45,14 @@ MCORE_MODEL = {"layers": 4, "hidden": 32, "heads": 4, "groups": 2, "kv_channels"
                "gdn": {"linear_attention_freq": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
                        "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}}
 _GDN = "decoder.layers.{}.self_attention."
+#: A vision tower of one block (Qwen3.5's folders hold one beside the language model) and the language
+#: model's rotary embedding as the releases state it: M-RoPE sections, which text tokens' equal
+#: positions on the three axes make the plain rotary embedding.
+VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+          "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3}
+MROPE = {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                             "mrope_interleaved": True}}
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -90,6 +98,25 @@ def _made(root: Path, name: str, cls: str, config: dict) -> dict:
     return {"hf": root / name, "want": want}
 
 
+def _made_vl(root: Path, name: str, cls: str, text: dict) -> dict:
+    """A vision-language folder transformers saves (``cls``: ``Qwen3_5ForConditionalGeneration`` or
+    the MoE one; ``text``: its language model's config, with :data:`MROPE`) and the logits of its
+    forward on text tokens."""
+    import transformers
+
+    torch.manual_seed(5)
+    config = getattr(transformers, cls.replace("ForConditionalGeneration", "Config"))(
+        text_config={**text, **MROPE, "initializer_range": 0.1}, vision_config=VISION)
+    model = getattr(transformers, cls)(config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key or key.endswith(("A_log", "dt_bias")):
+                p.add_(torch.rand_like(p) * 0.5)
+        want = model(input_ids=torch.tensor([TOKENS])).logits[0]
+    model.save_pretrained(root / name)
+    return {"hf": root / name, "want": want}
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict:
     """The two folders (``next``: Qwen3-Next with MoE, ``dense``: Qwen3.5) and reshard's outputs of them."""
@@ -98,9 +125,11 @@ def made(tmp_path_factory) -> dict:
     hf_logging.disable_progress_bar()
     root = tmp_path_factory.mktemp("qwen3_next")
     out = {"root": root, "next": _made(root, "next_hf", "Qwen3NextForCausalLM", CONFIG),
-           "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE)}
+           "dense": _made(root, "dense_hf", "Qwen3_5ForCausalLM", DENSE),
+           "vl": _made_vl(root, "vl_hf", "Qwen3_5ForConditionalGeneration", DENSE)}
     paths = {name: root / name for name in ("tp1", "tp2", "back", "tp2pp2", "back_pp", "dense_tp2", "dense_back",
-                                            "dense_dist", "dense_dist_back")}
+                                            "dense_dist", "dense_dist_back", "next_dist", "next_dist_back",
+                                            "vl_tp2")}
     _run(str(out["next"]["hf"]), str(paths["tp1"]), "--target-tp", "1")
     _run(str(out["next"]["hf"]), str(paths["tp2"]), "--target-tp", "2", "--target-ep", "2")
     _run(str(paths["tp2"]), str(paths["back"]), "--to", "hf")
@@ -111,13 +140,17 @@ def made(tmp_path_factory) -> dict:
     _run(str(paths["dense_tp2"]), str(paths["dense_back"]), "--to", "hf")
     _run(str(out["dense"]["hf"]), str(paths["dense_dist"]), "--to", "torch_dist")
     _run(str(paths["dense_dist"]), str(paths["dense_dist_back"]), "--to", "hf")
+    _run(str(out["next"]["hf"]), str(paths["next_dist"]), "--to", "torch_dist")
+    _run(str(paths["next_dist"]), str(paths["next_dist_back"]), "--to", "hf")
+    _run(str(out["vl"]["hf"]), str(paths["vl_tp2"]), "--target-tp", "2")
     return {**out, **paths}
 
 
 @pytest.fixture(scope="module")
 def harness(made) -> dict:
     """One harness launch: megatron-core runs the imports (each model built from the checkpoint's own
-    args) and writes its own Qwen3-Next at TP 2 x EP 2, which then goes ``--to hf``."""
+    args; the torch_dist ones through its ``dist_checkpointing.load``) and writes its own Qwen3-Next at
+    TP 2 x EP 2, per rank and in torch_dist, which then go ``--to hf``."""
     root = made["root"]
     work = root / "harness"
     forward = dict(kind="forward", from_args=True, model={}, tokens=TOKENS)
@@ -127,25 +160,33 @@ def harness(made) -> dict:
             {**forward, "ckpt": str(made["tp2pp2"]), "tp": 2, "ep": 2, "pp": 2, "out": str(work / "tp2pp2.pt")},
             {**forward, "ckpt": str(made["dense_tp2"]), "tp": 2, "out": str(work / "dense_tp2.pt")},
             {**forward, "kind": "forward_dist", "ckpt": str(made["dense_dist"]), "tp": 2,
-             "out": str(work / "dense_dist.pt")}]
+             "out": str(work / "dense_dist.pt")},
+            {**forward, "kind": "forward_dist", "ckpt": str(made["next_dist"]), "tp": 2, "ep": 2,
+             "out": str(work / "next_dist.pt")},
+            {**forward, "ckpt": str(made["vl_tp2"]), "tp": 2, "out": str(work / "vl_tp2.pt")},
+            {"kind": "write_dist", "out": str(root / "mcore_dist"), "tp": 2, "ep": 2, "model": MCORE_MODEL,
+             "tokens": TOKENS}]
     work.mkdir()
     run_harness(jobs, work)
     _run(str(root / "mcore"), str(root / "mcore_hf"), "--to", "hf")
+    _run(str(root / "mcore_dist"), str(root / "mcore_dist_hf"), "--to", "hf")
     # megatron-core's own checkpoint resharded in its layout: sections merged (TP 1), experts dealt to EP 4
     _run(str(root / "mcore"), str(root / "mcore_tp1"), "--target-tp", "1", "--target-ep", "4")
     run_harness([{**forward, "ckpt": str(root / "mcore_tp1"), "tp": 1, "ep": 4, "out": str(work / "mcore_tp1.pt")}],
                 work)
     return {"logits": {k: torch.load(work / f"{k}.pt") for k in ("tp1", "tp2", "tp2pp2", "dense_tp2", "dense_dist",
-                                                                 "mcore_tp1")},
+                                                                 "next_dist", "vl_tp2", "mcore_tp1")},
             "mcore": torch.load(root / "mcore" / "logits.pt"), "mcore_hf": root / "mcore_hf",
-            "mcore_dir": root / "mcore"}
+            "mcore_dir": root / "mcore", "mcore_dist": torch.load(root / "mcore_dist" / "logits.pt"),
+            "mcore_dist_hf": root / "mcore_dist_hf"}
 
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
 @needs_mcore
 @pytest.mark.parametrize("layout,model", [("tp1", "next"), ("tp2", "next"), ("tp2pp2", "next"),
-                                          ("dense_tp2", "dense"), ("dense_dist", "dense")])
+                                          ("dense_tp2", "dense"), ("dense_dist", "dense"), ("next_dist", "next"),
+                                          ("vl_tp2", "vl")])
 def test_megatron_core_runs_the_import_with_transformers_logits(made, harness, layout, model):
     got, want = harness["logits"][layout], made[model]["want"]
     diff = (got[:, :want.shape[1]] - want).abs().max().item()
@@ -172,6 +213,17 @@ def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(harness):
     config = json.loads((harness["mcore_hf"] / "config.json").read_text())
     assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["mlp_only_layers"] == [1]
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@needs_mcore
+def test_a_megatron_core_torch_dist_checkpoint_goes_to_hf_with_its_logits(harness):
+    """megatron-core's own TP 2 x EP 2 torch_dist save (the mixer's split keys, the experts on their
+    global axis, each MoE layer's ``pre_mlp_layernorm``), ``--to hf``: transformers loads it with nothing
+    missing or left over and computes megatron-core's logits."""
+    got, info = _transformers(harness["mcore_dist_hf"])
+    assert not any(info.values()), info
+    diff = (got - harness["mcore_dist"][:, :got.shape[1]]).abs().max().item()
+    assert diff < TOL, f"logits differ by {diff:.2e}"
 
 
 @needs_mcore
@@ -461,19 +513,69 @@ def test_a_release_config_without_layer_types_reads_full_attention_interval(made
     assert args.linear_attention_freq == 4 and args.rotary_percent == 0.25
 
 
-def test_torch_dist_holds_the_mixers_split_keys_and_refuses_the_experts(made, tmp_path, capsys):
-    """The dense model's torch_dist keys the mixer's fused tensors as megatron-core's sharded state dict
-    does (``in_proj.weight.query`` ... ``conv1d.weight.value``; megatron-core loads them above); the MoE
-    model's experts are refused in one line, nothing written."""
+@pytest.mark.parametrize("model", ["dense", "next"])
+def test_torch_dist_holds_the_mixers_split_keys_and_the_experts(made, model):
+    """torch_dist keys the mixer's fused tensors as megatron-core's sharded state dict does
+    (``in_proj.weight.query`` ... ``conv1d.weight.value``), an MoE layer's experts on the global expert
+    axis beside its own ``pre_mlp_layernorm`` (Transformer Engine's spec has no keys map folding it into
+    ``mlp.linear_fc1``), and reads back bit for bit (megatron-core loads them above)."""
     from reshard.core.dcp_metadata import read_metadata
 
-    keys = set(read_metadata(next(made["dense_dist"].glob("iter_*/.metadata"))).tensors)
+    meta = read_metadata(next(made[f"{model}_dist"].glob("iter_*/.metadata")))
+    keys = set(meta.tensors)
     mixer = "decoder.layers.0.self_attention."
     assert {mixer + f"in_proj.weight.{p}" for p in ("query", "key", "value", "z", "beta", "alpha")} <= keys
     assert {mixer + f"conv1d.weight.{p}" for p in ("query", "key", "value")} <= keys
     assert mixer + "in_proj.weight" not in keys
-    assert main(["run", "--direct", str(made["next"]["hf"]), str(tmp_path / "o"), "--to", "torch_dist"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "routed experts of a qwen3-next model are not written to torch_dist yet" in err
-    assert len(err.splitlines()) == 1
+    if model == "next":  # layer 1 dense (its norm fused into fc1), 0, 2, 3 MoE
+        assert meta.tensors["decoder.layers.2.mlp.experts.experts.linear_fc1.weight"].shape == (4, 32, 32)
+        assert meta.tensors["decoder.layers.2.mlp.experts.experts.linear_fc2.weight"].shape == (4, 32, 16)
+        assert {"decoder.layers.2.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+                "decoder.layers.2.mlp.shared_experts.gate_weight"} <= keys
+        assert not any(k.startswith("decoder.layers.2.mlp.linear_fc1.") for k in keys)
+    want, got = _tensors(made[model]["hf"]), _tensors(made[f"{model}_dist_back"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], t) for k, t in want.items())
+
+
+# --- Qwen3.5's vision-language folders ---------------------------------------------------------------
+
+def test_a_vision_language_folder_imports_its_language_model_with_one_warning(tmp_path, capsys):
+    """``Qwen3_5MoeForConditionalGeneration``'s folder (``model.language_model.*``, ``text_config``) at
+    TP 2 x EP 2: its language model, said once to leave the vision tower out, back as a text class that
+    transformers loads with the folder's logits on text tokens (megatron-core runs the dense one above);
+    the vision-language class itself is refused as an export in one line."""
+    moe = {k: v for k, v in CONFIG.items() if k != "mlp_only_layers"}
+    src = _made_vl(tmp_path, "vl_moe", "Qwen3_5MoeForConditionalGeneration", moe)
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src["hf"]), str(tmp_path / "tp2"), "--target-tp", "2", "--target-ep", "2"]) == 0
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "vision tower" in line]
+    assert len(said) == 1 and "model.visual.*" in said[0] and "Qwen3_5MoeForCausalLM" in said[0], said
+    ranks = _rank(tmp_path / "tp2", "mp_rank_00_000")
+    assert not any("visual" in k for k in ranks["model"])
+    assert ranks["args"].hf_token_ids == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}  # text_config's
+    _run(str(tmp_path / "tp2"), str(tmp_path / "back"), "--to", "hf", "--hf-architecture", "Qwen3_5MoeForCausalLM")
+    got, info = _transformers(tmp_path / "back")
+    assert not any(info.values()), info
+    diff = (got - src["want"]).abs().max().item()
+    assert diff < TOL, f"logits differ by {diff:.2e}"
+    argv = ["run", "--direct", str(tmp_path / "tp2"), str(tmp_path / "o"), "--to", "hf", "--hf-architecture",
+            "Qwen3_5MoeForConditionalGeneration"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vision tower" in err[0] and "Qwen3_5MoeForCausalLM" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_vision_language_config_without_text_config_is_refused_in_one_line(made, tmp_path, capsys):
+    import shutil
+
+    src = shutil.copytree(made["vl"]["hf"], tmp_path / "vl")
+    config = json.loads((src / "config.json").read_text())
+    del config["text_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "text_config" in err[0] and err[0].startswith("reshard: error:"), err
     assert not (tmp_path / "o").exists()

@@ -23,7 +23,10 @@ the family's table (the family module says them, see "megatron-core's names in t
 :mod:`reshard.models.megatron_gpt`). The renames apply when the saved ``args.transformer_impl`` is
 ``local``, or, where no ``args`` were saved (Megatron-Bridge), its ``run_config.yaml`` records
 megatron-core's local layer spec (Transformer Engine's fused layer norms keep the torch_dist names):
-a per-rank output's names are those of the spec its ``args`` name. Optimizer state (``optimizer.*``)
+a per-rank output's names are those of the spec its ``args`` name. Routed experts are SequentialMLP's
+per rank, or grouped GEMM's where the saved ``args.moe_grouped_gemm`` says Transformer Engine's
+``TEGroupedMLP`` holds them (its sharded state dict keys them as SequentialMLP's, see
+:func:`~reshard.models.megatron_gpt.as_grouped_experts`). Optimizer state (``optimizer.*``)
 and RNG state are skipped, reported as dropped, and never read (not even fetched: :meth:`needed_ranges`).
 Outputs are written in Megatron-LM's per-rank layout (``writes_as``) unless ``--to torch_dist``
 asks for this format: the same table backwards (:func:`global_items`; a legacy Megatron module
@@ -81,11 +84,14 @@ from reshard.models.megatron_gpt import (
     LOCAL_EXPERT,
     MIN_CORE_COMPATIBLE_VERSION,
     PER_RANK_ONLY,
+    as_grouped_experts,
     as_megatron_core,
+    as_sequential_experts,
     beside_stack_entry,
     core_module,
     dist_renames,
-    expert_index,
+    expert_dist_name,
+    grouped_extra_states,
     is_megatron_core,
     per_rank_renames,
 )
@@ -191,13 +197,15 @@ class TorchDistFormat(CheckpointFormat):
         meta = _metadata(p)
         folder = p.parent
         common = common_state(meta, folder)
-        if getattr(common.get("args"), "moe_grouped_gemm", False) and any(EXPERTS in k for k in meta.keys):
-            raise LayoutError("the experts were trained with grouped GEMM (args.moe_grouped_gemm): their per-rank "
-                              "names (one weight per expert, numbered in its name) are not written from torch_dist "
-                              "yet",
+        args, impl = common.get("args"), _transformer_impl(common.get("args"), p)
+        grouped = bool(getattr(args, "moe_grouped_gemm", False)) and any(EXPERTS in k for k in meta.keys)
+        if grouped and (impl == "local" or getattr(args, "moe_use_legacy_grouped_gemm", False)):
+            raise LayoutError("the experts were trained with the legacy grouped GEMM (args.moe_grouped_gemm with "
+                              f"{'the local spec' if impl == 'local' else 'args.moe_use_legacy_grouped_gemm'}: "
+                              "GroupedMLP), whose per-rank weights are not megatron-core's per-expert ones",
                               culprit=str(folder / COMMON if (folder / COMMON).is_file() else p),
                               hint="convert a per-rank checkpoint of this run instead")
-        module = per_rank_module(meta, folder, _transformer_impl(common.get("args"), p))
+        module = per_rank_module(meta, folder, impl, grouped=grouped)
         out: dict[str, Any] = {}
         for k, v in common.items():  # the module where Megatron-LM's per-rank files have it: after iteration
             if k != "model":
@@ -219,19 +227,6 @@ class TorchDistFormat(CheckpointFormat):
     ckpt_format = TORCH_DIST
 
     def check_plan(self, plan: Plan) -> None:
-        grouped = next((tp.out_key for t in plan.targets for tp in t.params
-                        if expert_index(tp.out_key) is not None and _GROUPED_EXPERT.search(tp.out_key)), None)
-        if grouped is not None:  # megatron-core keys them as SequentialMLP's, under the experts' shared key
-            raise LayoutError("experts under grouped GEMM's names (one weight per expert, numbered in its name) are "
-                              "not written to torch_dist yet", culprit=grouped,
-                              hint="write a per-rank layout (drop --to torch_dist)")
-        family = claiming_family([tp.out_key for t in plan.targets for tp in t.params])
-        expert = None if family.dist_experts else next(
-            (tp.out_key for t in plan.targets for tp in t.params if expert_index(tp.out_key) is not None), None)
-        if expert is not None:
-            raise LayoutError(f"the routed experts of a {family.name} model are not written to torch_dist yet (the "
-                              f"keys megatron-core's loader wants for them are not known)", culprit=expert,
-                              hint="write a per-rank layout (drop --to torch_dist)")
         if plan.facts.naming != "megatron-core" and plan.version < MIN_CORE_COMPATIBLE_VERSION:
             raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
                               "megatron-core, which torch_dist holds", culprit=plan.source.origin,
@@ -390,8 +385,11 @@ def common_state(meta: DcpMetadata, folder: Path) -> dict[str, Any]:
     return value[0]
 
 
-def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> dict[str, Any]:
-    """The module of megatron-core's per-rank layout at TP 1, tensors lazy (see the name table above)."""
+def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any, *, grouped: bool = False
+                    ) -> dict[str, Any]:
+    """The module of megatron-core's per-rank layout at TP 1, tensors lazy (see the name table above);
+    ``grouped``: the experts under grouped GEMM's per-rank names
+    (:func:`~reshard.models.megatron_gpt.as_grouped_experts`)."""
     keys = set(model_keys(meta))
     stacked = [meta.tensors[k] for k in keys if k in meta.tensors and _is_stacked(k)]
     depths = {t.shape[0] if t.shape else None for t in stacked}
@@ -443,7 +441,7 @@ def per_rank_module(meta: DcpMetadata, folder: Path, transformer_impl: Any) -> d
         module[name] = value.load() if isinstance(value, _ByteItem) else value
     for name, value in PER_RANK_ONLY.items():
         module.setdefault(name, value)
-    return fused_parts(module)
+    return fused_parts(as_grouped_experts(module, str(folder / INDEX)) if grouped else module)
 
 
 def fused_parts(module: dict[str, Any]) -> dict[str, Any]:
@@ -478,8 +476,6 @@ def fused_parts(module: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: A routed expert's weight under grouped GEMM's per-rank name (``linear_fc1.weight{e}``).
-_GROUPED_EXPERT = re.compile(r"\.experts\.linear_fc[12]\.(?:weight|bias)\d+$")
 
 
 def _is_stacked(key: str) -> bool:
@@ -742,7 +738,8 @@ def model_layout(names: Sequence[str], args: Any = None) -> ModelLayout:
     core = is_megatron_core(names)
     given = set(names)
     names = list(core_module(dict.fromkeys(names)) if core else as_megatron_core(dict.fromkeys(names)))
-    made_up = frozenset(n for n in names if n not in given and n.endswith("._extra_state"))
+    made_up = frozenset(n for n in [*names, *grouped_extra_states(names)]
+                        if n not in given and n.endswith("._extra_state"))
     per_layer: dict[int, set[str]] = {}
     experts: dict[int, set[int]] = {}
     beside_experts: dict[str, set[int]] = {}
@@ -758,7 +755,8 @@ def model_layout(names: Sequence[str], args: Any = None) -> ModelLayout:
             beside_experts.setdefault(beside[0], set()).add(_dist_name(beside[1])[1])
     stacked = family.dist_stacks_layers and len({frozenset(v) for v in per_layer.values()}) <= 1
     return ModelLayout(core, 1 + max(per_layer, default=-1), stacked,
-                       {i: len(e) for i, e in experts.items()}, made_up, renames=dist_renames(names),
+                       {i: len(e) for i, e in experts.items()}, made_up,
+                       renames=dist_renames(names) if family.dist_keys_map else {},
                        beside_experts={k: len(e) for k, e in beside_experts.items()},
                        parts={n: tuple((p, int(r)) for p, r in ps) for n, ps in parts.items()},
                        per_rank_only=frozenset(PER_RANK_ONLY) if family.dist_per_rank_only is None
@@ -809,8 +807,9 @@ def global_items(module: dict[str, Any], layout: ModelLayout | None = None) -> l
         module = core_module(module)
     # an extra state is made up beside its module's weight, in that file alone; one another file of
     # the source holds is that file's
-    module = {k: v for k, v in module.items()
-              if not k.endswith("._extra_state") or k in given or k in layout.made_up}
+    module = as_sequential_experts({k: v for k, v in module.items()
+                                    if not k.endswith("._extra_state") or k in given or k in layout.made_up},
+                                   lambda layer: layout.experts[layer], layout.made_up)
     layers, stacked = layout.layers, layout.stacked
     items = []
     for name, value in module.items():
@@ -872,8 +871,7 @@ def _rows_of(whole: PendingTensor, first: int, rows: int, sink: Any) -> None:
 
 def _dist_name(rest: str) -> tuple[str, int | None]:
     """A layer entry's name in torch_dist (an expert's under the experts' shared key) and its expert."""
-    g = expert_index(rest)
-    return (rest, None) if g is None else (f".{rest}".replace(LOCAL_EXPERT.format(g), EXPERTS)[1:], g)
+    return expert_dist_name(rest)
 
 
 def _blob_tensor(item: GlobalItem) -> Any:

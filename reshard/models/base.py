@@ -85,9 +85,12 @@ class ModelFamily(ABC):
     #: torch_dist: the per-rank entries megatron-core's sharded state dict leaves out (None: a GPT
     #: model's, :data:`reshard.models.megatron_gpt.PER_RANK_ONLY`).
     dist_per_rank_only: ClassVar[frozenset[str] | None] = None
-    #: torch_dist: whether its routed experts are written there (False: refused in one line until the
-    #: keys megatron-core's sharded state dict gives them are known for the family's layer spec).
-    dist_experts: ClassVar[bool] = True
+    #: torch_dist: whether its layers' separate norms (``input_layernorm``, ``pre_mlp_layernorm``) are keyed
+    #: there under the fused layers' names, as megatron-core's local layer spec's
+    #: ``sharded_state_dict_keys_map`` keys them. False for a family megatron-core builds from Transformer
+    #: Engine's specs alone, which have no keys map: an MoE layer's separate ``pre_mlp_layernorm`` keeps
+    #: its name.
+    dist_keys_map: ClassVar[bool] = True
 
     def dist_parts(self, name: str, args: Any = None) -> tuple[tuple[str, int | None], ...] | None:
         """torch_dist: the parts per-rank entry ``name`` (a whole model's, TP 1) is stored as when

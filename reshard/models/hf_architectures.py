@@ -449,6 +449,12 @@ class HFArchitectureFamily(abc.ABC):
         raise LayoutError(f"{self.name} is written by reshard but not read", culprit=where,
                           hint="import a folder of an architecture reshard reads")
 
+    def imported_config(self, config: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+        """Import: the part of ``config`` (a ``config.json``) that describes the model imported, which
+        :meth:`read_config` reads and the token ids are kept from (a vision-language class: its language
+        model's ``text_config``). Default: all of it."""
+        return config
+
     def decide(self, args: Any, facts: ModelFacts, keys: set[str], dtype: torch.dtype,
                widths: Mapping[str, int]) -> HFArchitecture | None:
         """Export: this class's ``config.json`` for a megatron-core model it claims (its

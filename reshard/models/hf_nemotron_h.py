@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,6 +96,8 @@ from reshard.models.nemotron_h import (
 )
 
 _L, _H = "decoder.layers.{layer}.", "backbone.layers.{layer}."
+#: A grouped expert's weight (``...mlp.experts.linear_fc1.weight{e}``): its linear layer's prefix.
+_GROUPED_WEIGHT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.)weight\d+$")
 #: The folder's name of every layer's pre-norm, and the table's spelling of it per layer kind.
 _NORM = "norm.weight"
 _KIND_MARK = "#"
@@ -277,12 +280,16 @@ class NemotronHForCausalLM(HFArchitectureFamily):
         return {}
 
     def core_module(self, module: Mapping[str, Any]) -> dict[str, Any]:
-        """A GPT model's order and extra states, and the mixer's linear layers' ``None`` extra states
-        (``in_proj``, ``out_proj``: what megatron-core's own per-rank state dict holds)."""
+        """A GPT model's order and extra states, and the ``None`` extra states megatron-core's own
+        per-rank state dict holds beside them: the mixer's linear layers' (``in_proj``, ``out_proj``) and
+        the grouped experts' (Transformer Engine's ``GroupedLinear`` keeps one, ``linear_fc1._extra_state``,
+        for all its experts)."""
         out = dict(module)
         for key in module:
             if key.endswith((".mixer.in_proj.weight", ".mixer.out_proj.weight")):
                 out.setdefault(key[:-len("weight")] + "_extra_state", None)
+            elif (m := _GROUPED_WEIGHT.match(key)) is not None:
+                out.setdefault(m.group(1) + "_extra_state", None)
         return core_module(out)
 
     def import_warnings(self, config: Mapping[str, Any], args: Any) -> list[str]:

@@ -65,6 +65,7 @@ BUILTIN: tuple[str, ...] = (
     "reshard.models.hf_qwen_moe:QWEN3_MOE", "reshard.models.hf_gpt2:GPT2", "reshard.models.hf_deepseek:DEEPSEEK_V3",
     "reshard.models.hf_gpt_oss:GPT_OSS", "reshard.models.hf_qwen3_next:QWEN3_NEXT",
     "reshard.models.hf_qwen3_next:QWEN3_5", "reshard.models.hf_qwen3_next:QWEN3_5_MOE",
+    "reshard.models.hf_qwen3_5_vl:QWEN3_5_VL", "reshard.models.hf_qwen3_5_vl:QWEN3_5_MOE_VL",
     "reshard.models.hf_nemotron_h:NEMOTRON_H", "reshard.models.hf_minimax_m2:MINIMAX_M2",
     "reshard.models.hf_glm4_moe:GLM4_MOE")
 ENTRY_POINT_GROUP = "reshard.hf_architectures"
@@ -112,8 +113,9 @@ def read_config(config: Mapping[str, Any], where: str) -> HFModel:
     if found is None:
         raise LayoutError(f"architecture {archs or 'unknown'} is not imported", culprit=where,
                           hint=f"reshard imports {', '.join(sorted(a.name for a in importable))}")
-    model = dataclasses.replace(found.read_config(config, where), family=found)
-    ids = token_ids(config, where)
+    own = found.imported_config(config, where)
+    model = dataclasses.replace(found.read_config(own, where), family=found)
+    ids = token_ids(own, where)
     if ids:  # no weight depends on them: kept for the export (see TOKEN_IDS_ARG)
         setattr(model.args, TOKEN_IDS_ARG, ids)
     return model

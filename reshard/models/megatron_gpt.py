@@ -10,9 +10,11 @@ embeddings) with the default, Megatron-LM deciders of :class:`~reshard.models.ba
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.plan_types import SourceStage, TargetParam
@@ -408,6 +410,97 @@ LAYERS = "decoder.layers."
 #: Routed experts in torch_dist keys: one key per expert weight, a global expert axis leading
 #: (after the layer axis when stacked); per rank, ``local_experts.{e}`` (SequentialMLP).
 EXPERTS, LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}."
+#: A routed expert's entry under SequentialMLP's per-rank name: the experts' module, the expert, the linear
+#: layer and the entry (``decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight``).
+_SEQUENTIAL_ENTRY = re.compile(r"^(.+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\."
+                               r"(weight|bias|_extra_state)$")
+#: The same under grouped GEMM's per-rank names (Transformer Engine's ``GroupedLinear``): the experts'
+#: module, the linear layer, and the entry and its expert (``linear_fc1.weight{e}``) or the one extra
+#: state of all its experts (``linear_fc1._extra_state``).
+_GROUPED_ENTRY = re.compile(r"^(.*\bmlp\.experts\.)(linear_fc[12])\.(?:(weight|bias)(\d+)|_extra_state)$")
+_STACK_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def expert_dist_name(rest: str) -> tuple[str, int | None]:
+    """A layer entry's name in torch_dist (``rest``: the name after ``decoder.layers.{i}.``; an expert's
+    under the experts' shared key :data:`EXPERTS`, SequentialMLP's and grouped GEMM's names alike) and
+    its expert."""
+    g = expert_index(rest)
+    if g is None:
+        return rest, None
+    m = _GROUPED_ENTRY.match(rest)
+    if m is not None and m.group(3):
+        return f".{m.group(1)}{m.group(2)}.{m.group(3)}".replace(".mlp.experts.", EXPERTS)[1:], g
+    return f".{rest}".replace(LOCAL_EXPERT.format(g), EXPERTS)[1:], g
+
+
+def grouped_extra_states(names: Iterable[str]) -> set[str]:
+    """The one extra state per linear layer of grouped experts (Transformer Engine's ``GroupedLinear``)
+    that megatron-core's per-rank module holds beside the experts' weights ``names``."""
+    return {f"{m.group(1)}{m.group(2)}._extra_state" for n in names if (m := _GROUPED_ENTRY.match(n)) and m.group(3)}
+
+
+def as_sequential_experts(module: Mapping[str, Any], experts_of: Callable[[int], int],
+                          made_up: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``module`` with grouped GEMM's per-rank names of the experts (Transformer Engine's
+    ``GroupedLinear``) under SequentialMLP's, which megatron-core's ``TEGroupedMLP.sharded_state_dict``
+    keys alike (torch_dist's keys of both): ``linear_fc1.weight{e}`` as expert ``e``'s
+    ``local_experts.{e}.linear_fc1.weight``, and the linear layer's one extra state as one per expert
+    (``experts_of(layer)`` of them), each the same, as its ``_split_extra_state`` makes them of a state
+    without FP8 metadata; one in ``made_up`` (the source lacks it) is None's, made beside expert 0's
+    weight."""
+    out: dict[str, Any] = {}
+    for name, value in module.items():
+        m = _GROUPED_ENTRY.match(name)
+        layer = _STACK_LAYER.match(name)
+        if m is None or layer is None:
+            out[name] = value
+            continue
+        experts = f"{m.group(1)}local_experts."
+        if m.group(3):
+            out[f"{experts}{m.group(4)}.{m.group(2)}.{m.group(3)}"] = value
+            if m.group(3) != "weight" or m.group(4) != "0" or f"{m.group(1)}{m.group(2)}._extra_state" not in made_up:
+                continue
+            value = None
+        for g in range(experts_of(int(layer.group(1)))):
+            out[f"{experts}{g}.{m.group(2)}._extra_state"] = value
+    return out
+
+
+def as_grouped_experts(module: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``module`` (SequentialMLP's expert names, as torch_dist keys them) under grouped GEMM's per-rank
+    names, as Transformer Engine's ``GroupedLinear`` holds them (:func:`as_sequential_experts`
+    backwards): expert ``e``'s ``local_experts.{e}.linear_fc1.weight`` as ``linear_fc1.weight{e}``, and
+    its experts' extra states as the linear layer's one ``linear_fc1._extra_state`` — which
+    megatron-core's ``merge_extra_states`` makes of equal ones alone (Transformer Engine splits FP8
+    metadata per expert: refused)."""
+    out: dict[str, Any] = {}
+    for name, value in module.items():
+        m = _SEQUENTIAL_ENTRY.match(name)
+        if m is None:
+            out[name] = value
+        elif m.group(4) != "_extra_state":
+            out[f"{m.group(1)}{m.group(3)}.{m.group(4)}{m.group(2)}"] = value
+        else:
+            key = f"{m.group(1)}{m.group(3)}._extra_state"
+            if key in out and not _same_object(out[key], value):
+                raise LayoutError(f"the experts of {m.group(1)[:-1]} hold different extra states (Transformer "
+                                  "Engine's FP8 metadata, split per expert), which grouped GEMM's one extra state "
+                                  "does not hold apart", culprit=where,
+                                  hint="convert a per-rank checkpoint of this run instead")
+            out.setdefault(key, value)
+    return out
+
+
+def _same_object(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  (objects that do not compare are not the same)
+        return False
+
+
 #: megatron-core's module order: top-level modules, then a layer's submodules (an MoE layer's router,
 #: experts by number, shared experts), then their entries.
 _CORE_TOP = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",

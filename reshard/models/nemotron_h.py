@@ -126,6 +126,7 @@ class NemotronH(MegatronCoreFamily):
     name = "nemotron-h"
     rules = NEMOTRON_H_RULES
     dist_stacks_layers = False  # MambaStack.sharded_state_dict keys every layer apart (decoder.layers.{i}.)
+    dist_keys_map = False  # the stack spec is Transformer Engine's: an MoE layer's pre_mlp_layernorm keeps its name
     dist_per_rank_only = frozenset()  # MambaModel keeps output_layer._extra_state in its sharded state dict
     priority = 45
     supported = ("megatron-core MambaModel names (decoder.layers.N.mixer.*: in_proj, conv1d, A_log, D, dt_bias, "

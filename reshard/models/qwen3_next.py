@@ -113,9 +113,9 @@ class Qwen3Next(MegatronCoreFamily):
     name = "qwen3-next"
     rules = QWEN3_NEXT_RULES
     priority = 40
-    #: megatron-core's loader, on the model its Transformer Engine spec builds here, asks for the
-    #: experts under keys (``mlp.experts.experts.linear_fc1.weight``) reshard does not write yet: refused.
-    dist_experts = False
+    #: torch_dist: built from Transformer Engine's spec alone (no keys map): an MoE layer's separate
+    #: ``pre_mlp_layernorm.weight`` keeps its name there.
+    dist_keys_map = False
     supported = ("megatron-core GPT names with gated DeltaNet layers (self_attention.in_proj, conv1d, A_log, "
                  "dt_bias, out_norm, out_proj) and gated attention, dense or MoE MLP")
 
