@@ -29,7 +29,7 @@ from reshard.cli import main
 from reshard.core.lazy import RowConcat
 from reshard.models import hf_deepseek
 from test_hf_export import hf_tensors
-from test_hf_import import make_fp8_folder
+from test_hf_import import make_fp8_folder, randomized
 
 pytestmark = needs_mcore
 TOL = 5e-5
@@ -52,17 +52,8 @@ def make_deepseek(config: dict, folder: Path, seed: int = 0, edit=None) -> torch
     """Save a random DeepseekV3ForCausalLM of ``config`` to ``folder``; its logits for the test tokens
     (``edit(model)`` changes the model after saving: what a wrong conversion would compute)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+    model = randomized(DeepseekV3ForCausalLM, DeepseekV3Config(**config), seed)
     if folder is not None:
         model.save_pretrained(folder)
     if edit is not None:

@@ -30,7 +30,7 @@ from mcore_fixtures import TOKENS, copy_with_args, edit_saved_args, needs_mcore,
 from reshard.cli import main
 from test_deepseek import add_mtp_layer, dequantized_logits, hf_folder_logits, mtp_reference
 from test_hf_export import hf_tensors
-from test_hf_import import make_fp8_folder
+from test_hf_import import make_fp8_folder, randomized
 
 pytestmark = needs_mcore
 TOL = 5e-5
@@ -69,17 +69,8 @@ def make_glm(config: dict, folder: Path, seed: int = 0) -> torch.Tensor:
     """Save a random Glm4MoeForCausalLM of ``config`` to ``folder`` (``partial_rotary_factor`` left
     out of its config.json: transformers' default); its logits for the test tokens."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(Glm4MoeConfig(**config)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+    model = randomized(Glm4MoeForCausalLM, Glm4MoeConfig(**config), seed)
     model.save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())
     saved["rope_parameters"].pop("partial_rotary_factor")  # as the releases' config.json: the class default

@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +89,34 @@ def fp8_reference(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch
             blk = (slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1))
             out[blk] = (q[blk].to(torch.float32) * s[i, j]).to(dtype)
     return out
+
+
+def randomized(model_class: Any, config: Any, seed: int = 0) -> Any:
+    """``model_class(config)`` in eval mode with random weights the tests can tell apart (norms
+    around 1) and a random router ``e_score_correction_bias`` (a buffer transformers leaves at 0)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model
+
+
+def tensors_folder(tensors: dict[str, torch.Tensor], like: Path, dst: Path) -> Path:
+    """A plain one-file folder of ``tensors`` (transformers' names) with ``like``'s config.json."""
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    (dst / "config.json").write_text((like / "config.json").read_text())
+    return dst
 
 
 def make_fp8_folder(src: Path, dst: Path, dtype: torch.dtype,

@@ -24,7 +24,7 @@ from mcore_fixtures import copy_with_args
 from reshard.cli import main
 from test_fp8_export import block_reference, dequantized
 from test_hf_export import hf_logits, hf_tensors
-from test_hf_import import make_fp8_folder
+from test_hf_import import make_fp8_folder, randomized, tensors_folder
 
 CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rotary_dim=4, num_local_experts=4, num_experts_per_tok=2,
@@ -46,17 +46,8 @@ RELEASE_FIELDS = {"rope_theta": 5000000, "attn_type_list": [1, 1], "qk_norm_type
 def make_minimax(folder: Path, seed: int = 0) -> None:
     """Save a random MiniMaxM2ForCausalLM of :data:`CONFIG` in bf16 to ``folder``."""
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**CONFIG)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+    model = randomized(MiniMaxM2ForCausalLM, MiniMaxM2Config(**CONFIG), seed)
     model.to(torch.bfloat16).save_pretrained(folder)
 
 
@@ -83,17 +74,6 @@ def release_like(encoded: dict[str, torch.Tensor], bf16: Path, fp8: Path) -> dic
 def _run(src: Path, out: Path, *extra: str) -> Path:
     assert main(["run", "--direct", str(src), str(out), *extra]) == 0
     return out
-
-
-def _folder(tensors: dict[str, torch.Tensor], like: Path, dst: Path) -> Path:
-    """A plain folder of ``tensors`` with ``like``'s config.json (transformers' own names)."""
-    from safetensors.torch import save_file
-
-    dst.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
-    (dst / "config.json").write_text((like / "config.json").read_text())
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +148,7 @@ def test_an_fp8_folder_is_written_as_the_bf16_model_it_encodes(minimax):
     release = json.loads((minimax["fp8"] / "config.json").read_text())
     assert config == {**{k: v for k, v in release.items() if k != "quantization_config"}, "dtype": "bfloat16"}
     assert "rope_parameters" not in config and config["rotary_dim"] == 4
-    want_logits = hf_logits(_folder(minimax["encoded"], minimax["fp8_to_hf"], minimax["root"] / "encoded"))
+    want_logits = hf_logits(tensors_folder(minimax["encoded"], minimax["fp8_to_hf"], minimax["root"] / "encoded"))
     torch.testing.assert_close(hf_logits(minimax["fp8_to_hf"]), want_logits, rtol=0, atol=0)
     assert (want_logits - hf_logits(minimax["bf16"])).abs().max() > 0  # FP8 is not the bf16 model
 
@@ -190,7 +170,7 @@ def test_quantize_fp8_writes_the_block_formula_that_transformers_loads(minimax, 
     assert quant["weight_block_size"] == list(BLOCK) and quant["quant_method"] == "fp8"
     assert {"lm_head", "model.embed_tokens"} <= set(quant["modules_to_not_convert"])
     assert any(m.endswith("block_sparse_moe.gate") for m in quant["modules_to_not_convert"])
-    encoded = _folder({k: dequantized(fp8[k], fp8[k + "_scale_inv"], BLOCK).to(v.dtype) if k in linear else v
+    encoded = tensors_folder({k: dequantized(fp8[k], fp8[k + "_scale_inv"], BLOCK).to(v.dtype) if k in linear else v
                        for k, v in plain.items()}, minimax["bf16"], tmp_path / "encoded")  # what the codes encode
     got, want = hf_logits(minimax["quantized"]), hf_logits(encoded)  # transformers: default strictness
     assert (got - want).abs().max() < 1e-2 * want.abs().max()  # transformers runs FP8 in bf16 on a CPU

@@ -25,7 +25,7 @@ from mcore_fixtures import TOKENS, moe_options, needs_mcore, run_harness
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
 from test_hf_export import hf_logits, hf_tensors
-from test_hf_import import make_fp8_folder
+from test_hf_import import make_fp8_folder, tensors_folder
 
 pytestmark = needs_mcore
 TOL = 2e-5
@@ -76,7 +76,7 @@ def qwen3(tmp_path_factory):
     hf, fp8 = root / "hf", root / "hf_fp8"
     want = {"hf": make_qwen3_moe(hf)}
     encoded = make_fp8_folder(hf, fp8, torch.float32)
-    want["fp8"] = hf_logits(_folder(encoded, hf, root / "hf_fp8_dequantized"))
+    want["fp8"] = hf_logits(tensors_folder(encoded, hf, root / "hf_fp8_dequantized"))
     runs = {  # name -> (folder, (tp, ep, pp) megatron-core loads it at, torch_dist, the logits it must give)
         "hf_pp2_ep2": (_run(hf, root / "hf_pp2_ep2", *_layout(1, 2, 2)), (1, 2, 2), False, want["hf"]),
         "hf_dist": (_run(hf, root / "hf_dist", "--to", "torch_dist"), (2, 2, 1), True, want["hf"]),
@@ -96,17 +96,6 @@ def qwen3(tmp_path_factory):
     got = {name: torch.load(job["out"]) for name, job in zip(runs, jobs)}
     return {"root": root, "hf": hf, "fp8": fp8, "encoded": encoded, "want": want, "runs": runs, "got": got,
             "mcore_pp": mcore_pp, "mcore_dist": mcore_dist}
-
-
-def _folder(tensors: dict[str, torch.Tensor], like: Path, dst: Path) -> Path:
-    """A plain folder of ``tensors`` with ``like``'s config.json."""
-    from safetensors.torch import save_file
-
-    dst.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
-    (dst / "config.json").write_text((like / "config.json").read_text())
-    return dst
 
 
 @pytest.mark.parametrize("name", ["hf_pp2_ep2", "hf_dist", "hf_dist_pp2_ep2", "fp8_tp2_ep2", "mcore_dist_ep4",
