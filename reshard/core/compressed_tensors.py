@@ -16,7 +16,8 @@ format                     stored beside ``X``'s other tensors     arithmetic
                            scale``, ``weight_shape``
                            (``weight_zero_point``, ``weight_g_idx``)
 ``float-quantized``        ``weight`` float8_e4m3fn,               :mod:`reshard.core.fp8_scaled`
-                           ``weight_scale``
+(``naive-quantized``       ``weight_scale``
+of float weights)
 ``nvfp4-pack-quantized``   ``weight_packed`` uint8, ``weight_      :mod:`reshard.core.nvfp4`
                            scale`` e4m3, ``weight_global_scale``
 =========================  ======================================  ============================
@@ -41,6 +42,9 @@ from reshard.core.lazy import LazyTensor, RowsDecoded, materialized, read_rows
 METHOD = "compressed-tensors"
 PACK, FLOAT, NVFP4 = "pack-quantized", "float-quantized", "nvfp4-pack-quantized"
 FORMATS = (PACK, FLOAT, NVFP4)
+#: What compressed-tensors names the float-quantized layout of weights whose activations are not
+#: quantized (its compressor for both is one: ``q.to(sd) * scale``).
+NAIVE = "naive-quantized"
 #: A quantized module's tensors besides its codes, which the dequantized weight replaces.
 WEIGHT_PARAMS = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale")
 #: Calibration scales of activations and of the KV cache: a serving kernel's, not the model's.
@@ -118,6 +122,8 @@ def read_config(config: Mapping[str, Any], where: str) -> Settings:
                                         hint="reshard reads weight quantization (activation-only groups "
                                              "leave the weights in the model's dtype; drop the group)")
         fmt = g.get("format") or top
+        if fmt == NAIVE and w.get("type") == "float":  # weight-only FP8: the float-quantized layout
+            fmt = FLOAT
         if fmt not in FORMATS:
             raise CheckpointFormatError(f"{at} has format {fmt!r}, which reshard does not read", culprit=where,
                                         hint=f"reshard reads compressed-tensors {', '.join(FORMATS)}; "
