@@ -145,3 +145,49 @@ def make_modelopt_folder(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat
     config.update(dtype=str(dtype).removeprefix("torch."), quantization_config=convert_hf_quant_config_format(hf_quant))
     (dst / "config.json").write_text(json.dumps(config, indent=4))
     return model
+
+
+def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore: list[str],
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """``src``'s weights whose module name fully matches the pattern ``quantized`` compressed by
+    compressed-tensors' own compressor of ``scheme``'s format (per module, as its model-free path
+    does: a model whose experts transformers fuses has no ``Linear`` per expert to quantize), the
+    rest in ``dtype``, the config as compressed-tensors writes it with ``ignore``; returns
+    compressed-tensors' own decompression of every weight (the model the folder encodes)."""
+    import re
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    q_scheme = _scheme(scheme)
+    args = q_scheme.weights
+    fmt = CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.float_quantized
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    stored, model = {}, {}
+    for key, w in sorted(tensors.items()):
+        module = key.removesuffix(".weight")
+        if not key.endswith(".weight") or not re.fullmatch(quantized, module):
+            stored[key] = model[key] = w.to(dtype)
+            continue
+        w = w.to(dtype)
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        local = compressor.compress({"weight": w, "weight_scale": scale.to(dtype), "weight_zero_point": zero},
+                                    q_scheme)
+        stored.update({f"{module}.{name}": t for name, t in local.items()})
+        model[key] = compressor.decompress(local, q_scheme)["weight"]
+    dst.mkdir(parents=True)
+    save_file(stored, dst / "model.safetensors", metadata={"format": "pt"})
+    q_config = QuantizationConfig(config_groups={"group_0": q_scheme}, ignore=ignore, format=fmt.value,
+                                  quantization_status=QuantizationStatus.COMPRESSED)
+    config = json.loads((src / "config.json").read_text())
+    config.update(dtype=str(dtype).removeprefix("torch."),
+                  quantization_config={"quant_method": "compressed-tensors", **q_config.model_dump()})
+    (dst / "config.json").write_text(json.dumps(config, default=str))
+    return model
