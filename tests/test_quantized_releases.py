@@ -205,6 +205,21 @@ def test_a_bad_quantized_folder_is_refused_in_one_line_naming_the_tensor(release
     _refused(capsys, _variant(releases[scheme], tmp_path / "bad", **edit), tmp_path / "o", needle)
 
 
+@pytest.mark.parametrize("release, needle", [
+    ("w4a16", ".weight_packed holds packed codes but config.json declares no quantization_config"),
+    ("nvfp4", ".weight_packed holds packed codes but config.json declares no quantization_config"),
+    ("modelopt", ".weight holds NVFP4 codes but the folder declares no quantization"),
+])
+def test_codes_in_a_folder_that_declares_no_quantization_are_refused(releases, tmp_path, capsys, release, needle):
+    """Without its declaration a release's codes would be read as they are: another model."""
+    src = shutil.copytree(releases[release], tmp_path / "bare")
+    (src / "hf_quant_config.json").unlink(missing_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    _refused(capsys, src, tmp_path / "o", needle)
+
+
 def test_an_unread_quantization_method_is_refused_naming_it(releases, tmp_path, capsys):
     src = _variant(releases["w4a16"], tmp_path / "bad", config={"quant_method": "gptq"})
     _refused(capsys, src, tmp_path / "o", "holds quant_method 'gptq', which reshard does not read")

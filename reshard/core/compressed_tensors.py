@@ -177,6 +177,16 @@ def encoded(key: str, dtype: torch.dtype) -> bool:
     return key.endswith(".weight_packed") or (key.endswith(".weight") and dtype == fp8_scaled.E4M3)
 
 
+def refuse_unannounced(tensors: Mapping[str, Any], where: str) -> None:
+    """Refuse packed codes in a folder whose ``config.json`` declares no quantization (read as
+    they are, they would be another model)."""
+    key = next((k for k in tensors if k.endswith(".weight_packed")), None)
+    if key is not None:
+        raise refusal(f"{key} holds packed codes but config.json declares no quantization_config", where,
+                      hint="a compressed-tensors release names its scheme in config.json's quantization_config "
+                           "(quant_method 'compressed-tensors'); re-copy config.json")
+
+
 def _named(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -257,6 +267,8 @@ def _weight(module: str, codes: Any, scheme: Scheme, tensors: Mapping[str, Any],
     out, inp = codes.shape
     if scale is None:
         raise refusal(f"{module}.weight_scale is missing", where)
+    if scheme.strategy == "group" and inp % int(scheme.group_size or 1):
+        raise refusal(f"{module} has {inp} columns, not a multiple of group_size {scheme.group_size}", where)
     want = fp8_scaled.scale_shape(scheme.strategy, (out, inp), scheme.group_size, scheme.block)
     if tuple(scale.shape) != want and not (scheme.strategy == "tensor" and int(torch.tensor(scale.shape).prod()) == 1):
         raise refusal(f"{module}.weight_scale is {list(scale.shape)}, not {list(want)} ({scheme.strategy} scales of "

@@ -80,6 +80,16 @@ def encoded(key: str, dtype: torch.dtype) -> bool:
     return key.endswith(".weight") and dtype == torch.uint8
 
 
+def refuse_unannounced(tensors: Mapping[str, Any], where: str) -> None:
+    """Refuse NVFP4 codes (a uint8 weight with its ``weight_scale_2``) in a folder that declares no
+    quantization, neither in ``config.json`` nor by ``hf_quant_config.json``."""
+    key = next((k for k, t in tensors.items() if encoded(k, t.dtype)
+                and f"{k.rpartition('.')[0]}.weight_scale_2" in tensors), None)
+    if key is not None:
+        raise refusal(f"{key} holds NVFP4 codes but the folder declares no quantization", where,
+                      hint=f"ModelOpt's export declares it in {SIDECAR} and config.json; re-copy them")
+
+
 def dequantized_tensors(tensors: Mapping[str, Any], settings: Settings, dtype: torch.dtype,
                         where: str) -> dict[str, Any]:
     """The folder's ``tensors`` with each NVFP4 weight (a uint8 ``X.weight``) a lazy ``dtype``

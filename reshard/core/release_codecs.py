@@ -183,6 +183,9 @@ class CompressedTensorsCodec(ReleaseCodec):
     def encoded(self, key: str, dtype: torch.dtype) -> bool:
         return compressed_tensors.encoded(key, dtype)
 
+    def unannounced(self, tensors: Mapping[str, Any], where: str) -> None:
+        compressed_tensors.refuse_unannounced(tensors, where)
+
 
 class ModelOptCodec(ReleaseCodec):
     """NVIDIA ModelOpt's NVFP4: :mod:`reshard.core.modelopt`."""
@@ -202,6 +205,9 @@ class ModelOptCodec(ReleaseCodec):
 
     def encoded(self, key: str, dtype: torch.dtype) -> bool:
         return modelopt.encoded(key, dtype)
+
+    def unannounced(self, tensors: Mapping[str, Any], where: str) -> None:
+        modelopt.refuse_unannounced(tensors, where)
 
 
 def _check_pair(key: str, blocks: Any, scales_key: str, scales: Any, where: str) -> None:
@@ -226,7 +232,9 @@ _CODECS: dict[str, ReleaseCodec] = {}
 
 def _builtins() -> dict[str, ReleaseCodec]:
     if not _CODECS:
-        for codec in (Fp8BlockCodec(), Mxfp4Codec(), CompressedTensorsCodec(), ModelOptCodec()):
+        # NVFP4's and compressed-tensors' checks of an undeclared folder first: their codes come
+        # with e4m3 scales, which the FP8 codec's check would name as FP8 block scales
+        for codec in (ModelOptCodec(), CompressedTensorsCodec(), Fp8BlockCodec(), Mxfp4Codec()):
             _CODECS.setdefault(codec.method, codec)
     return _CODECS
 

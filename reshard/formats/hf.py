@@ -150,7 +150,8 @@ class HFFormat(CheckpointFormat):
     #: weight files (pickle ones listed too: to be refused by name, never read)
     patterns = (re.compile(r"(^|/)[^/]+\.safetensors$"), re.compile(r"(^|/)pytorch_model[^/]*\.bin$"))
     markers = (re.compile(r"(^|/)config\.json$"),
-               re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"))
+               re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"),
+               re.compile(r"(^|/)" + re.escape(SIDECAR) + "$"))  # ModelOpt's declaration of its quantization
     carries = (CARRIED,)
     writes_as = MEGATRON  # an import: megatron-core's per-rank layout unless --to says otherwise
     vocab_divisor = MEGATRON_VOCAB_DIVISOR
