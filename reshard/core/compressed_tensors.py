@@ -215,6 +215,8 @@ def dequantized_tensors(tensors: Mapping[str, Any], settings: Settings, dtype: t
     for key, t in tensors.items():
         module, _, param = key.rpartition(".")
         if param == "weight_packed" or (param == "weight" and t.dtype == fp8_scaled.E4M3):
+            if module in modules or (param == "weight_packed" and f"{module}.weight" in tensors):
+                raise refusal(f"{module} is stored both as {module}.weight and as {module}.weight_packed", where)
             modules[module] = t
     out: dict[str, Any] = {}
     for key, t in tensors.items():
@@ -224,8 +226,8 @@ def dequantized_tensors(tensors: Mapping[str, Any], settings: Settings, dtype: t
         if param in ACTIVATION_PARAMS:
             continue
         if param in WEIGHT_PARAMS:
-            raise refusal(f"{key} belongs to no quantized weight ({module}.weight_packed or an FP8 {module}.weight "
-                        "is absent)", where)
+            raise refusal(f"{key} belongs to no quantized weight ({module}.weight_packed or an FP8 "
+                          f"{module}.weight is absent)", where)
         out[key] = t
     for module, codes in modules.items():
         if any(matches(module, t) for t in settings.ignore):
