@@ -30,11 +30,14 @@ SCHEMES = {
     "w4a16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
     "w4a16_asym": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
     "w4a16_channel": dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
+    "w4a16_tensor": dict(num_bits=4, type="int", symmetric=True, strategy="tensor"),
     "w8a16": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
     "fp8_tensor": "FP8",
     "fp8_channel": dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+    "fp8_group": dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32),
     "fp8_block": dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 48]),
     "nvfp4": "NVFP4",
+    "nvfp4a16": "NVFP4A16",
 }
 
 
