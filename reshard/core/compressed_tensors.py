@@ -9,20 +9,19 @@ dtype). A module's group is the one whose targets name it (exactly or by pattern
 whose targets are class names (a folder holds no classes; two such groups are refused). What is
 stored says which modules are quantized; the config says how:
 
-=========================  ======================================  ============================
-format                     stored beside ``X``'s other tensors     arithmetic
-=========================  ======================================  ============================
-``pack-quantized``         ``weight_packed`` int32, ``weight_      :mod:`reshard.core.int_packed`
-                           scale``, ``weight_shape``
-                           (``weight_zero_point``, ``weight_g_idx``)
-``float-quantized``        ``weight`` float8_e4m3fn,               :mod:`reshard.core.fp8_scaled`
-(``naive-quantized``       ``weight_scale``
-of float weights)
-``nvfp4-pack-quantized``   ``weight_packed`` uint8, ``weight_      :mod:`reshard.core.nvfp4`
-                           scale`` e4m3, ``weight_global_scale``
-=========================  ======================================  ============================
+========================  ===================================================  ===============================
+format                    stored beside ``X``'s other tensors                  arithmetic
+========================  ===================================================  ===============================
+``pack-quantized``        ``weight_packed`` int32, ``weight_scale``,           :mod:`reshard.core.int_packed`
+                          ``weight_shape`` (``weight_zero_point``,
+                          ``weight_g_idx``)
+``float-quantized``       ``weight`` float8_e4m3fn, ``weight_scale``           :mod:`reshard.core.fp8_scaled`
+``nvfp4-pack-quantized``  ``weight_packed`` uint8, ``weight_scale`` e4m3,      :mod:`reshard.core.nvfp4`
+                          ``weight_global_scale``
+========================  ===================================================  ===============================
 
-Activation and KV-cache scales (``input_scale``, ``input_global_scale``, ``k_scale``, ...) are a
+Weight-only FP8 is ``naive-quantized`` there (the same layout and decompressor). Activation and
+KV-cache scales (``input_scale``, ``input_global_scale``, ``k_scale``, ...) are a
 serving kernel's; the dequantized model computes without them, so they are not read.
 """
 

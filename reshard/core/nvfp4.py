@@ -3,18 +3,18 @@ the codec's arithmetic. Pure: tensors in, tensors out.
 
 A weight ``W`` ``[out, in]`` is two e2m1 codes a byte and one e4m3 scale per 16 values of a row:
 
-====================  ===============================  ===================  =====================
-tensor                compressed-tensors               ModelOpt             what
-====================  ===============================  ===================  =====================
-codes                 ``X.weight_packed`` uint8        ``X.weight`` uint8   column ``2j`` in the
-                      ``[out, in/2]``                  ``[out, in/2]``      low nibble, ``2j+1``
-                                                                            in the high one
-group scales          ``X.weight_scale`` e4m3          ``X.weight_scale``   one per 16 columns
-                      ``[out, in/16]``                 e4m3 ``[out, in/16]``
-tensor scale          ``X.weight_global_scale``        ``X.weight_scale_2`` stored as
-                      float32 ``[1]``                  float32 ``[]``       ``448*6/amax`` (CT),
-                                                                            ``amax/2688`` (MO)
-====================  ===============================  ===================  =====================
+==============  ==================================  ==================================  ==================
+tensor          compressed-tensors                  ModelOpt                            what
+==============  ==================================  ==================================  ==================
+codes           ``X.weight_packed`` uint8           ``X.weight`` uint8 ``[out, in/2]``  column ``2j`` in
+                ``[out, in/2]``                                                         the low nibble,
+                                                                                        ``2j+1`` the high
+group scales    ``X.weight_scale`` e4m3             ``X.weight_scale`` e4m3             one per 16 columns
+                ``[out, in/16]``                    ``[out, in/16]``
+tensor scale    ``X.weight_global_scale`` float32   ``X.weight_scale_2`` float32        ``448*6/amax``
+                ``[1]``                             ``[]``                              (CT), ``amax/2688``
+                                                                                        (ModelOpt)
+==============  ==================================  ==================================  ==================
 
 An e2m1 code is a sign bit (``8``) over an index into ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``.
 
