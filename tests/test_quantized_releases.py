@@ -28,8 +28,6 @@ from reshard.cli import main
 from reshard.core.lazy import RowsDecoded
 from reshard.formats.hf import HFFormat
 
-pytest.importorskip("compressed_tensors")
-
 _LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
