@@ -153,8 +153,9 @@ def make_modelopt_folder(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat
 def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore: list[str],
                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """``src``'s weights whose module name fully matches the pattern ``quantized`` compressed by
-    compressed-tensors' own compressor of ``scheme``'s format (per module, as its model-free path
-    does: a model whose experts transformers fuses has no ``Linear`` per expert to quantize), the
+    compressed-tensors' own compressor of ``scheme``'s format (a scheme of scales by group), per
+    module as its model-free path does (a model whose experts transformers fuses has no ``Linear``
+    per expert to quantize), the
     rest in ``dtype``, the config as compressed-tensors writes it with ``ignore``; returns
     compressed-tensors' own decompression of every weight (the model the folder encodes)."""
     import re
