@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from mcore_fixtures import TOKENS, copy_with_args, edit_saved_args, iteration_folder, needs_mcore, run_harness
+from quantized_releases import compress_folder_ct
 from reshard.cli import main
 from reshard.core.lazy import RowConcat
 from reshard.models import hf_deepseek
@@ -41,6 +42,8 @@ _V3 = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediat
            num_mtp_layers=0, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                               "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
                                               "original_max_position_embeddings": 4})
+#: Kimi-K2.5's kind of model: experts whose widths are whole groups of 32 (its INT4 groups).
+_K25 = {**_V3, "moe_intermediate_size": 32}
 MODELS = {
     "v3": _V3,
     "v2_lite": {**_V3, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
@@ -244,6 +247,14 @@ def deepseek_runs(tmp_path_factory, mcore_written):
     want["v3_fp8"] = dequantized_logits(hf["v3"], make_fp8_folder(hf["v3"], hf["v3_fp8"], torch.float32),
                                         root / "hf" / "v3_fp8_dequantized")
     runs[("v3_fp8", 2, 2)] = _run(hf["v3_fp8"], root / "v3_fp8_tp2_ep2", "--target-tp", "2", "--target-ep", "2")
+    # Kimi-K2.5's release: the routed experts INT4 (compressed-tensors pack-quantized, group 32), the rest kept
+    hf["v3_k25_bf"], hf["v3_k25"] = root / "hf" / "v3_k25_bf", root / "hf" / "v3_k25"
+    want["v3_k25_unquantized"] = make_deepseek(_K25, hf["v3_k25_bf"])
+    want["v3_k25"] = dequantized_logits(hf["v3_k25_bf"], compress_folder_ct(
+        hf["v3_k25_bf"], hf["v3_k25"], "w4a16", r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj",
+        ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*layers\\.0\\.mlp.*"]),
+        root / "hf" / "v3_k25_dequantized")
+    runs[("v3_k25", 2, 2)] = _run(hf["v3_k25"], root / "v3_k25_tp2_ep2", "--target-tp", "2", "--target-ep", "2")
     for what, wrong in WRONG.items():
         out = root / f"wrong_{len(runs)}"
         if isinstance(wrong, dict):
@@ -343,6 +354,15 @@ def test_megatron_cores_own_mla_checkpoint_goes_through_torch_dist_with_its_logi
     (mtp,) = deepseek_runs["got"][case + ".mtp"]
     (want,) = torch.load(mcore_written / source / "mtp_logits.pt")
     torch.testing.assert_close(mtp, want, rtol=0, atol=TOL)
+
+
+def test_a_kimi_k25_int4_release_is_imported_as_the_model_it_encodes(deepseek_runs):
+    """Routed experts INT4 by compressed-tensors' own compressor (group 32, symmetric), attention,
+    shared experts, the dense layer and the head ignored, as Kimi-K2.5 ships: megatron-core at TP 2 x
+    EP 2 computes transformers' logits of compressed-tensors' own decompression."""
+    logits, _ = deepseek_runs["got"][("v3_k25", 2, 2)]
+    torch.testing.assert_close(logits[:, :128], deepseek_runs["want"]["v3_k25"], rtol=0, atol=TOL)
+    assert (deepseek_runs["want"]["v3_k25"] - deepseek_runs["want"]["v3_k25_unquantized"]).abs().max() > 1e-3
 
 
 def test_an_fp8_deepseek_folder_is_imported_as_the_model_it_encodes(deepseek_runs):

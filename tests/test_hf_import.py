@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from mcore_fixtures import TOKENS, edit_saved_args, mcore_forward, mcore_forward_dist, needs_mcore
+from quantized_releases import ct_dequantized, make_ct_folder, make_modelopt_folder
 from reshard.cli import main
 from reshard.core.lazy import Converted, RowConcat
 from reshard.core.safe_load import load_shard
@@ -74,6 +75,10 @@ def make_hf_model(name: str, folder: Path) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([TOKENS])).logits[0]
 
+
+#: Quantized releases imported at TP 2 (``tests/quantized_releases.py``; all of them, bit for bit to
+#: bf16, in ``tests/test_quantized_releases.py``).
+QUANTIZED = ("w4a16_asym", "fp8_channel", "nvfp4", "modelopt")
 
 #: FP8 blocks that leave partial blocks in both dimensions of the small models' projections
 #: (q_proj [64, 64], k_proj [16, 64], gate_proj [96, 64], down_proj [64, 96]).
@@ -220,6 +225,16 @@ def imported(tmp_path_factory):
     hf["llama_fp8"] = root / "hf" / "llama_fp8"  # FP8 block-scaled, read as the float32 model it encodes
     want["llama_fp8"] = transformers_logits(hf["llama"], make_fp8_folder(hf["llama"], hf["llama_fp8"], torch.float32))
     runs[("llama_fp8", 2)] = _import(hf["llama_fp8"], root / "llama_fp8_tp2", "--target-tp", "2")
+    for scheme in QUANTIZED:  # releases written by compressed-tensors and ModelOpt, read as the float32 models
+        name = f"llama_{scheme}"
+        hf[name] = root / "hf" / name
+        if scheme == "modelopt":
+            tensors = make_modelopt_folder(hf["llama"], hf[name], torch.float32)
+        else:
+            make_ct_folder(hf["llama"], hf[name], scheme, torch.float32, max_shard_size="100KB")
+            tensors = ct_dequantized(hf[name], torch.float32)
+        want[name] = transformers_logits(hf["llama"], tensors)
+        runs[(name, 2)] = _import(hf[name], root / f"{name}_tp2", "--target-tp", "2")
     for what, wrong in WRONG.items():
         out, src = root / f"wrong_{len(runs)}", hf[_model_of(what)]
         if isinstance(wrong, dict):
@@ -512,6 +527,15 @@ def test_an_fp8_block_scaled_folder_imports_with_the_logits_of_the_model_it_enco
     """Partial FP8 blocks in both dimensions, dequantized as DeepSeek does, fused into megatron-core's
     QKV and fc1 at TP 2: megatron-core computes what transformers computes from those weights."""
     assert _diff(imported["logits"][("llama_fp8", 2)], imported["want"]["llama_fp8"]) < TOL
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_a_quantized_release_imports_with_the_logits_of_its_dequantized_model(imported, scheme):
+    """A release written by compressed-tensors (INT4 with zero points by group, FP8 by channel, NVFP4)
+    or by ModelOpt (NVFP4), sharded, imported at TP 2 (fused into megatron-core's QKV and fc1):
+    megatron-core computes what transformers computes from the library's own dequantization."""
+    name = f"llama_{scheme}"
+    assert _diff(imported["logits"][(name, 2)], imported["want"][name]) < TOL
 
 
 def test_fp8_to_hf_is_deepseeks_cast_bit_for_bit(imported, tmp_path):

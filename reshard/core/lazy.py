@@ -214,3 +214,42 @@ class Converted(LazyTensor):
 
     def __repr__(self) -> str:
         return f"Converted({self.source!r}, shape={self.shape})"
+
+
+class RowsDecoded(LazyTensor):
+    """A 2-D tensor ``[rows, cols]`` decoded from stored codes a band of whole rows at a time:
+    ``decode(first_row, n)`` gives rows ``[first_row, first_row + n)`` as a ``[n, cols]`` tensor
+    of ``dtype``. A box decodes the bands of rows it covers and keeps its columns, so memory is the
+    box and one band (:data:`band_elements` decoded values), never the whole tensor.
+
+    Why whole rows: every quantized release format reshard reads scales along the input axis
+    (groups of a row's columns), so a band of rows is decoded from one box of codes and one box
+    of scales; a narrower box of columns is rarer (a row-parallel split) and costs one band."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, decode: Callable[[int, int], torch.Tensor],
+                 label: str, band_elements: int = 1 << 20) -> None:
+        self.shape, self.dtype, self.decode, self.label = tuple(shape), dtype, decode, label
+        self.band = max(1, band_elements // max(1, shape[1]))
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        (r0, c0), (m, n) = offsets, sizes
+        if out is not None and (out.dtype != self.dtype or tuple(out.shape) != (m, n)):
+            raise ValueError(f"out is {out.dtype} {list(out.shape)}, the box {self.dtype} {[m, n]}")
+        out = torch.empty((m, n), dtype=self.dtype) if out is None else out
+        for r in range(r0, r0 + m, self.band):
+            k = min(self.band, r0 + m - r)
+            rows = self.decode(r, k)
+            out[r - r0:r - r0 + k].copy_(rows[:, c0:c0 + n])
+        return out
+
+    def __repr__(self) -> str:
+        return f"RowsDecoded({self.label}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def read_rows(t: torch.Tensor | LazyTensor, first: int, n: int) -> torch.Tensor:
+    """Rows ``first .. first + n`` of a 2-D tensor; from a lazy (mapped or remote) one copied into
+    a buffer of its own, so the source gives back the pages it read."""
+    if isinstance(t, LazyTensor):
+        return t.read_box((first, 0), (n, t.shape[1]), out=torch.empty((n, t.shape[1]), dtype=t.dtype))
+    return t[first:first + n]

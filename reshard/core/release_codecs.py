@@ -8,15 +8,26 @@ fetched. Each codec is one :class:`ReleaseCodec` (its arithmetic in a codec modu
 the next method is a class registered with :func:`register_release_codec`, not a branch in the
 ``hf`` format.
 
-===========  ==============================  ==================================================
-method       codec module                    stored tensors of a weight ``X``
-===========  ==============================  ==================================================
-``fp8``      :mod:`reshard.core.fp8_block`   ``X`` float8_e4m3fn ``[M, N]``,
-                                             ``X_scale_inv`` float32 per block
-``mxfp4``    :mod:`reshard.core.mxfp4`       ``X_blocks`` uint8 ``[*, out, in/32, 16]``,
-                                             ``X_scales`` uint8 ``[*, out, in/32]``; ``X`` is
-                                             read as ``[*, in, out]``
-===========  ==============================  ==================================================
+======================  ==========================================  ====================================================
+method                  codec module                                stored tensors of a weight ``X``
+======================  ==========================================  ====================================================
+``fp8``                 :mod:`reshard.core.fp8_block`               ``X`` float8_e4m3fn ``[M, N]``,
+                                                                    ``X_scale_inv`` float32 per block
+``mxfp4``               :mod:`reshard.core.mxfp4`                   ``X_blocks`` uint8 ``[*, out, in/32, 16]``,
+                                                                    ``X_scales`` uint8 ``[*, out, in/32]``; ``X`` is
+                                                                    read as ``[*, in, out]``
+``compressed-tensors``  :mod:`reshard.core.compressed_tensors`      by each config group's ``format`` (``X`` is
+                        (config groups, ``ignore``, ``targets``);   ``*.weight``): ``pack-quantized``: ``X_packed``
+                        arithmetic: :mod:`reshard.core.int_packed`  int32 ``[out, in*b/32]``, ``X_scale``, ``X_shape``
+                        (INT), :mod:`reshard.core.fp8_scaled`       (``X_zero_point``); ``float-quantized``: ``X``
+                        (FP8), :mod:`reshard.core.nvfp4`            e4m3, ``X_scale`` per tensor/channel/group/block;
+                                                                    ``nvfp4-pack-quantized``: ``X_packed`` uint8
+                                                                    ``[out, in/2]``, ``X_scale`` e4m3 ``[out, in/16]``,
+                                                                    ``X_global_scale`` float32
+``modelopt``            :mod:`reshard.core.modelopt`; arithmetic:   NVFP4: ``X`` uint8 ``[out, in/2]``, ``X_scale`` e4m3
+                        :mod:`reshard.core.nvfp4`                   ``[out, in/16]``, ``X_scale_2`` float32 (declared
+                                                                    in ``config.json`` or ``hf_quant_config.json``)
+======================  ==========================================  ====================================================
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from reshard.core import fp8_block, mxfp4
+from reshard.core import compressed_tensors, fp8_block, modelopt, mxfp4
 from reshard.core.errors import CheckpointFormatError
 
 
@@ -151,6 +162,54 @@ class Mxfp4Codec(ReleaseCodec):
         return key.endswith(mxfp4.BLOCKS_SUFFIX) and dtype == torch.uint8
 
 
+class CompressedTensorsCodec(ReleaseCodec):
+    """compressed-tensors' pack-quantized INT, float-quantized FP8 and NVFP4 (llm-compressor's
+    releases): :mod:`reshard.core.compressed_tensors`."""
+
+    method = compressed_tensors.METHOD
+    title = ("compressed-tensors pack-quantized, float-quantized and nvfp4-pack-quantized "
+             "(quant_method 'compressed-tensors')")
+
+    def settings(self, config: Mapping[str, Any], where: str) -> compressed_tensors.Settings:
+        return compressed_tensors.read_config(config, where)
+
+    def dequantized(self, tensors: Mapping[str, Any], settings: Any, dtype: torch.dtype,
+                    where: str) -> dict[str, Any]:
+        return compressed_tensors.dequantized_tensors(tensors, settings, dtype, where)
+
+    def summary(self, settings: Any) -> dict[str, Any]:
+        return compressed_tensors.summary(settings)
+
+    def encoded(self, key: str, dtype: torch.dtype) -> bool:
+        return compressed_tensors.encoded(key, dtype)
+
+    def unannounced(self, tensors: Mapping[str, Any], where: str) -> None:
+        compressed_tensors.refuse_unannounced(tensors, where)
+
+
+class ModelOptCodec(ReleaseCodec):
+    """NVIDIA ModelOpt's NVFP4: :mod:`reshard.core.modelopt`."""
+
+    method = modelopt.METHOD
+    title = "ModelOpt NVFP4 (quant_method 'modelopt' or hf_quant_config.json)"
+
+    def settings(self, config: Mapping[str, Any], where: str) -> modelopt.Settings:
+        return modelopt.read_config(config, where)
+
+    def dequantized(self, tensors: Mapping[str, Any], settings: Any, dtype: torch.dtype,
+                    where: str) -> dict[str, Any]:
+        return modelopt.dequantized_tensors(tensors, settings, dtype, where)
+
+    def summary(self, settings: Any) -> dict[str, Any]:
+        return modelopt.summary(settings)
+
+    def encoded(self, key: str, dtype: torch.dtype) -> bool:
+        return modelopt.encoded(key, dtype)
+
+    def unannounced(self, tensors: Mapping[str, Any], where: str) -> None:
+        modelopt.refuse_unannounced(tensors, where)
+
+
 def _check_pair(key: str, blocks: Any, scales_key: str, scales: Any, where: str) -> None:
     """An MXFP4 pair that does not fit is refused by the tensor's name, before anything is read."""
     if scales is None:
@@ -173,7 +232,9 @@ _CODECS: dict[str, ReleaseCodec] = {}
 
 def _builtins() -> dict[str, ReleaseCodec]:
     if not _CODECS:
-        for codec in (Fp8BlockCodec(), Mxfp4Codec()):
+        # NVFP4's and compressed-tensors' checks of an undeclared folder first: their codes come
+        # with e4m3 scales, which the FP8 codec's check would name as FP8 block scales
+        for codec in (ModelOptCodec(), CompressedTensorsCodec(), Fp8BlockCodec(), Mxfp4Codec()):
             _CODECS.setdefault(codec.method, codec)
     return _CODECS
 
@@ -193,9 +254,20 @@ def release_codecs() -> dict[str, ReleaseCodec]:
     return dict(_builtins())
 
 
+def release_config(config: Mapping[str, Any], sidecar: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """``config.json`` (``config``) with the quantization a file beside it declares when it declares
+    none itself: ModelOpt's ``hf_quant_config.json`` (``sidecar``, :data:`SIDECAR`)."""
+    return modelopt.with_sidecar(config, sidecar)
+
+
+#: The file beside ``config.json`` that may declare a folder's quantization (ModelOpt's export).
+SIDECAR = modelopt.SIDECAR
+
+
 def read_release_quantization(config: Mapping[str, Any], where: str) -> ReleaseQuantization | None:
-    """The quantization ``config.json`` (``config``) declares, None for none; a method no codec
-    reads is refused, named (its weights are not the model's until its own kernels unpack them)."""
+    """The quantization ``config.json`` (``config``, read with :func:`release_config`) declares,
+    None for none; a method no codec reads is refused, named (its weights are not the model's until
+    its own kernels unpack them)."""
     qc = config.get("quantization_config")
     if qc is None:
         return None

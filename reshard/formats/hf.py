@@ -50,7 +50,7 @@ from reshard.core.fp8_block import (
     scale_name,
     scale_shape,
 )
-from reshard.core.release_codecs import read_release_quantization, release_dequantized
+from reshard.core.release_codecs import SIDECAR, read_release_quantization, release_config, release_dequantized
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (
@@ -114,6 +114,14 @@ def _json(path: Path) -> Any:
         raise CorruptCheckpointError("is not valid JSON", culprit=str(path), hint="re-copy the file") from None
 
 
+def _config(folder: Path) -> Any:
+    """``config.json`` of ``folder``, with the quantization ``hf_quant_config.json`` beside it
+    declares (ModelOpt's export) when it declares none itself."""
+    config = _json(folder / CONFIG)
+    sidecar = folder / SIDECAR
+    return release_config(config, _json(sidecar) if sidecar.is_file() else None)
+
+
 def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
     """The dtype quantized weights (FP8, MXFP4) are read as: the model's own (``torch_dtype``,
     transformers 5's ``dtype``) — the quantization is the weights' encoding, not the model's
@@ -142,7 +150,8 @@ class HFFormat(CheckpointFormat):
     #: weight files (pickle ones listed too: to be refused by name, never read)
     patterns = (re.compile(r"(^|/)[^/]+\.safetensors$"), re.compile(r"(^|/)pytorch_model[^/]*\.bin$"))
     markers = (re.compile(r"(^|/)config\.json$"),
-               re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"))
+               re.compile(r"(^|/)(model\.safetensors|pytorch_model\.bin)\.index\.json$"),
+               re.compile(r"(^|/)" + re.escape(SIDECAR) + "$"))  # ModelOpt's declaration of its quantization
     carries = (CARRIED,)
     writes_as = MEGATRON  # an import: megatron-core's per-rank layout unless --to says otherwise
     vocab_divisor = MEGATRON_VOCAB_DIVISOR
@@ -169,7 +178,7 @@ class HFFormat(CheckpointFormat):
         """The folder as a TP 1 grid of one "file", its ``config.json`` (what every target reads
         first); the weight files are ``aux``. Only names are read here (in a pipeline the weights
         may not be fetched yet): their headers are checked by :meth:`load`."""
-        config = _json(path / CONFIG)  # refuse an architecture or a quantization before anything is fetched
+        config = _config(path)  # refuse an architecture or a quantization before anything is fetched
         read_config(config, str(path / CONFIG))
         read_release_quantization(config, str(path / CONFIG))
         indexed = (path / INDEX).is_file()
@@ -184,7 +193,8 @@ class HFFormat(CheckpointFormat):
             raise CheckpointFormatError(f"{INDEX} lists {missing[0]}, which is missing"
                                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
                                         culprit=str(path), hint="copy every shard the index lists")
-        aux = ([path / INDEX] if indexed else []) + [path / f for f in files]
+        aux = ([path / INDEX] if indexed else []) + [path / f for f in files] + \
+            ([path / SIDECAR] if (path / SIDECAR).is_file() else [])
         return SourceCheckpoint((path / CONFIG,), origin=str(path), format=HF, pp=1, iteration="release",
                                 aux=tuple(aux))
 
@@ -195,7 +205,7 @@ class HFFormat(CheckpointFormat):
                 if p.is_file() and CARRIED.match(p.relative_to(root).as_posix())}
 
     def quantization(self, source: SourceCheckpoint) -> dict[str, Any] | None:
-        config = _json(Path(source.files[0]))
+        config = _config(Path(source.files[0]).parent)
         quantization = read_release_quantization(config, str(source.files[0]))
         return None if quantization is None else quantization.summary()
 
@@ -203,7 +213,7 @@ class HFFormat(CheckpointFormat):
         """The class ``config.json`` names, the dtypes of the safetensors files' tensors (their
         headers), and which tensors the quantization encodes."""
         folder = Path(source.files[0]).parent
-        config = _json(folder / CONFIG)
+        config = _config(folder)
         dtypes: dict[str, torch.dtype] = {}
         for name in sorted(set(_weight_map(folder).values())) if (folder / INDEX).is_file() else [WEIGHTS]:
             dtypes.update({key: e.dtype for key, e in MappedSafetensors(folder / name).entries.items()})
@@ -241,7 +251,7 @@ class HFFormat(CheckpointFormat):
         every tensor a lazy view of the mapped safetensors files, after every file's header (validated by
         the ``safetensors`` library) has been checked against the index."""
         folder = Path(path).parent
-        config = _json(folder / CONFIG)
+        config = _config(folder)
         model = read_config(config, str(folder / CONFIG))
         quantization = read_release_quantization(config, str(folder / CONFIG))
         indexed = _weight_map(folder) if (folder / INDEX).is_file() else None

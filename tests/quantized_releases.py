@@ -1,0 +1,197 @@
+"""Quantized Hugging Face folders written by the reference libraries themselves, on a CPU, and
+those libraries' own dequantization of them (the oracles of ``tests/test_quantized_releases.py``
+and of the import harness run in ``tests/test_hf_import.py``).
+
+- compressed-tensors: its quantization lifecycle over a transformers model
+  (``apply_quantization_config``, the scales from ``calculate_qparams`` / ``generate_gparam`` of
+  each weight's own min and max, as a min-max observer gives them), then ``ModelCompressor``'s
+  ``compress_model``, ``save_pretrained`` and ``update_config``: llm-compressor's save path.
+  Dequantized by transformers loading the folder with ``CompressedTensorsConfig(dequantize=True)``
+  (compressed-tensors' decompressors).
+- ModelOpt NVFP4: each linear weight quantized by ModelOpt's own ``NVFP4QTensor.quantize``, the
+  folder laid out as ModelOpt's ``export_hf_checkpoint`` writes it (``X.weight`` uint8,
+  ``X.weight_scale``, ``X.weight_scale_2``, ``X.input_scale``; ``hf_quant_config.json`` and, by
+  ModelOpt's own ``convert_hf_quant_config_format``, ``config.json``'s ``quantization_config``),
+  written here because the exporter needs a calibrated ModelOpt model. Dequantized by
+  ``NVFP4QTensor.dequantize``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+#: The schemes, as compressed-tensors ``QuantizationArgs`` keyword arguments of the weights (and
+#: the preset whose activations they carry, for the formats that need them).
+SCHEMES = {
+    # Kimi-K2-Thinking / K2.5's: INT4 symmetric, group 32
+    "w4a16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+    "w4a16_asym": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
+    "w4a16_channel": dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
+    "w4a16_tensor": dict(num_bits=4, type="int", symmetric=True, strategy="tensor"),
+    "w8a16": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+    "fp8_tensor": "FP8",
+    "fp8_channel": dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+    "fp8_group": dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32),
+    "fp8_block": dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 48]),
+    "nvfp4": "NVFP4",
+    "nvfp4a16": "NVFP4A16",
+}
+
+
+def _scheme(name: str):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+    spec = SCHEMES[name]
+    if isinstance(spec, str):
+        return preset_name_to_scheme(spec, ["Linear"])
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**spec))
+
+
+def _observe(module: torch.nn.Module) -> None:
+    """A min-max observer's qparams of ``module``'s weight, set on it (compressed-tensors' helpers)."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    args = module.quantization_scheme.weights
+    w = module.weight.data
+    if args.strategy in ("group", "tensor_group"):
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    elif args.strategy == "block":
+        b0, b1 = args.block_structure
+        rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
+        padded = torch.nn.functional.pad(w, (0, cols * b1 - w.shape[1], 0, rows * b0 - w.shape[0]))
+        blocks = padded.view(rows, b0, cols, b1)
+        lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    else:
+        lo, hi = w.amin(), w.amax()
+    gscale = None
+    if hasattr(module, "weight_global_scale"):
+        gscale = generate_gparam(w.amin(), w.amax())
+        module.weight_global_scale.data.copy_(gscale)
+    scale, zero = calculate_qparams(lo, hi, args, global_scale=gscale)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    if hasattr(module, "input_scale"):
+        module.input_scale.data.fill_(0.5)  # a calibrated activation scale: a serving kernel's, not read
+
+
+def make_ct_folder(src: Path, dst: Path, scheme: str, dtype: torch.dtype = torch.bfloat16,
+                   ignore: tuple[str, ...] = ("lm_head",), max_shard_size: str | None = None) -> None:
+    """``src`` (a transformers folder) quantized by compressed-tensors under ``scheme`` into ``dst``
+    (one file, or files of ``max_shard_size`` and their index)."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": _scheme(scheme)},
+                                                        ignore=list(ignore)))
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            if getattr(module, "quantization_scheme", None) is not None:
+                _observe(module)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(dst, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    compressor.update_config(str(dst))
+
+
+def ct_dequantized(folder: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The model transformers loads from a compressed-tensors ``folder`` dequantized
+    (compressed-tensors' decompressors), as a state dict."""
+    import transformers
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def make_modelopt_folder(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16,
+                         exclude: tuple[str, ...] = ("lm_head",)) -> dict[str, torch.Tensor]:
+    """``src`` with every ``*_proj`` weight quantized to NVFP4 by ModelOpt's ``NVFP4QTensor`` (the
+    rest in ``dtype``), laid out as ModelOpt's HF export writes it; returns ModelOpt's own
+    dequantization of each weight (``NVFP4QTensor.dequantize``) and the rest as stored."""
+    import fnmatch
+
+    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    stored, model = {}, {}
+    for key, w in sorted(tensors.items()):
+        module = key.removesuffix(".weight")
+        if not key.endswith("_proj.weight") or any(fnmatch.fnmatchcase(module, p) for p in exclude):
+            stored[key] = model[key] = w.to(dtype)
+            continue
+        q, scale, scale_2 = NVFP4QTensor.quantize(w.to(dtype), 16)
+        stored[key], stored[module + ".weight_scale"] = q._quantized_data, scale
+        stored[module + ".weight_scale_2"], stored[module + ".input_scale"] = scale_2, torch.tensor(0.25)
+        model[key] = q.dequantize(dtype=dtype, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
+    save_file(stored, dst / "model.safetensors", metadata={"format": "pt"})
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.47.0"},
+                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                 "exclude_modules": list(exclude)}}
+    (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4))
+    config = json.loads((src / "config.json").read_text())
+    config.update(dtype=str(dtype).removeprefix("torch."), quantization_config=convert_hf_quant_config_format(hf_quant))
+    (dst / "config.json").write_text(json.dumps(config, indent=4))
+    return model
+
+
+def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore: list[str],
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """``src``'s weights whose module name fully matches the pattern ``quantized`` compressed by
+    compressed-tensors' own compressor of ``scheme``'s format (a scheme of scales by group), per
+    module as its model-free path does (a model whose experts transformers fuses has no ``Linear``
+    per expert to quantize), the
+    rest in ``dtype``, the config as compressed-tensors writes it with ``ignore``; returns
+    compressed-tensors' own decompression of every weight (the model the folder encodes)."""
+    import re
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    q_scheme = _scheme(scheme)
+    args = q_scheme.weights
+    fmt = CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.float_quantized
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    stored, model = {}, {}
+    for key, w in sorted(tensors.items()):
+        module = key.removesuffix(".weight")
+        if not key.endswith(".weight") or not re.fullmatch(quantized, module):
+            stored[key] = model[key] = w.to(dtype)
+            continue
+        w = w.to(dtype)
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        local = compressor.compress({"weight": w, "weight_scale": scale.to(dtype), "weight_zero_point": zero},
+                                    q_scheme)
+        stored.update({f"{module}.{name}": t for name, t in local.items()})
+        model[key] = compressor.decompress(local, q_scheme)["weight"]
+    dst.mkdir(parents=True)
+    save_file(stored, dst / "model.safetensors", metadata={"format": "pt"})
+    q_config = QuantizationConfig(config_groups={"group_0": q_scheme}, ignore=ignore, format=fmt.value,
+                                  quantization_status=QuantizationStatus.COMPRESSED)
+    config = json.loads((src / "config.json").read_text())
+    config.update(dtype=str(dtype).removeprefix("torch."),
+                  quantization_config={"quant_method": "compressed-tensors", **q_config.model_dump()})
+    (dst / "config.json").write_text(json.dumps(config, default=str))
+    return model

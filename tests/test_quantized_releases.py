@@ -1,0 +1,227 @@
+"""Quantized releases as users download them (:mod:`reshard.core.compressed_tensors`,
+:mod:`reshard.core.modelopt`, read by the ``hf`` format through :mod:`reshard.core.release_codecs`):
+compressed-tensors' pack-quantized INT, float-quantized FP8 and nvfp4-pack-quantized, and ModelOpt's
+NVFP4.
+
+Each folder is written by the reference library itself (``tests/quantized_releases.py``) from a
+tiny transformers Llama; ``reshard run SRC DST --to hf`` must give every tensor bit for bit as the
+library's own decompression gives it (compressed-tensors' decompressors through transformers'
+``dequantize=True`` load; ModelOpt's ``NVFP4QTensor.dequantize``), and transformers must load the
+output at default strictness. The imports into megatron-core at TP 2 with transformers' logits of
+the dequantized model run in the import harness launches of ``tests/test_hf_import.py`` (Llama)
+and ``tests/test_deepseek.py`` (DeepSeek-V3 with Kimi-K2.5's INT4 experts). Bad folders are refused
+in one line naming the tensor, nothing written; a weight is decoded a band of rows at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantized_releases import SCHEMES, ct_dequantized, make_ct_folder, make_modelopt_folder
+from reshard.cli import main
+from reshard.core.lazy import RowsDecoded
+from reshard.formats.hf import HFFormat
+
+_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A tiny random bf16 Llama saved by transformers (projections of 64 and 96 inputs: whole groups
+    of 32 and of 16, and FP8 blocks of [32, 48] partial in both dimensions)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("quantized") / "llama"
+    torch.manual_seed(58)
+    config = transformers.LlamaConfig(**_LLAMA, initializer_range=0.1)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def releases(llama) -> dict[str, Path]:
+    """One compressed-tensors folder per scheme, and one ModelOpt NVFP4 folder (with its
+    dequantization by ModelOpt)."""
+    root = llama.parent
+    out = {}
+    for scheme in SCHEMES:
+        out[scheme] = root / scheme
+        make_ct_folder(llama, out[scheme], scheme)
+    out["modelopt"] = root / "modelopt"
+    out["modelopt_want"] = make_modelopt_folder(llama, out["modelopt"])
+    return out
+
+
+def _run(*argv: str) -> int:
+    return main(["run", "--direct", *argv])
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        got.update(load_file(f))
+    return got
+
+
+def _bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose tensors differ in dtype, shape or any bit (``-0.0`` is not ``0.0``)."""
+    assert sorted(got) == sorted(want)
+    return [k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+            or not torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))]
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_a_compressed_tensors_release_goes_to_bf16_as_compressed_tensors_decompresses_it(releases, tmp_path, scheme):
+    """Every weight bit for bit compressed-tensors' decompression (transformers' ``dequantize=True``
+    load: the decompressor of the folder's format), the rest as stored; no quantization tensor or
+    ``quantization_config`` left, and transformers loads the output at default strictness."""
+    src, out = releases[scheme], tmp_path / "bf16"
+    assert _run(str(src), str(out), "--to", "hf") == 0
+    want = ct_dequantized(src)
+    assert _bit_equal(_tensors(out), want) == []
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert _bit_equal({k: v.detach() for k, v in model.state_dict().items()}, want) == []
+
+
+@pytest.mark.parametrize("declared", ["config", "sidecar"])
+def test_a_modelopt_nvfp4_release_goes_to_bf16_as_modelopt_dequantizes_it(releases, tmp_path, declared):
+    """ModelOpt's NVFP4 (its own ``NVFP4QTensor`` quantization and dequantization), declared in
+    ``config.json`` as its exporter writes it, or only by ``hf_quant_config.json`` (older exports);
+    ``exclude_modules`` (lm_head) stays as stored."""
+    src = releases["modelopt"]
+    if declared == "sidecar":
+        src = tmp_path / "src"
+        shutil.copytree(releases["modelopt"], src)
+        config = json.loads((src / "config.json").read_text())
+        del config["quantization_config"]
+        (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "bf16"
+    assert _run(str(src), str(out), "--to", "hf") == 0
+    assert _bit_equal(_tensors(out), releases["modelopt_want"]) == []
+    assert not (out / "hf_quant_config.json").exists()
+
+
+def test_inspect_counts_the_encoded_weights(releases, capsys):
+    capsys.readouterr()
+    assert main(["inspect", str(releases["w4a16"]), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    quantization = json.dumps(report)
+    assert "compressed-tensors" in quantization and "pack-quantized" in quantization
+
+
+def test_a_weight_is_decoded_a_band_of_rows_at_a_time(releases, monkeypatch):
+    """Each quantized weight reaches the planner as a lazy tensor; a box of rows decodes only the
+    bands it covers (memory: the box and one band, never the whole weight)."""
+    decoded: list[tuple[int, int]] = []
+    state = HFFormat().load(releases["w4a16"] / "config.json")
+    lazy = [v for v in _flatten(state) if isinstance(v, RowsDecoded)]
+    assert lazy, "no weight is decoded lazily"
+    w = lazy[0]
+    original = w.decode
+    monkeypatch.setattr(w, "decode", lambda first, n: decoded.append((first, n)) or original(first, n))
+    monkeypatch.setattr(w, "band", 8)
+    box = w.read_box((16, 0), (12, w.shape[1]))
+    assert decoded == [(16, 8), (24, 4)] and tuple(box.shape) == (12, w.shape[1])
+
+
+def _flatten(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _flatten(obj=v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _flatten(v)
+    else:
+        yield obj
+        for v in getattr(obj, "segments", ()):  # a fused QKV / fc1 of lazy tensors
+            yield v[0]
+
+
+# --- refusals: one line naming the tensor, nothing written ------------------------------------------
+
+_MOD = "model.layers.0.self_attn.k_proj"  # [16, 64]
+
+
+def _variant(src: Path, dst: Path, put: dict | None = None, drop: str | None = None,
+             config: dict | None = None) -> Path:
+    """A copy of the one-file folder ``src`` with tensors replaced or added (``put``), one dropped,
+    or ``quantization_config`` entries changed."""
+    shutil.copytree(src, dst)
+    tensors = {k: v for k, v in load_file(dst / "model.safetensors").items() if k != drop}
+    save_file({**tensors, **(put or {})}, dst / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"] = {**cfg["quantization_config"], **config}
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _refused(capsys, src: Path, out: Path, needle: str) -> None:
+    capsys.readouterr()
+    assert _run(str(src), str(out), "--to", "hf") == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme, edit, needle", [
+    ("w4a16", {"put": {f"{_MOD}.weight_scale": torch.ones(16, 3, dtype=torch.bfloat16)}},
+     f"{_MOD}.weight_scale is bfloat16 [16, 3], not a float [16, 2] (group scales of [16, 64])"),
+    ("w4a16", {"put": {f"{_MOD}.weight_packed": torch.zeros(16, 16, dtype=torch.int32)}},
+     f"{_MOD}.weight_packed is [16, 16], not [16, 8] (4-bit codes of weight_shape [16, 64], 8 a word)"),
+    ("w4a16", {"drop": f"{_MOD}.weight_scale"}, f"{_MOD}.weight_scale is missing"),
+    ("w4a16", {"put": {f"{_MOD}.weight_g_idx": torch.arange(64, dtype=torch.int32) % 2}},
+     f"{_MOD}.weight_g_idx places columns in groups out of order"),
+    ("w4a16_asym", {"drop": f"{_MOD}.weight_zero_point"}, f"{_MOD}.weight_zero_point is missing"),
+    ("w4a16", {"config": {"format": "marlin-24", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}}},
+     "config_groups.group_0 has format 'marlin-24', which reshard does not read"),
+    ("fp8_channel", {"put": {f"{_MOD}.weight_scale": torch.ones(1, 16, dtype=torch.bfloat16)}},
+     f"{_MOD}.weight_scale is [1, 16], not [16, 1] (channel scales of [16, 64])"),
+    ("nvfp4", {"put": {f"{_MOD}.weight_packed": torch.zeros(16, 16, dtype=torch.uint8)}},
+     f"{_MOD}.weight_scale is float8_e4m3fn [16, 4], not float8_e4m3fn [16, 2]"),
+    ("nvfp4", {"drop": f"{_MOD}.weight_global_scale"}, f"{_MOD}.weight_global_scale is missing"),
+    ("nvfp4", {"put": {f"{_MOD}.weight": torch.ones(16, 64, dtype=torch.bfloat16)}},
+     f"{_MOD} is stored both as {_MOD}.weight and as {_MOD}.weight_packed"),
+    ("w4a16", {"put": {"model.norm.weight_scale": torch.ones(1, dtype=torch.bfloat16)}},
+     "model.norm.weight_scale belongs to no quantized weight"),
+    ("w4a16", {"config": {"ignore": ["lm_head", _MOD]}},
+     f"{_MOD} is stored quantized but quantization_config.ignore lists it"),
+    ("modelopt", {"put": {f"{_MOD}.weight_scale": torch.ones(16, 2, dtype=torch.float8_e4m3fn)}},
+     f"{_MOD}.weight_scale is float8_e4m3fn [16, 2], not float8_e4m3fn [16, 4]"),
+    ("modelopt", {"config": {"quant_algo": "W4A8_AWQ"}},
+     "holds ModelOpt quant_algo 'W4A8_AWQ', which reshard does not read"),
+])
+def test_a_bad_quantized_folder_is_refused_in_one_line_naming_the_tensor(releases, tmp_path, capsys, scheme, edit,
+                                                                         needle):
+    _refused(capsys, _variant(releases[scheme], tmp_path / "bad", **edit), tmp_path / "o", needle)
+
+
+@pytest.mark.parametrize("release, needle", [
+    ("w4a16", ".weight_packed holds packed codes but config.json declares no quantization_config"),
+    ("nvfp4", ".weight_packed holds packed codes but config.json declares no quantization_config"),
+    ("modelopt", ".weight holds NVFP4 codes but the folder declares no quantization"),
+])
+def test_codes_in_a_folder_that_declares_no_quantization_are_refused(releases, tmp_path, capsys, release, needle):
+    """Without its declaration a release's codes would be read as they are: another model."""
+    src = shutil.copytree(releases[release], tmp_path / "bare")
+    (src / "hf_quant_config.json").unlink(missing_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    _refused(capsys, src, tmp_path / "o", needle)
+
+
+def test_an_unread_quantization_method_is_refused_naming_it(releases, tmp_path, capsys):
+    src = _variant(releases["w4a16"], tmp_path / "bad", config={"quant_method": "gptq"})
+    _refused(capsys, src, tmp_path / "o", "holds quant_method 'gptq', which reshard does not read")
