@@ -111,12 +111,14 @@ def test_an_identical_direct_rerun_is_up_to_date_and_writes_nothing(sample_facto
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
 
 
-def test_the_flows_second_run_is_up_to_date_without_running_the_flow(sample_factory, tmp_path, prefect_env):
+def test_the_flows_second_run_is_up_to_date_without_running_the_flow(sample_factory, tmp_path, prefect_env,
+                                                                    reshard_cli_here):
     """The flow path's identical re-run is told up to date by the checks made before Prefect is
-    reached: no flow run (none is recorded on the server), nothing written, no warning repeated."""
+    reached: no flow run (none is recorded on the server), nothing written, no warning repeated
+    (the re-run in a process of its own, as a user's: its whole stderr is what the user sees)."""
     args = ["run", str(sample_factory(4, 2.0)), str(tmp_path / "dst"), "--target-tp", "2",
             "--cache-dir", str(tmp_path / "cache")]
-    first = _cli(args, prefect_env)
+    first = reshard_cli_here(args, prefect_env)
     assert first.returncode == 0 and first.stdout.startswith("committed"), first.stderr[-2000:]
     assert "warning: dropped training state" in first.stdout
     assert len(flow_runs_to(tmp_path / "dst")) == 1
