@@ -154,7 +154,8 @@ def run_direct(src: str, dst: str, options: ReshardOptions, *, overwrite: bool =
             return RunReport(None, dst, manifest=checked.committed, up_to_date=True,
                              seconds=time.perf_counter() - t0)
         plan, local = checked.plan, checked.local
-        assert plan is not None and local is not None
+        if plan is None or local is None:  # check_conversion gives both unless the output is up to date
+            raise RuntimeError("check_conversion returned no plan for a conversion that is not up to date")
         report = RunReport(plan, dst, fetched=local.fetched, cached=local.cached, zero=checked.zero)
         dev = pick_device(device)
         try:
