@@ -242,6 +242,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     display = ProgressDisplay(live=False if ns.json else None, status="reading the source")
     if ns.json:  # machine-readable: stdout holds the summary, stderr nothing but an error
         display = contextlib.nullcontext()  # type: ignore[assignment]
+    if ns.to == "hf-peft":  # an adapter checkpoint: no model to plan (reshard.adapters)
+        return _run_adapter(ns)
     with display:
         summary = _run_direct(ns) if ns.direct else _run_with_prefect(ns)
     if ns.json:
@@ -260,6 +262,26 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(f"committed {head}{took}{resumed}")
     for w in [] if summary["up_to_date"] else summary["warnings"]:  # told when it was converted
         print(f"warning: {w}")
+    return 0
+
+
+def _run_adapter(ns: argparse.Namespace) -> int:
+    """``--to hf-peft``: a LoRA adapter checkpoint written as a Hugging Face PEFT adapter, local
+    folders only (an adapter is small: no streaming from or to object storage)."""
+    from reshard.adapters import export_hf_peft
+    from reshard.core.errors import DestinationError
+
+    for flag, url in (("SRC", ns.src), ("DST", ns.dst)):
+        if "://" in url:
+            raise DestinationError(f"{flag} is a URL; --to hf-peft reads and writes local folders", culprit=url,
+                                   hint="copy the adapter checkpoint to a local folder first")
+    summary = export_hf_peft(ns.src, ns.dst, overwrite=ns.overwrite)
+    if ns.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"committed {summary['destination']}: Hugging Face PEFT adapter for {summary['architecture']} "
+              f"(r {summary['r']}, alpha {summary['lora_alpha']:g}, {summary['tensors']} tensors, "
+              f"{', '.join(summary['dtypes'])})")
     return 0
 
 

@@ -1,0 +1,133 @@
+"""LoRA adapters (issue #59): Megatron-Bridge's PEFT checkpoints -> Hugging Face PEFT adapters.
+
+The sources are adapters Megatron-Bridge 0.6.2 itself trained-and-saved on a CPU
+(``tests/fixtures/realtools/megatron-bridge-0.6.2/llama-lora*``, written by
+``tests/realtools/write_fixtures.py``): at TP 1 (bf16 adapters, with Bridge's own Hugging Face export
+beside it) and at TP 2 (float32 adapters on the bf16 model, each rank's shards drawn apart). The
+reference is megatron-core's forward of the base plus the adapters, recorded by that run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reshard.cli import main
+
+peft = pytest.importorskip("peft", reason="dev extra: the adapters are checked by loading them in peft")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+BRIDGE = Path(__file__).resolve().parent / "fixtures" / "realtools" / "megatron-bridge-0.6.2"
+BASE = BRIDGE / "llama" / "hf"
+LORA = {"tp1": BRIDGE / "llama-lora", "tp2": BRIDGE / "llama-lora-tp2"}
+#: logits of a float32 forward against megatron-core's float32 one: the same weights, other kernels
+TOL = 1e-5
+
+
+def _export(src: Path, dst: Path, *extra: str) -> int:
+    return main(["run", str(src / "checkpoint"), str(dst), "--to", "hf-peft", *extra])
+
+
+def _peft_logits(adapter: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """transformers' base in float32 with the adapter loaded by peft at its default strictness; the
+    adapter's keys that peft did not place (none allowed)."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(BASE), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    placed = set(peft.get_peft_model_state_dict(model))
+    with torch.no_grad():
+        return model(tokens[None]).logits[0].float(), placed
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for name, src in LORA.items():
+        dst = tmp_path_factory.mktemp("hf-peft") / name
+        assert _export(src, dst) == 0
+        out[name] = dst
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(LORA))
+def test_hf_peft_logits_equal_megatron_core(exported: dict[str, Path], name: str) -> None:
+    """peft loads every tensor reshard wrote onto transformers' base, and the logits are megatron-core's
+    forward of the base plus Megatron-Bridge's adapters (a wrong q/k/v split or alpha scale breaks this)."""
+    ref = torch.load(LORA[name] / "logits.pt", weights_only=True)
+    logits, placed = _peft_logits(exported[name], ref["tokens"])
+    written = set(load_file(str(exported[name] / "adapter_model.safetensors")))
+    assert written == {k.replace(".weight", ".default.weight") for k in placed} or written == placed
+    gap = (logits - ref["megatron_logits"][:, : logits.shape[-1]]).abs().max().item()
+    assert gap < TOL, gap
+
+
+def test_hf_peft_config(exported: dict[str, Path]) -> None:
+    config = json.loads((exported["tp1"] / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_dora"]) == ("LORA", 4, 8, False)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["base_model_name_or_path"].endswith("llama/hf")
+
+
+def test_hf_peft_equals_bridge_export_at_tp1(exported: dict[str, Path]) -> None:
+    """The bf16 adapters: bit for bit what Megatron-Bridge's own export_adapter_ckpt wrote."""
+    ours = load_file(str(exported["tp1"] / "adapter_model.safetensors"))
+    bridge = load_file(str(LORA["tp1"] / "hf_adapter" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(bridge)
+    for k, v in bridge.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+
+
+def test_hf_peft_keeps_float32_adapters(exported: dict[str, Path], tmp_path: Path) -> None:
+    """float32 adapters stay float32; cast to bf16 (as Megatron-Bridge 0.6.2's export writes them)
+    the logits move by far more than the tolerance."""
+    ours = load_file(str(exported["tp2"] / "adapter_model.safetensors"))
+    assert {v.dtype for v in ours.values()} == {torch.float32}
+    from safetensors.torch import save_file
+
+    shutil.copy(exported["tp2"] / "adapter_config.json", tmp_path / "adapter_config.json")
+    save_file({k: v.to(torch.bfloat16) for k, v in ours.items()}, str(tmp_path / "adapter_model.safetensors"))
+    ref = torch.load(LORA["tp2"] / "logits.pt", weights_only=True)
+    logits, _ = _peft_logits(tmp_path, ref["tokens"])
+    gap = (logits - ref["megatron_logits"][:, : logits.shape[-1]]).abs().max().item()
+    assert gap > 10 * TOL, gap
+
+
+def _copy_with_run_config(src: Path, dst: Path, edit: dict[str, Any]) -> Path:
+    """A copy of an adapter fixture whose run_config.yaml's ``peft`` section is edited."""
+    import yaml
+
+    shutil.copytree(src / "checkpoint", dst / "checkpoint")
+    rc = next((dst / "checkpoint").glob("iter_*/run_config.yaml"))
+    data = yaml.safe_load(rc.read_text())
+    data["peft"].update(edit)
+    rc.write_text(yaml.safe_dump(data))
+    return dst
+
+
+@pytest.mark.parametrize(("what", "edit", "words"), [
+    ("dora", {"_target_": "megatron.bridge.peft.dora.DoRA"}, "DoRA"),
+    ("rank", {"dim": 8}, "peft.dim is 8"),
+])
+def test_hf_peft_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str, edit: dict[str, Any],
+                          words: str) -> None:
+    src = _copy_with_run_config(LORA["tp1"], tmp_path / "src", edit)
+    assert _export(src, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("reshard: error: ") and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_peft_refuses_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _export(BRIDGE / "llama", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "no LoRA adapter's" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_formats_lists_hf_peft(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["formats"]) == 0
+    assert any(line.split()[:2] == ["hf-peft", "writes"] for line in capsys.readouterr().out.splitlines())
