@@ -12,90 +12,17 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reshard.core.errors import CheckpointFormatError, DestinationError, LayoutError
-from reshard.core.plan_types import ModelFacts
-from reshard.formats import get_format, locate
+from reshard.core.errors import DestinationError
 from reshard.formats.hf_peft import adapter_config, write_adapter
-from reshard.models.given_facts import from_run_config, run_config_beside
+from reshard.formats.megatron_peft import read_adapter_checkpoint
 from reshard.models.hf_architectures import ffn_widths
 from reshard.models.hf_registry import decide_export
-from reshard.models.lora import (
-    LoraSettings,
-    adapter_parts,
-    base_model_keys,
-    lora_settings,
-    peft_export,
-    target_modules,
-)
-
-
-@dataclass(frozen=True)
-class AdapterCheckpoint:
-    """A located adapter checkpoint: its lazy tensors (megatron-core names), the model's ``args``
-    and facts (from ``run_config.yaml``), the LoRA settings and the base it was trained on."""
-
-    where: str
-    tensors: dict[str, Any]
-    args: Any
-    facts: ModelFacts
-    lora: LoraSettings
-    base: str | None
-
-
-def read_adapter_checkpoint(src: Path) -> AdapterCheckpoint:
-    """Locate ``src`` (a Megatron-Bridge PEFT save, its run folder or ``iter_`` folder) and read what
-    it says of itself; refuses a checkpoint that holds a model's weights or no LoRA."""
-    import yaml
-
-    source = locate(src)
-    fmt = get_format(source.format)
-    if source.format != "torch_dist":
-        raise CheckpointFormatError(f"is a {fmt.title or fmt.name} checkpoint; a LoRA adapter checkpoint is "
-                                    "Megatron-Bridge's torch_dist save", culprit=str(src),
-                                    hint="point at the PEFT run's checkpoint folder")
-    state = fmt.load(source.files[0])
-    tensors = {k: v for k, v in state["model"].items() if v is not None and hasattr(v, "shape")}
-    others = sorted(k for k in tensors if adapter_parts(k) is None)
-    if not tensors or others:
-        raise LayoutError(f"holds {len(others)} weight(s) that are no LoRA adapter's ({', '.join(others[:3])}"
-                          f"{', ...' if len(others) > 3 else ''})" if others else "holds no adapter weights",
-                          culprit=str(src), hint="convert a model with --to hf; --to hf-peft takes an adapter "
-                                                 "checkpoint (cfg.peft set)")
-    rc_path = run_config_beside(Path(source.files[0]))
-    if rc_path is None:
-        raise CheckpointFormatError("has no run_config.yaml: the adapter's rank, alpha and model are unknown",
-                                    culprit=str(src), hint="copy the training run's run_config.yaml beside it")
-    run_config = yaml.safe_load(rc_path.read_text(encoding="utf-8"))
-    lora = lora_settings(run_config, str(rc_path))
-    args = from_run_config(rc_path)
-    if args is None:
-        raise CheckpointFormatError("run_config.yaml has no model section", culprit=str(rc_path),
-                                    hint="copy the training run's run_config.yaml beside it")
-    for key, t in tensors.items():
-        _base, side = adapter_parts(key)  # type: ignore[misc]
-        r = t.shape[0] if side == "A" else t.shape[-1]
-        if r != lora.r:
-            raise LayoutError(f"has rank {r}, run_config.yaml's peft.dim is {lora.r}", culprit=key,
-                              hint="re-copy run_config.yaml from the run that saved these adapters")
-    heads = args.num_attention_heads
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
-    head_dim = getattr(args, "kv_channels", None) or args.hidden_size // heads
-    facts = ModelFacts(naming="core", num_layers=args.num_layers, hidden=args.hidden_size, heads=heads,
-                       query_groups=groups, head_dim=head_dim, swiglu=bool(getattr(args, "swiglu", False)),
-                       tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-                       vocab_size=getattr(args, "vocab_size", None), padded_vocab_source=None,
-                       padded_vocab_target=None, make_vocab_size_divisible_by=None,
-                       source_pp_layers=(args.num_layers,), target_pp_layers=(args.num_layers,),
-                       origin={"heads": "args", "query_groups": "args", "head_dim": "args"})
-    model = run_config.get("model") if isinstance(run_config, dict) else None
-    base = model.get("hf_model_id") if isinstance(model, dict) else None
-    return AdapterCheckpoint(str(src), tensors, args, facts, lora, base if isinstance(base, str) else None)
+from reshard.models.lora import base_model_keys, peft_export, target_modules
 
 
 def export_hf_peft(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> dict[str, Any]:

@@ -131,3 +131,86 @@ def test_hf_peft_refuses_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_formats_lists_hf_peft(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["formats"]) == 0
     assert any(line.split()[:2] == ["hf-peft", "writes"] for line in capsys.readouterr().out.splitlines())
+
+
+# -- --merge-adapter ---------------------------------------------------------------------------------
+def _peft_merged(adapter: Path) -> dict[str, torch.Tensor]:
+    """PEFT's ``merge_and_unload`` of ``adapter`` on transformers' base in float32, cast once to the
+    base's bf16: the weights a float32 merge gives."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(BASE), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    return {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+
+
+def _merge(base: Path, lora: Path, dst: Path, *extra: str) -> int:
+    return main(["run", str(base), str(dst), "--merge-adapter", str(lora / "checkpoint"), "--direct", *extra])
+
+
+@pytest.mark.parametrize("name", sorted(LORA))
+@pytest.mark.parametrize("base", ["hf", "torch_dist"])
+def test_merge_adapter_equals_peft_merge_and_unload(exported: dict[str, Path], tmp_path: Path, name: str,
+                                                    base: str) -> None:
+    """Every weight of the merged Hugging Face output is bit-equal to PEFT's float32 merge (of
+    Megatron-Bridge's own export at TP 1, of reshard's at TP 2), from the Hugging Face base and from
+    Megatron-Bridge's torch_dist import of it; so are the logits."""
+    src = BASE if base == "hf" else BRIDGE / "llama" / "checkpoint"
+    assert _merge(src, LORA[name], tmp_path / "out", "--to", "hf") == 0
+    adapter = LORA[name] / "hf_adapter" if name == "tp1" else exported[name]
+    want = _peft_merged(adapter)
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
+
+
+def test_merge_adapter_into_megatron_core_tp2(tmp_path: Path) -> None:
+    """Merged into megatron-core per-rank files at TP 2, then read back to Hugging Face: the same
+    bytes as the merge written to Hugging Face directly."""
+    assert _merge(BASE, LORA["tp2"], tmp_path / "tp2", "--target-tp", "2") == 0
+    assert main(["run", str(tmp_path / "tp2"), str(tmp_path / "back"), "--to", "hf", "--direct"]) == 0
+    assert _merge(BASE, LORA["tp2"], tmp_path / "hf", "--to", "hf") == 0
+    back, direct = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("back", "hf"))
+    assert sorted(back) == sorted(direct) and all(torch.equal(back[k], direct[k]) for k in direct)
+
+
+@pytest.mark.parametrize(("base", "words"), [
+    ("megatron-bridge-0.6.2/deepseek-v3/hf", "weight(s) the base does not hold"),
+    ("megatron-core-0.19.2/llama-tp2-torch/checkpoint", "merged into whole weights"),
+])
+def test_merge_adapter_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str, words: str) -> None:
+    assert _merge(BRIDGE.parent / base, LORA["tp1"], tmp_path / "out", "--target-tp", "1") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("reshard: error: ") and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_adapter_refuses_another_shape(tmp_path: Path) -> None:
+    """A base whose adapted weight has another shape than B @ A (a model of another width)."""
+    from reshard.core.errors import LayoutError
+    from reshard.core.source import SourceCheckpoint
+    from reshard.formats.megatron_peft import merged
+
+    shapes = {"self_attention.linear_qkv": (128, 64), "self_attention.linear_proj": (64, 64),
+              "mlp.linear_fc1": (256, 64), "mlp.linear_fc2": (64, 128)}
+    module = {f"decoder.layers.{i}.{m}.weight": torch.zeros(shape, dtype=torch.bfloat16)
+              for i in range(2) for m, shape in shapes.items()}
+    module["decoder.layers.0.self_attention.linear_qkv.weight"] = torch.zeros(96, 64, dtype=torch.bfloat16)
+    state = {"model": module}
+    source = SourceCheckpoint((tmp_path / "x",), origin=str(tmp_path), format="torch_dist", pp=1)
+    with pytest.raises(LayoutError, match="is 128 x 64; the base's .* is 96 x 64"):
+        merged(state, source, str(LORA["tp1"] / "checkpoint"))
+
+
+def test_merge_adapter_is_part_of_the_conversions_identity(tmp_path: Path) -> None:
+    """The same base with a changed adapter is another conversion, not an output already up to date."""
+    import os
+
+    from reshard import api
+
+    lora = tmp_path / "lora"
+    shutil.copytree(LORA["tp1"] / "checkpoint", lora)
+    run = dict(to="hf", merge_adapter=str(lora), overwrite=True)
+    assert not api.convert(str(BASE), str(tmp_path / "out"), **run).up_to_date
+    assert api.convert(str(BASE), str(tmp_path / "out"), **run).up_to_date
+    blob = next(lora.glob("iter_*/__0_0.distcp"))
+    os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))
+    assert not api.convert(str(BASE), str(tmp_path / "out"), **run).up_to_date
