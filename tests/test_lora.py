@@ -214,3 +214,12 @@ def test_merge_adapter_is_part_of_the_conversions_identity(tmp_path: Path) -> No
     blob = next(lora.glob("iter_*/__0_0.distcp"))
     os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))
     assert not api.convert(str(BASE), str(tmp_path / "out"), **run).up_to_date
+
+
+def test_merge_adapter_refuses_dora(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DoRA's magnitude vector is another arithmetic than W + alpha/r * B A: refused, not merged as LoRA."""
+    src = _copy_with_run_config(LORA["tp1"], tmp_path / "src", {"_target_": "megatron.bridge.peft.dora.DoRA"})
+    assert _merge(BASE, src, tmp_path / "out", "--to", "hf") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("reshard: error: ") and err.count("\n") == 1 and "DoRA" in err, err
+    assert not (tmp_path / "out").exists()
