@@ -270,8 +270,14 @@ def _run_adapter(ns: argparse.Namespace) -> int:
     """``--to hf-peft``: a LoRA adapter checkpoint written as a Hugging Face PEFT adapter, local
     folders only (an adapter is small: no streaming from or to object storage)."""
     from reshard.adapters import export_hf_peft
-    from reshard.core.errors import DestinationError
+    from reshard.core.errors import DestinationError, LayoutError
+    from reshard.core.options import ReshardOptions, flag_of
 
+    fields = ReshardOptions.model_fields
+    given = [flag_of(k) for k, v in _option_fields(ns).items() if k != "to" and v != fields[k].default]
+    if given:  # an adapter is written as it is: nothing of a model's layout applies
+        raise LayoutError(f"{', '.join(given)} do(es) not apply to an adapter", culprit="--to hf-peft",
+                          hint="drop them; --merge-adapter merges into a base's conversion (--to hf)")
     for flag, url in (("SRC", ns.src), ("DST", ns.dst)):
         if "://" in url:
             raise DestinationError(f"{flag} is a URL; --to hf-peft reads and writes local folders", culprit=url,

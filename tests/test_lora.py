@@ -223,3 +223,11 @@ def test_merge_adapter_refuses_dora(tmp_path: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert err.startswith("reshard: error: ") and err.count("\n") == 1 and "DoRA" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_peft_refuses_layout_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An adapter is written as it is: a layout flag is refused, not silently ignored."""
+    assert _export(LORA["tp1"], tmp_path / "out", "--target-tp", "2") == 2
+    err = capsys.readouterr().err
+    assert "--target-tp do(es) not apply to an adapter" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

@@ -49,7 +49,8 @@ class HFPeftFormat(CheckpointFormat):
         """A model's weights are no adapter: only ``reshard run`` of a LoRA checkpoint writes this."""
         raise LayoutError(f"{source.origin} is planned as a model's weights; an adapter folder is written from a LoRA "
                           "adapter checkpoint", culprit="--to hf-peft",
-                          hint="give `reshard run` the adapter checkpoint (its iteration folder), or --to hf")
+                          hint="`reshard run LORA_CKPT DST --to hf-peft` (reshard.adapters.export_hf_peft), or "
+                               "--to hf")
 
 
 def adapter_config(*, r: int, alpha: float, dropout: float, targets: list[str],
