@@ -96,25 +96,27 @@ def test_hf_peft_keeps_float32_adapters(exported: dict[str, Path], tmp_path: Pat
     assert gap > 10 * TOL, gap
 
 
-def _copy_with_run_config(src: Path, dst: Path, edit: dict[str, Any]) -> Path:
-    """A copy of an adapter fixture whose run_config.yaml's ``peft`` section is edited."""
+def _copy_with_run_config(src: Path, dst: Path, edit: dict[str, Any], section: str = "peft") -> Path:
+    """A copy of an adapter fixture whose run_config.yaml's ``section`` is edited."""
     import yaml
 
     shutil.copytree(src / "checkpoint", dst / "checkpoint")
     rc = next((dst / "checkpoint").glob("iter_*/run_config.yaml"))
     data = yaml.safe_load(rc.read_text())
-    data["peft"].update(edit)
+    data[section].update(edit)
     rc.write_text(yaml.safe_dump(data))
     return dst
 
 
-@pytest.mark.parametrize(("what", "edit", "words"), [
-    ("dora", {"_target_": "megatron.bridge.peft.dora.DoRA"}, "DoRA"),
-    ("rank", {"dim": 8}, "peft.dim is 8"),
+@pytest.mark.parametrize(("section", "edit", "words"), [
+    ("peft", {"_target_": "megatron.bridge.peft.dora.DoRA"}, "DoRA"),
+    ("peft", {"_target_": "megatron.bridge.peft.canonical_lora.CanonicalLoRA"}, "CanonicalLoRA"),
+    ("peft", {"dim": 8}, "peft.dim is 8"),
+    ("model", {"num_moe_experts": 4}, "mixture of 4 experts"),
 ])
-def test_hf_peft_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str, edit: dict[str, Any],
+def test_hf_peft_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str, edit: dict[str, Any],
                           words: str) -> None:
-    src = _copy_with_run_config(LORA["tp1"], tmp_path / "src", edit)
+    src = _copy_with_run_config(LORA["tp1"], tmp_path / "src", edit, section)
     assert _export(src, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert err.startswith("reshard: error: ") and err.count("\n") == 1 and words in err, err
