@@ -16,6 +16,7 @@ from reshard.core.lora_merge import LoraMerged
 from reshard.core.plan_types import ModelFacts
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.registry import get_format
+from reshard.formats.torch_dist import TORCH_DIST
 from reshard.models.given_facts import from_run_config, run_config_beside
 from reshard.models.lora import LoraSettings, adapter_parts, lora_settings
 
@@ -42,7 +43,7 @@ def read_adapter_checkpoint(src: Path) -> AdapterCheckpoint:
 
     source = locate(src)
     fmt = get_format(source.format)
-    if source.format != "torch_dist":
+    if source.format != TORCH_DIST:
         raise CheckpointFormatError(f"is a {fmt.title or fmt.name} checkpoint; a LoRA adapter checkpoint is "
                                     "Megatron-Bridge's torch_dist save", culprit=str(src),
                                     hint="point at the PEFT run's checkpoint folder")
@@ -58,9 +59,9 @@ def read_adapter_checkpoint(src: Path) -> AdapterCheckpoint:
     if rc_path is None:
         raise CheckpointFormatError("has no run_config.yaml: the adapter's rank, alpha and model are unknown",
                                     culprit=str(src), hint="copy the training run's run_config.yaml beside it")
+    args = from_run_config(rc_path)  # first: it refuses a file that is no YAML in one line
     run_config = yaml.safe_load(rc_path.read_text(encoding="utf-8"))
     lora = lora_settings(run_config, str(rc_path))
-    args = from_run_config(rc_path)
     if args is None:
         raise CheckpointFormatError("run_config.yaml has no model section", culprit=str(rc_path),
                                     hint="copy the training run's run_config.yaml beside it")
