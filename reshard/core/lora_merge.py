@@ -23,6 +23,9 @@ import torch
 
 from reshard.core.lazy import LazyTensor
 
+#: Elements of a band of rows merged at once (4 MiB of float32 per temporary).
+CHUNK_ELEMENTS = 1 << 20
+
 
 def _box(t: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
     if isinstance(t, LazyTensor):
@@ -41,13 +44,20 @@ class LoraMerged(LazyTensor):
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
         (r0, c0), (nr, nc) = offsets, sizes
-        w = _box(self.base, offsets, sizes).to(torch.float32)
-        delta = self.b[r0:r0 + nr].to(torch.float32) @ self.a[:, c0:c0 + nc].to(torch.float32)
-        merged = (w + self.scale * delta).to(self.dtype)
-        if out is None:
-            return merged
-        out.copy_(merged)
-        return out
+        view = self.base.view_box(offsets, sizes) if isinstance(self.base, LazyTensor) else None
+        w = view if view is not None else _box(self.base, offsets, sizes)
+        dst = torch.empty(sizes, dtype=self.dtype) if out is None else out
+        a = self.a[:, c0:c0 + nc].to(torch.float32)
+        step = max(1, CHUNK_ELEMENTS // max(nc, 1))
+        for i in range(0, nr, step):  # a band of rows at a time: float32 temporaries of CHUNK_ELEMENTS
+            n = min(step, nr - i)
+            delta = self.b[r0 + i:r0 + i + n].to(torch.float32) @ a
+            delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
+            delta.add_(w[i:i + n].to(torch.float32))
+            dst[i:i + n].copy_(delta)
+        if view is not None:  # read: the mapped file's pages are given back
+            self.base.release(view)
+        return dst
 
     def __repr__(self) -> str:
         return f"LoraMerged({self.shape}, {self.dtype}, r={self.a.shape[0]}, scale={self.scale})"
