@@ -233,3 +233,11 @@ def test_hf_peft_refuses_layout_flags(tmp_path: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert "--target-tp do(es) not apply to an adapter" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_checkpoint_converted_as_a_model_is_named_so(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`reshard run LORA_CKPT DST --to hf` (a model's conversion) says what the folder is and what to do."""
+    assert main(["run", str(LORA["tp1"] / "checkpoint"), str(tmp_path / "out"), "--to", "hf", "--direct"]) == 2
+    err = capsys.readouterr().err
+    assert "a LoRA adapter checkpoint, not a model" in err and "--to hf-peft" in err and err.count("\n") == 1, err
