@@ -68,6 +68,7 @@ def test_hf_peft_logits_equal_megatron_core(exported: dict[str, Path], name: str
 def test_hf_peft_config(exported: dict[str, Path]) -> None:
     config = json.loads((exported["tp1"] / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_dora"]) == ("LORA", 4, 8, False)
+    assert isinstance(config["lora_alpha"], int)  # as Megatron-Bridge's export and LoraConfig write it
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert config["base_model_name_or_path"].endswith("llama/hf")
 

@@ -56,9 +56,10 @@ class HFPeftFormat(CheckpointFormat):
 def adapter_config(*, r: int, alpha: float, dropout: float, targets: list[str],
                    base: str | None) -> dict[str, Any]:
     """PEFT's ``LoraConfig`` as ``save_pretrained`` writes it, for a plain LoRA (no DoRA, no rsLoRA:
-    the update is ``alpha / r * B A``)."""
+    the update is ``alpha / r * B A``); ``lora_alpha`` an integer where it is one, as LoraConfig holds it."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": r,
-            "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets, "bias": "none",
+            "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+            "lora_dropout": dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": False, "use_dora": False, "use_rslora": False, "rank_pattern": {},
             "alpha_pattern": {}, "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
 
