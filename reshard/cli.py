@@ -31,7 +31,8 @@ GROUPS = {"layout": "target layout", "output": "output", "execution": "execution
 OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_vpp": "layout",
                  "target_first_stage_layers": "layout", "target_last_stage_layers": "layout",
                  "target_pipeline_layout": "layout", "target_ep": "layout", "target_etp": "layout",
-                 "to": "output", "hf_architecture": "output", "max_shard_size": "output", "weights": "output",
+                 "to": "output", "merge_adapter": "output", "hf_architecture": "output", "max_shard_size": "output",
+                 "weights": "output",
                  "quantize": "quantization", "fp8_block": "quantization", "bits": "quantization",
                  "groups": "quantization", "mlp_extra_grouping": "quantization",
                  "version": "model facts", "module_key": "model facts",
@@ -242,6 +243,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     display = ProgressDisplay(live=False if ns.json else None, status="reading the source")
     if ns.json:  # machine-readable: stdout holds the summary, stderr nothing but an error
         display = contextlib.nullcontext()  # type: ignore[assignment]
+    if ns.to == "hf-peft":  # an adapter checkpoint: no model to plan (reshard.adapters)
+        return _run_adapter(ns)
     with display:
         summary = _run_direct(ns) if ns.direct else _run_with_prefect(ns)
     if ns.json:
@@ -260,6 +263,32 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(f"committed {head}{took}{resumed}")
     for w in [] if summary["up_to_date"] else summary["warnings"]:  # told when it was converted
         print(f"warning: {w}")
+    return 0
+
+
+def _run_adapter(ns: argparse.Namespace) -> int:
+    """``--to hf-peft``: a LoRA adapter checkpoint written as a Hugging Face PEFT adapter, local
+    folders only (an adapter is small: no streaming from or to object storage)."""
+    from reshard.adapters import export_hf_peft
+    from reshard.core.errors import DestinationError, LayoutError
+    from reshard.core.options import ReshardOptions, flag_of
+
+    fields = ReshardOptions.model_fields
+    given = [flag_of(k) for k, v in _option_fields(ns).items() if k != "to" and v != fields[k].default]
+    if given:  # an adapter is written as it is: nothing of a model's layout applies
+        raise LayoutError(f"{', '.join(given)} do(es) not apply to an adapter", culprit="--to hf-peft",
+                          hint="drop them; --merge-adapter merges into a base's conversion (--to hf)")
+    for flag, url in (("SRC", ns.src), ("DST", ns.dst)):
+        if "://" in url:
+            raise DestinationError(f"{flag} is a URL; --to hf-peft reads and writes local folders", culprit=url,
+                                   hint="copy the adapter checkpoint to a local folder first")
+    summary = export_hf_peft(ns.src, ns.dst, overwrite=ns.overwrite)
+    if ns.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"committed {summary['destination']}: Hugging Face PEFT adapter for {summary['architecture']} "
+              f"(r {summary['r']}, alpha {summary['lora_alpha']:g}, {summary['tensors']} tensors, "
+              f"{', '.join(summary['dtypes'])})")
     return 0
 
 

@@ -144,6 +144,9 @@ class ReshardOptions(BaseModel):
     norm_epsilon: float | None = _opt(None, "the layer norms' epsilon, when the saved args lack it", metavar="EPS")
     to: str | None = _opt(None, "output format (default: the source's own; torch_dist and Hugging Face sources "
                                 "are written as Megatron-LM per-rank files)", metavar="FORMAT")
+    merge_adapter: str | None = _opt(None, "a LoRA adapter checkpoint (Megatron-Bridge's PEFT save) to merge "
+                                           "into the base's weights, W + alpha/r * B A in float32, cast once",
+                                     metavar="LORA_CKPT")
     hf_architecture: str | None = _opt(None, "with --to hf: the transformers class to write (default: the one "
                                              "reshard finds computes the model), e.g. MistralForCausalLM, or a "
                                              "registered plug-in's", metavar="CLASS")

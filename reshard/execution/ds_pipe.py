@@ -42,6 +42,7 @@ from reshard.core.plan_types import (
     dropped_warning,
 )
 from reshard.core.source import DEEPSPEED_PIPE, SourceCheckpoint, layer_file_name, rank_file_name
+from reshard.execution import adapter_merge
 from reshard.execution.placement import target_ranks_needed, target_size
 from reshard.execution.plan import decide_parameters
 from reshard.formats.deepspeed_pipeline import EMBEDDING, LM_HEAD, PARALLEL_DIMS, PP_DEGREE, TP_DEGREE, TRANSFORMER
@@ -56,7 +57,7 @@ def build_pipe_plan(source: SourceCheckpoint, options: ReshardOptions, tpp: int)
         raise LayoutError("--quantize is not supported for DeepSpeed pipeline layer files", culprit="--quantize",
                           hint="quantize a non-pipeline (mp_rank_XX_model_states) checkpoint")
     fmt = get_format(source.format)
-    read = fmt.read(source, options)  # rank rows (empty), then one row per layer file, keys canonical
+    read = adapter_merge.read(fmt, source, options)  # rank rows (empty), then one row per layer file, keys canonical
     version = decide_version(read.shards, read.names, source, options)
     d = decide_parameters(read, options, version, source, fmt)
     num_layers = sum(d.layers_per_stage)

@@ -59,6 +59,7 @@ from reshard.core.quantize_blocked import quantize_groups_blocked
 from reshard.core.remote import materialize_lazy
 from reshard.core.rules import QUANT_SLOT_ORDER
 from reshard.core.torch_writer import CHUNK_BYTES, IN_FLIGHT, PendingTensor, RecordSink, WriterError, tensor_bytes
+from reshard.execution import adapter_merge
 from reshard.execution.ds_pipe import retarget_rank_file
 from reshard.execution.specs import quant_groups_for
 from reshard.formats.registry import get_format
@@ -127,7 +128,7 @@ def target_state(plan: Plan, tgt: int) -> dict[str, Any]:
     for i in plan.targets[tgt].sources:
         stage = i // src.tp
         if stage not in heads:
-            heads[stage] = fmt.opened(src, plan.target_options(tgt), stage * src.tp)
+            heads[stage] = adapter_merge.opened(fmt, src, plan.target_options(tgt), stage * src.tp)
         shards[i] = heads[stage]
     return _target_layout(plan, tgt, shards, torch.device("cpu"), PageDropper(()))
 
@@ -136,7 +137,7 @@ def _load_sources(plan: Plan, tgt: int) -> dict[int, dict[str, Any]]:
     """The source shards target ``tgt`` reads, memory-mapped (tensors are read on first touch)."""
     fmt = get_format(plan.source.format)
     options = plan.target_options(tgt)
-    return {i: fmt.opened(plan.source, options, i) for i in plan.targets[tgt].sources}
+    return {i: adapter_merge.opened(fmt, plan.source, options, i) for i in plan.targets[tgt].sources}
 
 
 def _target_layout(plan: Plan, tgt: int, shards: dict[int, dict[str, Any]], device: torch.device,

@@ -45,6 +45,7 @@ from reshard.core.plan_types import (
 from reshard.core.rules import STAGE_COPY, Kind, Place, Resolution, Rule, with_layer
 from reshard.core.safe_load import refuse_foreign_entries
 from reshard.core.source import SourceCheckpoint
+from reshard.execution import adapter_merge
 from reshard.execution.placement import by_pipeline_rank, place, split_files, target_plan
 from reshard.execution.specs import check_quantization, target_specs
 from reshard.formats.output import carried_files, output_format
@@ -75,7 +76,7 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     out_fmt.check_source(source, options)
     if (weights := out_fmt.read_weights(source, options)) != options.weights:
         options = options.model_copy(update={"weights": weights})
-    read = fmt.read(source, options, headers_only=headers_only)
+    read = adapter_merge.read(fmt, source, options, headers_only=headers_only)
     source = read.source or source  # rows read as the saved args say (stages or expert-parallel ranks)
     tpp = (source.pipeline_ranks if out_fmt.writes_pipeline_stages else 1) if target_pp is None else target_pp
     out_fmt.check_target(tpp)
@@ -268,7 +269,7 @@ def _held(fmt: CheckpointFormat, source: SourceCheckpoint, options: ReshardOptio
         return None
     other = options.model_copy(update={"weights": weights})
     return {(s, key): value.dtype for s in range(source.rows)
-            for key, value in fmt.opened(source, other, s * source.tp)[module_key].items()
+            for key, value in adapter_merge.opened(fmt, source, other, s * source.tp)[module_key].items()
             if isinstance(value, (torch.Tensor, LazyTensor))}
 
 

@@ -77,6 +77,7 @@ def reshard_deployment(
     rotary_base: float | None = None,
     norm_epsilon: float | None = None,
     to: str | None = None,
+    merge_adapter: str | None = None,
     hf_architecture: str | None = None,
     max_shard_size: str | int | None = None,
     weights: str = "module",

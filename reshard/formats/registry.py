@@ -18,6 +18,7 @@ BUILTIN: tuple[str, ...] = (
     "reshard.formats.deepspeed:DeepSpeedZero3Format",
     "reshard.formats.deepspeed:DeepSpeedDescriptorFormat",
     "reshard.formats.hf:HFFormat",
+    "reshard.formats.hf_peft:HFPeftFormat",
     "reshard.formats.universal:UniversalFormat",
 )
 ENTRY_POINT_GROUP = "reshard.formats"

@@ -38,5 +38,13 @@ def claiming_family(keys: Sequence[str], source: str = "checkpoint") -> ModelFam
 def resolve_family(keys: Sequence[str], source: str = "checkpoint") -> tuple[ModelFamily, Resolution]:
     """The family that claims ``keys`` and every key's rule in its table (an unknown key raises
     :class:`~reshard.core.errors.UnknownParameterError` listing them all)."""
+    from reshard.models.lora import adapter_parts
+
+    adapters = [k for k in keys if adapter_parts(k) is not None]
+    if adapters:  # a PEFT save (Megatron-Bridge's: the adapters alone) is no model to convert
+        raise UnknownParameterError(f"holds {len(adapters)} LoRA adapter weight(s) ({adapters[0]}, ...): a LoRA "
+                                    "adapter checkpoint, not a model", culprit=source,
+                                    hint="--to hf-peft writes it as a Hugging Face PEFT adapter; --merge-adapter "
+                                         "merges it into its base's conversion")
     family = claiming_family(keys, source)
     return family, resolve(keys, family.rules, source=source, supported=family.supported)

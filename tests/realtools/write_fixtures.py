@@ -267,12 +267,16 @@ LORA = {"dim": 4, "alpha": 8}
 LORA_STEP = 10
 
 
-def _lora_rank(base: str, fixture: str, errors: Any) -> None:
+def _lora_rank(rank: int, base: str, fixture: str, errors: Any, tp: int = 1, port: int = 0,
+               float32: bool = False) -> None:
     """Megatron-Bridge's PEFT checkpoint of LoRA on the ``base`` fixture's model: the model as a
     fine-tuning run builds it (the provider's pre-wrap hook applies LoRA), its adapters drawn at
     random (LoRA starts with B = 0: a no-op), saved by Megatron-Bridge's own ``save_checkpoint`` with
     ``peft`` set, which keeps the adapter weights only; then Bridge's ``export_adapter_ckpt`` of the
-    iteration folder to a Hugging Face PEFT adapter, and the logits of transformers + peft with it."""
+    iteration folder to a Hugging Face PEFT adapter, and the logits of transformers + peft with it.
+    At ``tp`` > 1 one process per rank (gloo), no export (Megatron-Bridge's export builds the model
+    at TP 1: the TP 1 fixture has it); ``float32``: the model built in float32 (its adapters then
+    are: Megatron-Bridge casts them to a bf16 model's dtype whatever ``LoRA.lora_dtype`` says)."""
     try:
         import cpu_shims
 
@@ -295,10 +299,13 @@ def _lora_rank(base: str, fixture: str, errors: Any) -> None:
 
         root, hf = Path(fixture), Path(base) / "hf"
         ckpt = root / "checkpoint"
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{megatron_lm.free_port()}", world_size=1,
-                                rank=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or megatron_lm.free_port()}",
+                                world_size=tp, rank=rank)
         bridge = AutoBridge.from_hf_pretrained(str(hf))
         provider = bridge.to_megatron_provider(load_weights=True)
+        provider.tensor_model_parallel_size = tp
+        if float32:
+            provider.params_dtype, provider.bf16 = torch.float32, False
         provider.finalize()
         lora = LoRA(**LORA)
         provider.register_pre_wrap_hook(lambda chunks: lora(chunks, training=True))
@@ -306,7 +313,8 @@ def _lora_rank(base: str, fixture: str, errors: Any) -> None:
         with torch.no_grad():
             for name, p in model[0].named_parameters():
                 if ".adapter." in name:
-                    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    # at TP > 1 each rank's shard its own draw: a wrong split of any of them shows
+                    g = torch.Generator().manual_seed(zlib.crc32((name if tp == 1 else f"{name}@{rank}").encode()))
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
         state = GlobalState()
         state.cfg = ConfigContainer(
@@ -321,6 +329,11 @@ def _lora_rank(base: str, fixture: str, errors: Any) -> None:
                         num_floating_point_operations_so_far=0)
         # the saved model's forward in float32 (its bf16 weights upcast), as the references are
         mcore_logits = megatron_lm.logits(getattr(model[0], "module", model[0]).float(), TOKENS)
+        if tp > 1:
+            if rank == 0:
+                torch.save({"tokens": torch.tensor(TOKENS), "megatron_logits": mcore_logits}, root / "logits.pt")
+            dist.destroy_process_group()
+            return
         adapter = root / "hf_adapter"
         bridge.export_adapter_ckpt(str(ckpt / f"iter_{LORA_STEP:07d}"), str(adapter), show_progress=False)
         base_model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
@@ -337,19 +350,37 @@ def _lora_rank(base: str, fixture: str, errors: Any) -> None:
         raise
 
 
-def write_lora(base: Path, root: Path) -> Path:
-    """The LoRA fixture on the committed ``base`` fixture (its hf/ and checkpoint/)."""
+def write_lora(base: Path, root: Path, tp: int = 1) -> Path:
+    """The LoRA fixture on the committed ``base`` fixture (its hf/ and checkpoint/), at TP ``tp``."""
     import torch.multiprocessing as mp
 
-    fixture = root / f"{base.name}-lora"
+    fixture = root / (f"{base.name}-lora" if tp == 1 else f"{base.name}-lora-tp{tp}")
     fixture.mkdir(parents=True)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    proc = ctx.Process(target=_lora_rank, args=(str(base), str(fixture), errors))
-    proc.start()
-    proc.join()
-    if proc.exitcode:
+    # at TP > 1 the model (and so its adapters) in float32: what keeping the adapters' dtype is checked on
+    port = megatron_lm.free_port()
+    procs = [ctx.Process(target=_lora_rank, args=(r, str(base), str(fixture), errors, tp, port, tp > 1))
+             for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode for proc in procs):
         raise RuntimeError(f"LoRA of {base.name} failed:\n" + (errors.get() if not errors.empty() else ""))
+    if tp > 1:
+        meta = {"tool": "megatron-bridge", "versions": versions(), "format": "torch_dist (adapters only)",
+                "world_size": tp, "tensor_parallel": tp, "base_fixture": f"../{base.name}",
+                "lora": LORA, "step": LORA_STEP,
+                "made_by": f"LoRA({LORA}) applied by the provider's pre-wrap hook to the model AutoBridge builds "
+                           f"from ../{base.name}/hf in float32 at tensor_model_parallel_size={tp} on "
+                           f"{tp} gloo ranks, adapter weights drawn N(0, 0.1); megatron.bridge.training.checkpointing"
+                           f".save_checkpoint with cfg.peft set -> checkpoint/",
+                "tokens": TOKENS, "vocab_size": HF_VOCAB,
+                "logits": "megatron_logits: megatron-core forward (float32, gathered over TP) of the LoRA model "
+                          "that was saved"}
+        finish(fixture, meta)
+        return fixture
     ref = torch.load(fixture / "logits.pt", weights_only=True)
     gap = (ref["megatron_logits"][:, :HF_VOCAB] - ref["logits"]).abs().max().item()
     meta = {"tool": "megatron-bridge", "versions": versions(), "format": "torch_dist (adapters only)",
@@ -441,6 +472,7 @@ def main() -> None:
             for m in MLM_MODELS for f in FORMATS]
     jobs += [(b, bridge_root, lambda root, b=b: write_bridge(b, root)) for b in BRIDGE_MODELS]
     jobs.append(("llama-lora", bridge_root, lambda root: write_lora(bridge_root / "llama", root)))
+    jobs.append(("llama-lora-tp2", bridge_root, lambda root: write_lora(bridge_root / "llama", root, tp=2)))
     for fixture_name, root, job in jobs:
         if a.only and fixture_name not in a.only:
             continue

@@ -1,0 +1,63 @@
+"""A LoRA adapter merged into its base weight, read box by box: ``W + scale * B @ A``.
+
+Why here: the merge is arithmetic on tensors, the same for every format and family. It is done in
+float32 and cast once to the base weight's dtype (as PEFT's ``merge_and_unload`` on a float32 model
+computes it), for the box a target reads only: memory is the box and the adapter (``r`` rows of A,
+the box's rows of B), never the merged model.
+
+=======================  ==============================================================
+tensor                   shape
+=======================  ==============================================================
+``base`` (W)             ``[out, in]``
+``a`` (LoRA's A)         ``[r, in]``
+``b`` (LoRA's B)         ``[out, r]``
+box (offsets, sizes)     rows ``o0 .. o0+s0`` of W and of B; columns ``o1 .. o1+s1`` of W and of A
+=======================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from reshard.core.lazy import LazyTensor
+
+#: Elements of a band of rows merged at once (4 MiB of float32 per temporary).
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _box(t: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(t, LazyTensor):
+        return t.read_box(offsets, sizes)
+    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+
+
+class LoraMerged(LazyTensor):
+    """``base`` (a tensor or a lazy one, ``[out, in]``) with ``scale * b @ a`` added, in float32, cast once."""
+
+    def __init__(self, base: Any, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        self.base, self.a, self.b, self.scale = base, a, b, scale
+        self.shape = tuple(base.shape)
+        self.dtype = base.dtype
+
+    def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        (r0, c0), (nr, nc) = offsets, sizes
+        view = self.base.view_box(offsets, sizes) if isinstance(self.base, LazyTensor) else None
+        w = view if view is not None else _box(self.base, offsets, sizes)
+        dst = torch.empty(sizes, dtype=self.dtype) if out is None else out
+        a = self.a[:, c0:c0 + nc].to(torch.float32)
+        step = max(1, CHUNK_ELEMENTS // max(nc, 1))
+        for i in range(0, nr, step):  # a band of rows at a time: float32 temporaries of CHUNK_ELEMENTS
+            n = min(step, nr - i)
+            delta = self.b[r0 + i:r0 + i + n].to(torch.float32) @ a
+            delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
+            delta.add_(w[i:i + n].to(torch.float32))
+            dst[i:i + n].copy_(delta)
+        if view is not None:  # read: the mapped file's pages are given back
+            self.base.release(view)
+        return dst
+
+    def __repr__(self) -> str:
+        return f"LoraMerged({self.shape}, {self.dtype}, r={self.a.shape[0]}, scale={self.scale})"
