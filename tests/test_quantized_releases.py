@@ -335,3 +335,28 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
     assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
     assert set(bands) == {1}
     assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed["w4a16"])) == []
+
+
+def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
+    """A Qwen2-MoE model: each routed and shared expert's projections bit for bit compressed-tensors'
+    compression of each module (its model-free, per-module path: transformers fuses the experts,
+    so no ``Linear`` of theirs is there to quantize), the routers and the head kept and in
+    ``ignore``; transformers loads the folder at default strictness."""
+    import transformers
+
+    from quantized_releases import compress_folder_ct
+
+    config = transformers.Qwen2MoeConfig(**{**_LLAMA, "intermediate_size": 96}, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    assert _run(str(tmp_path / "src"), str(tmp_path / "bf16"), "--to", "hf") == 0
+    assert _run(str(tmp_path / "src"), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
+    compress_folder_ct(tmp_path / "bf16", tmp_path / "want", "w4a16", r".*_proj", ["lm_head"], dtype=torch.bfloat16)
+    got = _tensors(tmp_path / "out")
+    assert any(".experts.3.down_proj.weight_packed" in k for k in got)
+    assert _bit_equal(got, _tensors(tmp_path / "want")) == []
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore == ["lm_head"] + [f"model.layers.{i}.mlp.{g}" for i in (0, 1) for g in ("gate", "shared_expert_gate")]
+    _model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
