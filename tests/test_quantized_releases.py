@@ -306,10 +306,14 @@ def test_the_encoders_are_compressed_tensors_compressors(dtype):
      "--quantize w4a16: model.layers.0.mlp.down_proj.weight has 96 inputs, not a multiple of the group size 64"),
     (("--quantize", "w4a16", "--bits", "4"), "--bits: sets int8 quantization, not w4a16's"),
     (("--quantize", "fp8-channel", "--group-size", "16"), "--group-size: applies only with --quantize w4a16"),
+    (("--quantize", "fp8-channel", "--to", "torch_dist"), "has no place for compressed-tensors' quantized weights"),
+    (("--quantize", "w4a16", "--to", "megatron", "--target-tp", "2"),
+     "has no place for compressed-tensors' quantized weights"),
 ])
 def test_what_a_compressed_tensors_output_cannot_hold_is_refused_in_one_line(llama, tmp_path, capsys, flags, needle):
     capsys.readouterr()
-    assert _run(str(llama), str(tmp_path / "o"), "--to", "hf", *flags) == 2
+    to = () if "--to" in flags else ("--to", "hf")
+    assert _run(str(llama), str(tmp_path / "o"), *to, *flags) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()

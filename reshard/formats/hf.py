@@ -274,6 +274,7 @@ class HFFormat(CheckpointFormat):
 
     holds_fp8 = True
     holds_mxfp4 = True
+    holds_compressed_tensors = True
 
     def check_plan(self, plan: Plan) -> None:
         if plan.options.int8:
