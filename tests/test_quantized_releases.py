@@ -247,8 +247,8 @@ def compressed(llama) -> dict[str, Path]:
 def test_quantize_writes_what_compressed_tensors_compresses(llama, compressed, tmp_path, quantize):
     """Every tensor bit for bit compressed-tensors' (its min-max ``calculate_qparams`` and its
     compressor, in bf16 as it computes), the config as it writes it (less its version);
-    transformers loads the output at default strictness, and its dequantized load is
-    compressed-tensors' decompression of its own folder."""
+    transformers loads the output at default strictness, and its dequantized load (and reshard's
+    own reading of it) is compressed-tensors' decompression of its own folder."""
     want = compressed[_OUT[quantize]]
     out = tmp_path / "out"
     assert _run(str(llama), str(out), "--to", "hf", "--quantize", *quantize) == 0
@@ -260,7 +260,10 @@ def test_quantize_writes_what_compressed_tensors_compresses(llama, compressed, t
 
     _model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
-    assert _bit_equal(ct_dequantized(out), ct_dequantized(want)) == []
+    want_model = ct_dequantized(want)
+    assert _bit_equal(ct_dequantized(out), want_model) == []
+    assert _run(str(out), str(tmp_path / "back"), "--to", "hf") == 0  # and reshard reads its own output back
+    assert _bit_equal(_tensors(tmp_path / "back"), want_model) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
