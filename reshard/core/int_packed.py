@@ -137,10 +137,12 @@ def quantize_symmetric(w: torch.Tensor, num_bits: int, group: int) -> tuple[torc
 def pack_rows(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
     """int32 ``[n, in*b/32]`` from signed ``codes`` int8 ``[n, in]`` (``in*b`` a multiple of 32):
     the module table's packing, the inverse of :func:`unpack_rows` (each code ``+ 2**(b-1)``,
-    least significant first; a word's top bit is its sign, as two's complement gives it)."""
+    least significant first; a word's top bit is its sign, as two's complement gives it: torch
+    shifts a signed word as its unsigned bits). One shift and OR per code of a word, in int32."""
     n, columns = codes.shape
     per = WORD_BITS // num_bits
-    shifts = torch.arange(0, WORD_BITS, num_bits, dtype=torch.int64)
-    fields = (codes.to(torch.int64) + offset(num_bits)).view(n, columns // per, per)
-    words = torch.bitwise_left_shift(fields, shifts).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    fields = (codes.to(torch.int32) + offset(num_bits)).view(n, columns // per, per)
+    words = fields[..., 0].clone()
+    for k in range(1, per):
+        words.bitwise_or_(torch.bitwise_left_shift(fields[..., k], k * num_bits))
+    return words
