@@ -367,3 +367,17 @@ def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
     assert ignore == ["lm_head"] + [f"model.layers.{i}.mlp.{g}" for i in (0, 1) for g in ("gate", "shared_expert_gate")]
     _model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
+
+
+@pytest.mark.parametrize("quantize", ["w4a16", "fp8-channel"])
+def test_a_weight_that_is_not_finite_is_refused_naming_it(llama, tmp_path, capsys, quantize):
+    """An inf would make a scale inf and every code of its group NaN or 0: another model."""
+    src = shutil.copytree(llama, tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][5, 7] = float("inf")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert _run(str(src), str(tmp_path / "o"), "--to", "hf", "--quantize", quantize) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--quantize {quantize}: model.layers.1.mlp.up_proj." in err and "not finite" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
