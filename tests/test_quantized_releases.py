@@ -326,9 +326,9 @@ def test_a_width_that_fills_no_whole_word_is_refused():
     """A group of 4 divides 100 inputs, but 100 int4 codes are 12.5 int32 words."""
     from reshard.core.compressed_tensors_out import Encoding
 
-    assert "do not fill whole int32 words" in Encoding("w4a16", 4).refusal((16, 100), torch.bfloat16)
+    assert "do not fill whole int32 words" in Encoding("w4a16", 4).refusal((16, 100), torch.bfloat16)[0]
     assert Encoding("w4a16", 4).refusal((16, 96), torch.bfloat16) is None
-    assert "quantizes float16, bfloat16 or float32" in Encoding("fp8-channel").refusal((16, 96), torch.int8)
+    assert "quantizes float16, bfloat16 or float32" in Encoding("fp8-channel").refusal((16, 96), torch.int8)[0]
 
 
 def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_path, monkeypatch):

@@ -63,16 +63,20 @@ class Encoding:
     def group_size(self) -> int:
         return self.group or DEFAULT_GROUP
 
-    def refusal(self, shape: Sequence[int], dtype: torch.dtype) -> str | None:
-        """What keeps a ``[out, in]`` weight of ``dtype`` from this encoding, else None."""
+    def refusal(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, str] | None:
+        """``(what, fix)``: what keeps a ``[out, in]`` weight of ``dtype`` from this encoding, and
+        how to do without it; else None."""
         if dtype not in FLOATS:
-            return f"is {dtype}: compressed-tensors quantizes float16, bfloat16 or float32 weights"
+            return (f"is {dtype}: compressed-tensors quantizes float16, bfloat16 or float32 weights",
+                    "drop --quantize")
         if self.scheme == W4A16:
             inp = shape[-1]
             if inp % self.group_size:
-                return f"has {inp} inputs, not a multiple of the group size {self.group_size}"
+                return (f"has {inp} inputs, not a multiple of the group size {self.group_size}",
+                        "give --group-size a divisor of every linear layer's inputs, or drop --quantize")
             if inp * INT_BITS % int_packed.WORD_BITS:
-                return f"has {inp} inputs, which do not fill whole int32 words of int4 codes (a multiple of 8)"
+                return (f"has {inp} inputs, which do not fill whole int32 words of int4 codes (a multiple of 8)",
+                        "drop --quantize")
         return None
 
     def encode_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -509,11 +509,9 @@ def _check_ct(plan: Plan, arch: HFArchitecture) -> None:
             if not isinstance(enc, Encoding):
                 continue
             for o in exp.outputs:
-                why = encoding.refusal(o.shape, dtype)
-                if why is not None:
-                    hint = ("give --group-size a divisor of every linear layer's inputs, or drop --quantize"
-                            if "group size" in why else "drop --quantize")
-                    raise LayoutError(f"{o.name} {why}", culprit=flag, hint=hint)
+                refused = encoding.refusal(o.shape, dtype)
+                if refused is not None:
+                    raise LayoutError(f"{o.name} {refused[0]}", culprit=flag, hint=refused[1])
 
 
 def _ct_ignored(plan: Plan, files: int) -> list[str]:
