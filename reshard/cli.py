@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
-          "quantization": "quantization (int8 per-rank, fp8 or mxfp4 with --to hf)",
+          "quantization": "quantization (int8 per-rank, fp8, mxfp4, w4a16 or fp8-channel with --to hf)",
           "model facts": "model facts (only when the checkpoint's saved args lack them)"}
 #: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
 #: placed where they are added).
@@ -33,8 +33,8 @@ OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_vpp": "la
                  "target_pipeline_layout": "layout", "target_ep": "layout", "target_etp": "layout",
                  "to": "output", "merge_adapter": "output", "hf_architecture": "output", "max_shard_size": "output",
                  "weights": "output",
-                 "quantize": "quantization", "fp8_block": "quantization", "bits": "quantization",
-                 "groups": "quantization", "mlp_extra_grouping": "quantization",
+                 "quantize": "quantization", "fp8_block": "quantization", "group_size": "quantization",
+                 "bits": "quantization", "groups": "quantization", "mlp_extra_grouping": "quantization",
                  "version": "model facts", "module_key": "model facts",
                  "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",
                  "vocab_size": "model facts", "make_vocab_size_divisible_by": "model facts",
@@ -660,7 +660,7 @@ def _alone_values(argv: Sequence[str]) -> list[str]:
         if word not in alone:
             continue
         nxt = out[i + 1] if i + 1 < len(out) else None
-        is_value = nxt is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", nxt) and not os.path.exists(nxt)
+        is_value = nxt is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", nxt) and not os.path.exists(nxt)
         if not is_value:
             out[i] = f"{word}={alone[word]}"
     return out

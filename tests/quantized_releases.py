@@ -28,6 +28,7 @@ import torch
 SCHEMES = {
     # Kimi-K2-Thinking / K2.5's: INT4 symmetric, group 32
     "w4a16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+    "w4a16_g16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16),
     "w4a16_asym": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
     "w4a16_channel": dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
     "w4a16_tensor": dict(num_bits=4, type="int", symmetric=True, strategy="tensor"),

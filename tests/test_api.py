@@ -217,7 +217,8 @@ def test_run_help_is_in_groups_with_the_common_flags_first(capsys):
     text = _help(capsys, ["run", "--help"])
     titles = [ln.rstrip(":") for ln in text.splitlines() if re.match(r"^[a-z][a-z ()0-9,'.-]*:$", ln)]
     assert titles[:1] == ["positional arguments"] and titles[2:] == [
-        "target layout", "output", "execution", "storage", "quantization (int8 per-rank, fp8 or mxfp4 with --to hf)",
+        "target layout", "output", "execution", "storage",
+        "quantization (int8 per-rank, fp8, mxfp4, w4a16 or fp8-channel with --to hf)",
         "model facts (only when the checkpoint's saved args lack them)"], titles
     sections = text.split("\n\n")
     layout = next(s for s in sections if s.startswith("target layout:"))

@@ -225,3 +225,159 @@ def test_codes_in_a_folder_that_declares_no_quantization_are_refused(releases, t
 def test_an_unread_quantization_method_is_refused_naming_it(releases, tmp_path, capsys):
     src = _variant(releases["w4a16"], tmp_path / "bad", config={"quant_method": "gptq"})
     _refused(capsys, src, tmp_path / "o", "holds quant_method 'gptq', which reshard does not read")
+
+
+# --- out: --quantize w4a16 / fp8-channel, as compressed-tensors compresses -----------------------
+
+#: ``--quantize`` (and its flags) -> the scheme of :data:`quantized_releases.SCHEMES` it writes.
+_OUT = {("w4a16",): "w4a16", ("w4a16", "--group-size", "16"): "w4a16_g16", ("fp8-channel",): "fp8_channel"}
+
+
+@pytest.fixture(scope="module")
+def compressed(llama) -> dict[str, Path]:
+    """compressed-tensors' own compression of the tiny Llama, one folder per scheme written out."""
+    out = {}
+    for scheme in _OUT.values():
+        out[scheme] = llama.parent / f"out_{scheme}"
+        make_ct_folder(llama, out[scheme], scheme)
+    return out
+
+
+@pytest.mark.parametrize("quantize", list(_OUT), ids=" ".join)
+def test_quantize_writes_what_compressed_tensors_compresses(llama, compressed, tmp_path, quantize):
+    """Every tensor bit for bit compressed-tensors' (its min-max ``calculate_qparams`` and its
+    compressor, in bf16 as it computes), the config as it writes it (less its version);
+    transformers loads the output at default strictness, and its dequantized load (and reshard's
+    own reading of it) is compressed-tensors' decompression of its own folder."""
+    want = compressed[_OUT[quantize]]
+    out = tmp_path / "out"
+    assert _run(str(llama), str(out), "--to", "hf", "--quantize", *quantize) == 0
+    assert _bit_equal(_tensors(out), _tensors(want)) == []
+    config = json.loads((want / "config.json").read_text())["quantization_config"]
+    config.pop("version")
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == config
+    import transformers
+
+    _model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    want_model = ct_dequantized(want)
+    assert _bit_equal(ct_dequantized(out), want_model) == []
+    assert _run(str(out), str(tmp_path / "back"), "--to", "hf") == 0  # and reshard reads its own output back
+    assert _bit_equal(_tensors(tmp_path / "back"), want_model) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_encoders_are_compressed_tensors_compressors(dtype):
+    """The codecs' encode side against compressed-tensors' ``calculate_qparams`` and compressor
+    on the edges a random model seldom holds: an all-zero row and group (the ``eps`` scale), an
+    all-positive row, values on halves of a step, in each dtype it computes in."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from quantized_releases import SCHEMES
+    from reshard.core import fp8_scaled, int_packed
+
+    torch.manual_seed(5)
+    w = (torch.randn(40, 128) * 0.05).to(dtype)
+    w[3], w[5, :32], w[7] = 0, 0, w[7].abs()
+    w[9] = (torch.arange(128) - 64).to(dtype) / 15
+    for scheme, fmt in (("w4a16", "pack-quantized"), ("fp8_channel", "float-quantized")):
+        args = QuantizationArgs(**SCHEMES[scheme])
+        if args.strategy == "group":
+            grouped = w.unflatten(-1, (w.shape[1] // args.group_size, args.group_size))
+            lo, hi = grouped.amin(-1), grouped.amax(-1)
+        else:
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale, zero = calculate_qparams(lo, hi, args)
+        want = BaseCompressor.get_value_from_registry(fmt).compress(
+            {"weight": w, "weight_scale": scale.to(dtype), "weight_zero_point": zero},
+            QuantizationScheme(targets=["Linear"], weights=args))
+        if scheme == "w4a16":
+            codes, s = int_packed.quantize_symmetric(w, 4, 32)
+            got = {"weight_packed": int_packed.pack_rows(codes, 4), "weight_scale": s}
+            assert torch.equal(int_packed.unpack_rows(got["weight_packed"], 4, w.shape[1]), codes)
+        else:
+            q, s = fp8_scaled.quantize_channel(w)
+            got = {"weight": q, "weight_scale": s}
+        for name, t in got.items():
+            assert t.dtype == want[name].dtype and torch.equal(t.view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--quantize", "w4a16", "--group-size", "64"),
+     "--quantize w4a16: model.layers.0.mlp.down_proj.weight has 96 inputs, not a multiple of the group size 64"),
+    (("--quantize", "w4a16", "--bits", "4"), "--bits: sets int8 quantization, not w4a16's"),
+    (("--quantize", "fp8-channel", "--group-size", "16"), "--group-size: applies only with --quantize w4a16"),
+    (("--quantize", "fp8-channel", "--to", "torch_dist"), "has no place for compressed-tensors' quantized weights"),
+    (("--quantize", "w4a16", "--to", "megatron", "--target-tp", "2"),
+     "has no place for compressed-tensors' quantized weights"),
+])
+def test_what_a_compressed_tensors_output_cannot_hold_is_refused_in_one_line(llama, tmp_path, capsys, flags, needle):
+    capsys.readouterr()
+    to = () if "--to" in flags else ("--to", "hf")
+    assert _run(str(llama), str(tmp_path / "o"), *to, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_width_that_fills_no_whole_word_is_refused():
+    """A group of 4 divides 100 inputs, but 100 int4 codes are 12.5 int32 words."""
+    from reshard.core.compressed_tensors_out import Encoding
+
+    assert "do not fill whole int32 words" in Encoding("w4a16", 4).refusal((16, 100), torch.bfloat16)[0]
+    assert Encoding("w4a16", 4).refusal((16, 96), torch.bfloat16) is None
+    assert "quantizes float16, bfloat16 or float32" in Encoding("fp8-channel").refusal((16, 96), torch.int8)[0]
+
+
+def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_path, monkeypatch):
+    """Bands of one row (each weight in many bands) give the bytes of the whole weight's compression."""
+    from reshard.formats import hf
+
+    monkeypatch.setattr(hf, "FP8_CHUNK_BYTES", 1)
+    bands = []
+    original = hf.Encoding.encode_rows
+    monkeypatch.setattr(hf.Encoding, "encode_rows", lambda self, w: bands.append(w.shape[0]) or original(self, w))
+    assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
+    assert set(bands) == {1}
+    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed["w4a16"])) == []
+
+
+def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
+    """A Qwen2-MoE model: each routed and shared expert's projections bit for bit compressed-tensors'
+    compression of each module (its model-free, per-module path: transformers fuses the experts,
+    so no ``Linear`` of theirs is there to quantize), the routers and the head kept and in
+    ``ignore``; transformers loads the folder at default strictness."""
+    import transformers
+
+    from quantized_releases import compress_folder_ct
+
+    config = transformers.Qwen2MoeConfig(**{**_LLAMA, "intermediate_size": 96}, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    assert _run(str(tmp_path / "src"), str(tmp_path / "bf16"), "--to", "hf") == 0
+    assert _run(str(tmp_path / "src"), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
+    compress_folder_ct(tmp_path / "bf16", tmp_path / "want", "w4a16", r".*_proj", ["lm_head"], dtype=torch.bfloat16)
+    got = _tensors(tmp_path / "out")
+    assert any(".experts.3.down_proj.weight_packed" in k for k in got)
+    assert _bit_equal(got, _tensors(tmp_path / "want")) == []
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore == ["lm_head"] + [f"model.layers.{i}.mlp.{g}" for i in (0, 1) for g in ("gate", "shared_expert_gate")]
+    _model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+
+
+@pytest.mark.parametrize("quantize", ["w4a16", "fp8-channel"])
+def test_a_weight_that_is_not_finite_is_refused_naming_it(llama, tmp_path, capsys, quantize):
+    """An inf would make a scale inf and every code of its group NaN or 0: another model."""
+    src = shutil.copytree(llama, tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][5, 7] = float("inf")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert _run(str(src), str(tmp_path / "o"), "--to", "hf", "--quantize", quantize) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--quantize {quantize}: model.layers.1.mlp.up_proj." in err and "not finite" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()

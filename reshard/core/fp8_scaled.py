@@ -63,3 +63,30 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     groups = scale.shape[-1]
     x = q.view(n, groups, columns // groups).to(scale.dtype)
     return (x * scale.unsqueeze(-1)).view(n, columns).to(dtype)
+
+
+#: The largest e4m3 value: the clamp of a code, and what a channel's largest magnitude maps to.
+E4M3_MAX = 448.0
+
+
+def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q e4m3 [n, in], scale [n, 1])`` of rows ``w`` ``[n, in]``, a scale a row (compressed-tensors'
+    ``channel`` strategy), as compressed-tensors computes them (a min-max observer's
+    ``calculate_qparams``, then its compressor's ``quantize``), in ``w``'s dtype ``d`` (the
+    scale's, as compressed-tensors gives the scale the weight's dtype):
+
+    ==========  ========================================================================================
+    step        per row, in ``d``
+    ==========  ========================================================================================
+    range       ``m = max(|min(amin, 0)|, |max(amax, 0)|)``
+    scale       ``s = m / 448``, one rounding to ``d``; a zero ``s`` is ``d``'s ``eps``
+    code        ``clamp(x / s, -448, 448)`` (``x / s`` rounded to ``d`` first), cast to e4m3 (nearest,
+                halves to even)
+    ==========  ========================================================================================
+
+    Rows are independent: a band of rows gives the rows' codes and scales of the whole weight."""
+    lo = torch.clamp(w.amin(-1, keepdim=True), max=0)
+    hi = torch.clamp(w.amax(-1, keepdim=True), min=0)
+    s = torch.maximum(lo.abs(), hi.abs()) / E4M3_MAX
+    s = torch.where(s == 0, torch.tensor(torch.finfo(s.dtype).eps, dtype=s.dtype), s)
+    return (w / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), s

@@ -101,3 +101,48 @@ def scale_shape(strategy: str, shape: Sequence[int], group: int | None) -> tuple
     if strategy == "channel":
         return out, 1
     return (1,)
+
+
+# --- the encode side (``--quantize w4a16``) ------------------------------------------------------
+
+
+def quantize_symmetric(w: torch.Tensor, num_bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes int8 [n, in], scale [n, in/group])`` of rows ``w`` ``[n, in]`` (``in`` a multiple
+    of ``group``), symmetric, as compressed-tensors computes them (a min-max observer's
+    ``calculate_qparams``, then its compressor's ``quantize``), every step in ``w``'s dtype ``d``
+    (the scale's, as compressed-tensors gives the scale the weight's dtype):
+
+    ====================  ==========================================================================
+    step                  per group of ``group`` consecutive columns of a row, in ``d``
+    ====================  ==========================================================================
+    range                 ``m = max(|min(amin, 0)|, |max(amax, 0)|)``
+    scale                 ``s = m / ((2**b - 1) / 2)`` (``/ 7.5`` for int4), one rounding to ``d``;
+                          a zero ``s`` is ``d``'s ``eps`` (compressed-tensors' guard)
+    code                  ``round(clamp(x / s, -2**(b-1), 2**(b-1) - 1))``, ``x / s`` rounded to
+                          ``d`` first, halves to even
+    ====================  ==========================================================================
+
+    Rows are independent: a band of rows gives the rows' codes and scales of the whole weight."""
+    n, columns = w.shape
+    x = w.view(n, columns // group, group)
+    lo = torch.clamp(x.amin(-1), max=0)
+    hi = torch.clamp(x.amax(-1), min=0)
+    s = torch.maximum(lo.abs(), hi.abs()) / (((1 << num_bits) - 1) / 2)
+    s = torch.where(s == 0, torch.tensor(torch.finfo(s.dtype).eps, dtype=s.dtype), s)
+    lim = offset(num_bits)
+    q = (x / s.unsqueeze(-1)).clamp_(-lim, lim - 1).round_()
+    return q.to(torch.int8).view(n, columns), s
+
+
+def pack_rows(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """int32 ``[n, in*b/32]`` from signed ``codes`` int8 ``[n, in]`` (``in*b`` a multiple of 32):
+    the module table's packing, the inverse of :func:`unpack_rows` (each code ``+ 2**(b-1)``,
+    least significant first; a word's top bit is its sign, as two's complement gives it: torch
+    shifts a signed word as its unsigned bits). One shift and OR per code of a word, in int32."""
+    n, columns = codes.shape
+    per = WORD_BITS // num_bits
+    fields = (codes.to(torch.int32) + offset(num_bits)).view(n, columns // per, per)
+    words = fields[..., 0].clone()
+    for k in range(1, per):
+        words.bitwise_or_(torch.bitwise_left_shift(fields[..., k], k * num_bits))
+    return words

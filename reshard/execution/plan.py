@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core.checks import check_replicated
+from reshard.core.compressed_tensors_out import SCHEMES as CT_SCHEMES
 from reshard.core.errors import CheckpointFormatError, InconsistentShardsError, LayoutError
 from reshard.core.experts import check_expert_ranks, check_expert_tp, rank_files
 from reshard.core.lazy import LazyTensor
@@ -103,6 +104,10 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
     if options.quantize == "mxfp4" and not out_fmt.holds_mxfp4:
         raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for MXFP4 weights",
                           culprit="--quantize mxfp4", hint="write a Hugging Face folder (--to hf)")
+    if options.quantize in CT_SCHEMES and not out_fmt.holds_compressed_tensors:
+        raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for compressed-tensors' "
+                          "quantized weights", culprit=f"--quantize {options.quantize}",
+                          hint="write a Hugging Face folder (--to hf)")
     if options.int8:
         check_quantization(params, options, n, m)
     experts = experts_per_layer([p.key for p in params], source.origin, int_arg(read.args, "num_experts"))

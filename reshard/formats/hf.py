@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.core import mxfp4
+from reshard.core.compressed_tensors_out import SCHEMES as CT_SCHEMES
+from reshard.core.compressed_tensors_out import Encoding, shape_tensor
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.fp8_block import (
     DEFAULT_BLOCK,
@@ -82,7 +84,13 @@ from reshard.models.hf_architectures import (
 )
 from reshard.models.hf_import import megatron_state
 from reshard.models.hf_registry import decide_export, export_as, hf_architecture, hf_architectures, read_config
-from reshard.models.megatron_gpt import FLOAT32_BUFFER, MIN_CORE_COMPATIBLE_VERSION, as_megatron_core, core_name
+from reshard.models.megatron_gpt import (
+    CORE_ROLES,
+    FLOAT32_BUFFER,
+    MIN_CORE_COMPATIBLE_VERSION,
+    as_megatron_core,
+    core_name,
+)
 from reshard.models.stacked import stacked_name
 
 if TYPE_CHECKING:
@@ -278,6 +286,7 @@ class HFFormat(CheckpointFormat):
 
     holds_fp8 = True
     holds_mxfp4 = True
+    holds_compressed_tensors = True
 
     def check_plan(self, plan: Plan) -> None:
         if plan.options.int8:
@@ -293,6 +302,8 @@ class HFFormat(CheckpointFormat):
             _check_fp8(plan, arch)
         if plan.options.quantize == "mxfp4":
             _check_mxfp4(plan, arch)
+        if _ct_encoding(plan) is not None:
+            _check_ct(plan, arch)
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return WEIGHTS
@@ -331,6 +342,8 @@ class HFFormat(CheckpointFormat):
         if options.quantize == "mxfp4" and dtype is not None and transposed_slab(key, tables):
             elements = size // dtype.itemsize  # half a byte a value, a byte a group of 32
             return elements // 2 + elements // mxfp4.GROUP
+        if options.quantize in CT_SCHEMES and dtype is not None and linear_weight(key, tables):
+            return Encoding(options.quantize, options.group_size).stored_bytes(size // dtype.itemsize, dtype.itemsize)
         if options.quantize != "fp8" or dtype is None:
             return size
         if not linear_weight(key, tables):
@@ -350,6 +363,9 @@ class HFFormat(CheckpointFormat):
         if plan.options.quantize == "mxfp4":
             config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": not_converted(
                 [e for tgt in range(len(names)) for e in _file_entries(plan, tgt)])}
+        encoding = _ct_encoding(plan)
+        if encoding is not None:
+            config["quantization_config"] = encoding.quantization_config(_ct_ignored(plan, len(names)))
         out: dict[str, str | bytes] = {CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
         if len(names) > 1:
             weight_map, total = {}, 0
@@ -368,6 +384,10 @@ class HFFormat(CheckpointFormat):
         if plan.options.quantize == "mxfp4":
             fp8 = [f"stacked [in, out] weights MXFP4 (e2m1, an e8m0 scale per {mxfp4.GROUP} inputs), the rest "
                    "as they are"]
+        encoding = _ct_encoding(plan)
+        if encoding is not None:
+            fp8 = [f"linear weights in compressed-tensors' {encoding.quantization_config(())['format']} "
+                   f"({encoding.scheme}), the rest as they are"]
         return [f"architecture {arch.name}: {arch.reason}", *arch.notes, *fp8]
 
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
@@ -479,6 +499,48 @@ def _fp8_block(plan: Plan) -> tuple[int, int] | None:
     return plan.options.fp8_block or DEFAULT_BLOCK
 
 
+def _ct_encoding(plan: Plan) -> Encoding | None:
+    """The compressed-tensors encoding of the output's linear weights (``--quantize w4a16`` or
+    ``fp8-channel``), else None."""
+    if plan.options.quantize not in CT_SCHEMES:
+        return None
+    return Encoding(plan.options.quantize, plan.options.group_size)
+
+
+def _check_ct(plan: Plan, arch: HFArchitecture) -> None:
+    """``--quantize w4a16`` / ``fp8-channel`` encode the linear weights, each of a float dtype and
+    (w4a16) of an input width the group size divides, in an architecture that has them."""
+    encoding = _ct_encoding(plan)
+    assert encoding is not None
+    flag = f"--quantize {encoding.scheme}"
+    if not any(row.linear for row in arch.names):
+        raise LayoutError(f"{arch.name} has no linear layer compressed-tensors quantizes (its weights are not "
+                          "[out, in])", culprit=flag, hint="drop --quantize")
+    for tgt in range(len(plan.targets)):
+        for exp, _value, dtype, enc in _exports(plan, tgt, _module(plan.target_state(tgt), plan)):
+            if not isinstance(enc, Encoding):
+                continue
+            for o in exp.outputs:
+                refused = encoding.refusal(o.shape, dtype)
+                if refused is not None:
+                    raise LayoutError(f"{o.name} {refused[0]}", culprit=flag, hint=refused[1])
+
+
+def _ct_ignored(plan: Plan, files: int) -> list[str]:
+    """compressed-tensors' ``ignore`` of the output: the modules of the ``[out, in]`` weights left
+    in the model's dtype (the head, a router), as llm-compressor's recipes list them; an embedding
+    (megatron-core's ``embedding`` module), which compressed-tensors' ``Linear`` target never
+    takes, is not named."""
+    embeddings = (CORE_ROLES["embedding"], CORE_ROLES["position"])
+    kept = set()
+    for tgt in range(files):
+        for exp, _value, _dtype, enc in _exports(plan, tgt, _module(plan.target_state(tgt), plan)):
+            if enc is None and not exp.key.startswith(embeddings):
+                kept.update(o.name.removesuffix(".weight") for o in exp.outputs
+                            if len(o.shape) == 2 and o.name.endswith(".weight"))
+    return sorted(kept)
+
+
 def _check_fp8(plan: Plan, arch: HFArchitecture) -> None:
     """``--quantize fp8`` encodes floating-point linear weights in an architecture that has them."""
     if not any(row.linear for row in arch.names):
@@ -549,8 +611,9 @@ def _copying_rows(names: tuple[str, ...]) -> tuple[tuple[tuple[re.Pattern[str], 
 
 def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export, Any, torch.dtype, Any]]:
     """Each exported megatron-core tensor, its value, its dtype and its encoding: its FP8 block,
-    :data:`MXFP4`, or None (written as it is)."""
-    block = _fp8_block(plan)
+    :data:`MXFP4`, a compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`, or
+    None (written as it is)."""
+    block = _fp8_block(plan) or _ct_encoding(plan)
     mx = plan.options.quantize == MXFP4
     out = []
     for key, value in module.items():
@@ -635,6 +698,11 @@ class SafetensorsFile:
                 continue
             first = len(self.entries)
             for o in exp.outputs:
+                if isinstance(block, Encoding):
+                    for name, dt, shape in block.tensors(o.name, o.shape, dtype):
+                        self.entries.append(FileEntry(name, dt, shape, start))
+                        start += self.entries[-1].nbytes
+                    continue
                 made = ([FileEntry(o.name, dtype, o.shape, start)] if block is None else
                         [FileEntry(o.name, E4M3, o.shape, start)])
                 if block is not None:
@@ -678,6 +746,8 @@ class SafetensorsFile:
                         hi = _write_slab(writer, exp, value, entries[0], base)
                     elif block is None:
                         _write_export(writer, exp, value, entries, base)
+                    elif isinstance(block, Encoding):
+                        _write_ct_export(writer, exp, value, entries, base, block)
                     else:
                         _write_fp8_export(writer, exp, value, entries, base, block, device, workers)
                     if exp.part is None:
@@ -810,6 +880,36 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
                                   "weights are not finite; convert it without --quantize") from None
             s = s.cpu()
             writer.put((tensor_bytes(s), base + scales.start, None, s))
+
+
+def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
+                     encoding: Encoding) -> None:
+    """Queue one megatron-core linear weight's Hugging Face weights in compressed-tensors' format
+    (``encoding``): the weight is whole in memory, as for FP8 blocks (:func:`_write_fp8_export`);
+    its codes are made and queued a band of rows (about :data:`FP8_CHUNK_BYTES` of the weight) at
+    a time, then its scales (then ``weight_shape``)."""
+    per = len(entries) // len(exp.outputs)
+    flag = f"--quantize {encoding.scheme}"
+    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
+        outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
+        for i, out in enumerate(outs):
+            codes, scales, *rest = entries[per * i:per * i + per]
+            if (out.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(out.shape, out.dtype):
+                raise WriterError(f"{exp.key}: made {tuple(out.shape)} {out.dtype} for {codes.name} {codes.shape}")
+            s = torch.empty(scales.shape, dtype=scales.dtype)
+            rows = max(1, FP8_CHUNK_BYTES // max(1, out.shape[1] * out.element_size()))
+            for r in range(0, out.shape[0], rows):
+                band = out[r:r + rows]
+                if not bool(torch.isfinite(band).all()):
+                    raise LayoutError(f"{codes.name}: holds a value that is not finite", culprit=flag,
+                                      hint="the checkpoint's weights are not finite; convert it without --quantize")
+                q, sb = encoding.encode_rows(band)
+                s[r:r + q.shape[0]] = sb
+                writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
+            writer.put((tensor_bytes(s), base + scales.start, None, s))
+            for entry in rest:  # weight_shape
+                t = shape_tensor(out.shape)
+                writer.put((tensor_bytes(t), base + entry.start, None, t))
 
 
 #: Bytes of FP8 codes an export quantizes and queues for the writer at a time: a weight's codes are

@@ -1,0 +1,115 @@
+"""Writing compressed-tensors' formats (``--quantize w4a16``, ``--quantize fp8-channel``): which
+tensors a quantized linear weight ``X.weight`` ``[out, in]`` becomes, its codes and scales made a
+band of rows at a time, and the ``quantization_config`` that announces them, as compressed-tensors
+(llm-compressor's save path) writes them. The arithmetic is the codecs'
+(:func:`reshard.core.int_packed.quantize_symmetric`, :func:`reshard.core.fp8_scaled.quantize_channel`);
+the names and the config are what :mod:`reshard.core.compressed_tensors` reads back.
+
+==================  ======================  ==============================================================
+``--quantize``      format                  tensors of ``X`` (``d``: the weight's dtype)
+==================  ======================  ==============================================================
+``w4a16``           ``pack-quantized``      ``X.weight_packed`` int32 ``[out, in/8]``, ``X.weight_scale``
+                    (int4, symmetric,       ``d`` ``[out, in/group]``, ``X.weight_shape`` int64 ``[2]``
+                    by group)
+``fp8-channel``     ``naive-quantized``     ``X.weight`` float8_e4m3fn ``[out, in]``, ``X.weight_scale``
+                    (e4m3, by channel)      ``d`` ``[out, 1]``
+==================  ======================  ==============================================================
+
+(compressed-tensors names weight-only FP8 ``naive-quantized``: ``float-quantized``'s layout.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.core import fp8_scaled, int_packed
+from reshard.core.compressed_tensors import METHOD, NAIVE, PACK
+
+W4A16, FP8_CHANNEL = "w4a16", "fp8-channel"
+#: ``--quantize`` values written in compressed-tensors' formats.
+SCHEMES = (W4A16, FP8_CHANNEL)
+#: ``--group-size`` when not given: Kimi-K2-Thinking's and llm-compressor's W4A16 preset's.
+DEFAULT_GROUP = 32
+#: Bits of a ``w4a16`` code.
+INT_BITS = 4
+#: The weight dtypes the quantizers take (compressed-tensors' scale dtypes).
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One ``--quantize`` of compressed-tensors' (``scheme``) and its group size."""
+
+    scheme: str
+    group: int | None = None
+
+    def tensors(self, name: str, shape: Sequence[int], dtype: torch.dtype
+                ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of the tensors ``name`` (``X.weight``, ``[out, in]``) is stored
+        as: the codes first, then the scales (then ``weight_shape``); see the module table."""
+        out, inp = shape
+        module = name.removesuffix(".weight")
+        if self.scheme == W4A16:
+            return [(module + ".weight_packed", torch.int32, (out, int_packed.packed_width(inp, INT_BITS))),
+                    (module + ".weight_scale", dtype, (out, inp // self.group_size)),
+                    (module + ".weight_shape", torch.int64, (2,))]
+        return [(name, fp8_scaled.E4M3, (out, inp)), (module + ".weight_scale", dtype, (out, 1))]
+
+    @property
+    def group_size(self) -> int:
+        return self.group or DEFAULT_GROUP
+
+    def refusal(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, str] | None:
+        """``(what, fix)``: what keeps a ``[out, in]`` weight of ``dtype`` from this encoding, and
+        how to do without it; else None."""
+        if dtype not in FLOATS:
+            return (f"is {dtype}: compressed-tensors quantizes float16, bfloat16 or float32 weights",
+                    "drop --quantize")
+        if self.scheme == W4A16:
+            inp = shape[-1]
+            if inp % self.group_size:
+                return (f"has {inp} inputs, not a multiple of the group size {self.group_size}",
+                        "give --group-size a divisor of every linear layer's inputs, or drop --quantize")
+            if inp * INT_BITS % int_packed.WORD_BITS:
+                return (f"has {inp} inputs, which do not fill whole int32 words of int4 codes (a multiple of 8)",
+                        "drop --quantize")
+        return None
+
+    def encode_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, scales)`` of rows ``w`` ``[n, in]`` as stored (see the module table)."""
+        if self.scheme == W4A16:
+            codes, scale = int_packed.quantize_symmetric(w, INT_BITS, self.group_size)
+            return int_packed.pack_rows(codes, INT_BITS), scale
+        return fp8_scaled.quantize_channel(w)
+
+    def stored_bytes(self, elements: int, itemsize: int) -> int:
+        """About the bytes a weight of ``elements`` values of ``itemsize`` bytes is stored in: exact
+        for ``w4a16``; for ``fp8-channel`` the codes (its scales, a value a row, are left out: the
+        rows are not known from the size)."""
+        if self.scheme == W4A16:
+            return elements * INT_BITS // 8 + elements // self.group_size * itemsize + 16
+        return elements
+
+    def quantization_config(self, ignore: Sequence[str]) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` as compressed-tensors' ``update_config``
+        writes it for a weight-only scheme targeting ``Linear`` layers (less its ``version``: the
+        writer is not compressed-tensors), ``ignore``: the modules left in the model's dtype."""
+        if self.scheme == W4A16:
+            fmt, weights = PACK, {"num_bits": INT_BITS, "type": "int", "symmetric": True,
+                                  "group_size": self.group_size, "strategy": "group", "dynamic": False}
+        else:
+            fmt, weights = NAIVE, {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                                   "strategy": "channel", "dynamic": False}
+        return {"quant_method": METHOD, "format": fmt, "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                              "output_activations": None, "format": fmt}},
+                "ignore": list(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
+                "moe_sparsity_config": None, "sparsity_config": {}, "transform_config": {}}
+
+def shape_tensor(shape: Sequence[int]) -> torch.Tensor:
+    """``X.weight_shape``: ``[out, in]`` int64, as compressed-tensors stores ``torch.tensor(shape)``."""
+    return torch.tensor(list(shape), dtype=torch.int64)
