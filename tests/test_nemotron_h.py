@@ -349,24 +349,32 @@ CHECKPOINT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                    "padded_vocab_size", "hf_token_ids")
 
 
-def test_megatron_core_0_19s_args_read_alike(hf, converted, tmp_path):
-    """megatron-core 0.19 saves the layer pattern as ``hybrid_layer_pattern`` (``hybrid_override_pattern``
-    None): the TP 2 x EP 2 import with its args replaced by 0.19's own is read as the same model, its
-    pattern and mixer sizes from them, and goes back to HF bit for bit."""
+def _with_v019_args(checkpoint: Path, dst: Path, **changes: object) -> Path:
+    """A copy of ``checkpoint`` whose rank files hold megatron-core 0.19's args for the model (its layout
+    and vocabulary kept), with ``changes``."""
     import argparse
 
-    from reshard import api
     from reshard.core import foreign
     from reshard.models.megatron_args import decode
 
     snap = {k: decode(v) for k, v in json.loads(V019_ARGS.read_text())["args"].items()}
     assert (snap["hybrid_layer_pattern"], snap["hybrid_override_pattern"]) == (PATTERN, None)
-    src = shutil.copytree(converted["tp2ep2"], tmp_path / "v019")
-    for f in src.rglob("model_optim_rng.pt"):
+    shutil.copytree(checkpoint, dst)
+    for f in dst.rglob("model_optim_rng.pt"):
         state = load_shard(f, mmap=False)
         own = vars(state["args"])
-        state["args"] = argparse.Namespace(**{**snap, **{k: own[k] for k in CHECKPOINT_KEYS if k in own}})
+        state["args"] = argparse.Namespace(**{**snap, **{k: own[k] for k in CHECKPOINT_KEYS if k in own}, **changes})
         foreign.save(state, f)
+    return dst
+
+
+def test_megatron_core_0_19s_args_read_alike(hf, converted, tmp_path):
+    """megatron-core 0.19 saves the layer pattern as ``hybrid_layer_pattern`` (``hybrid_override_pattern``
+    None): the TP 2 x EP 2 import with its args replaced by 0.19's own is read as the same model, its
+    pattern and mixer sizes from them, and goes back to HF bit for bit."""
+    from reshard import api
+
+    src = _with_v019_args(converted["tp2ep2"], tmp_path / "v019")
     described = api.inspect(str(src))
     assert (described["hybrid_override_pattern"], described["mixer"]) == (
         PATTERN, {"mamba_num_heads": 8, "mamba_head_dim": 8, "mamba_num_groups": 2, "mamba_state_dim": 8})
@@ -397,6 +405,22 @@ def test_a_config_megatron_core_does_not_compute_is_refused_in_one_line(hf, tmp_
     assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("pattern", ["M-*|EME", "M-*EME/ME"])
+@pytest.mark.parametrize("target", [("--to", "hf"), ("--target-tp", "1")])
+def test_a_pattern_with_0_19s_stage_or_mtp_separators_is_refused_in_one_line(converted, tmp_path, capsys, pattern,
+                                                                             target):
+    """megatron-core 0.19's ``|`` (pipeline segments: the source's stages, not an even split) and ``/``
+    (multi-token prediction depths) are not read: refused, naming the arg, before anything is written
+    (a TP change used to pass, its args keeping segments the output does not have)."""
+    src = _with_v019_args(converted["tp2"], tmp_path / "v019", hybrid_layer_pattern=pattern)
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src), str(tmp_path / "o"), *target]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reshard: error: args.hybrid_layer_pattern:") and len(err.splitlines()) == 1, err
+    assert f"the saved layer pattern {pattern!r} lays out pipeline segments" in err, err
     assert not (tmp_path / "o").exists()
 
 
