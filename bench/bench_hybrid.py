@@ -15,7 +15,7 @@ parameters filled with random bf16 values (norms ones, so the zero-centred gated
 exact; the router's float32 where transformers keeps it so) and written by ``save_pretrained``, in a
 child process of its own (its peak RSS is not measured).
 
-    python bench/bench_hybrid.py             # full run (~5 GB of disk at the peak)
+    python bench/bench_hybrid.py             # full run (~3.5 GB of disk at the peak)
     python bench/bench_hybrid.py --quick     # smoke test of the benchmark itself (tiny models)
 
 Not part of the tests. Each command is its own process (wall time around it, peak RSS its
