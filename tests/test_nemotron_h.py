@@ -341,6 +341,49 @@ def test_the_older_pattern_spelling_reads_alike(hf, converted, tmp_path):
         assert all(v is None or torch.equal(v, b["model"][k]) for k, v in a["model"].items())
 
 
+#: Megatron-LM's own args for this model from megatron-core 0.19's parser (``--hybrid-layer-pattern``;
+#: ``tests/realtools/args_snapshots.py``), and the keys a checkpoint's layout and vocabulary decide.
+V019_ARGS = Path(__file__).parent / "fixtures" / "realtools" / "megatron-lm-args" / "nemotron-h.json"
+CHECKPOINT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                   "expert_tensor_parallel_size", "ckpt_format", "transformer_impl", "vocab_size",
+                   "padded_vocab_size", "hf_token_ids")
+
+
+def _with_v019_args(checkpoint: Path, dst: Path, **changes: object) -> Path:
+    """A copy of ``checkpoint`` whose rank files hold megatron-core 0.19's args for the model (its layout
+    and vocabulary kept), with ``changes``."""
+    import argparse
+
+    from reshard.core import foreign
+    from reshard.models.megatron_args import decode
+
+    snap = {k: decode(v) for k, v in json.loads(V019_ARGS.read_text())["args"].items()}
+    assert (snap["hybrid_layer_pattern"], snap["hybrid_override_pattern"]) == (PATTERN, None)
+    shutil.copytree(checkpoint, dst)
+    for f in dst.rglob("model_optim_rng.pt"):
+        state = load_shard(f, mmap=False)
+        own = vars(state["args"])
+        state["args"] = argparse.Namespace(**{**snap, **{k: own[k] for k in CHECKPOINT_KEYS if k in own}, **changes})
+        foreign.save(state, f)
+    return dst
+
+
+def test_megatron_core_0_19s_args_read_alike(hf, converted, tmp_path):
+    """megatron-core 0.19 saves the layer pattern as ``hybrid_layer_pattern`` (``hybrid_override_pattern``
+    None): the TP 2 x EP 2 import with its args replaced by 0.19's own is read as the same model, its
+    pattern and mixer sizes from them, and goes back to HF bit for bit."""
+    from reshard import api
+
+    src = _with_v019_args(converted["tp2ep2"], tmp_path / "v019")
+    described = api.inspect(str(src))
+    assert (described["hybrid_override_pattern"], described["mixer"]) == (
+        PATTERN, {"mamba_num_heads": 8, "mamba_head_dim": 8, "mamba_num_groups": 2, "mamba_state_dim": 8})
+    _run(str(src), str(tmp_path / "back"), "--to", "hf")
+    want, got = _tensors(hf["hf"]), _tensors(tmp_path / "back")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+
 # --- refusals --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,needle", [
@@ -362,6 +405,22 @@ def test_a_config_megatron_core_does_not_compute_is_refused_in_one_line(hf, tmp_
     assert main(["run", "--direct", str(src), str(tmp_path / "o"), "--target-tp", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("pattern", ["M-*|EME", "M-*EME/ME"])
+@pytest.mark.parametrize("target", [("--to", "hf"), ("--target-tp", "1")])
+def test_a_pattern_with_0_19s_stage_or_mtp_separators_is_refused_in_one_line(converted, tmp_path, capsys, pattern,
+                                                                             target):
+    """megatron-core 0.19's ``|`` (pipeline segments: the source's stages, not an even split) and ``/``
+    (multi-token prediction depths) are not read: refused, naming the arg, before anything is written
+    (a TP change used to pass, its args keeping segments the output does not have)."""
+    src = _with_v019_args(converted["tp2"], tmp_path / "v019", hybrid_layer_pattern=pattern)
+    capsys.readouterr()
+    assert main(["run", "--direct", str(src), str(tmp_path / "o"), *target]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reshard: error: args.hybrid_layer_pattern:") and len(err.splitlines()) == 1, err
+    assert f"the saved layer pattern {pattern!r} lays out pipeline segments" in err, err
     assert not (tmp_path / "o").exists()
 
 

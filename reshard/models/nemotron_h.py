@@ -50,6 +50,9 @@ MIXER = "mixer."
 #: Layer symbols of megatron-core's ``hybrid_override_pattern`` (``ssm/mamba_hybrid_layer_allocation.py``
 #: ``Symbols``): Mamba, attention, MLP, MoE.
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+#: megatron-core 0.19's separators in the pattern: pipeline segments (``|``) and multi-token prediction
+#: depths after the main pattern (``/``) (``models/hybrid/hybrid_layer_allocation.py`` ``Symbols``).
+PIPE, MTP_SEPARATOR = "|", "/"
 #: The sections of the fused tensors, named as ``MambaMixer.sharded_state_dict`` names them.
 IN_PROJ_SECTIONS, CONV_SECTIONS = ("z", "x", "B", "C", "dt"), ("x", "B", "C")
 IN_PROJ, CONV1D = "mamba.in_proj", "mamba.conv1d"
@@ -174,6 +177,14 @@ class NemotronH(MegatronCoreFamily):
         pattern = hybrid_pattern(args)
         if pattern is None:
             return {}
+        if PIPE in pattern or MTP_SEPARATOR in pattern:
+            # the segments are the source's pipeline stages (and virtual ones): placing layers by an even
+            # split would misplace them, and the written args would keep a layout the output lacks
+            raise LayoutError(f"the saved layer pattern {pattern!r} lays out pipeline segments ('|') or multi-token "
+                              "prediction layers ('/'), megatron-core 0.19's forms reshard does not read yet",
+                              culprit="args.hybrid_layer_pattern",
+                              hint="save the checkpoint with a pattern of layer symbols only (stages split by "
+                                   "--decoder-first-pipeline-num-layers)")
         origin[PATTERN_FACT] = "args"
         return {PATTERN_FACT: pattern}
 

@@ -56,6 +56,16 @@ KINDS: dict[str, str] = {
                "--max-position-embeddings 256",
     # YaRN as MLA's rotary (Megatron-LM's MLA default, which reshard and Megatron-Bridge record by name)
     "deepseek-v3": HF_AS_MEGATRON_LM["deepseek-v3"] + " --rope-type yarn --moe-router-load-balancing-type none",
+    # Nemotron-H (tests/test_nemotron_h.py's model): the layer pattern under megatron-core 0.19's flag
+    # (--hybrid-layer-pattern; 0.16's --hybrid-override-pattern is deprecated), Mamba-2 mixers, squared-ReLU
+    # MLP and MoE (sigmoid router with expert bias, a shared expert), attention without position embedding
+    "nemotron-h": "--hybrid-layer-pattern M-*EME --hidden-size 32 --ffn-hidden-size 48 --num-attention-heads 4 "
+                  "--group-query-attention --num-query-groups 2 --kv-channels 8 --squared-relu --normalization "
+                  "RMSNorm --position-embedding-type none --disable-bias-linear "
+                  "--untie-embeddings-and-output-weights --mamba-state-dim 8 --mamba-head-dim 8 "
+                  "--mamba-num-groups 2 --mamba-num-heads 8 --num-experts 4 --moe-router-topk 2 "
+                  "--moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 24 "
+                  "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --max-position-embeddings 64",
 }
 #: what a checkpoint's args say beside the model: its sequence length (the model's positions), the
 #: smallest batch validate_args takes, the vocabulary, bf16 weights (the dtype of the models here)
