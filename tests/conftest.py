@@ -316,7 +316,14 @@ REAL_TOOL_FIXTURES = frozenset({"s3_server", "prefect_env", "zero_checkpoint"})
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``slow`` every test whose fixture closure starts a real tool or server, so the quick
-    tier's selection (``-m "not slow and not mcore"``) is decided by what a test uses, not by a list."""
+    tier's selection (``-m "not slow and not mcore"``) is decided by what a test uses, not by a list.
+
+    Then order the modules that hold such tests (or megatron-core's) first, the others after, each
+    group in its own order: xdist's ``--dist loadfile`` hands out modules in collection order, and a
+    long real-tool module handed out last would run on one worker while the other sits idle; the
+    many short modules at the end fill both workers until the run ends."""
     for item in items:
         if REAL_TOOL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    heavy = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("mcore")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: each group keeps its order

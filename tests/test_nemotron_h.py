@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mcore_fixtures import TOKENS
+from mcore_fixtures import TOKENS, needs_mcore
 from reshard.cli import main
 from reshard.core.safe_load import load_shard
 from test_fp8_export import dequantized
@@ -166,6 +166,7 @@ def mamba(hf, converted) -> dict:
 
 # --- megatron-core computes what transformers computes --------------------------------------------
 
+@needs_mcore
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2ep2", "tp2ep2pp2", "etp2", "uneven", "dist"])
 def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layout):
     """The per-rank imports strict-loaded (at PP 2 the second stage starts with an MoE layer, or, one
@@ -178,6 +179,7 @@ def test_megatron_core_runs_the_import_with_transformers_logits(hf, mamba, layou
     assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
 
 
+@needs_mcore
 def test_a_megatron_core_torch_dist_checkpoint_goes_to_hf_with_its_logits(mamba):
     """megatron-core's own TP 2 x EP 2 torch_dist save (``in_proj.weight.z`` ... ``conv1d.bias.C`` fused
     back on reading; the grouped experts on the expert axis), ``--to hf``: transformers' logits are
@@ -210,6 +212,7 @@ def test_torch_dist_holds_the_split_keys_and_the_grouped_experts(hf, converted):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], t) for k, t in want.items())
 
 
+@needs_mcore
 def test_a_megatron_core_torch_dist_checkpoint_reads_into_its_own_rank_files(hf, mamba):
     """megatron-core's TP 2 x EP 2 torch_dist save, written in its per-rank layout at that layout: every
     rank file holds what megatron-core's own per-rank save of the same model holds (the same seed), the
@@ -222,6 +225,7 @@ def test_a_megatron_core_torch_dist_checkpoint_reads_into_its_own_rank_files(hf,
             assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value, key
 
 
+@needs_mcore
 def test_a_megatron_core_checkpoint_goes_to_hf_with_its_logits(mamba):
     """megatron-core's own TP 2 x EP 2 checkpoint, ``--to hf``: transformers loads it at default strictness
     and computes megatron-core's logits (the export's ``time_step_min`` 0: no clamp of the steps)."""
@@ -288,6 +292,7 @@ def test_expert_parallel_ranks_hold_their_experts_grouped(hf, converted):
                            src[h + "shared_experts.up_proj.weight"].chunk(2)[tp_rank])
 
 
+@needs_mcore
 def test_the_import_holds_megatron_cores_own_entries_and_args(converted, mamba, hf):
     """The TP 2 x EP 2 import's rank files hold the entries megatron-core's own TP 2 x EP 2 checkpoint
     holds, with the args that rebuild the model (``--use-checkpoint-args``) and the vocabulary padded
