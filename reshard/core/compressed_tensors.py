@@ -196,6 +196,27 @@ def refusal(what: str, where: str, hint: str = "the tensors do not belong to thi
     return CheckpointFormatError(what, culprit=where, hint=hint)
 
 
+def nvfp4_weight(stored: str, codes: Any, scale_key: str, scale: Any, second_key: str, second: Any,
+                 dequantize: Callable[..., torch.Tensor], dtype: torch.dtype, where: str) -> RowsDecoded:
+    """The weight whose NVFP4 codes ``stored`` holds (``[out, in/2]``, two per byte), with its e4m3
+    scales per 16 values and one float32 second-level scale (compressed-tensors' global scale,
+    ModelOpt's ``weight_scale_2``), all checked first; decoded a band of rows at a time by
+    ``dequantize(codes, scales, second, dtype)``, the variant's own arithmetic (:mod:`nvfp4`)."""
+    out, half = codes.shape
+    if (2 * half) % nvfp4.GROUP:
+        raise refusal(f"{stored} holds rows of {2 * half} values, not a multiple of {nvfp4.GROUP}", where)
+    check_tensor(scale_key, scale, fp8_scaled.E4M3, (out, 2 * half // nvfp4.GROUP), where)
+    if second is None or second.dtype != torch.float32 or int(torch.tensor(second.shape).prod()) != 1:
+        raise refusal(f"{second_key} is " + ("missing" if second is None else
+                      f"{_named(second.dtype)} {list(second.shape)}, not one float32"), where)
+    g = materialized(second)
+
+    def decode(first: int, n: int) -> torch.Tensor:
+        return dequantize(read_rows(codes, first, n), read_rows(scale, first, n), g, dtype)
+
+    return RowsDecoded((out, 2 * half), dtype, decode, stored)
+
+
 def check_tensor(key: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], where: str) -> None:
     """Refuse ``key`` unless it is present, ``dtype`` and ``shape`` (a scale of the wrong shape is
     another weight's, or another layout's)."""
@@ -251,20 +272,8 @@ def _weight(module: str, codes: Any, scheme: Scheme, tensors: Mapping[str, Any],
     if scheme.format == PACK:
         return _packed(module, codes, scheme, scale, get, dtype, where)
     if scheme.format == NVFP4:
-        out, half = codes.shape
-        check_tensor(f"{module}.weight_scale", scale, fp8_scaled.E4M3, (out, 2 * half // nvfp4.GROUP), where)
-        if (2 * half) % nvfp4.GROUP:
-            raise refusal(f"{stored} holds rows of {2 * half} values, not a multiple of {nvfp4.GROUP}", where)
-        glob = get(f"{module}.weight_global_scale")
-        if glob is None or glob.dtype != torch.float32 or int(torch.tensor(glob.shape).prod()) != 1:
-            raise refusal(f"{module}.weight_global_scale is " + ("missing" if glob is None else
-                        f"{_named(glob.dtype)} {list(glob.shape)}, not one float32"), where)
-        g = materialized(glob)
-
-        def decode_nvfp4(first: int, n: int) -> torch.Tensor:
-            return nvfp4.dequantize_ct(read_rows(codes, first, n), read_rows(scale, first, n), g, dtype)
-
-        return RowsDecoded((out, 2 * half), dtype, decode_nvfp4, stored)
+        return nvfp4_weight(stored, codes, f"{module}.weight_scale", scale, f"{module}.weight_global_scale",
+                            get(f"{module}.weight_global_scale"), nvfp4.dequantize_ct, dtype, where)
     out, inp = codes.shape
     if scale is None:
         raise refusal(f"{module}.weight_scale is missing", where)

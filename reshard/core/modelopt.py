@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from reshard.core import nvfp4
-from reshard.core.compressed_tensors import check_tensor, refusal
+from reshard.core.compressed_tensors import nvfp4_weight, refusal
 from reshard.core.errors import CheckpointFormatError
-from reshard.core.lazy import LazyTensor, RowsDecoded, materialized, read_rows
+from reshard.core.lazy import LazyTensor
 
 METHOD = "modelopt"
 #: The file ModelOpt's export writes beside ``config.json``.
@@ -116,18 +116,6 @@ def _weight(module: str, tensors: Mapping[str, Any], dtype: torch.dtype, where: 
     codes = tensors[f"{module}.weight"]
     if len(codes.shape) != 2:
         raise refusal(f"{module}.weight is uint8 {list(codes.shape)}, not NVFP4's [out, in/2]", where)
-    out, half = codes.shape
-    if (2 * half) % nvfp4.GROUP:
-        raise refusal(f"{module}.weight holds rows of {2 * half} values, not a multiple of {nvfp4.GROUP}", where)
-    scale = tensors.get(f"{module}.weight_scale")
-    check_tensor(f"{module}.weight_scale", scale, torch.float8_e4m3fn, (out, 2 * half // nvfp4.GROUP), where)
-    s2 = tensors.get(f"{module}.weight_scale_2")
-    if s2 is None or s2.dtype != torch.float32 or int(torch.tensor(s2.shape).prod()) != 1:
-        raise refusal(f"{module}.weight_scale_2 is " + ("missing" if s2 is None else
-                    f"{str(s2.dtype).removeprefix('torch.')} {list(s2.shape)}, not one float32"), where)
-    second = materialized(s2)
-
-    def decode(first: int, n: int) -> torch.Tensor:
-        return nvfp4.dequantize_modelopt(read_rows(codes, first, n), read_rows(scale, first, n), second, dtype)
-
-    return RowsDecoded((out, 2 * half), dtype, decode, f"{module}.weight")
+    return nvfp4_weight(f"{module}.weight", codes, f"{module}.weight_scale", tensors.get(f"{module}.weight_scale"),
+                        f"{module}.weight_scale_2", tensors.get(f"{module}.weight_scale_2"),
+                        nvfp4.dequantize_modelopt, dtype, where)
