@@ -302,8 +302,9 @@ class HFFormat(CheckpointFormat):
             _check_fp8(plan, arch)
         if plan.options.quantize == "mxfp4":
             _check_mxfp4(plan, arch)
-        if _ct_encoding(plan) is not None:
-            _check_ct(plan, arch)
+        encoding = _ct_encoding(plan)
+        if encoding is not None:
+            _check_ct(plan, arch, encoding)
 
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return WEIGHTS
@@ -507,11 +508,9 @@ def _ct_encoding(plan: Plan) -> Encoding | None:
     return Encoding(plan.options.quantize, plan.options.group_size)
 
 
-def _check_ct(plan: Plan, arch: HFArchitecture) -> None:
-    """``--quantize w4a16`` / ``fp8-channel`` encode the linear weights, each of a float dtype and
-    (w4a16) of an input width the group size divides, in an architecture that has them."""
-    encoding = _ct_encoding(plan)
-    assert encoding is not None
+def _check_ct(plan: Plan, arch: HFArchitecture, encoding: Encoding) -> None:
+    """``--quantize w4a16`` / ``fp8-channel`` (``encoding``) encode the linear weights, each of a float
+    dtype and (w4a16) of an input width the group size divides, in an architecture that has them."""
     flag = f"--quantize {encoding.scheme}"
     if not any(row.linear for row in arch.names):
         raise LayoutError(f"{arch.name} has no linear layer compressed-tensors quantizes (its weights are not "
