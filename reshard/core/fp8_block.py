@@ -33,7 +33,7 @@ import torch
 
 from reshard.core.cpus import usable_cores
 from reshard.core.errors import CheckpointFormatError
-from reshard.core.lazy import LazyTensor
+from reshard.core.lazy import LazyTensor, box_of
 
 E4M3 = torch.float8_e4m3fn
 #: ``quantization_config.fmt`` values naming e4m3: DeepSeek's releases write ``e4m3``, MiniMax-M2's
@@ -384,12 +384,12 @@ class Fp8BlockDequantized(LazyTensor):
         s_size = ((r0 + m - 1) // b0 - s_off[0] + 1, (c0 + n - 1) // b1 - s_off[1] + 1) if m and n else (0, 0)
         if out is not None and out.dtype != self.dtype:
             raise ValueError(f"out is {out.dtype}, the dequantized weight {self.dtype}")
-        scale = _box(self.scale, s_off, s_size)
+        scale = box_of(self.scale, s_off, s_size)
         # whole rows of a mapped file: decoded where they lie, then their pages given back (no copy
-        # of the codes first; any other box, or a remote tensor, is copied out as _box says)
+        # of the codes first; any other box, or a remote tensor, is copied out as lazy.box_of says)
         view = self.q.view_box((r0, c0), (m, n)) if isinstance(self.q, LazyTensor) else None
         if view is None:
-            return dequantize_box(_box(self.q, (r0, c0), (m, n)), scale, self.block, (r0, c0), self.dtype, out)
+            return dequantize_box(box_of(self.q, (r0, c0), (m, n)), scale, self.block, (r0, c0), self.dtype, out)
         got = dequantize_box(view, scale, self.block, (r0, c0), self.dtype, out)
         self.q.release(view)
         return got
@@ -397,10 +397,3 @@ class Fp8BlockDequantized(LazyTensor):
     def __repr__(self) -> str:
         return f"Fp8BlockDequantized({self.q!r}, block={list(self.block)}, dtype={self.dtype})"
 
-
-def _box(t: torch.Tensor | LazyTensor, offsets: tuple[int, int], sizes: tuple[int, int]) -> torch.Tensor:
-    """A box of ``t``; from a lazy (mapped or remote) tensor copied into a buffer of its own, so the
-    source gives back the pages it read (a box narrower than a row is no view to give back later)."""
-    if isinstance(t, LazyTensor):
-        return t.read_box(offsets, sizes, out=torch.empty(sizes, dtype=t.dtype))
-    return t[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]

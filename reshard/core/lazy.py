@@ -247,9 +247,14 @@ class RowsDecoded(LazyTensor):
         return f"RowsDecoded({self.label}, shape={list(self.shape)}, dtype={self.dtype})"
 
 
-def read_rows(t: torch.Tensor | LazyTensor, first: int, n: int) -> torch.Tensor:
-    """Rows ``first .. first + n`` of a 2-D tensor; from a lazy (mapped or remote) one copied into
-    a buffer of its own, so the source gives back the pages it read."""
+def box_of(t: torch.Tensor | LazyTensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """A box of ``t``; from a lazy (mapped or remote) tensor copied into a buffer of its own, so the
+    source gives back the pages it read (a box narrower than a row is no view to give back later)."""
     if isinstance(t, LazyTensor):
-        return t.read_box((first, 0), (n, t.shape[1]), out=torch.empty((n, t.shape[1]), dtype=t.dtype))
-    return t[first:first + n]
+        return t.read_box(offsets, sizes, out=torch.empty(sizes, dtype=t.dtype))
+    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+
+
+def read_rows(t: torch.Tensor | LazyTensor, first: int, n: int) -> torch.Tensor:
+    """Rows ``first .. first + n`` of a 2-D tensor (:func:`box_of` of its whole width)."""
+    return box_of(t, (first, 0), (n, t.shape[1]))

@@ -21,16 +21,11 @@ from typing import Any
 
 import torch
 
-from reshard.core.lazy import LazyTensor
+from reshard.core.lazy import LazyTensor, box_of
 
 #: Elements of a band of rows merged at once (4 MiB of float32 per temporary).
 CHUNK_ELEMENTS = 1 << 20
 
-
-def _box(t: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    if isinstance(t, LazyTensor):
-        return t.read_box(offsets, sizes)
-    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
 
 
 class LoraMerged(LazyTensor):
@@ -45,7 +40,7 @@ class LoraMerged(LazyTensor):
                  out: torch.Tensor | None = None) -> torch.Tensor:
         (r0, c0), (nr, nc) = offsets, sizes
         view = self.base.view_box(offsets, sizes) if isinstance(self.base, LazyTensor) else None
-        w = view if view is not None else _box(self.base, offsets, sizes)
+        w = view if view is not None else box_of(self.base, offsets, sizes)
         dst = torch.empty(sizes, dtype=self.dtype) if out is None else out
         a = self.a[:, c0:c0 + nc].to(torch.float32)
         step = max(1, CHUNK_ELEMENTS // max(nc, 1))

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import torch
 
 from reshard.core.fp8_block import NonFiniteWeightError
-from reshard.core.lazy import LazyTensor
+from reshard.core.lazy import LazyTensor, box_of
 
 __all__ = ["BLOCKS_SUFFIX", "E2M1_MAGNITUDES", "GROUP", "NonFiniteWeightError", "SCALES_SUFFIX", "SCALE_BIAS",
            "Mxfp4Dequantized", "Mxfp4Rows", "blocks_shape", "dequantize", "quantize", "scales_shape"]
@@ -406,8 +406,8 @@ class Mxfp4Rows(LazyTensor):
             dst = out[tuple(index)]  # [rows, cols] of the box
             for r in range(r0, r0 + rows, band):
                 n = min(band, r0 + rows - r)
-                b = _box(self.blocks, (*at, r, g0, 0), (*ones, n, g1 - g0, GROUP_BYTES))
-                s = _box(self.scales, (*at, r, g0), (*ones, n, g1 - g0))
+                b = box_of(self.blocks, (*at, r, g0, 0), (*ones, n, g1 - g0, GROUP_BYTES))
+                s = box_of(self.scales, (*at, r, g0), (*ones, n, g1 - g0))
                 b, s = b.reshape(n, g1 - g0, GROUP_BYTES), s.reshape(n, g1 - g0)
                 part = dst[r - r0:r - r0 + n]
                 if whole_groups and part.is_contiguous():
@@ -428,10 +428,3 @@ def _unflat(i: int, dims: Sequence[int]) -> list[int]:
         index.append(k)
     return index[::-1]
 
-
-def _box(t: torch.Tensor | LazyTensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    """A box of ``t``; from a lazy (mapped or remote) tensor copied into a buffer of its own, so the
-    source gives back the pages it read."""
-    if isinstance(t, LazyTensor):
-        return t.read_box(offsets, sizes, out=torch.empty(sizes, dtype=t.dtype))
-    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
