@@ -53,6 +53,15 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+def test_the_iteration_folder_and_the_run_folder_export_alike(exported: dict[str, Path], tmp_path: Path) -> None:
+    """Megatron-Bridge's run folder (``checkpoint/`` with ``latest_checkpointed_iteration.txt``) and
+    the ``iter_*`` folder inside it are the same adapter checkpoint."""
+    iteration = next((LORA["tp2"] / "checkpoint").glob("iter_*"))
+    assert main(["run", str(iteration), str(tmp_path / "from-iter"), "--to", "hf-peft"]) == 0
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (tmp_path / "from-iter" / name).read_bytes() == (exported["tp2"] / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("name", sorted(LORA))
 def test_hf_peft_logits_equal_megatron_core(exported: dict[str, Path], name: str) -> None:
     """peft loads every tensor reshard wrote onto transformers' base, and the logits are megatron-core's
