@@ -23,9 +23,9 @@ import torch
 
 from reshard.core.lazy import LazyTensor, box_of
 
-#: Elements of a band of rows merged at once (4 MiB of float32 per temporary).
-CHUNK_ELEMENTS = 1 << 20
-
+#: Elements of a band of rows merged at once: 1 MiB of float32, so the band's ``B @ A`` is still in
+#: the core's cache when the base is added to it.
+CHUNK_ELEMENTS = 1 << 18
 
 
 class LoraMerged(LazyTensor):
@@ -48,8 +48,9 @@ class LoraMerged(LazyTensor):
             n = min(step, nr - i)
             delta = self.b[r0 + i:r0 + i + n].to(torch.float32) @ a
             delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
-            delta.add_(w[i:i + n].to(torch.float32))
-            dst[i:i + n].copy_(delta)
+            # the sum is computed in float32 (W is promoted exactly) and rounded once into dst's dtype:
+            # the same bits as adding W.float() and casting, without those two passes over the band
+            torch.add(delta, w[i:i + n], out=dst[i:i + n])
         if view is not None:  # read: the mapped file's pages are given back
             self.base.release(view)
         return dst
