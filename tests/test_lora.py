@@ -184,6 +184,23 @@ def test_merge_adapter_into_megatron_core_tp2(tmp_path: Path) -> None:
     assert sorted(back) == sorted(direct) and all(torch.equal(back[k], direct[k]) for k in direct)
 
 
+@pytest.mark.parametrize("scheme", ["w4a16", "fp8-channel"])
+def test_merge_adapter_then_quantize(tmp_path: Path, scheme: str) -> None:
+    """``--quantize`` after the merge encodes the merged weights: the same files as quantizing the
+    merged bf16 model in a second run, and codes that differ from quantizing the unmerged base (so
+    the merge is not lost between the two)."""
+    assert _merge(BASE, LORA["tp2"], tmp_path / "merged", "--to", "hf") == 0
+    assert _merge(BASE, LORA["tp2"], tmp_path / "once", "--to", "hf", "--quantize", scheme) == 0
+    for src, dst in ((tmp_path / "merged", "twice"), (BASE, "unmerged")):
+        assert main(["run", str(src), str(tmp_path / dst), "--to", "hf", "--quantize", scheme, "--direct"]) == 0
+    once, twice, unmerged = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("once", "twice", "unmerged"))
+    assert sorted(once) == sorted(twice) and [k for k in once if not torch.equal(once[k], twice[k])] == []
+    codes = [k for k in once if k.endswith((".weight_packed", "proj.weight")) and "layers.0." in k]
+    assert codes and all(not torch.equal(once[k].view(torch.uint8), unmerged[k].view(torch.uint8)) for k in codes)
+    config = json.loads((tmp_path / "once" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
 @pytest.mark.parametrize(("base", "words"), [
     ("megatron-bridge-0.6.2/deepseek-v3/hf", "weight(s) the base does not hold"),
     ("megatron-core-0.19.2/llama-tp2-torch/checkpoint", "merged into whole weights"),
