@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
-          "quantization": "quantization (int8 per-rank, fp8, mxfp4, w4a16 or fp8-channel with --to hf)",
+          "quantization": "quantization (int8 per-rank, fp8, mxfp4, w4a16, fp8-channel or nvfp4 with --to hf)",
           "model facts": "model facts (only when the checkpoint's saved args lack them)"}
 #: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
 #: placed where they are added).

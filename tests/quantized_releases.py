@@ -5,7 +5,12 @@ and of the import harness run in ``tests/test_hf_import.py``).
 - compressed-tensors: its quantization lifecycle over a transformers model
   (``apply_quantization_config``, the scales from ``calculate_qparams`` / ``generate_gparam`` of
   each weight's own min and max, as a min-max observer gives them), then ``ModelCompressor``'s
-  ``compress_model``, ``save_pretrained`` and ``update_config``: llm-compressor's save path.
+  ``compress_model``, ``save_pretrained`` and ``update_config``: llm-compressor's save path. An
+  NVFP4 (``tensor_group``) weight's global scale is its fused group's (q/k/v, gate/up:
+  :func:`fused_global_scales`), as llm-compressor's fused observers compute it; llm-compressor
+  itself pins an older compressed-tensors than the 0.20 these tests run, so that one step is
+  reproduced here from its source (``observers/helpers.py``: ``FUSED_LAYER_NAMES``,
+  ``fuse_weight_observers``; ``observers/base.py``: ``Observer.get_global_scale``).
   Dequantized by transformers loading the folder with ``CompressedTensorsConfig(dequantize=True)``
   (compressed-tensors' decompressors).
 - ModelOpt NVFP4: each linear weight quantized by ModelOpt's own ``NVFP4QTensor.quantize``, the
@@ -52,8 +57,40 @@ def _scheme(name: str):
     return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**spec))
 
 
-def _observe(module: torch.nn.Module) -> None:
-    """A min-max observer's qparams of ``module``'s weight, set on it (compressed-tensors' helpers)."""
+#: llm-compressor's ``FUSED_LAYER_NAMES``: the layers of one module whose NVFP4 global scale is one.
+FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                     ("w1", "w3"))
+
+
+def fused_global_scales(weights: dict[str, torch.Tensor], group_size: int = 16) -> dict[str, torch.Tensor]:
+    """Each module's (``weights``: module name -> its weight) NVFP4 global scale as llm-compressor's
+    fused min-max observers give it: the modules of a fused group (a parent holding every name of
+    one of :data:`FUSED_LAYER_NAMES`) take ``generate_gparam`` of the absolute maximum over all
+    their per-group minima and maxima (in the weights' dtype); any other module its own."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    stats = {}
+    for name, w in weights.items():
+        grouped = w.unflatten(-1, (w.shape[-1] // group_size, group_size))
+        stats[name] = (grouped.amin(-1), grouped.amax(-1))
+    out = {}
+    for name in weights:
+        parent, _, leaf = name.rpartition(".")
+        members = [name]
+        for group in FUSED_LAYER_NAMES:
+            if leaf in group and all(f"{parent}.{g}" in weights for g in group):
+                members = [f"{parent}.{g}" for g in group]
+        absmax = stats[members[0]][1].max()
+        for m in members:
+            absmax = torch.max(absmax, -stats[m][0].min())
+            absmax = torch.max(absmax, stats[m][1].max())
+        out[name] = generate_gparam(-absmax.reshape(1), absmax.reshape(1))
+    return out
+
+
+def _observe(module: torch.nn.Module, gscale: torch.Tensor | None = None) -> None:
+    """A min-max observer's qparams of ``module``'s weight, set on it (compressed-tensors' helpers);
+    ``gscale``: a ``tensor_group`` weight's global scale (its fused group's), else its own."""
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     args = module.quantization_scheme.weights
@@ -71,9 +108,8 @@ def _observe(module: torch.nn.Module) -> None:
         lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
     else:
         lo, hi = w.amin(), w.amax()
-    gscale = None
     if hasattr(module, "weight_global_scale"):
-        gscale = generate_gparam(w.amin(), w.amax())
+        gscale = generate_gparam(w.amin(), w.amax()) if gscale is None else gscale
         module.weight_global_scale.data.copy_(gscale)
     scale, zero = calculate_qparams(lo, hi, args, global_scale=gscale)
     module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
@@ -95,9 +131,12 @@ def make_ct_folder(src: Path, dst: Path, scheme: str, dtype: torch.dtype = torch
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": _scheme(scheme)},
                                                         ignore=list(ignore)))
     with torch.no_grad():
-        for _, module in model.named_modules():
-            if getattr(module, "quantization_scheme", None) is not None:
-                _observe(module)
+        quantized = {name: module for name, module in model.named_modules()
+                     if getattr(module, "quantization_scheme", None) is not None}
+        gscales = fused_global_scales({name: m.weight.data for name, m in quantized.items()
+                                       if hasattr(m, "weight_global_scale")})
+        for name, module in quantized.items():
+            _observe(module, gscales.get(name))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(dst, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
@@ -156,7 +195,8 @@ def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore
     """``src``'s weights whose module name fully matches the pattern ``quantized`` compressed by
     compressed-tensors' own compressor of ``scheme``'s format (a scheme of scales by group), per
     module as its model-free path does (a model whose experts transformers fuses has no ``Linear``
-    per expert to quantize), the
+    per expert to quantize; an NVFP4 scheme's global scales fused as llm-compressor's model-free path
+    fuses them, :func:`fused_global_scales`), the
     rest in ``dtype``, the config as compressed-tensors writes it with ``ignore``; returns
     compressed-tensors' own decompression of every weight (the model the folder encodes)."""
     import re
@@ -169,22 +209,29 @@ def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore
 
     q_scheme = _scheme(scheme)
     args = q_scheme.weights
-    fmt = CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.float_quantized
+    fmt = (CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.nvfp4_pack_quantized
+           if args.strategy == "tensor_group" else CompressionFormat.float_quantized)
     compressor = BaseCompressor.get_value_from_registry(fmt.value)
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
+    chosen = {key.removesuffix(".weight"): w.to(dtype) for key, w in tensors.items()
+              if key.endswith(".weight") and re.fullmatch(quantized, key.removesuffix(".weight"))}
+    gscales = fused_global_scales(chosen, args.group_size) if args.strategy == "tensor_group" else {}
     stored, model = {}, {}
     for key, w in sorted(tensors.items()):
         module = key.removesuffix(".weight")
-        if not key.endswith(".weight") or not re.fullmatch(quantized, module):
+        if module not in chosen or not key.endswith(".weight"):
             stored[key] = model[key] = w.to(dtype)
             continue
-        w = w.to(dtype)
+        w = chosen[module]
         grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
-        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        local = compressor.compress({"weight": w, "weight_scale": scale.to(dtype), "weight_zero_point": zero},
-                                    q_scheme)
+        gscale = gscales.get(module)
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args, global_scale=gscale)
+        state = {"weight": w, "weight_scale": scale.to(dtype), "weight_zero_point": zero}
+        if gscale is not None:
+            state["weight_global_scale"] = gscale
+        local = compressor.compress(state, q_scheme)
         stored.update({f"{module}.{name}": t for name, t in local.items()})
         model[key] = compressor.decompress(local, q_scheme)["weight"]
     dst.mkdir(parents=True)

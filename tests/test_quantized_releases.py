@@ -227,10 +227,11 @@ def test_an_unread_quantization_method_is_refused_naming_it(releases, tmp_path, 
     _refused(capsys, src, tmp_path / "o", "holds quant_method 'gptq', which reshard does not read")
 
 
-# --- out: --quantize w4a16 / fp8-channel, as compressed-tensors compresses -----------------------
+# --- out: --quantize w4a16 / fp8-channel / nvfp4, as compressed-tensors compresses --------------
 
 #: ``--quantize`` (and its flags) -> the scheme of :data:`quantized_releases.SCHEMES` it writes.
-_OUT = {("w4a16",): "w4a16", ("w4a16", "--group-size", "16"): "w4a16_g16", ("fp8-channel",): "fp8_channel"}
+_OUT = {("w4a16",): "w4a16", ("w4a16", "--group-size", "16"): "w4a16_g16", ("fp8-channel",): "fp8_channel",
+        ("nvfp4",): "nvfp4a16"}
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +313,9 @@ def test_the_encoders_are_compressed_tensors_compressors(dtype):
     (("--quantize", "fp8-channel", "--to", "torch_dist"), "has no place for compressed-tensors' quantized weights"),
     (("--quantize", "w4a16", "--to", "megatron", "--target-tp", "2"),
      "has no place for compressed-tensors' quantized weights"),
+    (("--quantize", "nvfp4", "--group-size", "16"), "--group-size: applies only with --quantize w4a16"),
+    (("--quantize", "nvfp4", "--groups", "8"), "--groups: sets int8 quantization, not nvfp4's"),
+    (("--quantize", "nvfp4", "--to", "torch_dist"), "has no place for compressed-tensors' quantized weights"),
 ])
 def test_what_a_compressed_tensors_output_cannot_hold_is_refused_in_one_line(llama, tmp_path, capsys, flags, needle):
     capsys.readouterr()
@@ -331,17 +335,20 @@ def test_a_width_that_fills_no_whole_word_is_refused():
     assert "quantizes float16, bfloat16 or float32" in Encoding("fp8-channel").refusal((16, 96), torch.int8)[0]
 
 
-def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_path, monkeypatch):
-    """Bands of one row (each weight in many bands) give the bytes of the whole weight's compression."""
+@pytest.mark.parametrize("quantize, scheme", [("w4a16", "w4a16"), ("nvfp4", "nvfp4a16")])
+def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_path, monkeypatch, quantize, scheme):
+    """Bands of one row (each weight in many bands) give the bytes of the whole weight's compression
+    (nvfp4: the fused global scale found over the bands of q, k and v, or of gate and up, first)."""
     from reshard.formats import hf
 
     monkeypatch.setattr(hf, "FP8_CHUNK_BYTES", 1)
     bands = []
     original = hf.Encoding.encode_rows
-    monkeypatch.setattr(hf.Encoding, "encode_rows", lambda self, w: bands.append(w.shape[0]) or original(self, w))
-    assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
+    monkeypatch.setattr(hf.Encoding, "encode_rows",
+                        lambda self, w, *g: bands.append(w.shape[0]) or original(self, w, *g))
+    assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", quantize) == 0
     assert set(bands) == {1}
-    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed["w4a16"])) == []
+    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed[scheme])) == []
 
 
 def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
@@ -369,7 +376,7 @@ def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
     assert not any(info.values()), info
 
 
-@pytest.mark.parametrize("quantize", ["w4a16", "fp8-channel"])
+@pytest.mark.parametrize("quantize", ["w4a16", "fp8-channel", "nvfp4"])
 def test_a_weight_that_is_not_finite_is_refused_naming_it(llama, tmp_path, capsys, quantize):
     """An inf would make a scale inf and every code of its group NaN or 0: another model."""
     src = shutil.copytree(llama, tmp_path / "src")
@@ -381,3 +388,154 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it(llama, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert f"--quantize {quantize}: model.layers.1.mlp.up_proj." in err and "not finite" in err, err
     assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+# --- out: --quantize nvfp4's global scales, fused as llm-compressor fuses them ----------------------
+
+def _own_scales(folder: Path) -> dict[str, torch.Tensor]:
+    return {k.removesuffix(".weight_global_scale"): v for k, v in _tensors(folder).items()
+            if k.endswith(".weight_global_scale")}
+
+
+def test_nvfp4_q_k_v_and_gate_up_share_one_global_scale(llama, compressed, tmp_path):
+    """One global scale per fused group, the one llm-compressor's fused observers give (from the
+    largest absolute value over the group), where each projection's own would differ; the model
+    transformers builds from the folder (compressed-tensors' NVFP4 on a CPU) gives the logits of
+    the model compressed-tensors' own folder gives."""
+    import transformers
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    out = tmp_path / "out"
+    assert _run(str(llama), str(out), "--to", "hf", "--quantize", "nvfp4") == 0
+    scales, src = _own_scales(out), _tensors(llama)
+    for layer in (0, 1):
+        for group in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+            names = [f"model.layers.{layer}.{group[0]}.{p}" for p in group[1]]
+            own = [generate_gparam(src[n + ".weight"].amin(), src[n + ".weight"].amax()) for n in names]
+            assert all(torch.equal(scales[n], min(own)) for n in names), names
+            assert len({float(o) for o in own}) > 1, names  # not shared by chance
+    tokens = torch.tensor([[1, 5, 9, 33, 2, 77]])
+    logits = [transformers.AutoModelForCausalLM.from_pretrained(f)(tokens).logits
+              for f in (out, compressed["nvfp4a16"])]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_nvfp4_encoder_is_compressed_tensors_compressor(dtype):
+    """:func:`reshard.core.nvfp4.quantize_ct` / :func:`~reshard.core.nvfp4.global_scale_ct` against
+    compressed-tensors' ``generate_gparam``, ``calculate_qparams`` and ``NVFP4PackedCompressor``,
+    in each dtype it computes scales in, on what a random model seldom holds: every e2m1 tie
+    (``0.25``, ``0.75``, ... ``5``) and its neighbours, small negatives (code 8, -0.0), a -0.0
+    weight (code 0), an all-zero group and row (the 0.125 scale), values far below and above
+    the global scale's range, an all-zero tensor (global scale 1); any band of rows encodes as
+    the whole."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    from quantized_releases import _scheme
+    from reshard.core import nvfp4
+
+    scheme = _scheme("nvfp4a16")
+    compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+    torch.manual_seed(5)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.2, 0.3, 1.3, 2.6, 4.9, 5.1, -0.1, -0.25])
+    for magnitude in (0.05, 1e-3, 300.0, 1e-30, 0.0):
+        w = (torch.randn(40, 128) * magnitude).to(dtype)
+        w[3], w[5, :32], w[7] = 0, 0, w[7].abs()
+        w[9] = (torch.arange(128) - 64).to(dtype) / 15
+        w[11, :16] = -0.0
+        w[12, :16] = ties.to(dtype)  # group maximum 6: each value its own scaled value
+        w[13, 16:32] = -ties.to(dtype)
+        grouped = w.unflatten(-1, (8, 16))
+        g = generate_gparam(w.amin(), w.amax())
+        scale, _zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), scheme.weights, global_scale=g)
+        want = compressor.compress({"weight": w, "weight_scale": scale.to(dtype), "weight_global_scale": g}, scheme)
+        got_g = nvfp4.global_scale_ct(nvfp4.absmax(w))
+        packed, s = nvfp4.quantize_ct(w, got_g)
+        assert torch.equal(got_g, want["weight_global_scale"]) and got_g.dtype == torch.float32, magnitude
+        assert torch.equal(packed, want["weight_packed"]), magnitude
+        assert s.dtype == torch.float8_e4m3fn
+        assert torch.equal(s.view(torch.uint8), want["weight_scale"].view(torch.uint8)), magnitude
+        bands = [nvfp4.quantize_ct(w[r:r + 7], got_g) for r in range(0, 40, 7)]
+        assert torch.equal(torch.cat([b[0] for b in bands]), packed)
+        assert torch.equal(nvfp4.unpack_rows(packed), nvfp4.unpack_rows(nvfp4.pack_rows(nvfp4.unpack_rows(packed))))
+    assert float(nvfp4.global_scale_ct(torch.zeros((), dtype=dtype))) == 1.0
+
+
+def _tiny(tmp_path: Path, name: str, **config) -> Path:
+    import transformers
+
+    cls = {"qwen3": transformers.Qwen3Config, "mixtral": transformers.MixtralConfig,
+           "qwen2_moe": transformers.Qwen2MoeConfig, "llama": transformers.LlamaConfig}[name]
+    torch.manual_seed(11)
+    folder = tmp_path / name
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**_LLAMA, **config}))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def test_a_qwen3_model_is_written_as_compressed_tensors_compresses_it(tmp_path):
+    """Qwen3 (q/k norms beside the fused QKV): every tensor and the config bit for bit compressed-
+    tensors' compression with llm-compressor's fused global scales; transformers loads it."""
+    import transformers
+
+    src = _tiny(tmp_path, "qwen3", head_dim=16, num_attention_heads=4)
+    assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", "nvfp4") == 0
+    make_ct_folder(src, tmp_path / "want", "nvfp4a16")
+    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(tmp_path / "want")) == []
+    config = json.loads((tmp_path / "want" / "config.json").read_text())["quantization_config"]
+    config.pop("version")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"] == config
+    _model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+
+
+@pytest.mark.parametrize("family, config, fused", [
+    ("mixtral", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2), ("w1", "w3")),
+    ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                       num_experts_per_tok=2), ("gate_proj", "up_proj")),
+])
+def test_each_experts_gate_and_up_share_a_global_scale(tmp_path, family, config, fused):
+    """Each routed (and shared) expert's gate and up projections share their own global scale, as
+    llm-compressor's model-free path fuses them; every tensor bit for bit compressed-tensors'
+    compression of each module; transformers loads the folder at default strictness."""
+    import transformers
+
+    from quantized_releases import compress_folder_ct
+
+    src = _tiny(tmp_path, family, **config)
+    assert _run(str(src), str(tmp_path / "bf16"), "--to", "hf") == 0
+    assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", "nvfp4") == 0
+    compress_folder_ct(tmp_path / "bf16", tmp_path / "want", "nvfp4a16", r".*(_proj|\.w[123])", ["lm_head"],
+                       dtype=torch.bfloat16)
+    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(tmp_path / "want")) == []
+    scales = _own_scales(tmp_path / "out")
+    experts = sorted({k.rsplit(".", 1)[0] for k in scales if ".experts." in k or "shared_expert." in k})
+    assert len(experts) == 4 * 2 + (2 if family == "qwen2_moe" else 0)
+    for expert in experts:
+        assert torch.equal(scales[f"{expert}.{fused[0]}"], scales[f"{expert}.{fused[1]}"]), expert
+    assert len({float(scales[f"{e}.{fused[0]}"]) for e in experts}) > 1  # one scale per expert, not per layer
+    _model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_an_nvfp4_refusal_names_the_tensor_and_writes_nothing(tmp_path, capsys):
+    """An input width NVFP4's group of 16 does not divide, and an attention whose fused layers
+    (DeepSeek's q_a_proj and kv_a_proj_with_mqa) megatron-core holds as two tensors: one line,
+    nothing written. A weight of a dtype compressed-tensors does not quantize is refused too."""
+    from reshard.core.compressed_tensors_out import Encoding
+
+    src = _tiny(tmp_path, "llama", intermediate_size=72)
+    capsys.readouterr()
+    assert _run(str(src), str(tmp_path / "o"), "--to", "hf", "--quantize", "nvfp4") == 2
+    err = capsys.readouterr().err.strip()
+    assert ("--quantize nvfp4: model.layers.0.mlp.down_proj.weight has 72 inputs, not a multiple of NVFP4's "
+            "group of 16") in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+    deepseek = Path(__file__).parent / "fixtures/realtools/megatron-bridge-0.6.2/deepseek-v3/hf"
+    assert _run(str(deepseek), str(tmp_path / "o"), "--to", "hf", "--quantize", "nvfp4") == 2
+    err = capsys.readouterr().err.strip()
+    assert ("model.layers.0.self_attn.q_a_proj and model.layers.0.self_attn.kv_a_proj_with_mqa share one NVFP4 "
+            "global scale") in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+    assert "quantizes float16, bfloat16 or float32" in Encoding("nvfp4").refusal((16, 96), torch.int8)[0]

@@ -1,9 +1,10 @@
-"""Writing compressed-tensors' formats (``--quantize w4a16``, ``--quantize fp8-channel``): which
+"""Writing compressed-tensors' formats (``--quantize w4a16``, ``fp8-channel``, ``nvfp4``): which
 tensors a quantized linear weight ``X.weight`` ``[out, in]`` becomes, its codes and scales made a
 band of rows at a time, and the ``quantization_config`` that announces them, as compressed-tensors
 (llm-compressor's save path) writes them. The arithmetic is the codecs'
-(:func:`reshard.core.int_packed.quantize_symmetric`, :func:`reshard.core.fp8_scaled.quantize_channel`);
-the names and the config are what :mod:`reshard.core.compressed_tensors` reads back.
+(:func:`reshard.core.int_packed.quantize_symmetric`, :func:`reshard.core.fp8_scaled.quantize_channel`,
+:func:`reshard.core.nvfp4.quantize_ct`); the names and the config are what
+:mod:`reshard.core.compressed_tensors` reads back.
 
 ==================  ======================  ==============================================================
 ``--quantize``      format                  tensors of ``X`` (``d``: the weight's dtype)
@@ -13,25 +14,40 @@ the names and the config are what :mod:`reshard.core.compressed_tensors` reads b
                     by group)
 ``fp8-channel``     ``naive-quantized``     ``X.weight`` float8_e4m3fn ``[out, in]``, ``X.weight_scale``
                     (e4m3, by channel)      ``d`` ``[out, 1]``
+``nvfp4``           ``nvfp4-pack-quantized``  ``X.weight_packed`` uint8 ``[out, in/2]``, ``X.weight_scale``
+                    (e2m1, an e4m3 scale    float8_e4m3fn ``[out, in/16]``, ``X.weight_global_scale``
+                    per 16 inputs and a     float32 ``[1]``
+                    float32 one per tensor)
 ==================  ======================  ==============================================================
 
 (compressed-tensors names weight-only FP8 ``naive-quantized``: ``float-quantized``'s layout.)
+
+``nvfp4`` is weight-only (compressed-tensors' ``NVFP4A16`` preset): NVFP4 activations need an
+``input_global_scale`` calibrated on data, which a conversion has none of, so no activation scale is
+written. Its global scale is one per *group of fused layers* (:data:`FUSED`): llm-compressor's fused
+observers give q/k/v, and gate/up, the scale of their joint absolute maximum, because vLLM runs each
+group as one matmul with one scale. A writer finds it with :meth:`Encoding.global_scale` over every
+tensor of the group before it encodes any band of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from reshard.core import fp8_scaled, int_packed
-from reshard.core.compressed_tensors import METHOD, NAIVE, PACK
+from reshard.core import fp8_scaled, int_packed, nvfp4
+from reshard.core.compressed_tensors import METHOD, NAIVE, NVFP4, PACK
 
-W4A16, FP8_CHANNEL = "w4a16", "fp8-channel"
+W4A16, FP8_CHANNEL, NVFP4_SCHEME = "w4a16", "fp8-channel", "nvfp4"
 #: ``--quantize`` values written in compressed-tensors' formats.
-SCHEMES = (W4A16, FP8_CHANNEL)
+SCHEMES = (W4A16, FP8_CHANNEL, NVFP4_SCHEME)
+#: The layers that share one NVFP4 global scale when a module holds all of a group (llm-compressor's
+#: ``FUSED_LAYER_NAMES``: what vLLM fuses into one matmul).
+FUSED = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+         ("w1", "w3"))
 #: ``--group-size`` when not given: Kimi-K2-Thinking's and llm-compressor's W4A16 preset's.
 DEFAULT_GROUP = 32
 #: Bits of a ``w4a16`` code.
@@ -57,11 +73,27 @@ class Encoding:
             return [(module + ".weight_packed", torch.int32, (out, int_packed.packed_width(inp, INT_BITS))),
                     (module + ".weight_scale", dtype, (out, inp // self.group_size)),
                     (module + ".weight_shape", torch.int64, (2,))]
+        if self.scheme == NVFP4_SCHEME:
+            return [(module + ".weight_packed", torch.uint8, (out, inp // 2)),
+                    (module + ".weight_scale", torch.float8_e4m3fn, (out, inp // nvfp4.GROUP)),
+                    (module + ".weight_global_scale", torch.float32, (1,))]
         return [(name, fp8_scaled.E4M3, (out, inp)), (module + ".weight_scale", dtype, (out, 1))]
 
     @property
     def group_size(self) -> int:
-        return self.group or DEFAULT_GROUP
+        return nvfp4.GROUP if self.scheme == NVFP4_SCHEME else self.group or DEFAULT_GROUP
+
+    @property
+    def global_scaled(self) -> bool:
+        """Does each weight carry a global scale, found from every tensor of its fused group
+        (:meth:`global_scale`) before any band is encoded?"""
+        return self.scheme == NVFP4_SCHEME
+
+    def global_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """``X.weight_global_scale`` of the weights of one fused group whose absolute maximum,
+        in their dtype, is ``amax`` (the :func:`torch.maximum` of :func:`reshard.core.nvfp4.absmax`
+        over their bands)."""
+        return nvfp4.global_scale_ct(amax)
 
     def refusal(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, str] | None:
         """``(what, fix)``: what keeps a ``[out, in]`` weight of ``dtype`` from this encoding, and
@@ -69,6 +101,9 @@ class Encoding:
         if dtype not in FLOATS:
             return (f"is {dtype}: compressed-tensors quantizes float16, bfloat16 or float32 weights",
                     "drop --quantize")
+        if self.scheme == NVFP4_SCHEME and shape[-1] % nvfp4.GROUP:
+            return (f"has {shape[-1]} inputs, not a multiple of NVFP4's group of {nvfp4.GROUP}",
+                    "drop --quantize, or --quantize w4a16 with a --group-size that divides it")
         if self.scheme == W4A16:
             inp = shape[-1]
             if inp % self.group_size:
@@ -79,8 +114,14 @@ class Encoding:
                         "drop --quantize")
         return None
 
-    def encode_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes, scales)`` of rows ``w`` ``[n, in]`` as stored (see the module table)."""
+    def encode_rows(self, w: torch.Tensor, global_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, scales)`` of rows ``w`` ``[n, in]`` as stored (see the module table);
+        ``global_scale``: the fused group's (:meth:`global_scale`), for an encoding that has one."""
+        if self.scheme == NVFP4_SCHEME:
+            if global_scale is None:
+                raise TypeError("nvfp4 encodes rows under their fused group's global scale; none was given")
+            return nvfp4.quantize_ct(w, global_scale)
         if self.scheme == W4A16:
             codes, scale = int_packed.quantize_symmetric(w, INT_BITS, self.group_size)
             return int_packed.pack_rows(codes, INT_BITS), scale
@@ -88,10 +129,12 @@ class Encoding:
 
     def stored_bytes(self, elements: int, itemsize: int) -> int:
         """About the bytes a weight of ``elements`` values of ``itemsize`` bytes is stored in: exact
-        for ``w4a16``; for ``fp8-channel`` the codes (its scales, a value a row, are left out: the
-        rows are not known from the size)."""
+        for ``w4a16`` and ``nvfp4``; for ``fp8-channel`` the codes (its scales, a value a row, are
+        left out: the rows are not known from the size)."""
         if self.scheme == W4A16:
             return elements * INT_BITS // 8 + elements // self.group_size * itemsize + 16
+        if self.scheme == NVFP4_SCHEME:
+            return elements // 2 + elements // nvfp4.GROUP + 4
         return elements
 
     def quantization_config(self, ignore: Sequence[str]) -> dict[str, Any]:
@@ -101,6 +144,10 @@ class Encoding:
         if self.scheme == W4A16:
             fmt, weights = PACK, {"num_bits": INT_BITS, "type": "int", "symmetric": True,
                                   "group_size": self.group_size, "strategy": "group", "dynamic": False}
+        elif self.scheme == NVFP4_SCHEME:  # the NVFP4A16 preset's weights
+            fmt, weights = NVFP4, {"num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.GROUP,
+                                   "strategy": "tensor_group", "dynamic": False,
+                                   "scale_dtype": str(torch.float8_e4m3fn)}
         else:
             fmt, weights = NAIVE, {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
                                    "strategy": "channel", "dynamic": False}
@@ -109,6 +156,19 @@ class Encoding:
                                               "output_activations": None, "format": fmt}},
                 "ignore": list(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
                 "moe_sparsity_config": None, "sparsity_config": {}, "transform_config": {}}
+
+
+def fused_with(module: str, present: Collection[str]) -> list[str]:
+    """The modules of ``present`` that share ``module``'s NVFP4 global scale (:data:`FUSED`),
+    ``module`` among them; ``[module]`` where it is in no fused group or its parent does not hold
+    the whole group (llm-compressor fuses only a complete one)."""
+    parent, _, leaf = module.rpartition(".")
+    prefix = parent + "." if parent else ""
+    for group in FUSED:
+        if leaf in group and all(prefix + g in present for g in group):
+            return [prefix + g for g in group]
+    return [module]
+
 
 def shape_tensor(shape: Sequence[int]) -> torch.Tensor:
     """``X.weight_shape``: ``[out, in]`` int64, as compressed-tensors stores ``torch.tensor(shape)``."""

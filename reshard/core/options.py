@@ -48,8 +48,8 @@ WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: ``--quantize`` values: DeepSpeed's group-wise int8 (per-rank outputs; ``--quantize`` alone, as
 #: before it took a value), DeepSeek's FP8 block scaling, GPT-OSS's MXFP4 and compressed-tensors'
-#: INT4 by group and FP8 by channel (Hugging Face outputs).
-QUANTIZATIONS = ("int8", "fp8", "mxfp4", "w4a16", "fp8-channel")
+#: INT4 by group, FP8 by channel and weight-only NVFP4 (Hugging Face outputs).
+QUANTIZATIONS = ("int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4")
 
 #: ``--normalization`` and ``--position-embedding-type``: Megatron-LM's choices.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -95,14 +95,16 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel"] | None = _opt(
+    quantize: Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4"] | None = _opt(
         None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h weights (per-rank outputs; "
               "the flag alone); fp8: e4m3 block-scaled linear weights (--to hf; DeepSeek's format, which vLLM "
               "and transformers load); mxfp4: the stacked experts' weights in MXFP4, the rest as they are "
               "(--to hf; GPT-OSS's release format); w4a16: linear weights int4, symmetric, a scale per "
               "--group-size inputs (--to hf; compressed-tensors' pack-quantized, as Kimi-K2 ships); "
               "fp8-channel: linear weights e4m3, a scale per output row (--to hf; compressed-tensors' "
-              "float-quantized)", metavar="{int8,fp8,mxfp4,w4a16,fp8-channel}", alone="int8")
+              "float-quantized); nvfp4: linear weights e2m1, an e4m3 scale per 16 inputs and a global one "
+              "shared by q/k/v and by gate/up, weights only (--to hf; compressed-tensors' "
+              "nvfp4-pack-quantized)", metavar="{int8,fp8,mxfp4,w4a16,fp8-channel,nvfp4}", alone="int8")
     fp8_block: tuple[int, int] | None = _opt(None, "with --quantize fp8: the scale blocks, rows x columns "
                                                    "(default 128x128)", metavar="ROWSxCOLS")
     group_size: int | None = _opt(None, "with --quantize w4a16: inputs per scale (default 32)", metavar="N",
@@ -277,14 +279,14 @@ class ReshardOptions(BaseModel):
                 if getattr(self, name) != ReshardOptions.model_fields[name].default:
                     raise LayoutError("sets int8 quantization, not MXFP4's (32 values per scale, fixed)",
                                       culprit=flag_of(name), hint="drop it, or --quantize int8")
-        if self.quantize in ("w4a16", "fp8-channel"):  # the int8 settings would be ignored
+        if self.quantize in ("w4a16", "fp8-channel", "nvfp4"):  # the int8 settings would be ignored
             for name in ("bits", "groups", "mlp_extra_grouping"):
                 if getattr(self, name) != ReshardOptions.model_fields[name].default:
                     raise LayoutError(f"sets int8 quantization, not {self.quantize}'s", culprit=flag_of(name),
                                       hint="drop it (w4a16's group is --group-size), or --quantize int8")
-        if self.group_size is not None and self.quantize != "w4a16":
+        if self.group_size is not None and self.quantize != "w4a16":  # NVFP4's group is 16, fixed
             raise LayoutError("applies only with --quantize w4a16", culprit="--group-size",
-                              hint="add --quantize w4a16, or drop it")
+                              hint="add --quantize w4a16, or drop it (nvfp4's group is 16, fixed)")
         if self.hf_architecture is not None and self.to != "hf":  # the hf format's own choice of class
             raise LayoutError("names the class of a Hugging Face export", culprit=flag_of("hf_architecture"),
                               hint="add --to hf, or drop it")

@@ -60,7 +60,7 @@ def reshard_deployment(
     target_pipeline_layout: str | None = None,
     target_ep: int | None = None,
     target_etp: int | None = None,
-    quantize: bool | Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel"] | None = None,
+    quantize: bool | Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4"] | None = None,
     fp8_block: str | list[int] | None = None,
     group_size: int | None = None,
     bits: int = 8,

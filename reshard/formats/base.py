@@ -282,7 +282,7 @@ class Writing:
     holds_fp8: ClassVar[bool] = False
     #: Can this layout hold MXFP4 weights (``--quantize mxfp4``)?
     holds_mxfp4: ClassVar[bool] = False
-    #: Can this layout hold compressed-tensors' formats (``--quantize w4a16``, ``fp8-channel``)?
+    #: Can this layout hold compressed-tensors' formats (``--quantize w4a16``, ``fp8-channel``, ``nvfp4``)?
     holds_compressed_tensors: ClassVar[bool] = False
     #: Top-level entries of the source that this output keeps although a reshard drops them
     #: elsewhere (:data:`~reshard.core.plan_types.DROPPED_ENTRIES`): a universal checkpoint resumes

@@ -31,16 +31,16 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.core import mxfp4
+from reshard.core import mxfp4, nvfp4
 from reshard.core.compressed_tensors_out import SCHEMES as CT_SCHEMES
-from reshard.core.compressed_tensors_out import Encoding, shape_tensor
+from reshard.core.compressed_tensors_out import Encoding, fused_with, shape_tensor
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
 from reshard.core.fp8_block import (
     DEFAULT_BLOCK,
@@ -501,20 +501,25 @@ def _fp8_block(plan: Plan) -> tuple[int, int] | None:
 
 
 def _ct_encoding(plan: Plan) -> Encoding | None:
-    """The compressed-tensors encoding of the output's linear weights (``--quantize w4a16`` or
-    ``fp8-channel``), else None."""
+    """The compressed-tensors encoding of the output's linear weights (``--quantize w4a16``,
+    ``fp8-channel`` or ``nvfp4``), else None."""
     if plan.options.quantize not in CT_SCHEMES:
         return None
     return Encoding(plan.options.quantize, plan.options.group_size)
 
 
 def _check_ct(plan: Plan, arch: HFArchitecture, encoding: Encoding) -> None:
-    """``--quantize w4a16`` / ``fp8-channel`` (``encoding``) encode the linear weights, each of a float
-    dtype and (w4a16) of an input width the group size divides, in an architecture that has them."""
+    """``--quantize w4a16`` / ``fp8-channel`` / ``nvfp4`` (``encoding``) encode the linear weights,
+    each of a float dtype and of an input width the group size divides (w4a16, nvfp4), in an
+    architecture that has them; under ``nvfp4`` the layers that share a global scale
+    (:func:`~reshard.core.compressed_tensors_out.fused_with`: q/k/v, gate/up) are each made from
+    one megatron-core tensor (a fused QKV, a fused fc1, an expert's fc1), whose export finds their
+    scale before it writes any of them."""
     flag = f"--quantize {encoding.scheme}"
     if not any(row.linear for row in arch.names):
         raise LayoutError(f"{arch.name} has no linear layer compressed-tensors quantizes (its weights are not "
                           "[out, in])", culprit=flag, hint="drop --quantize")
+    source: dict[str, str] = {}  # each quantized module -> the megatron-core tensor it is made from
     for tgt in range(len(plan.targets)):
         for exp, _value, dtype, enc in _exports(plan, tgt, _module(plan.target_state(tgt), plan)):
             if not isinstance(enc, Encoding):
@@ -523,6 +528,14 @@ def _check_ct(plan: Plan, arch: HFArchitecture, encoding: Encoding) -> None:
                 refused = encoding.refusal(o.shape, dtype)
                 if refused is not None:
                     raise LayoutError(f"{o.name} {refused[0]}", culprit=flag, hint=refused[1])
+                source[o.name.removesuffix(".weight")] = exp.key
+    if encoding.global_scaled:
+        for module, key in source.items():
+            split = [m for m in fused_with(module, source) if source[m] != key]
+            if split:
+                raise LayoutError(f"{module} and {split[0]} share one NVFP4 global scale (vLLM fuses them) but are "
+                                  f"made from two tensors, {key} and {source[split[0]]}", culprit=flag,
+                                  hint="drop --quantize, or --quantize w4a16 / fp8-channel")
 
 
 def _ct_ignored(plan: Plan, files: int) -> list[str]:
@@ -886,28 +899,44 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
     """Queue one megatron-core linear weight's Hugging Face weights in compressed-tensors' format
     (``encoding``): the weight is whole in memory, as for FP8 blocks (:func:`_write_fp8_export`);
     its codes are made and queued a band of rows (about :data:`FP8_CHUNK_BYTES` of the weight) at
-    a time, then its scales (then ``weight_shape``)."""
+    a time, then its scales (then ``weight_shape``, or ``weight_global_scale``). An encoding with a
+    global scale finds it first, in a pass over the same bands of every output (a fused QKV's q, k
+    and v, a fused fc1's gate and up share it: :func:`_check_ct`), nothing written before."""
     per = len(entries) // len(exp.outputs)
     flag = f"--quantize {encoding.scheme}"
+
+    def bands(out: torch.Tensor, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        rows = max(1, FP8_CHUNK_BYTES // max(1, out.shape[1] * out.element_size()))
+        for r in range(0, out.shape[0], rows):
+            band = out[r:r + rows]
+            if not bool(torch.isfinite(band).all()):
+                raise LayoutError(f"{name}: holds a value that is not finite", culprit=flag,
+                                  hint="the checkpoint's weights are not finite; convert it without --quantize")
+            yield r, band
+
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
         outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
         for i, out in enumerate(outs):
-            codes, scales, *rest = entries[per * i:per * i + per]
+            codes = entries[per * i]
             if (out.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(out.shape, out.dtype):
                 raise WriterError(f"{exp.key}: made {tuple(out.shape)} {out.dtype} for {codes.name} {codes.shape}")
+        fused = None
+        if encoding.global_scaled:
+            amax = torch.zeros((), dtype=outs[0].dtype)
+            for i, out in enumerate(outs):
+                for _r, band in bands(out, entries[per * i].name):
+                    amax = torch.maximum(amax, nvfp4.absmax(band))
+            fused = encoding.global_scale(amax)
+        for i, out in enumerate(outs):
+            codes, scales, *rest = entries[per * i:per * i + per]
             s = torch.empty(scales.shape, dtype=scales.dtype)
-            rows = max(1, FP8_CHUNK_BYTES // max(1, out.shape[1] * out.element_size()))
-            for r in range(0, out.shape[0], rows):
-                band = out[r:r + rows]
-                if not bool(torch.isfinite(band).all()):
-                    raise LayoutError(f"{codes.name}: holds a value that is not finite", culprit=flag,
-                                      hint="the checkpoint's weights are not finite; convert it without --quantize")
-                q, sb = encoding.encode_rows(band)
+            for r, band in bands(out, codes.name):
+                q, sb = encoding.encode_rows(band, fused)
                 s[r:r + q.shape[0]] = sb
                 writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
             writer.put((tensor_bytes(s), base + scales.start, None, s))
-            for entry in rest:  # weight_shape
-                t = shape_tensor(out.shape)
+            for entry in rest:  # weight_shape, or weight_global_scale
+                t = fused if fused is not None else shape_tensor(out.shape)
                 writer.put((tensor_bytes(t), base + entry.start, None, t))
 
 
