@@ -220,6 +220,9 @@ PEFT_REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("layers_to_transform", None, "some layers only are adapted"),
     ("target_parameters", None, "parameters (3-D expert tensors) are adapted, not linear layers"),
     ("trainable_token_indices", None, "token embeddings are trained beside the adapters"),
+    ("layer_replication", None, "layers are replicated, sharing adapters"),
+    ("use_qalora", False, "QA-LoRA pools the input in groups before A"),
+    ("alora_invocation_tokens", None, "activated LoRA adapts the tokens after its invocation only"),
 )
 
 
