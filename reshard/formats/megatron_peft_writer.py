@@ -44,8 +44,7 @@ from reshard.core.torch_writer import PendingTensor
 from reshard.formats.base import CheckpointFormat
 from reshard.formats.torch_dist import COMMON_STATE, CONFIG, INDEX, TORCH_DIST, GlobalItem, index_bytes, write_distcp
 from reshard.models.bridge_config import RUN_CONFIG, model_section
-from reshard.models.lora import tp_boxes, wrapped_layer
-from reshard.models.megatron_gpt import LAYERS
+from reshard.models.lora import dist_key, tp_boxes, wrapped_layer
 
 MEGATRON_PEFT = "megatron-peft"
 #: Megatron-Bridge's train state file, in the iteration folder and (``latest_``) in the run folder.
@@ -89,22 +88,15 @@ def iteration_folder() -> str:
     return f"iter_{ITERATION:07d}"
 
 
-def dist_key(key: str, side: str) -> str:
-    """The torch_dist key of an adapter weight: the wrapped layer's place under the stacked
-    ``decoder.layers.`` (its leading axis the layer), then ``adapter.linear_in`` (A) or ``linear_out`` (B)."""
-    place = key[len(LAYERS):].split(".", 1)[1].rsplit(".", 1)[0]
-    return f"{LAYERS}{place}.adapter.linear_{'in' if side == 'A' else 'out'}.weight"
-
-
 def rank_items(pairs: Mapping[str, tuple[Any, Any]], tp: int, layers: int, swiglu: bool) -> list[list[GlobalItem]]:
     """Each TP rank's chunks, in its file's order (the sharded state dict's: each key of the first
     layer's modules in order, A before B; its layers in order; each layer's boxes in order). A chunk
     is made when its blob is written (read box by box from the lazy adapters: one chunk in memory)."""
     keys: dict[str, list[tuple[int, Any]]] = {}
     for key, (a, b) in pairs.items():
-        layer = int(key[len(LAYERS):].split(".", 1)[0])
         for side, t in (("A", a), ("B", b)):
-            keys.setdefault(dist_key(key, side), []).append((layer, (side, wrapped_layer(key), t)))
+            dkey, layer = dist_key(key, side)
+            keys.setdefault(dkey, []).append((layer, (side, wrapped_layer(key), t)))
     out: list[list[GlobalItem]] = [[] for _ in range(tp)]
     for dkey, per_layer in keys.items():
         for layer, (side, wrapped, t) in per_layer:

@@ -56,6 +56,7 @@ from reshard.models.hf_architectures import (
     Run,
     export_of,
 )
+from reshard.models.megatron_gpt import LAYERS
 
 #: An adapter weight: the wrapped module, and A (``in``) or B (``out``).
 ADAPTER_KEY = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<side>in|out)\.weight$")
@@ -372,6 +373,14 @@ def peft_import(tensors: Mapping[str, Any], model: HFModel, r: int, ffn: int) ->
             for n in range(layers) for place in MODULE_ORDER if f"decoder.layers.{n}.{place}.weight" in pairs}
 
 
+def dist_key(key: str, side: str) -> tuple[str, int]:
+    """The torch_dist key of an adapter weight of the base weight ``key`` and its layer: the wrapped
+    layer's place under the stacked ``decoder.layers.`` (whose leading axis is the layer), then
+    ``adapter.linear_in`` (A) or ``adapter.linear_out`` (B), as Megatron-Bridge's sharded state dict keys it."""
+    layer, place = key[len(LAYERS):].split(".", 1)
+    return f"{LAYERS}{place.rsplit('.', 1)[0]}.adapter.linear_{'in' if side == 'A' else 'out'}.weight", int(layer)
+
+
 def tp_boxes(layer: str, side: str, shape: tuple[int, int], tp: int, swiglu: bool
              ) -> list[list[tuple[tuple[int, int], tuple[int, int]]]]:
     """Each TP rank's boxes ``(offsets, sizes)`` of one adapter weight of ``shape`` (A ``[r, in]``
@@ -418,6 +427,6 @@ def check_tp(pairs: Mapping[str, tuple[Any, Any]], tp: int, facts: ModelFacts) -
 
 
 __all__ = ["ADAPTER_KEY", "BRIDGE_LORA", "BRIDGE_TARGETS", "COLUMN_PARALLEL", "MODULE_ORDER", "PEFT_PREFIX",
-           "LoraSettings", "PeftExport", "adapter_parts", "base_model_keys", "check_tp", "lora_settings",
+           "LoraSettings", "PeftExport", "adapter_parts", "base_model_keys", "check_tp", "dist_key", "lora_settings",
            "peft_export", "peft_import", "peft_section", "peft_settings", "target_modules", "tp_boxes",
            "wrapped_layer"]
