@@ -139,6 +139,20 @@ def test_round_trip_is_bit_identical(adapters: dict[str, Path], tmp_path: Path, 
     assert sorted(configs[0]["target_modules"]) == configs[1]["target_modules"]
 
 
+def test_attention_only_adapter(tmp_path: Path) -> None:
+    """An adapter of q/k/v/o alone wraps linear_qkv and linear_proj (run_config's target_modules) and
+    comes back as it was."""
+    attention = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    src = _edited(LORA[1] / "hf_adapter", tmp_path / "src", attention,
+                  lambda w: {k: v for k, v in w.items() if ".self_attn." in k})
+    assert _to_megatron(src, tmp_path / "meg", "--target-tp", "2") == 0
+    rc = yaml.safe_load((_iteration(tmp_path / "meg") / "run_config.yaml").read_text())
+    assert rc["peft"]["target_modules"] == ["linear_qkv", "linear_proj"]
+    assert _to_hf(tmp_path / "meg", tmp_path / "back") == 0
+    want, got = (load_file(str(d / "adapter_model.safetensors")) for d in (src, tmp_path / "back"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_merge_adapter_takes_the_written_checkpoint(adapters: dict[str, Path], tmp_path: Path) -> None:
     """``--merge-adapter`` of reshard's TP 2 checkpoint gives the bytes the merge of Bridge's own gives."""
     assert _to_megatron(adapters["reshard-tp2"], tmp_path / "meg", "--target-tp", "2") == 0

@@ -27,8 +27,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class HFPeftFormat(CheckpointFormat):
-    """Hugging Face PEFT: a LoRA adapter folder, written from a Megatron-Bridge PEFT checkpoint
-    (read by ``--to megatron-peft``, :func:`read_adapter`, not as a model).
+    """Hugging Face PEFT: a LoRA adapter folder, written from a Megatron-Bridge PEFT checkpoint and
+    read by --to megatron-peft.
+
+    Read as an adapter (:func:`read_adapter`), never as a model's weights.
 
     Its files are ``adapter_config.json`` and ``adapter_model.safetensors``."""
 
