@@ -8,7 +8,7 @@ export DS_ACCELERATOR := cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test test-quick test-quick-py312 lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools
+.PHONY: demo test test-quick test-quick-py312 lint install install-dev bytecode clean side-env realtools-fixtures realtools-args check-realtools check-peft-back
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,11 @@ realtools-args: side-env
 check-realtools: side-env
 	$(SIDE_PY) tests/realtools/check_loads.py $(OUT) $(if $(FLAGS),--flags "$(FLAGS)") \
 		$(if $(FIXTURE),--fixture $(FIXTURE)) $(if $(HF),--hf $(HF)) $(if $(REFERENCE),--reference $(REFERENCE))
+
+# does Megatron-Bridge 0.6 load the PEFT checkpoints reshard writes (--to megatron-peft of the LoRA
+# fixtures' adapters at TP 1 and TP 2, exported back by its export_adapter_ckpt and compared)?
+check-peft-back: side-env
+	$(SIDE_PY) tests/realtools/check_peft_back.py --reshard $(abspath $(VENV))/bin/reshard
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

@@ -1,5 +1,7 @@
 """LoRA adapter checkpoints: Megatron-Bridge's PEFT save (torch_dist, adapters only) -> a Hugging
-Face PEFT adapter folder (``reshard run LORA_CKPT DST --to hf-peft``).
+Face PEFT adapter folder (``reshard run LORA_CKPT DST --to hf-peft``), and back (``reshard run
+HF_ADAPTER DST --to megatron-peft [--target-tp N]``, :func:`export_megatron_peft`: the fusion reversed
+by the base architecture's name table, :func:`reshard.models.lora.peft_import`).
 
 Why a path of its own: an adapter checkpoint holds no model (no embeddings, no norms), so the
 planner's model checks do not apply; each adapter weight is small and goes, whole, to the Hugging
@@ -10,6 +12,8 @@ The adapters keep their dtype (Megatron-Bridge 0.6.2's own export writes them as
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
 import uuid
 from pathlib import Path
@@ -17,12 +21,23 @@ from typing import Any
 
 import torch
 
-from reshard.core.errors import DestinationError
-from reshard.formats.hf_peft import adapter_config, write_adapter
+from reshard.core.errors import DestinationError, LayoutError
+from reshard.formats.hf_peft import ADAPTER_CONFIG, adapter_config, read_adapter, write_adapter
 from reshard.formats.megatron_peft import read_adapter_checkpoint
+from reshard.formats.megatron_peft_writer import rank_items, run_config, write_checkpoint
 from reshard.models.hf_architectures import ffn_widths
-from reshard.models.hf_registry import decide_export
-from reshard.models.lora import base_model_keys, peft_export, target_modules
+from reshard.models.hf_registry import decide_export, read_config
+from reshard.models.lora import (
+    BRIDGE_TARGETS,
+    base_model_keys,
+    check_tp,
+    peft_export,
+    peft_import,
+    peft_section,
+    peft_settings,
+    target_modules,
+    wrapped_layer,
+)
 
 
 def export_hf_peft(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
@@ -65,3 +80,65 @@ def export_hf_peft(src: str | Path, dst: str | Path, *, overwrite: bool = False)
             shutil.rmtree(stage)
     return {"destination": str(dst), "architecture": arch.name, "tensors": len(out), "bytes": size,
             "dtypes": sorted(str(d) for d in dtypes), "r": ckpt.lora.r, "lora_alpha": ckpt.lora.alpha}
+
+
+def export_megatron_peft(src: str | Path, dst: str | Path, *, target_tp: int | None = None,
+                         model_config: dict[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """``reshard run HF_ADAPTER DST --to megatron-peft``: write a Hugging Face PEFT adapter as
+    Megatron-Bridge's PEFT checkpoint at TP ``target_tp`` (default 1: a torch_dist checkpoint loads
+    at any TP; the TP decides only its files and chunks), staged beside ``dst`` and renamed into
+    place. The base's ``config.json`` is ``model_config`` (``--model-config``), else the one in the
+    folder the adapter's ``base_model_name_or_path`` names: it gives what the adapter alone lacks
+    (heads, query groups, head size) and the ``model`` section Megatron-Bridge builds from."""
+    src, dst = Path(src), Path(dst)
+    tp = target_tp or 1
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise DestinationError("is not empty", culprit=str(dst), hint="choose an empty folder, or --overwrite")
+    config, tensors = read_adapter(src)
+    lora = peft_settings(config, str(src / ADAPTER_CONFIG))
+    base = config.get("base_model_name_or_path")
+    base = base if isinstance(base, str) and base else None
+    model = read_config(*_base_config(model_config, base, src))
+    if getattr(model.args, "num_experts", None):
+        raise LayoutError(f"the base is a mixture of {model.args.num_experts} experts: experts' adapters are not "
+                          "converted yet", culprit="--to megatron-peft", hint="convert the adapter of a dense model")
+    pairs = peft_import(tensors, model, lora.r, model.args.ffn_hidden_size)
+    check_tp(pairs, tp, model.facts)
+    dtype = next(iter(pairs.values()))[0].dtype
+    args = argparse.Namespace(**{**vars(model.args), "params_dtype": dtype, "bf16": dtype == torch.bfloat16,
+                                 "fp16": dtype == torch.float16})
+    targets = sorted({wrapped_layer(k) for k in pairs})
+    text = run_config(args, peft_section(lora, targets), tp, base)
+    ranks = rank_items(pairs, tp, model.facts.num_layers or 0, bool(model.facts.swiglu))
+    stage = dst.parent / f".{dst.name}.reshard-{uuid.uuid4().hex[:8]}"
+    try:
+        size = write_checkpoint(stage, ranks, text)
+        if dst.exists():
+            shutil.rmtree(dst)
+        stage.rename(dst)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage)
+    return {"destination": str(dst), "architecture": model.architecture, "tensors": 2 * len(pairs), "bytes": size,
+            "dtypes": [str(dtype)], "r": lora.r, "lora_alpha": lora.alpha, "tp": tp,
+            "target_modules": [t for t in BRIDGE_TARGETS if t in targets]}
+
+
+def _base_config(given: dict[str, Any] | None, base: str | None, src: Path) -> tuple[dict[str, Any], str]:
+    """The base's ``config.json`` and where it came from (see :func:`export_megatron_peft`)."""
+    if given is not None:
+        return given, "--model-config"
+    path = Path(base) / "config.json" if base else None
+    if path is None or not path.is_file():
+        raise LayoutError(f"the base model ({base or 'not named'}) is no local folder with a config.json: its heads, "
+                          "query groups and head size are unknown", culprit=str(src / ADAPTER_CONFIG),
+                          hint="give the base's config.json with --model-config")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise LayoutError("is not valid JSON", culprit=str(path), hint="give the base's config.json with "
+                                                                       "--model-config") from None
+    if not isinstance(data, dict):
+        raise LayoutError("is not a JSON object", culprit=str(path), hint="give the base's config.json with "
+                                                                          "--model-config")
+    return data, str(path)

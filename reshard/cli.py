@@ -243,7 +243,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     display = ProgressDisplay(live=False if ns.json else None, status="reading the source")
     if ns.json:  # machine-readable: stdout holds the summary, stderr nothing but an error
         display = contextlib.nullcontext()  # type: ignore[assignment]
-    if ns.to == "hf-peft":  # an adapter checkpoint: no model to plan (reshard.adapters)
+    if ns.to in ("hf-peft", "megatron-peft"):  # an adapter: no model to plan (reshard.adapters)
         return _run_adapter(ns)
     with display:
         summary = _run_direct(ns) if ns.direct else _run_with_prefect(ns)
@@ -267,28 +267,37 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def _run_adapter(ns: argparse.Namespace) -> int:
-    """``--to hf-peft``: a LoRA adapter checkpoint written as a Hugging Face PEFT adapter, local
-    folders only (an adapter is small: no streaming from or to object storage)."""
-    from reshard.adapters import export_hf_peft
+    """``--to hf-peft``: a LoRA adapter checkpoint written as a Hugging Face PEFT adapter;
+    ``--to megatron-peft``: a Hugging Face PEFT adapter written as Megatron-Bridge's PEFT checkpoint
+    (at ``--target-tp``, the base described by ``--model-config`` where the adapter's folder does not
+    name a local one). Local folders only (an adapter is small: no streaming from or to object storage)."""
+    from reshard.adapters import export_hf_peft, export_megatron_peft
     from reshard.core.errors import DestinationError, LayoutError
     from reshard.core.options import ReshardOptions, flag_of
 
     fields = ReshardOptions.model_fields
-    given = [flag_of(k) for k, v in _option_fields(ns).items() if k != "to" and v != fields[k].default]
-    if given:  # an adapter is written as it is: nothing of a model's layout applies
-        raise LayoutError(f"{', '.join(given)} do(es) not apply to an adapter", culprit="--to hf-peft",
+    takes = ("to", "target_tp", "hf_model_config") if ns.to == "megatron-peft" else ("to",)
+    given = [flag_of(k) for k, v in _option_fields(ns).items() if k not in takes and v != fields[k].default]
+    if given:  # an adapter is written as it is: nothing else of a model's layout applies
+        raise LayoutError(f"{', '.join(given)} do(es) not apply to an adapter", culprit=f"--to {ns.to}",
                           hint="drop them; --merge-adapter merges into a base's conversion (--to hf)")
     for flag, url in (("SRC", ns.src), ("DST", ns.dst)):
         if "://" in url:
-            raise DestinationError(f"{flag} is a URL; --to hf-peft reads and writes local folders", culprit=url,
-                                   hint="copy the adapter checkpoint to a local folder first")
-    summary = export_hf_peft(ns.src, ns.dst, overwrite=ns.overwrite)
+            raise DestinationError(f"{flag} is a URL; --to {ns.to} reads and writes local folders", culprit=url,
+                                   hint="copy the adapter to a local folder first")
+    if ns.to == "hf-peft":
+        summary = export_hf_peft(ns.src, ns.dst, overwrite=ns.overwrite)
+        what = f"Hugging Face PEFT adapter for {summary['architecture']}"
+    else:
+        options = parsed_options(ns, ns.target_tp)
+        summary = export_megatron_peft(ns.src, ns.dst, target_tp=options.target_tp,
+                                       model_config=options.hf_model_config, overwrite=ns.overwrite)
+        what = f"Megatron-Bridge PEFT checkpoint at TP {summary['tp']} ({', '.join(summary['target_modules'])})"
     if ns.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"committed {summary['destination']}: Hugging Face PEFT adapter for {summary['architecture']} "
-              f"(r {summary['r']}, alpha {summary['lora_alpha']:g}, {summary['tensors']} tensors, "
-              f"{', '.join(summary['dtypes'])})")
+        print(f"committed {summary['destination']}: {what} (r {summary['r']}, alpha {summary['lora_alpha']:g}, "
+              f"{summary['tensors']} tensors, {', '.join(summary['dtypes'])})")
     return 0
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from reshard.core.errors import LayoutError
+from reshard.core.errors import CheckpointFormatError, LayoutError
 from reshard.core.options import ReshardOptions
 from reshard.core.source import SourceCheckpoint
 from reshard.formats.base import CheckpointFormat
@@ -27,7 +27,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class HFPeftFormat(CheckpointFormat):
-    """Hugging Face PEFT: a LoRA adapter folder, written from a Megatron-Bridge PEFT checkpoint.
+    """Hugging Face PEFT: a LoRA adapter folder, written from a Megatron-Bridge PEFT checkpoint and
+    read by --to megatron-peft.
+
+    Read as an adapter (:func:`read_adapter`), never as a model's weights.
 
     Its files are ``adapter_config.json`` and ``adapter_model.safetensors``."""
 
@@ -62,6 +65,35 @@ def adapter_config(*, r: int, alpha: float, dropout: float, targets: list[str],
             "lora_dropout": dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": False, "use_dora": False, "use_rslora": False, "rank_pattern": {},
             "alpha_pattern": {}, "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
+
+
+def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Hugging Face PEFT adapter folder (what ``save_pretrained`` writes): its ``adapter_config.json``
+    and its tensors as lazy views of ``adapter_model.safetensors`` (validated by the ``safetensors``
+    library first). A pickled ``adapter_model.bin`` is refused: reshard does not unpickle weights
+    it can read safely otherwise."""
+    from reshard.core.safetensors_read import MappedSafetensors
+
+    folder = Path(folder)
+    config_path, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not config_path.is_file():
+        raise CheckpointFormatError(f"has no {ADAPTER_CONFIG}: not a Hugging Face PEFT adapter", culprit=str(folder),
+                                    hint="point at the folder peft's save_pretrained wrote")
+    if not weights.is_file():
+        pickled = (folder / "adapter_model.bin").is_file()
+        raise CheckpointFormatError(f"has no {ADAPTER_WEIGHTS}" + (" (a pickled adapter_model.bin only)" if pickled
+                                                                    else ""), culprit=str(folder),
+                                    hint="save the adapter with safe_serialization=True (peft's default)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointFormatError("is not valid JSON", culprit=str(config_path),
+                                    hint="re-save the adapter with peft's save_pretrained") from None
+    if not isinstance(config, dict):
+        raise CheckpointFormatError("is not a JSON object", culprit=str(config_path),
+                                    hint="re-save the adapter with peft's save_pretrained")
+    mapped = MappedSafetensors(weights)
+    return config, {name: mapped.tensor(name) for name in mapped.entries}
 
 
 def write_adapter(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], config: Mapping[str, Any]) -> int:

@@ -19,6 +19,7 @@ BUILTIN: tuple[str, ...] = (
     "reshard.formats.deepspeed:DeepSpeedDescriptorFormat",
     "reshard.formats.hf:HFFormat",
     "reshard.formats.hf_peft:HFPeftFormat",
+    "reshard.formats.megatron_peft_writer:MegatronPeftFormat",
     "reshard.formats.universal:UniversalFormat",
 )
 ENTRY_POINT_GROUP = "reshard.formats"
