@@ -368,6 +368,32 @@ def _lora_rank(rank: int, base: str, fixture: str, errors: Any, tp: int = 1, por
         raise
 
 
+def _bridge_export(base: str, fixture: str, errors: Any) -> None:
+    """Megatron-Bridge's ``export_adapter_ckpt`` of a LoRA fixture saved on several ranks, in a
+    process of its own (world 1, gloo): the export builds its model at TP 1 / EP 1 and loads the
+    torch_dist checkpoint, whose tensors are global, at that layout."""
+    try:
+        import cpu_shims
+
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        cpu_shims.install_for_bridge()
+        import torch.distributed as dist
+        from megatron.bridge import AutoBridge
+
+        root = Path(fixture)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{megatron_lm.free_port()}", world_size=1,
+                                rank=0)
+        bridge = AutoBridge.from_hf_pretrained(str(Path(base) / "hf"))
+        bridge.export_adapter_ckpt(str(root / "checkpoint" / f"iter_{LORA_STEP:07d}"), str(root / "hf_adapter"),
+                                   show_progress=False)
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        errors.put(traceback.format_exc())
+        raise
+
+
 def write_lora(base: Path, root: Path, tp: int = 1, ep: int = 1) -> Path:
     """The LoRA fixture on the committed ``base`` fixture (its hf/ and checkpoint/), at TP ``tp`` and
     EP ``ep``."""
@@ -388,6 +414,12 @@ def write_lora(base: Path, root: Path, tp: int = 1, ep: int = 1) -> Path:
         proc.join()
     if any(proc.exitcode for proc in procs):
         raise RuntimeError(f"LoRA of {base.name} failed:\n" + (errors.get() if not errors.empty() else ""))
+    if ep > 1:  # the expert-parallel save exported by Megatron-Bridge too (its float32 adapters written as bf16)
+        proc = ctx.Process(target=_bridge_export, args=(str(base), str(fixture), errors))
+        proc.start()
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"export of {fixture.name} failed:\n" + (errors.get() if not errors.empty() else ""))
     if world > 1:
         layout = f"tensor_model_parallel_size={tp}" + (f", expert_model_parallel_size={ep}" if ep > 1 else "")
         meta = {"tool": "megatron-bridge", "versions": versions(), "format": "torch_dist (adapters only)",
@@ -402,6 +434,8 @@ def write_lora(base: Path, root: Path, tp: int = 1, ep: int = 1) -> Path:
                           "that was saved"}
         if ep > 1:
             meta["expert_parallel"] = ep
+            meta["made_by"] += (f"; AutoBridge.export_adapter_ckpt(checkpoint/iter_{LORA_STEP:07d}) in one process -> "
+                                "hf_adapter/ (Hugging Face PEFT)")
         finish(fixture, meta)
         return fixture
     ref = torch.load(fixture / "logits.pt", weights_only=True)
@@ -499,6 +533,8 @@ def main() -> None:
     jobs.append(("llama-lora-tp2", bridge_root, lambda root: write_lora(bridge_root / "llama", root, tp=2)))
     jobs.append(("qwen3-moe-lora", bridge_root, lambda root: write_lora(bridge_root / "qwen3-moe", root)))
     jobs.append(("qwen3-moe-lora-ep2", bridge_root, lambda root: write_lora(bridge_root / "qwen3-moe", root, ep=2)))
+    jobs.append(("qwen3-moe-lora-tp2-ep2", bridge_root,
+                 lambda root: write_lora(bridge_root / "qwen3-moe", root, tp=2, ep=2)))
     for fixture_name, root, job in jobs:
         if a.only and fixture_name not in a.only:
             continue
