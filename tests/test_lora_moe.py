@@ -6,9 +6,11 @@ The sources are adapters Megatron-Bridge 0.6.2 itself applied and saved on a CPU
 ``tests/realtools/write_fixtures.py``): its default ``LoRA`` targets wrap the attention's
 ``linear_qkv``/``linear_proj`` and, with ``SequentialMLP`` experts, every routed expert's
 ``linear_fc1``/``linear_fc2`` (one adapter per expert; the router is no default target and
-Qwen3-MoE has no shared expert). At TP 1 the model (and so the adapters) is bf16 and Megatron-Bridge's
-own ``export_adapter_ckpt`` lies beside it; at EP 2 (two gloo ranks, two experts each) the model is
-float32 and each rank's experts were drawn apart, so an expert read under another number shows.
+Qwen3-MoE has no shared expert). At TP 1 the model (and so the adapters) is bf16; at EP 2 (two gloo
+ranks, two experts each) and at TP 2 x EP 2 (four) it is float32, and each rank's experts (and, at
+TP 2, shards) were drawn apart, so an expert read under another number shows. Beside each lies
+Megatron-Bridge's own ``export_adapter_ckpt`` of it (run in one process: it loads the torch_dist
+checkpoint at TP 1 / EP 1), which writes the adapters as bf16.
 
 The reference is megatron-core's forward of the base plus the adapters, recorded by the run that
 saved them (``logits.pt``'s ``megatron_logits``), as in ``tests/test_lora.py``. transformers 5 holds
@@ -37,7 +39,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 BRIDGE = Path(__file__).resolve().parent / "fixtures" / "realtools" / "megatron-bridge-0.6.2"
 BASE = BRIDGE / "qwen3-moe"
-LORA = {"tp1": BRIDGE / "qwen3-moe-lora", "ep2": BRIDGE / "qwen3-moe-lora-ep2"}
+LORA = {"tp1": BRIDGE / "qwen3-moe-lora", "ep2": BRIDGE / "qwen3-moe-lora-ep2",
+        "tp2-ep2": BRIDGE / "qwen3-moe-lora-tp2-ep2"}
 #: logits of a float32 forward against megatron-core's float32 one: the same weights, other kernels
 TOL = 1e-5
 #: a merged bf16 model's logits against megatron-core's forward of bf16 base + unmerged adapters
@@ -100,23 +103,28 @@ def test_hf_peft_logits_equal_megatron_core(exported: dict[str, Path], name: str
         4, 8, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
 
 
-def test_hf_peft_equals_bridge_export_at_tp1(exported: dict[str, Path]) -> None:
-    """Bit for bit what Megatron-Bridge's own export_adapter_ckpt wrote, and the same config's
-    rank, alpha and targets. Both are bf16 here without a cast: the model is bf16 and Megatron-Bridge
-    casts the adapters to it at build time, so its export's bf16 cast changes nothing."""
-    ours = load_file(str(exported["tp1"] / "adapter_model.safetensors"))
-    bridge = load_file(str(LORA["tp1"] / "hf_adapter" / "adapter_model.safetensors"))
-    assert sorted(ours) == sorted(bridge)
-    assert [k for k, v in bridge.items() if not (ours[k].dtype == v.dtype == torch.bfloat16
-                                                 and torch.equal(ours[k], v))] == []
+@pytest.mark.parametrize("name", sorted(LORA))
+def test_hf_peft_equals_bridge_export(exported: dict[str, Path], name: str) -> None:
+    """Bit for bit what Megatron-Bridge's own export_adapter_ckpt wrote, after its cast to bf16,
+    and the same config's rank, alpha and targets. At TP 1 the model is bf16 and Megatron-Bridge
+    casts the adapters to it at build time, so reshard's are bf16 already and compared without a
+    cast; the float32 adapters of EP 2 and TP 2 x EP 2 are compared cast to bf16, as Bridge writes them
+    (reshard keeps them float32: the test below)."""
+    ours = load_file(str(exported[name] / "adapter_model.safetensors"))
+    bridge = load_file(str(LORA[name] / "hf_adapter" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(bridge) and {v.dtype for v in bridge.values()} == {torch.bfloat16}
+    if name == "tp1":
+        assert {v.dtype for v in ours.values()} == {torch.bfloat16}
+    assert [k for k, v in bridge.items() if not torch.equal(ours[k].to(torch.bfloat16), v)] == []
     mine, theirs = (json.loads((d / "adapter_config.json").read_text())
-                    for d in (exported["tp1"], LORA["tp1"] / "hf_adapter"))
+                    for d in (exported[name], LORA[name] / "hf_adapter"))
     assert {k: mine[k] for k in ("r", "lora_alpha", "target_modules", "peft_type", "use_dora")} == \
         {k: theirs[k] for k in ("r", "lora_alpha", "target_modules", "peft_type", "use_dora")}
 
 
-def test_hf_peft_keeps_float32_expert_adapters(exported: dict[str, Path]) -> None:
-    ours = load_file(str(exported["ep2"] / "adapter_model.safetensors"))
+@pytest.mark.parametrize("name", ["ep2", "tp2-ep2"])
+def test_hf_peft_keeps_float32_expert_adapters(exported: dict[str, Path], name: str) -> None:
+    ours = load_file(str(exported[name] / "adapter_model.safetensors"))
     assert {v.dtype for v in ours.values()} == {torch.float32}
 
 
@@ -135,7 +143,8 @@ def _state(folder: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch
 @pytest.fixture(scope="module")
 def peft_merged(exported: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
     """PEFT's ``merge_and_unload`` on transformers' float32 base, cast once to the base's bf16 (of
-    Megatron-Bridge's own export at TP 1, of reshard's at EP 2)."""
+    Megatron-Bridge's own export at TP 1; of reshard's float32 one on several ranks, which Bridge's
+    bf16 export would round)."""
     out = {}
     for name in LORA:
         adapter = LORA[name] / "hf_adapter" if name == "tp1" else exported[name]
@@ -169,12 +178,13 @@ def test_merge_adapter_equals_peft_merge_and_unload(peft_merged: dict[str, dict[
         assert (logits - ref["megatron_logits"][:, : logits.shape[-1]]).abs().max().item() < MERGED_BF16_TOL
 
 
-def test_merge_adapter_into_megatron_core_ep2(tmp_path: Path) -> None:
-    """Merged into megatron-core per-rank files at EP 2 (each rank's experts under their local
+def test_merge_adapter_into_megatron_core_tp2_ep2(tmp_path: Path) -> None:
+    """Merged into megatron-core per-rank files at TP 2 x EP 2 (each rank's experts under their local
     numbers), then read back to Hugging Face: the same bytes as the merge written directly."""
-    assert _merge(BASE / "hf", LORA["ep2"], tmp_path / "ep2", "--target-tp", "1", "--target-ep", "2") == 0
-    assert main(["run", str(tmp_path / "ep2"), str(tmp_path / "back"), "--to", "hf", "--direct"]) == 0
-    assert _merge(BASE / "hf", LORA["ep2"], tmp_path / "hf", "--to", "hf") == 0
+    lora = LORA["tp2-ep2"]
+    assert _merge(BASE / "hf", lora, tmp_path / "mc", "--target-tp", "2", "--target-ep", "2") == 0
+    assert main(["run", str(tmp_path / "mc"), str(tmp_path / "back"), "--to", "hf", "--direct"]) == 0
+    assert _merge(BASE / "hf", lora, tmp_path / "hf", "--to", "hf") == 0
     back, direct = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("back", "hf"))
     assert sorted(back) == sorted(direct) and [k for k in direct if not torch.equal(back[k], direct[k])] == []
 

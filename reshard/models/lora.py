@@ -31,7 +31,11 @@ linear is its own module, so each expert gets its own ``ParallelLinearAdapter`` 
 ``mlp.experts.local_experts.{e}.linear_fcN.adapter``. Its torch_dist save numbers the experts
 globally (the expert axis, as the base weights'), so they go, like the base, to the Hugging Face
 checkpoint's per-expert modules (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``), fc1's B
-split into gate and up. The router (``TopKRouter``) is no default target; a shared expert's adapters
+split into gate and up. transformers 5 holds those experts fused (``mlp.experts.gate_up_proj``
+``[E, 2f, h]``, ``down_proj`` ``[E, h, f]``); peft 0.21.2 loads per-expert adapter names onto them by
+its transformers-v5 conversion (``target_parameters``: A of gate and up concatenated, B
+block-diagonal, rank and alpha doubled), as it loads Megatron-Bridge's own export, so the per-expert
+names are what is written. The router (``TopKRouter``) is no default target; a shared expert's adapters
 are a dense MLP's. Grouped-GEMM experts (Transformer Engine's ``TEGroupedLinear``: one adapter shared
 by a rank's experts by default, or ``GroupedExpertLinearAdapter``) need Transformer Engine, so no
 checkpoint of them is written here to check against; an adapter key whose base weight a model of the
