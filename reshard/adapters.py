@@ -7,7 +7,9 @@ Why a path of its own: an adapter checkpoint holds no model (no embeddings, no n
 planner's model checks do not apply; each adapter weight is small and goes, whole, to the Hugging
 Face modules its base weight goes to (:mod:`reshard.models.lora`). The facts (heads, query groups,
 rank, alpha) come from the ``run_config.yaml`` Megatron-Bridge saves beside it; the architecture is
-the one reshard exports such a megatron-core model as (:func:`reshard.models.hf_registry.decide_export`).
+the one reshard exports such a megatron-core model as (:func:`reshard.models.hf_registry.decide_export`),
+from the keys a model of those args holds (:func:`reshard.models.lora.base_model_keys`, a MoE model's
+experts included); an adapter of a weight such a model does not hold is refused.
 The adapters keep their dtype (Megatron-Bridge 0.6.2's own export writes them as bf16)."""
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from reshard.models.hf_architectures import ffn_widths
 from reshard.models.hf_registry import decide_export, read_config
 from reshard.models.lora import (
     BRIDGE_TARGETS,
+    adapter_parts,
     base_model_keys,
     check_tp,
     peft_export,
@@ -48,6 +51,11 @@ def export_hf_peft(src: str | Path, dst: str | Path, *, overwrite: bool = False)
         raise DestinationError("is not empty", culprit=str(dst), hint="choose an empty folder, or --overwrite")
     ckpt = read_adapter_checkpoint(src)
     keys, rows = base_model_keys(ckpt.args)
+    foreign = sorted(k for k in ckpt.tensors if adapter_parts(k)[0] not in keys)  # type: ignore[index]
+    if foreign:
+        raise LayoutError(f"the adapter wraps a weight a model of its run_config.yaml does not hold ({len(foreign)} "
+                          f"adapter weight(s))", culprit=foreign[0],
+                          hint="copy the run_config.yaml of the run that trained these adapters beside them")
     dtypes = {t.dtype for t in ckpt.tensors.values()}
     arch = decide_export(ckpt.args, ckpt.facts, keys, getattr(ckpt.args, "params_dtype", torch.float32),
                          ffn_widths(rows, bool(ckpt.facts.swiglu)))

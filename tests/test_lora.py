@@ -122,7 +122,8 @@ def _copy_with_run_config(src: Path, dst: Path, edit: dict[str, Any], section: s
     ("peft", {"_target_": "megatron.bridge.peft.dora.DoRA"}, "DoRA"),
     ("peft", {"_target_": "megatron.bridge.peft.canonical_lora.CanonicalLoRA"}, "CanonicalLoRA"),
     ("peft", {"dim": 8}, "peft.dim is 8"),
-    ("model", {"num_moe_experts": 4}, "mixture of 4 experts"),
+    # a dense model's adapters under a MoE model's config: its MLP is experts, no linear_fc1 of its own
+    ("model", {"num_moe_experts": 4}, "a model of its run_config.yaml does not hold"),
 ])
 def test_hf_peft_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str, edit: dict[str, Any],
                           words: str) -> None:

@@ -35,6 +35,22 @@ with zeros would compute the same model, but it is another adapter (k and v beco
 target modules change), so it is not written silently. Under TP each rank saves the boxes of the
 global tensors that :func:`tp_boxes` gives (the table above: B's rows always split, A's rows of r
 for a column-parallel layer, A's columns for a row-parallel one).
+
+Routed experts (a MoE base): Megatron-Bridge's ``is_expert_linear`` takes every
+``mlp.experts...linear_fc1/2`` but the shared experts'; with ``SequentialMLP`` experts each expert's
+linear is its own module, so each expert gets its own ``ParallelLinearAdapter`` (``is_expert``) under
+``mlp.experts.local_experts.{e}.linear_fcN.adapter``. Its torch_dist save numbers the experts
+globally (the expert axis, as the base weights'), so they go, like the base, to the Hugging Face
+checkpoint's per-expert modules (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``), fc1's B
+split into gate and up. transformers 5 holds those experts fused (``mlp.experts.gate_up_proj``
+``[E, 2f, h]``, ``down_proj`` ``[E, h, f]``); peft 0.21.2 loads per-expert adapter names onto them by
+its transformers-v5 conversion (``target_parameters``: A of gate and up concatenated, B
+block-diagonal, rank and alpha doubled), as it loads Megatron-Bridge's own export, so the per-expert
+names are what is written. The router (``TopKRouter``) is no default target; a shared expert's adapters
+are a dense MLP's. Grouped-GEMM experts (Transformer Engine's ``TEGroupedLinear``: one adapter shared
+by a rank's experts by default, or ``GroupedExpertLinearAdapter``) need Transformer Engine, so no
+checkpoint of them is written here to check against; an adapter key whose base weight a model of the
+run's args does not hold is refused (:func:`reshard.adapters.export_hf_peft`).
 """
 
 from __future__ import annotations
@@ -56,6 +72,7 @@ from reshard.models.hf_architectures import (
     Run,
     export_of,
 )
+from reshard.models.hf_common import EXPERT_FC1, EXPERT_FC2
 from reshard.models.megatron_gpt import LAYERS
 
 #: An adapter weight: the wrapped module, and A (``in``) or B (``out``).
@@ -170,26 +187,58 @@ def target_modules(names: list[str]) -> list[str]:
     return sorted(out)
 
 
+def moe_layers(args: Any) -> list[bool]:
+    """Which decoder layers are MoE layers, as megatron-core reads ``moe_layer_freq``: an integer
+    ``f`` makes every layer ``i`` with ``i % f == 0`` one, a list says it per layer; none without
+    experts. A pattern string (Megatron-LM's command line form) is refused: the run's config holds
+    what the model was built with, an integer or a list."""
+    n = args.num_layers
+    if not getattr(args, "num_experts", None):
+        return [False] * n
+    freq = getattr(args, "moe_layer_freq", None)
+    freq = 1 if freq is None else freq
+    if isinstance(freq, int) and freq > 0:
+        return [i % freq == 0 for i in range(n)]
+    if isinstance(freq, (list, tuple)) and len(freq) == n and all(f in (0, 1) for f in freq):
+        return [bool(f) for f in freq]
+    raise LayoutError(f"moe_layer_freq {freq!r} is neither a positive integer nor one 0/1 per layer",
+                      culprit="run_config.yaml", hint="give model.moe_layer_freq as the run built the model")
+
+
 def base_model_keys(args: Any) -> tuple[set[str], dict[str, int]]:
-    """The megatron-core keys of the dense GPT model an adapter checkpoint's ``args`` describe (the
+    """The megatron-core keys of the GPT model an adapter checkpoint's ``args`` describe (the
     checkpoint holds none of them), as far as an architecture is decided by them (every layer's
-    linear weights and norms, the embeddings, the output layer), and the split rows its FFN widths
-    are read from."""
+    linear weights and norms, the query/key norms, a MoE layer's router, routed experts
+    (``SequentialMLP``'s names, :data:`~reshard.models.hf_common.EXPERT_FC1`) and shared expert, the
+    embeddings, the output layer), and the split rows its FFN widths are read from (fc1's rows:
+    ``[gate; up]`` under SwiGLU)."""
     a = args
-    if getattr(a, "num_experts", None):
-        raise LayoutError(f"the base is a mixture of {a.num_experts} experts: experts' adapters are not exported "
-                          "yet", culprit="--to hf-peft", hint="export it with Megatron-Bridge's export_adapter_ckpt")
     keys = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
     if getattr(a, "untie_embeddings_and_output_weights", False):
         keys.add("output_layer.weight")
+    gated = 2 if getattr(a, "swiglu", False) else 1
     rows: dict[str, int] = {}
-    for layer in range(a.num_layers):
+    for layer, moe in enumerate(moe_layers(a)):
         p = f"decoder.layers.{layer}."
         keys |= {p + n for n in ("input_layernorm.weight", "pre_mlp_layernorm.weight",
-                                 "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")}
-        ffn = a.ffn_hidden_size * (2 if getattr(a, "swiglu", False) else 1)
-        rows[p + "mlp.linear_fc1.weight"] = ffn
+                                 "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight")}
+        if getattr(a, "qk_layernorm", False):
+            keys |= {p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"}
+        if not moe:
+            keys |= {p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"}
+            rows[p + "mlp.linear_fc1.weight"] = a.ffn_hidden_size * gated
+            continue
+        keys.add(p + "mlp.router.weight")
+        for e in range(a.num_experts):
+            fc1, fc2 = (names[0].format(layer=layer, expert=e) for names in (EXPERT_FC1, EXPERT_FC2))
+            keys |= {fc1, fc2}
+            rows[fc1] = (getattr(a, "moe_ffn_hidden_size", None) or a.ffn_hidden_size) * gated
+        shared = getattr(a, "moe_shared_expert_intermediate_size", None)
+        if shared:
+            keys |= {p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight"}
+            rows[p + "mlp.shared_experts.linear_fc1.weight"] = shared * gated
+            if getattr(a, "moe_shared_expert_gate", False):
+                keys.add(p + "mlp.shared_experts.gate_weight")
     return keys, rows
 
 
@@ -428,5 +477,5 @@ def check_tp(pairs: Mapping[str, tuple[Any, Any]], tp: int, facts: ModelFacts) -
 
 __all__ = ["ADAPTER_KEY", "BRIDGE_LORA", "BRIDGE_TARGETS", "COLUMN_PARALLEL", "MODULE_ORDER", "PEFT_PREFIX",
            "LoraSettings", "PeftExport", "adapter_parts", "base_model_keys", "check_tp", "dist_key", "lora_settings",
-           "peft_export", "peft_import", "peft_section", "peft_settings", "target_modules", "tp_boxes",
+           "moe_layers", "peft_export", "peft_import", "peft_section", "peft_settings", "target_modules", "tp_boxes",
            "wrapped_layer"]

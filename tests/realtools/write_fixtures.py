@@ -9,7 +9,9 @@ realtools-fixtures``). Every checkpoint is saved by the tool's own code on this 
   config, random weights, ``save_pretrained``, and a word-level tokenizer built offline), and
   ``checkpoint/`` what Megatron-Bridge's ``AutoBridge.import_ckpt(hf, checkpoint)`` writes;
   ``llama-lora/``: a PEFT (LoRA) checkpoint Megatron-Bridge's ``save_checkpoint`` writes for that
-  Llama (adapters only), and ``hf_adapter/`` its ``export_adapter_ckpt``.
+  Llama (adapters only), and ``hf_adapter/`` its ``export_adapter_ckpt``; ``qwen3-moe-lora/`` the same
+  on a Qwen3-MoE (LoRA on every expert's ``linear_fc1``/``linear_fc2``), and ``qwen3-moe-lora-ep2/``
+  that LoRA saved by two expert-parallel ranks.
 
 Beside each: ``fixture.json`` (versions, how it was made, tokens, vocabulary) and ``logits.pt``
 (``tokens`` and the source model's ``logits`` on them, float32, computed by the tool's own forward:
@@ -161,6 +163,11 @@ def hf_config(name: str) -> Any:
                   eos_token_id=2, dtype="bfloat16")
     if name == "llama":
         return transformers.LlamaConfig(num_key_value_heads=2, **common)
+    if name == "qwen3-moe":
+        # every layer MoE (decoder_sparse_step 1), no shared expert; head_dim 16 = 64 / 4
+        return transformers.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True,
+                                           **common)
     if name == "deepseek-v3":
         common["num_attention_heads"] = 8
         return transformers.DeepseekV3Config(
@@ -175,11 +182,12 @@ def hf_config(name: str) -> Any:
     raise KeyError(name)
 
 
-BRIDGE_MODELS = ("llama", "deepseek-v3")
+BRIDGE_MODELS = ("llama", "deepseek-v3", "qwen3-moe")
 
 #: Megatron-LM command lines of the same models as the Hugging Face configs above (for checking, with
 #: check_loads.py, that Megatron-LM loads a Megatron checkpoint of them): checked by loading reshard's
-#: torch_dist and TP 2 outputs of each hf/ folder with them, to the hf/ logits within 3e-7.
+#: torch_dist and TP 2 outputs of each hf/ folder with them, to the hf/ logits within 3e-7. Qwen3-MoE
+#: (the LoRA fixtures' MoE base) has none yet: no command line of it has been checked so.
 HF_AS_MEGATRON_LM = {
     "llama": "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
              "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 "
@@ -268,14 +276,15 @@ LORA_STEP = 10
 
 
 def _lora_rank(rank: int, base: str, fixture: str, errors: Any, tp: int = 1, port: int = 0,
-               float32: bool = False) -> None:
+               float32: bool = False, ep: int = 1) -> None:
     """Megatron-Bridge's PEFT checkpoint of LoRA on the ``base`` fixture's model: the model as a
     fine-tuning run builds it (the provider's pre-wrap hook applies LoRA), its adapters drawn at
     random (LoRA starts with B = 0: a no-op), saved by Megatron-Bridge's own ``save_checkpoint`` with
     ``peft`` set, which keeps the adapter weights only; then Bridge's ``export_adapter_ckpt`` of the
     iteration folder to a Hugging Face PEFT adapter, and the logits of transformers + peft with it.
-    At ``tp`` > 1 one process per rank (gloo), no export (Megatron-Bridge's export builds the model
-    at TP 1: the TP 1 fixture has it); ``float32``: the model built in float32 (its adapters then
+    At ``tp`` x ``ep`` > 1 one process per rank (gloo), no export (Megatron-Bridge's export builds the
+    model at TP 1: the TP 1 fixture has it); ``ep``: expert parallel (each rank holds its experts'
+    adapters under their local index, ``local_experts.0..``); ``float32``: the model built in float32 (its adapters then
     are: Megatron-Bridge casts them to a bf16 model's dtype whatever ``LoRA.lora_dtype`` says)."""
     try:
         import cpu_shims
@@ -299,22 +308,31 @@ def _lora_rank(rank: int, base: str, fixture: str, errors: Any, tp: int = 1, por
 
         root, hf = Path(fixture), Path(base) / "hf"
         ckpt = root / "checkpoint"
+        world = tp * ep
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or megatron_lm.free_port()}",
-                                world_size=tp, rank=rank)
+                                world_size=world, rank=rank)
         bridge = AutoBridge.from_hf_pretrained(str(hf))
         provider = bridge.to_megatron_provider(load_weights=True)
         provider.tensor_model_parallel_size = tp
+        provider.expert_model_parallel_size = ep
         if float32:
             provider.params_dtype, provider.bf16 = torch.float32, False
         provider.finalize()
         lora = LoRA(**LORA)
         provider.register_pre_wrap_hook(lambda chunks: lora(chunks, training=True))
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        from megatron.core import parallel_state as mpu
+
         with torch.no_grad():
             for name, p in model[0].named_parameters():
                 if ".adapter." in name:
-                    # at TP > 1 each rank's shard its own draw: a wrong split of any of them shows
-                    g = torch.Generator().manual_seed(zlib.crc32((name if tp == 1 else f"{name}@{rank}").encode()))
+                    # at TP > 1 each rank's shard its own draw: a wrong split of any of them shows; under EP
+                    # each rank's experts (named by their local index alike) their own, the replicated
+                    # non-expert adapters one draw on every EP rank, as training keeps them
+                    key = name if tp == 1 else f"{name}@{mpu.get_tensor_model_parallel_rank()}"
+                    if ep > 1 and ".experts." in name:
+                        key += f"@ep{mpu.get_expert_model_parallel_rank()}"
+                    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
         state = GlobalState()
         state.cfg = ConfigContainer(
@@ -329,7 +347,7 @@ def _lora_rank(rank: int, base: str, fixture: str, errors: Any, tp: int = 1, por
                         num_floating_point_operations_so_far=0)
         # the saved model's forward in float32 (its bf16 weights upcast), as the references are
         mcore_logits = megatron_lm.logits(getattr(model[0], "module", model[0]).float(), TOKENS)
-        if tp > 1:
+        if world > 1:
             if rank == 0:
                 torch.save({"tokens": torch.tensor(TOKENS), "megatron_logits": mcore_logits}, root / "logits.pt")
             dist.destroy_process_group()
@@ -350,35 +368,74 @@ def _lora_rank(rank: int, base: str, fixture: str, errors: Any, tp: int = 1, por
         raise
 
 
-def write_lora(base: Path, root: Path, tp: int = 1) -> Path:
-    """The LoRA fixture on the committed ``base`` fixture (its hf/ and checkpoint/), at TP ``tp``."""
+def _bridge_export(base: str, fixture: str, errors: Any) -> None:
+    """Megatron-Bridge's ``export_adapter_ckpt`` of a LoRA fixture saved on several ranks, in a
+    process of its own (world 1, gloo): the export builds its model at TP 1 / EP 1 and loads the
+    torch_dist checkpoint, whose tensors are global, at that layout."""
+    try:
+        import cpu_shims
+
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        cpu_shims.install_for_bridge()
+        import torch.distributed as dist
+        from megatron.bridge import AutoBridge
+
+        root = Path(fixture)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{megatron_lm.free_port()}", world_size=1,
+                                rank=0)
+        bridge = AutoBridge.from_hf_pretrained(str(Path(base) / "hf"))
+        bridge.export_adapter_ckpt(str(root / "checkpoint" / f"iter_{LORA_STEP:07d}"), str(root / "hf_adapter"),
+                                   show_progress=False)
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        errors.put(traceback.format_exc())
+        raise
+
+
+def write_lora(base: Path, root: Path, tp: int = 1, ep: int = 1) -> Path:
+    """The LoRA fixture on the committed ``base`` fixture (its hf/ and checkpoint/), at TP ``tp`` and
+    EP ``ep``."""
     import torch.multiprocessing as mp
 
-    fixture = root / (f"{base.name}-lora" if tp == 1 else f"{base.name}-lora-tp{tp}")
+    world = tp * ep
+    fixture = root / (f"{base.name}-lora" + (f"-tp{tp}" if tp > 1 else "") + (f"-ep{ep}" if ep > 1 else ""))
     fixture.mkdir(parents=True)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    # at TP > 1 the model (and so its adapters) in float32: what keeping the adapters' dtype is checked on
+    # on several ranks the model (and so its adapters) in float32: what keeping the adapters' dtype is checked on
     port = megatron_lm.free_port()
-    procs = [ctx.Process(target=_lora_rank, args=(r, str(base), str(fixture), errors, tp, port, tp > 1))
-             for r in range(tp)]
+    procs = [ctx.Process(target=_lora_rank, args=(r, str(base), str(fixture), errors, tp, port, world > 1, ep))
+             for r in range(world)]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join()
     if any(proc.exitcode for proc in procs):
         raise RuntimeError(f"LoRA of {base.name} failed:\n" + (errors.get() if not errors.empty() else ""))
-    if tp > 1:
+    if ep > 1:  # the expert-parallel save exported by Megatron-Bridge too (its float32 adapters written as bf16)
+        proc = ctx.Process(target=_bridge_export, args=(str(base), str(fixture), errors))
+        proc.start()
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"export of {fixture.name} failed:\n" + (errors.get() if not errors.empty() else ""))
+    if world > 1:
+        layout = f"tensor_model_parallel_size={tp}" + (f", expert_model_parallel_size={ep}" if ep > 1 else "")
         meta = {"tool": "megatron-bridge", "versions": versions(), "format": "torch_dist (adapters only)",
-                "world_size": tp, "tensor_parallel": tp, "base_fixture": f"../{base.name}",
+                "world_size": world, "tensor_parallel": tp, "base_fixture": f"../{base.name}",
                 "lora": LORA, "step": LORA_STEP,
                 "made_by": f"LoRA({LORA}) applied by the provider's pre-wrap hook to the model AutoBridge builds "
-                           f"from ../{base.name}/hf in float32 at tensor_model_parallel_size={tp} on "
-                           f"{tp} gloo ranks, adapter weights drawn N(0, 0.1); megatron.bridge.training.checkpointing"
-                           f".save_checkpoint with cfg.peft set -> checkpoint/",
+                           f"from ../{base.name}/hf in float32 at {layout} on {world} gloo ranks, "
+                           "adapter weights drawn N(0, 0.1); megatron.bridge.training.checkpointing"
+                           ".save_checkpoint with cfg.peft set -> checkpoint/",
                 "tokens": TOKENS, "vocab_size": HF_VOCAB,
                 "logits": "megatron_logits: megatron-core forward (float32, gathered over TP) of the LoRA model "
                           "that was saved"}
+        if ep > 1:
+            meta["expert_parallel"] = ep
+            meta["made_by"] += (f"; AutoBridge.export_adapter_ckpt(checkpoint/iter_{LORA_STEP:07d}) in one process -> "
+                                "hf_adapter/ (Hugging Face PEFT)")
         finish(fixture, meta)
         return fixture
     ref = torch.load(fixture / "logits.pt", weights_only=True)
@@ -420,9 +477,10 @@ def write_bridge(name: str, root: Path) -> Path:
             "tokens": TOKENS, "vocab_size": HF_VOCAB,
             "logits": "transformers forward (float32) of hf/; megatron_logits: megatron-core forward (float32) "
                       "of the model Megatron-Bridge builds from hf/ (columns = padded vocabulary)",
-            "max_abs_logit_gap_megatron_vs_hf": gap,
-            "megatron_lm_flags": shlex.join(["pretrain_gpt.py", *shlex.split(HF_AS_MEGATRON_LM[name]),
-                                             *shlex.split(HF_RUN_FLAGS)])}
+            "max_abs_logit_gap_megatron_vs_hf": gap}
+    if name in HF_AS_MEGATRON_LM:
+        meta["megatron_lm_flags"] = shlex.join(["pretrain_gpt.py", *shlex.split(HF_AS_MEGATRON_LM[name]),
+                                                *shlex.split(HF_RUN_FLAGS)])
     finish(fixture, meta)
     return fixture
 
@@ -473,6 +531,10 @@ def main() -> None:
     jobs += [(b, bridge_root, lambda root, b=b: write_bridge(b, root)) for b in BRIDGE_MODELS]
     jobs.append(("llama-lora", bridge_root, lambda root: write_lora(bridge_root / "llama", root)))
     jobs.append(("llama-lora-tp2", bridge_root, lambda root: write_lora(bridge_root / "llama", root, tp=2)))
+    jobs.append(("qwen3-moe-lora", bridge_root, lambda root: write_lora(bridge_root / "qwen3-moe", root)))
+    jobs.append(("qwen3-moe-lora-ep2", bridge_root, lambda root: write_lora(bridge_root / "qwen3-moe", root, ep=2)))
+    jobs.append(("qwen3-moe-lora-tp2-ep2", bridge_root,
+                 lambda root: write_lora(bridge_root / "qwen3-moe", root, tp=2, ep=2)))
     for fixture_name, root, job in jobs:
         if a.only and fixture_name not in a.only:
             continue
