@@ -48,8 +48,9 @@ WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: ``--quantize`` values: DeepSpeed's group-wise int8 (per-rank outputs; ``--quantize`` alone, as
 #: before it took a value), DeepSeek's FP8 block scaling, GPT-OSS's MXFP4 and compressed-tensors'
-#: INT4 by group and FP8 by channel (Hugging Face outputs).
-QUANTIZATIONS = ("int8", "fp8", "mxfp4", "w4a16", "fp8-channel")
+#: INT4 by group and FP8 by channel (Hugging Face outputs), and a release's own scheme
+#: (``like-source``, with ``--quantize-like``: :mod:`reshard.core.like_source`).
+QUANTIZATIONS = ("int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "like-source")
 
 #: ``--normalization`` and ``--position-embedding-type``: Megatron-LM's choices.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -95,14 +96,20 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel"] | None = _opt(
+    quantize: Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "like-source"] | None = _opt(
         None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h weights (per-rank outputs; "
               "the flag alone); fp8: e4m3 block-scaled linear weights (--to hf; DeepSeek's format, which vLLM "
               "and transformers load); mxfp4: the stacked experts' weights in MXFP4, the rest as they are "
               "(--to hf; GPT-OSS's release format); w4a16: linear weights int4, symmetric, a scale per "
               "--group-size inputs (--to hf; compressed-tensors' pack-quantized, as Kimi-K2 ships); "
               "fp8-channel: linear weights e4m3, a scale per output row (--to hf; compressed-tensors' "
-              "float-quantized)", metavar="{int8,fp8,mxfp4,w4a16,fp8-channel}", alone="int8")
+              "float-quantized); like-source: exactly as the release folder --quantize-like names (--to hf; "
+              "unchanged weights keep the release's codes and scales)",
+        metavar="{int8,fp8,mxfp4,w4a16,fp8-channel,like-source}", alone="int8")
+    quantize_like: str | None = _opt(None, "with --quantize like-source: the quantized release folder (a Hugging "
+                                           "Face folder whose config.json, or hf_quant_config.json, declares its "
+                                           "quantization) whose scheme, groups, ignore list and config the output "
+                                           "takes", metavar="DIR")
     fp8_block: tuple[int, int] | None = _opt(None, "with --quantize fp8: the scale blocks, rows x columns "
                                                    "(default 128x128)", metavar="ROWSxCOLS")
     group_size: int | None = _opt(None, "with --quantize w4a16: inputs per scale (default 32)", metavar="N",
@@ -282,6 +289,15 @@ class ReshardOptions(BaseModel):
                 if getattr(self, name) != ReshardOptions.model_fields[name].default:
                     raise LayoutError(f"sets int8 quantization, not {self.quantize}'s", culprit=flag_of(name),
                                       hint="drop it (w4a16's group is --group-size), or --quantize int8")
+        if (self.quantize == "like-source") != (self.quantize_like is not None):
+            raise LayoutError("--quantize like-source and --quantize-like DIR go together", culprit=(
+                "--quantize-like" if self.quantize_like is not None else "--quantize"),
+                hint="give both (the release folder whose quantization the output takes), or neither")
+        if self.quantize == "like-source":  # the release says every setting
+            for name in ("bits", "groups", "mlp_extra_grouping"):
+                if getattr(self, name) != ReshardOptions.model_fields[name].default:
+                    raise LayoutError("sets int8 quantization, not the release's", culprit=flag_of(name),
+                                      hint="drop it: --quantize like-source takes every setting from the release")
         if self.group_size is not None and self.quantize != "w4a16":
             raise LayoutError("applies only with --quantize w4a16", culprit="--group-size",
                               hint="add --quantize w4a16, or drop it")
