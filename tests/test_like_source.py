@@ -194,18 +194,24 @@ def test_recomputing_the_releases_scales_would_not_give_them_back(releases):
     assert lossy == ["int4-group", "int4-channel", "int8-channel", "fp8", "mxfp4"]
 
 
+@pytest.mark.parametrize("edit", ["plus-quarter", "one-ulp"])
 @pytest.mark.parametrize("name", [*CT, "fp8", "mxfp4"])
-def test_an_edited_weight_alone_is_quantized_afresh(releases, tmp_path, name):
-    """One value of one weight changed in the bf16 model: that weight's stored tensors are the
-    scheme's fresh quantization of it (an MXFP4 stack: of the expert changed, the others the
-    release's), every other stored tensor the release's."""
+def test_an_edited_weight_alone_is_quantized_afresh(releases, tmp_path, name, edit):
+    """One value of one weight changed in the bf16 model (by 0.25, or by one bfloat16 ulp, which a
+    comparison after any lossy cast misses): that weight's stored tensors are the scheme's fresh
+    quantization of it (an MXFP4 stack: of the expert changed, the others the release's), every
+    other stored tensor the release's."""
     rel = releases[name]
     key = EDITED.get(name, EDITED_DENSE)
     mid = tmp_path / "mid"
     shutil.copytree(rel.parent / "mid", mid)
     t = _tensors(mid)
     w = t[key].clone()
-    w[(1, 0, 0) if w.dim() == 3 else (0, 0)] += 0.25
+    at = (1, 0, 0) if w.dim() == 3 else (0, 0)
+    if edit == "plus-quarter":
+        w[at] += 0.25
+    else:
+        w.view(torch.int16)[at] += 1
     t[key] = w
     for f in mid.glob("*.safetensors"):
         f.unlink()

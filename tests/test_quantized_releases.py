@@ -338,7 +338,8 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
     monkeypatch.setattr(hf, "FP8_CHUNK_BYTES", 1)
     bands = []
     original = hf.Encoding.encode_rows
-    monkeypatch.setattr(hf.Encoding, "encode_rows", lambda self, w: bands.append(w.shape[0]) or original(self, w))
+    monkeypatch.setattr(hf.Encoding, "encode_rows",
+                        lambda self, w, *rest: bands.append(w.shape[0]) or original(self, w, *rest))
     assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
     assert set(bands) == {1}
     assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed["w4a16"])) == []
