@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plugin_stacked_moe import StackedMoe
-from quantized_releases import SCHEMES, ct_compress_weight, ct_dequantized, make_ct_folder
+from quantized_releases import SCHEMES, ct_compress_weight, ct_dequantized, make_ct_folder, make_modelopt_folder
 from reshard.cli import main
-from reshard.core import fp8_block, mxfp4
+from reshard.core import fp8_block, like_source, mxfp4
 from reshard.models.hf_registry import register_hf_architecture, unregister_hf_architecture
 
 _LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -323,10 +323,39 @@ def test_bad_requests_are_refused_in_one_line_with_nothing_written(releases, tmp
     _refused(capsys, [str(mid), str(out), *like, str(releases["mxfp4"])],
              "is a StackedMoeForCausalLM, not the LlamaForCausalLM written", out)
     llama = releases["int4-group"].parent.parent / "llama"
-    for scheme, needle in (("w4a16_asym", "asymmetric pack-quantized int4"),
-                           ("nvfp4a16", "compressed-tensors nvfp4-pack-quantized")):
+    for scheme, needle in (("w4a16_asym", "asymmetric pack-quantized int4 (config group group_0)"),
+                           ("nvfp4a16", "compressed-tensors nvfp4-pack-quantized (config group group_0)"),
+                           ("fp8_tensor", "config group group_0 quantizes input_activations with calibrated "
+                                          "(static) scales")):
         other = tmp_path / scheme
         make_ct_folder(llama, other, scheme)
         _refused(capsys, [str(mid), str(out), *like, str(other)],
-                 f"{other} is quantized with {needle} (config group group_0), which --quantize like-source cannot "
-                 "write", out)
+                 f"--quantize-like: {other} is quantized with {needle}, which --quantize like-source cannot write", out)
+    make_modelopt_folder(llama, tmp_path / "modelopt")
+    _refused(capsys, [str(mid), str(out), *like, str(tmp_path / "modelopt")],
+             f"{tmp_path / 'modelopt'} is quantized with ModelOpt NVFP4", out)
+    g_idx = tmp_path / "g_idx"
+    shutil.copytree(rel, g_idx)
+    t = _tensors(g_idx) | {"model.layers.0.self_attn.q_proj.weight_g_idx": torch.arange(64, dtype=torch.int32) // 32}
+    save_file(t, g_idx / "model.safetensors", metadata={"format": "pt"})
+    _refused(capsys, [str(mid), str(out), *like, str(g_idx)],
+             "model.layers.0.self_attn.q_proj.weight_g_idx (a g_idx: activation-order groups", out)
+
+
+def test_a_weight_is_compared_a_band_at_a_time_and_the_first_difference_ends_it(releases, monkeypatch):
+    """The release's dequantized weight is read a band of rows at a time (here a row), never whole,
+    and a difference in the first row ends the comparison there."""
+    monkeypatch.setattr(like_source, "BAND_ELEMENTS", 1)
+    rel = releases["int4-group"]
+    like = like_source.open_like(rel)
+    bands = []
+    rows = like.scheme.rows
+    monkeypatch.setattr(like.scheme, "rows", lambda deq, slab: (lambda first, n: bands.append(n) or
+                                                                rows(deq, slab)(first, n)))
+    key = "model.layers.0.mlp.gate_proj.weight"
+    w = _tensors(rel.parent / "mid")[key]
+    assert like.unchanged(key, w) and bands == [1] * w.shape[0]
+    bands.clear()
+    edited = w.clone()
+    edited.view(torch.int16)[0, 5] += 1
+    assert not like.unchanged(key, edited) and bands == [1]

@@ -171,7 +171,7 @@ class CompressedTensorsLike(LikeScheme):
             raise _refused("quantization_config.kv_cache_scheme (calibrated KV cache scales)", where)
         g_idx = next((k for k in stored if k.endswith(".weight_g_idx")), None)
         if g_idx is not None:
-            raise _refused(f"{g_idx} (activation-order groups)", where)
+            raise _refused(f"{g_idx} (a g_idx: activation-order groups, which reshard does not write)", where)
         scale_dtypes = {t.dtype for k, t in stored.items() if k.endswith(".weight_scale")}
         shape_dtypes = {t.dtype for k, t in stored.items() if k.endswith(".weight_shape")}
         if len(scale_dtypes) > 1 or len(shape_dtypes) > 1:
