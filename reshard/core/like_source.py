@@ -239,7 +239,10 @@ CT_FORMATS: dict[str, Callable[[compressed_tensors.Scheme, CompressedTensorsLike
 def _fp8_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
                 where: str) -> LikeScheme:
     kept = config["quantization_config"].get("modules_to_not_convert") or []
-    return Fp8BlockLike(q.settings, tuple(kept) if isinstance(kept, list) else ())
+    if not isinstance(kept, list) or not all(isinstance(k, str) for k in kept):
+        raise LayoutError(f"quantization_config.modules_to_not_convert is {kept!r}", culprit=where,
+                          hint="a list of module names or patterns, as transformers writes it")
+    return Fp8BlockLike(q.settings, tuple(kept))
 
 
 def _mxfp4_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
