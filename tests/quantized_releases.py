@@ -47,11 +47,12 @@ SCHEMES = {
 }
 
 
-def _scheme(name: str):
+def _scheme(name: str | dict):
+    """A scheme of :data:`SCHEMES` by name, or one of ``QuantizationArgs`` keyword arguments."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
-    spec = SCHEMES[name]
+    spec = SCHEMES[name] if isinstance(name, str) else name
     if isinstance(spec, str):
         return preset_name_to_scheme(spec, ["Linear"])
     return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**spec))
@@ -119,7 +120,7 @@ def _observe(module: torch.nn.Module, gscale: torch.Tensor | None = None) -> Non
         module.input_scale.data.fill_(0.5)  # a calibrated activation scale: a serving kernel's, not read
 
 
-def make_ct_folder(src: Path, dst: Path, scheme: str, dtype: torch.dtype = torch.bfloat16,
+def make_ct_folder(src: Path, dst: Path, scheme: str | dict, dtype: torch.dtype = torch.bfloat16,
                    ignore: tuple[str, ...] = ("lm_head",), max_shard_size: str | None = None) -> None:
     """``src`` (a transformers folder) quantized by compressed-tensors under ``scheme`` into ``dst``
     (one file, or files of ``max_shard_size`` and their index)."""
@@ -243,3 +244,27 @@ def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore
                   quantization_config={"quant_method": "compressed-tensors", **q_config.model_dump()})
     (dst / "config.json").write_text(json.dumps(config, default=str))
     return model
+
+
+def ct_compress_weight(spec: str | dict, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own compression of one weight ``w`` ``[out, in]`` under ``spec`` (a name
+    of :data:`SCHEMES` or ``QuantizationArgs`` keyword arguments): a min-max observer's qparams
+    (``calculate_qparams`` of the weight's own range by its strategy), then its format's
+    compressor, as llm-compressor's save path runs them; the stored tensors by parameter name."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    q_scheme = _scheme(spec)
+    args = q_scheme.weights
+    fmt = CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.float_quantized
+    if args.strategy == "group":
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    scale, zero = calculate_qparams(lo, hi, args)
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+    return compressor.compress({"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}, q_scheme)
