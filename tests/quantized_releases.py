@@ -121,9 +121,11 @@ def _observe(module: torch.nn.Module, gscale: torch.Tensor | None = None) -> Non
 
 
 def make_ct_folder(src: Path, dst: Path, scheme: str | dict, dtype: torch.dtype = torch.bfloat16,
-                   ignore: tuple[str, ...] = ("lm_head",), max_shard_size: str | None = None) -> None:
+                   ignore: tuple[str, ...] = ("lm_head",), max_shard_size: str | None = None,
+                   fused: bool = True) -> None:
     """``src`` (a transformers folder) quantized by compressed-tensors under ``scheme`` into ``dst``
-    (one file, or files of ``max_shard_size`` and their index)."""
+    (one file, or files of ``max_shard_size`` and their index); ``fused=False``: each NVFP4
+    weight's global scale its own (compressed-tensors without llm-compressor's fused observers)."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -135,7 +137,7 @@ def make_ct_folder(src: Path, dst: Path, scheme: str | dict, dtype: torch.dtype 
         quantized = {name: module for name, module in model.named_modules()
                      if getattr(module, "quantization_scheme", None) is not None}
         gscales = fused_global_scales({name: m.weight.data for name, m in quantized.items()
-                                       if hasattr(m, "weight_global_scale")})
+                                       if hasattr(m, "weight_global_scale")}) if fused else {}
         for name, module in quantized.items():
             _observe(module, gscales.get(name))
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -268,3 +270,26 @@ def ct_compress_weight(spec: str | dict, w: torch.Tensor) -> dict[str, torch.Ten
     scale, zero = calculate_qparams(lo, hi, args)
     compressor = BaseCompressor.get_value_from_registry(fmt.value)
     return compressor.compress({"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}, q_scheme)
+
+
+def ct_compress_fused(spec: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own compression of the NVFP4 weights ``weights`` (module name ->
+    ``[out, in]``) under ``spec`` (a name of :data:`SCHEMES`), each fused group under the global
+    scale llm-compressor's fused observers give it (:func:`fused_global_scales`), as
+    :func:`compress_folder_ct` compresses them; the stored tensors by their full names."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    q_scheme = _scheme(spec)
+    args = q_scheme.weights
+    compressor = BaseCompressor.get_value_from_registry(CompressionFormat.nvfp4_pack_quantized.value)
+    gscales = fused_global_scales(weights, args.group_size)
+    out = {}
+    for module, w in weights.items():
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args, global_scale=gscales[module])
+        state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero,
+                 "weight_global_scale": gscales[module]}
+        out.update({f"{module}.{name}": t for name, t in compressor.compress(state, q_scheme).items()})
+    return out

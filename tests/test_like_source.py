@@ -30,7 +30,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plugin_stacked_moe import StackedMoe
-from quantized_releases import SCHEMES, ct_compress_weight, ct_dequantized, make_ct_folder, make_modelopt_folder
+from quantized_releases import (
+    SCHEMES,
+    ct_compress_fused,
+    ct_compress_weight,
+    ct_dequantized,
+    make_ct_folder,
+    make_modelopt_folder,
+)
 from reshard.cli import main
 from reshard.core import fp8_block, like_source, mxfp4
 from reshard.models.hf_registry import register_hf_architecture, unregister_hf_architecture
@@ -324,7 +331,8 @@ def test_bad_requests_are_refused_in_one_line_with_nothing_written(releases, tmp
              "is a StackedMoeForCausalLM, not the LlamaForCausalLM written", out)
     llama = releases["int4-group"].parent.parent / "llama"
     for scheme, needle in (("w4a16_asym", "asymmetric pack-quantized int4 (config group group_0)"),
-                           ("nvfp4a16", "compressed-tensors nvfp4-pack-quantized (config group group_0)"),
+                           ("nvfp4", "model.layers.0.mlp.down_proj.input_global_scale (NVFP4 activations' "
+                                     "calibrated global scale)"),
                            ("fp8_tensor", "config group group_0 quantizes input_activations with calibrated "
                                           "(static) scales")):
         other = tmp_path / scheme
@@ -359,3 +367,114 @@ def test_a_weight_is_compared_a_band_at_a_time_and_the_first_difference_ends_it(
     edited = w.clone()
     edited.view(torch.int16)[0, 5] += 1
     assert not like.unchanged(key, edited) and bands == [1]
+
+
+# --- compressed-tensors NVFP4: the global scale q/k/v, and gate/up, share decides per export ---
+
+#: The weights under one global scale (llm-compressor's fused groups) of a Llama layer.
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+def _modules(layer: int, names: tuple[str, ...]) -> list[str]:
+    part = "self_attn" if names == QKV else "mlp"
+    return [f"model.layers.{layer}.{part}.{n}" for n in names]
+
+
+def _stored_of(modules: list[str], t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in t.items() if k.rpartition(".")[0] in modules}
+
+
+def _like(mid: Path, out: Path, rel: Path) -> None:
+    assert _run(str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)) == 0
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory) -> dict[str, Path]:
+    """Two NVFP4A16 releases written by compressed-tensors (``fused``: llm-compressor's shared global
+    scales of q/k/v and gate/up; ``own``: each weight's own), each one's bf16 import (``NAME/mid``)
+    and like-source export (``NAME/out``)."""
+    root = tmp_path_factory.mktemp("nvfp4")
+    _llama(root / "llama")
+    rel = {}
+    for name, fused in (("fused", True), ("own", False)):
+        rel[name] = root / name / "rel"
+        make_ct_folder(root / "llama", rel[name], "nvfp4a16", ignore=IGNORE, fused=fused)
+        assert _run(str(rel[name]), str(rel[name].parent / "mid"), "--to", "hf") == 0
+        _like(rel[name].parent / "mid", rel[name].parent / "out", rel[name])
+    return rel
+
+
+def test_an_unchanged_nvfp4_release_comes_back_bit_for_bit(nvfp4):
+    """Every stored tensor and the quantization_config; the release's q/k/v and gate/up do share
+    one global scale, and compressed-tensors compressing the original weights with fused scales
+    gives the release (the oracle of the next tests is right)."""
+    rel = nvfp4["fused"]
+    stored = _tensors(rel)
+    assert _differing(_tensors(rel.parent / "out"), stored) == []
+    assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
+    llama = _tensors(rel.parent.parent / "llama")
+    for layer in range(2):
+        for group in (QKV, GATE_UP):
+            modules = _modules(layer, group)
+            scales = {stored[m + ".weight_global_scale"].item() for m in modules}
+            assert len(scales) == 1, modules
+            want = ct_compress_fused("nvfp4a16", {m: llama[m + ".weight"] for m in modules})
+            assert _differing(want, _stored_of(modules, stored)) == []
+
+
+@pytest.mark.parametrize("edit", ["new-maximum", "one-ulp"])
+def test_an_edited_q_re_encodes_q_k_v_under_a_fresh_shared_scale(nvfp4, tmp_path, edit):
+    """One value of layer 0's q changed (to twice the q/k/v maximum, which moves their global
+    scale; or by one bfloat16 ulp): layer 0's q, k and v are compressed-tensors' compression of
+    the three with fused scales, every other stored tensor (layer 0's gate/up, layer 1) the
+    release's. Copying k and v because they alone are unchanged keeps the release's global scale
+    beside q's fresh one: caught by the new-maximum edit."""
+    rel = nvfp4["fused"]
+    t = _tensors(rel.parent / "mid")
+    qkv = _modules(0, QKV)
+    w = t[qkv[0] + ".weight"].clone()
+    if edit == "new-maximum":
+        w[0, 0] = 2 * max(t[m + ".weight"].abs().max() for m in qkv)
+    else:
+        w.view(torch.int16)[0, 0] += 1
+    t[qkv[0] + ".weight"] = w
+    mid = tmp_path / "mid"
+    shutil.copytree(rel.parent / "mid", mid)
+    save_file(t, mid / "model.safetensors", metadata={"format": "pt"})
+    _like(mid, tmp_path / "out", rel)
+    got, stored = _tensors(tmp_path / "out"), _tensors(rel)
+    fresh = ct_compress_fused("nvfp4a16", {m: t[m + ".weight"] for m in qkv})
+    assert _differing({k: got[k] for k in fresh}, fresh) == []
+    assert _differing({k: v for k, v in got.items() if k not in fresh}, {k: v for k, v in stored.items()
+                                                                          if k not in fresh}) == []
+    moved = {k for k in fresh if k.endswith(".weight_global_scale") and not torch.equal(fresh[k], stored[k])}
+    assert len(moved) == (3 if edit == "new-maximum" else 0)
+
+
+def test_a_release_whose_fused_weights_have_their_own_scales_is_re_encoded_with_one(nvfp4):
+    """A release whose q/k/v and gate/up each carry their own global scale (no fused observers):
+    unchanged, every fused group is quantized afresh under one scale, as compressed-tensors
+    compresses them with fused scales; o_proj (fused with nothing) is the release's, copied."""
+    rel = nvfp4["own"]
+    got, stored = _tensors(rel.parent / "out"), _tensors(rel)
+    mid = _tensors(rel.parent / "mid")
+    fresh: dict[str, torch.Tensor] = {}
+    for layer in range(2):
+        for group in (QKV, GATE_UP):
+            modules = _modules(layer, group)
+            assert len({stored[m + ".weight_global_scale"].item() for m in modules}) > 1, modules
+            fresh |= ct_compress_fused("nvfp4a16", {m: mid[m + ".weight"] for m in modules})
+    assert _differing({k: got[k] for k in fresh}, fresh) == []
+    assert _differing({k: v for k, v in got.items() if k not in fresh}, {k: v for k, v in stored.items()
+                                                                          if k not in fresh}) == []
+    assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
+
+
+def test_transformers_loads_an_nvfp4_output_as_it_loads_the_release(nvfp4):
+    """At default strictness, with compressed-tensors' decompression of the release's."""
+    import transformers
+
+    rel = nvfp4["fused"]
+    _model, info = transformers.AutoModelForCausalLM.from_pretrained(rel.parent / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    assert _differing(ct_dequantized(rel.parent / "out"), ct_dequantized(rel)) == []

@@ -60,8 +60,8 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 class Encoding:
     """One compressed-tensors weight encoding: a ``--quantize`` of compressed-tensors' (``scheme``)
     and its group size, or, for ``--quantize like-source`` (:mod:`reshard.core.like_source`), a
-    release's scheme: ``scheme`` then :data:`PACK` or :data:`FLOAT` (the release's format), with
-    its code width, strategy and the dtypes the release stores scales and shapes in.
+    release's scheme: ``scheme`` then :data:`PACK`, :data:`FLOAT` or :data:`NVFP4` (the release's
+    format), with its code width, strategy and the dtypes the release stores scales and shapes in.
 
     ===========  ============  ==========  ===========================================================
     ``scheme``   ``bits``      strategy    codes, scales
@@ -72,8 +72,8 @@ class Encoding:
     ``fp8-ch..`` 8             channel     e4m3, ``[out, 1]``
     ``FLOAT``    8             channel,    e4m3, ``[out, 1]`` or ``[1]`` (tensor: one scale of the
                                tensor      whole weight, :meth:`tensor_scale`)
-    ``nvfp4``    4 (e2m1)      tensor_     uint8 two codes a byte, e4m3 ``[out, in/16]`` and a float32
-                               group       global scale ``[1]`` of the fused group (:meth:`global_scale`)
+    ``nvfp4``,   4 (e2m1)      tensor_     uint8 two codes a byte, e4m3 ``[out, in/16]`` and a float32
+    ``NVFP4``                  group       global scale ``[1]`` of the fused group (:meth:`global_scale`)
     ===========  ============  ==========  ===========================================================
     """
 
@@ -85,6 +85,11 @@ class Encoding:
     scale_dtype: torch.dtype | None = None
     #: The dtype of ``weight_shape`` (None: int64, as compressed-tensors 0.20 stores it).
     shape_dtype: torch.dtype | None = None
+
+    @property
+    def fp4(self) -> bool:
+        """NVFP4 codes (``--quantize nvfp4``, or a release's ``nvfp4-pack-quantized``)."""
+        return self.scheme in (NVFP4_SCHEME, NVFP4)
 
     @property
     def packed(self) -> bool:
@@ -107,7 +112,7 @@ class Encoding:
         out, inp = shape
         module = name.removesuffix(".weight")
         sd = self.scale_dtype or dtype
-        if self.scheme == NVFP4_SCHEME:
+        if self.fp4:
             return [(module + ".weight_packed", torch.uint8, (out, inp // 2)),
                     (module + ".weight_scale", torch.float8_e4m3fn, (out, inp // nvfp4.GROUP)),
                     (module + ".weight_global_scale", torch.float32, (1,))]
@@ -121,13 +126,13 @@ class Encoding:
 
     @property
     def group_size(self) -> int:
-        return nvfp4.GROUP if self.scheme == NVFP4_SCHEME else self.group or DEFAULT_GROUP
+        return nvfp4.GROUP if self.fp4 else self.group or DEFAULT_GROUP
 
     @property
     def global_scaled(self) -> bool:
         """Does each weight carry a global scale, found from every tensor of its fused group
         (:meth:`global_scale`) before any band is encoded?"""
-        return self.scheme == NVFP4_SCHEME
+        return self.fp4
 
     def global_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """``X.weight_global_scale`` of the weights of one fused group whose absolute maximum,
@@ -141,7 +146,7 @@ class Encoding:
         if dtype not in FLOATS:
             return (f"is {dtype}: compressed-tensors quantizes float16, bfloat16 or float32 weights",
                     "drop --quantize")
-        if self.scheme == NVFP4_SCHEME and shape[-1] % nvfp4.GROUP:
+        if self.fp4 and shape[-1] % nvfp4.GROUP:
             return (f"has {shape[-1]} inputs, not a multiple of NVFP4's group of {nvfp4.GROUP}",
                     "drop --quantize, or --quantize w4a16 with a --group-size that divides it")
         if self.packed:
@@ -182,7 +187,7 @@ class Encoding:
         left out: the rows are not known from the size)."""
         if self.scheme == W4A16:
             return elements * INT_BITS // 8 + elements // self.group_size * itemsize + 16
-        if self.scheme == NVFP4_SCHEME:
+        if self.fp4:
             return elements // 2 + elements // nvfp4.GROUP + 4
         return elements
 

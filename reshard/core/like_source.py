@@ -28,7 +28,24 @@ A scheme is one :class:`LikeScheme` registered for its release method
 weight's codes and scales (copied, in the order the writer lays them out), and the encoding a
 fresh quantization uses (the writer's: an FP8 block ``(rows, cols)``, :data:`mxfp4.METHOD`, or a
 compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`). A method without one
-(NVFP4, ModelOpt's and compressed-tensors') is refused in one line naming it and ``DIR``.
+(ModelOpt's NVFP4) is refused in one line naming it and ``DIR``.
+
+A scheme whose weights share a global scale (compressed-tensors' NVFP4: q/k/v, gate/up, as
+llm-compressor fuses them for vLLM; :meth:`LikeScheme.global_scale_name`) is decided per *export*,
+the weights the writer makes from one megatron-core tensor, which hold the fused group whole:
+
+=============================================  =====================================================
+the export's weights                           written as
+=============================================  =====================================================
+every one unchanged, and the release's global  the release's codes and scales of every one, copied
+scales of them all bit for bit one             (:meth:`LikeSource.unchanged_together`)
+any one changed, or the release's scales of    every one quantized afresh under one global scale
+them differ                                    of their joint maximum (llm-compressor's rule, as
+                                               ``--quantize nvfp4`` writes it)
+=============================================  =====================================================
+
+Copying the unchanged parts alone would leave them under the release's global scale and the
+changed ones under a fresh one: two scales in one fused matmul.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ from __future__ import annotations
 import abc
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +100,11 @@ class LikeScheme(abc.ABC):
     @abc.abstractmethod
     def stored_names(self, name: str) -> tuple[str, ...]:
         """The release's tensors holding weight ``name``'s codes and scales, in the writer's order."""
+
+    def global_scale_name(self, name: str) -> str | None:
+        """The release's tensor holding weight ``name``'s global scale where the scheme shares one
+        among fused weights (the module docstring), else None."""
+        return None
 
     def rows(self, dequantized: LazyTensor, slab: int | None) -> Callable[[int, int], torch.Tensor] | None:
         """``(first, n) -> rows`` of the release's dequantized weight in the layout the writer
@@ -169,6 +191,9 @@ class CompressedTensorsLike(LikeScheme):
                     raise _refused(f"config group {name} quantizes {kind} with calibrated (static) scales", where)
         if qc.get("kv_cache_scheme"):
             raise _refused("quantization_config.kv_cache_scheme (calibrated KV cache scales)", where)
+        act = next((k for k in stored if k.endswith(".input_global_scale")), None)
+        if act is not None:
+            raise _refused(f"{act} (NVFP4 activations' calibrated global scale)", where)
         g_idx = next((k for k in stored if k.endswith(".weight_g_idx")), None)
         if g_idx is not None:
             raise _refused(f"{g_idx} (a g_idx: activation-order groups, which reshard does not write)", where)
@@ -212,6 +237,9 @@ class CompressedTensorsLike(LikeScheme):
         enc = self.encoding(name)
         return tuple(n for n, _dtype, _shape in enc.tensors(name, (1, 1), torch.float32))
 
+    def global_scale_name(self, name: str) -> str | None:
+        return f"{self._module(name)}.weight_global_scale" if self.encoding(name).global_scaled else None
+
 
 def _pack_encoding(s: compressed_tensors.Scheme, like: CompressedTensorsLike, where: str) -> Encoding:
     """pack-quantized INT4 / INT8, symmetric, by group or channel (:mod:`reshard.core.int_packed`)."""
@@ -230,10 +258,18 @@ def _float_encoding(s: compressed_tensors.Scheme, like: CompressedTensorsLike, w
     return Encoding(compressed_tensors.FLOAT, None, 8, s.strategy, like.scale_dtype)
 
 
+def _nvfp4_encoding(s: compressed_tensors.Scheme, like: CompressedTensorsLike, where: str) -> Encoding:
+    """nvfp4-pack-quantized weights (:func:`reshard.core.nvfp4.quantize_ct`), a global scale per
+    fused group (:func:`~reshard.core.compressed_tensors_out.fused_with`); ``read_config`` has
+    checked its 4 bits and group of 16."""
+    return Encoding(compressed_tensors.NVFP4)
+
+
 #: compressed-tensors format -> the encoding of a config group of it (one entry per format written;
-#: a format not here is refused: nvfp4-pack-quantized until its encoder is plugged in).
+#: a format not here is refused).
 CT_FORMATS: dict[str, Callable[[compressed_tensors.Scheme, CompressedTensorsLike, str], Any]] = {
-    compressed_tensors.PACK: _pack_encoding, compressed_tensors.FLOAT: _float_encoding}
+    compressed_tensors.PACK: _pack_encoding, compressed_tensors.FLOAT: _float_encoding,
+    compressed_tensors.NVFP4: _nvfp4_encoding}
 
 
 def _fp8_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
@@ -349,6 +385,24 @@ class LikeSource:
                 return False
         return True
 
+    def unchanged_together(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
+        """Are the weights ``names`` (``values``, as the writer encodes them), which share one
+        global scale, to be copied together: each :meth:`unchanged`, and the release's global
+        scales of them all one, bit for bit (the module docstring)? The scales are compared
+        first, the weights in order, the first that differs ending it."""
+        keys = [self.scheme.global_scale_name(n) for n in names]
+        if any(k is None or k not in self.stored for k in keys):
+            return False
+        first = self.stored_tensor(keys[0])
+        if not all(_same_bits(first, self.stored_tensor(k)) for k in keys[1:]):
+            return False
+        return all(self.unchanged(n, v) for n, v in zip(names, values, strict=True))
+
+    def stored_tensor(self, key: str) -> torch.Tensor:
+        """The release's stored tensor ``key``, read whole (a scale: small)."""
+        t = self.stored[key]
+        return box_of(t, (0,) * len(t.shape), tuple(t.shape)).clone()
+
     def stored_tensors(self, name: str, slab: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """The release's codes and scales of ``name`` (``slab``: one expert's), as stored: copied out."""
         out = []
@@ -361,6 +415,11 @@ class LikeSource:
                 out.append((key, box_of(t, (slab,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
                             .reshape(shape[1:]).clone()))
         return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def open_like(folder: str | Path) -> LikeSource:

@@ -540,6 +540,7 @@ def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
     float dtype; compressed-tensors' group widths); and where a weight would be copied, the
     release's stored tensors are what the scheme lays out (same scheme, same shapes)."""
     where = str(like.folder)
+    fused: dict[str, str] = {}  # each module under a global scale -> the megatron-core tensor it is made from
     if like.architectures and arch.name not in like.architectures:
         raise LayoutError(f"is a {', '.join(like.architectures)}, not the {arch.name} written", culprit=where,
                           hint="--quantize-like takes the release this model was imported from")
@@ -566,6 +567,8 @@ def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
                     if refused is not None:
                         raise LayoutError(f"{o.name} {refused[0]}", culprit="--quantize like-source",
                                           hint="export without --quantize")
+                    if enc.global_scaled:
+                        fused[o.name.removesuffix(".weight")] = exp.key
             if enc == MXFP4 and exp.outputs[0].shape[0] % mxfp4.GROUP:
                 raise LayoutError(f"{name} has input width {exp.outputs[0].shape[0]}, not a multiple of "
                                   f"{mxfp4.GROUP}", culprit="--quantize like-source", hint="drop --quantize")
@@ -581,6 +584,8 @@ def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
                         raise LayoutError(f"{key} is {got} in {where}, where its scheme lays out {e.dtype} "
                                           f"{list(e.shape)}", culprit="--quantize-like",
                                           hint="the release's tensors do not follow its config.json; re-copy it")
+    _refuse_split_fused(fused, "--quantize like-source",
+                        "export without --quantize and quantize with the release's own tools")
 
 
 def _ct_encoding(plan: Plan) -> Encoding | None:
@@ -613,12 +618,18 @@ def _check_ct(plan: Plan, arch: HFArchitecture, encoding: Encoding) -> None:
                     raise LayoutError(f"{o.name} {refused[0]}", culprit=flag, hint=refused[1])
                 source[o.name.removesuffix(".weight")] = exp.key
     if encoding.global_scaled:
-        for module, key in source.items():
-            split = [m for m in fused_with(module, source) if source[m] != key]
-            if split:
-                raise LayoutError(f"{module} and {split[0]} share one NVFP4 global scale (vLLM fuses them) but are "
-                                  f"made from two tensors, {key} and {source[split[0]]}", culprit=flag,
-                                  hint="drop --quantize, or --quantize w4a16 / fp8-channel")
+        _refuse_split_fused(source, flag, "drop --quantize, or --quantize w4a16 / fp8-channel")
+
+
+def _refuse_split_fused(source: Mapping[str, str], flag: str, hint: str) -> None:
+    """Refuse a fused group (:func:`~reshard.core.compressed_tensors_out.fused_with`) whose layers
+    (``source``: each NVFP4 module -> the megatron-core tensor it is made from) come from two
+    tensors: their one global scale is found over one export's outputs."""
+    for module, key in source.items():
+        split = [m for m in fused_with(module, source) if source[m] != key]
+        if split:
+            raise LayoutError(f"{module} and {split[0]} share one NVFP4 global scale (vLLM fuses them) but are "
+                              f"made from two tensors, {key} and {source[split[0]]}", culprit=flag, hint=hint)
 
 
 def _ct_ignored(plan: Plan, files: int) -> list[str]:
@@ -1017,7 +1028,10 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
     and v, a fused fc1's gate and up share it: :func:`_check_ct`), nothing written before; under
     the ``tensor`` strategy every band is coded with the whole weight's one scale. ``like``
     (``--quantize like-source``): an output equal to the release's dequantized weight takes the
-    release's tensors instead."""
+    release's tensors instead; under a global scale only all the outputs together, where every
+    one is unchanged and the release's global scales of them are one
+    (:meth:`~reshard.core.like_source.LikeSource.unchanged_together`), else all are encoded
+    afresh under a new one."""
     per = len(entries) // len(exp.outputs)
     flag = f"--quantize {encoding.scheme if like is None else LIKE_SOURCE}"
 
@@ -1036,9 +1050,15 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
             codes = entries[per * i]
             if (out.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(out.shape, out.dtype):
                 raise WriterError(f"{exp.key}: made {tuple(out.shape)} {out.dtype} for {codes.name} {codes.shape}")
-        copied = [like is not None and like.unchanged(exp.outputs[i].name, out) for i, out in enumerate(outs)]
+        names = [o.name for o in exp.outputs]
+        if like is None:
+            copied = [False] * len(outs)
+        elif encoding.global_scaled:  # one global scale: all copied, or all afresh under a new one
+            copied = [like.unchanged_together(names, outs)] * len(outs)
+        else:
+            copied = [like.unchanged(name, out) for name, out in zip(names, outs, strict=True)]
         fused = None
-        if encoding.global_scaled:
+        if encoding.global_scaled and not all(copied):
             amax = torch.zeros((), dtype=outs[0].dtype)
             for i, out in enumerate(outs):
                 for _r, band in bands(out, entries[per * i].name):
@@ -1046,8 +1066,8 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
             fused = encoding.global_scale(amax)
         for i, out in enumerate(outs):
             part = entries[per * i:per * i + per]
-            if copied[i]:
-                for (_key, t), e in zip(_copied(like, exp.outputs[i].name, part), part):
+            if like is not None and copied[i]:
+                for (_key, t), e in zip(_copied(like, names[i], part), part):
                     writer.put((tensor_bytes(t), base + e.start, None, t))
                 continue
             codes, scales, *rest = part
