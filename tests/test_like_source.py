@@ -2,8 +2,9 @@
 ``hf`` format): a model imported from a quantized release and exported comes back in the release's
 format.
 
-Releases: compressed-tensors pack-quantized INT4 by group and by channel, INT8 by channel, and
-float-quantized FP8 by channel and by tensor, each written by compressed-tensors itself
+Releases: compressed-tensors pack-quantized INT4 by group and by channel, INT8 by channel,
+float-quantized FP8 by channel and by tensor, and NVFP4A16 (with llm-compressor's fused global
+scales, and with each weight's own), each written by compressed-tensors itself
 (``tests/quantized_releases.py``, with ``ignore`` listing the head and every ``down_proj``);
 DeepSeek FP8 blocks of 32 x 48 and GPT-OSS MXFP4 (the stacked plug-in architecture,
 ``tests/plugin_stacked_moe.py``), laid out by reshard's encoders and then given scales and codes

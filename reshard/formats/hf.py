@@ -537,8 +537,9 @@ def _like_encoding(like: LikeSource, exp: Export) -> Any:
 def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
     """``--quantize like-source``: the release is this architecture; each quantized output is one the
     release's scheme can write (a stacked weight for MXFP4, a whole ``[out, in]`` weight else, of a
-    float dtype; compressed-tensors' group widths); and where a weight would be copied, the
-    release's stored tensors are what the scheme lays out (same scheme, same shapes)."""
+    float dtype; compressed-tensors' group widths; an NVFP4 fused group made from one tensor); and
+    where a weight would be copied, the release's stored tensors are what the scheme lays out
+    (same scheme, same shapes)."""
     where = str(like.folder)
     fused: dict[str, str] = {}  # each module under a global scale -> the megatron-core tensor it is made from
     if like.architectures and arch.name not in like.architectures:
