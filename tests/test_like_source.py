@@ -342,7 +342,8 @@ def test_bad_requests_are_refused_in_one_line_with_nothing_written(releases, tmp
                  f"--quantize-like: {other} is quantized with {needle}, which --quantize like-source cannot write", out)
     make_modelopt_folder(llama, tmp_path / "modelopt")
     _refused(capsys, [str(mid), str(out), *like, str(tmp_path / "modelopt")],
-             f"{tmp_path / 'modelopt'} is quantized with ModelOpt NVFP4", out)
+             f"{tmp_path / 'modelopt'} is quantized with ModelOpt NVFP4 (W4A4: each layer's input_scale is "
+             "calibrated on activations", out)
     g_idx = tmp_path / "g_idx"
     shutil.copytree(rel, g_idx)
     t = _tensors(g_idx) | {"model.layers.0.self_attn.q_proj.weight_g_idx": torch.arange(64, dtype=torch.int32) // 32}

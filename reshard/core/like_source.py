@@ -27,8 +27,9 @@ A scheme is one :class:`LikeScheme` registered for its release method
 :mod:`reshard.core.release_codecs`): which tensors its rule quantizes, which stored tensors hold a
 weight's codes and scales (copied, in the order the writer lays them out), and the encoding a
 fresh quantization uses (the writer's: an FP8 block ``(rows, cols)``, :data:`mxfp4.METHOD`, or a
-compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`). A method without one
-(ModelOpt's NVFP4) is refused in one line naming it and ``DIR``.
+compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`). A method without one is
+refused in one line naming it and ``DIR``, as is ModelOpt's NVFP4 (its factory refuses: its
+calibrated activation scales have no fresh counterpart).
 
 A scheme whose weights share a global scale (compressed-tensors' NVFP4: q/k/v, gate/up, as
 llm-compressor fuses them for vLLM; :meth:`LikeScheme.global_scale_name`) is decided per *export*,
@@ -60,7 +61,7 @@ from typing import Any
 
 import torch
 
-from reshard.core import compressed_tensors, fp8_block, fp8_scaled, mxfp4
+from reshard.core import compressed_tensors, fp8_block, fp8_scaled, modelopt, mxfp4
 from reshard.core.compressed_tensors_out import Encoding
 from reshard.core.errors import LayoutError
 from reshard.core.lazy import LazyTensor, box_of, read_rows
@@ -291,11 +292,20 @@ def _ct_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mappin
     return CompressedTensorsLike(q.settings, stored, config["quantization_config"], where)
 
 
+def _modelopt_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
+                     where: str) -> LikeScheme:
+    """Refused: the ModelOpt NVFP4 reshard reads (``quant_algo "NVFP4"``) quantizes activations
+    too, each layer's ``input_scale`` calibrated on data, which a weight quantized afresh has none
+    of and vLLM requires (as compressed-tensors' NVFP4 activations are refused)."""
+    raise _refused("ModelOpt NVFP4 (W4A4: each layer's input_scale is calibrated on activations, which a weight "
+                   "quantized afresh has none of)", where)
+
+
 #: release method (``quant_method``) -> its scheme, made from the release (its quantization, its
 #: config.json, its stored tensors, the folder for refusals). One entry per method.
 LikeFactory = Callable[[ReleaseQuantization, Mapping[str, Any], Mapping[str, Any], str], LikeScheme]
 _SCHEMES: dict[str, LikeFactory] = {"fp8": _fp8_scheme, "mxfp4": _mxfp4_scheme,
-                                    compressed_tensors.METHOD: _ct_scheme}
+                                    compressed_tensors.METHOD: _ct_scheme, modelopt.METHOD: _modelopt_scheme}
 
 
 def register_like_scheme(method: str, factory: LikeFactory) -> None:
