@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 #: ``run --help`` in this order: the common groups first.
 GROUPS = {"layout": "target layout", "output": "output", "execution": "execution", "storage": "storage",
-          "quantization": "quantization (int8 per-rank, fp8, mxfp4, w4a16, fp8-channel or nvfp4 with --to hf)",
+          "quantization": "quantization (int8 per-rank, fp8, mxfp4, w4a16, fp8-channel, nvfp4 or like-source "
+                          "with --to hf)",
           "model facts": "model facts (only when the checkpoint's saved args lack them)"}
 #: The group of each :class:`~reshard.core.options.ReshardOptions` field (the CLI's own flags are
 #: placed where they are added).
@@ -33,7 +34,8 @@ OPTION_GROUPS = {"target_tp": "layout", "target_pp": "layout", "target_vpp": "la
                  "target_pipeline_layout": "layout", "target_ep": "layout", "target_etp": "layout",
                  "to": "output", "merge_adapter": "output", "hf_architecture": "output", "max_shard_size": "output",
                  "weights": "output",
-                 "quantize": "quantization", "fp8_block": "quantization", "group_size": "quantization",
+                 "quantize": "quantization", "quantize_like": "quantization", "fp8_block": "quantization",
+                 "group_size": "quantization",
                  "bits": "quantization", "groups": "quantization", "mlp_extra_grouping": "quantization",
                  "version": "model facts", "module_key": "model facts",
                  "num_heads": "model facts", "num_query_groups": "model facts", "swiglu": "model facts",

@@ -51,7 +51,8 @@ class ConversionResult(BaseModel):
     source_quantized: str | None = Field(default=None, description="the quantization the source's weights were "
                                                                    "stored in and read from (fp8, mxfp4), else None")
     quantized: str | None = Field(default=None, description="the quantization written (int8, fp8, mxfp4, w4a16, "
-                                                            "fp8-channel, nvfp4), else None")
+                                                            "fp8-channel, nvfp4, like-source: the --quantize-like "
+                                                            "release's), else None")
     up_to_date: bool = Field(description="the destination already held this exact conversion: nothing was written")
     conversion_id: str | None = Field(default=None, description="identity of sources + options + code")
     files: list[OutputFile] = Field(default_factory=list)

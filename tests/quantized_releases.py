@@ -47,11 +47,12 @@ SCHEMES = {
 }
 
 
-def _scheme(name: str):
+def _scheme(name: str | dict):
+    """A scheme of :data:`SCHEMES` by name, or one of ``QuantizationArgs`` keyword arguments."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
-    spec = SCHEMES[name]
+    spec = SCHEMES[name] if isinstance(name, str) else name
     if isinstance(spec, str):
         return preset_name_to_scheme(spec, ["Linear"])
     return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**spec))
@@ -119,10 +120,12 @@ def _observe(module: torch.nn.Module, gscale: torch.Tensor | None = None) -> Non
         module.input_scale.data.fill_(0.5)  # a calibrated activation scale: a serving kernel's, not read
 
 
-def make_ct_folder(src: Path, dst: Path, scheme: str, dtype: torch.dtype = torch.bfloat16,
-                   ignore: tuple[str, ...] = ("lm_head",), max_shard_size: str | None = None) -> None:
+def make_ct_folder(src: Path, dst: Path, scheme: str | dict, dtype: torch.dtype = torch.bfloat16,
+                   ignore: tuple[str, ...] = ("lm_head",), max_shard_size: str | None = None,
+                   fused: bool = True) -> None:
     """``src`` (a transformers folder) quantized by compressed-tensors under ``scheme`` into ``dst``
-    (one file, or files of ``max_shard_size`` and their index)."""
+    (one file, or files of ``max_shard_size`` and their index); ``fused=False``: each NVFP4
+    weight's global scale its own (compressed-tensors without llm-compressor's fused observers)."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -134,7 +137,7 @@ def make_ct_folder(src: Path, dst: Path, scheme: str, dtype: torch.dtype = torch
         quantized = {name: module for name, module in model.named_modules()
                      if getattr(module, "quantization_scheme", None) is not None}
         gscales = fused_global_scales({name: m.weight.data for name, m in quantized.items()
-                                       if hasattr(m, "weight_global_scale")})
+                                       if hasattr(m, "weight_global_scale")}) if fused else {}
         for name, module in quantized.items():
             _observe(module, gscales.get(name))
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -243,3 +246,50 @@ def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore
                   quantization_config={"quant_method": "compressed-tensors", **q_config.model_dump()})
     (dst / "config.json").write_text(json.dumps(config, default=str))
     return model
+
+
+def ct_compress_weight(spec: str | dict, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own compression of one weight ``w`` ``[out, in]`` under ``spec`` (a name
+    of :data:`SCHEMES` or ``QuantizationArgs`` keyword arguments): a min-max observer's qparams
+    (``calculate_qparams`` of the weight's own range by its strategy), then its format's
+    compressor, as llm-compressor's save path runs them; the stored tensors by parameter name."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    q_scheme = _scheme(spec)
+    args = q_scheme.weights
+    fmt = CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.float_quantized
+    if args.strategy == "group":
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    scale, zero = calculate_qparams(lo, hi, args)
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+    return compressor.compress({"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}, q_scheme)
+
+
+def ct_compress_fused(spec: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own compression of the NVFP4 weights ``weights`` (module name ->
+    ``[out, in]``) under ``spec`` (a name of :data:`SCHEMES`), each fused group under the global
+    scale llm-compressor's fused observers give it (:func:`fused_global_scales`), as
+    :func:`compress_folder_ct` compresses them; the stored tensors by their full names."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    q_scheme = _scheme(spec)
+    args = q_scheme.weights
+    compressor = BaseCompressor.get_value_from_registry(CompressionFormat.nvfp4_pack_quantized.value)
+    gscales = fused_global_scales(weights, args.group_size)
+    out = {}
+    for module, w in weights.items():
+        grouped = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args, global_scale=gscales[module])
+        state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero,
+                 "weight_global_scale": gscales[module]}
+        out.update({f"{module}.{name}": t for name, t in compressor.compress(state, q_scheme).items()})
+    return out

@@ -218,7 +218,7 @@ def test_run_help_is_in_groups_with_the_common_flags_first(capsys):
     titles = [ln.rstrip(":") for ln in text.splitlines() if re.match(r"^[a-z][a-z ()0-9,'.-]*:$", ln)]
     assert titles[:1] == ["positional arguments"] and titles[2:] == [
         "target layout", "output", "execution", "storage",
-        "quantization (int8 per-rank, fp8, mxfp4, w4a16, fp8-channel or nvfp4 with --to hf)",
+        "quantization (int8 per-rank, fp8, mxfp4, w4a16, fp8-channel, nvfp4 or like-source with --to hf)",
         "model facts (only when the checkpoint's saved args lack them)"], titles
     sections = text.split("\n\n")
     layout = next(s for s in sections if s.startswith("target layout:"))

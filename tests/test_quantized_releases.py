@@ -345,7 +345,7 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
     bands = []
     original = hf.Encoding.encode_rows
     monkeypatch.setattr(hf.Encoding, "encode_rows",
-                        lambda self, w, *g: bands.append(w.shape[0]) or original(self, w, *g))
+                        lambda self, w, *rest: bands.append(w.shape[0]) or original(self, w, *rest))
     assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", quantize) == 0
     assert set(bands) == {1}
     assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed[scheme])) == []

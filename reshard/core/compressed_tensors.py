@@ -76,8 +76,8 @@ class Settings:
 
     def scheme_of(self, module: str, where: str) -> Scheme:
         """The scheme quantizing ``module`` (see the module docstring), or a refusal naming it."""
-        named = [s for s in self.schemes if any(not _class_name(t) and matches(module, t) for t in s.targets)]
-        classes = [s for s in self.schemes if any(_class_name(t) for t in s.targets)]
+        named = [s for s in self.schemes if any(not class_name(t) and matches(module, t) for t in s.targets)]
+        classes = [s for s in self.schemes if any(class_name(t) for t in s.targets)]
         found = named[:1] or classes
         if len(found) != 1:
             why = "no config group targets it" if not found else \
@@ -87,7 +87,7 @@ class Settings:
         return found[0]
 
 
-def _class_name(target: str) -> bool:
+def class_name(target: str) -> bool:
     """A target naming a module class (``Linear``), not a module (dotted) or a pattern (``re:``)."""
     return not target.startswith("re:") and "." not in target and target[:1].isupper()
 

@@ -58,10 +58,52 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class Encoding:
-    """One ``--quantize`` of compressed-tensors' (``scheme``) and its group size."""
+    """One compressed-tensors weight encoding: a ``--quantize`` of compressed-tensors' (``scheme``)
+    and its group size, or, for ``--quantize like-source`` (:mod:`reshard.core.like_source`), a
+    release's scheme: ``scheme`` then :data:`PACK`, :data:`FLOAT` or :data:`NVFP4` (the release's
+    format), with its code width, strategy and the dtypes the release stores scales and shapes in.
+
+    ===========  ============  ==========  ===========================================================
+    ``scheme``   ``bits``      strategy    codes, scales
+    ===========  ============  ==========  ===========================================================
+    ``w4a16``    4             group       packed int32, ``[out, in/group]``
+    ``PACK``     4 or 8        group,      packed int32, ``[out, in/group]`` or ``[out, 1]`` (channel:
+                               channel     a group of the whole row)
+    ``fp8-ch..`` 8             channel     e4m3, ``[out, 1]``
+    ``FLOAT``    8             channel,    e4m3, ``[out, 1]`` or ``[1]`` (tensor: one scale of the
+                               tensor      whole weight, :meth:`tensor_scale`)
+    ``nvfp4``,   4 (e2m1)      tensor_     uint8 two codes a byte, e4m3 ``[out, in/16]`` and a float32
+    ``NVFP4``                  group       global scale ``[1]`` of the fused group (:meth:`global_scale`)
+    ===========  ============  ==========  ===========================================================
+    """
 
     scheme: str
     group: int | None = None
+    bits: int | None = None
+    strategy: str | None = None
+    #: The dtype scales are stored in (None: the weight's, as compressed-tensors gives them).
+    scale_dtype: torch.dtype | None = None
+    #: The dtype of ``weight_shape`` (None: int64, as compressed-tensors 0.20 stores it).
+    shape_dtype: torch.dtype | None = None
+
+    @property
+    def fp4(self) -> bool:
+        """NVFP4 codes (``--quantize nvfp4``, or a release's ``nvfp4-pack-quantized``)."""
+        return self.scheme in (NVFP4_SCHEME, NVFP4)
+
+    @property
+    def packed(self) -> bool:
+        """Integer codes packed into int32 words (else e4m3 codes)."""
+        return self.scheme in (W4A16, PACK)
+
+    @property
+    def num_bits(self) -> int:
+        return self.bits or (INT_BITS if self.packed else 8)
+
+    @property
+    def by(self) -> str:
+        """The strategy: ``group`` for packed codes, ``channel`` for FP8, unless given."""
+        return self.strategy or ("group" if self.packed else "channel")
 
     def tensors(self, name: str, shape: Sequence[int], dtype: torch.dtype
                 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -69,25 +111,28 @@ class Encoding:
         as: the codes first, then the scales (then ``weight_shape``); see the module table."""
         out, inp = shape
         module = name.removesuffix(".weight")
-        if self.scheme == W4A16:
-            return [(module + ".weight_packed", torch.int32, (out, int_packed.packed_width(inp, INT_BITS))),
-                    (module + ".weight_scale", dtype, (out, inp // self.group_size)),
-                    (module + ".weight_shape", torch.int64, (2,))]
-        if self.scheme == NVFP4_SCHEME:
+        sd = self.scale_dtype or dtype
+        if self.fp4:
             return [(module + ".weight_packed", torch.uint8, (out, inp // 2)),
                     (module + ".weight_scale", torch.float8_e4m3fn, (out, inp // nvfp4.GROUP)),
                     (module + ".weight_global_scale", torch.float32, (1,))]
-        return [(name, fp8_scaled.E4M3, (out, inp)), (module + ".weight_scale", dtype, (out, 1))]
+        if self.packed:
+            groups = inp // self.group_size if self.by == "group" else 1
+            return [(module + ".weight_packed", torch.int32, (out, int_packed.packed_width(inp, self.num_bits))),
+                    (module + ".weight_scale", sd, (out, groups)),
+                    (module + ".weight_shape", self.shape_dtype or torch.int64, (2,))]
+        return [(name, fp8_scaled.E4M3, (out, inp)), (module + ".weight_scale", sd,
+                                                      (1,) if self.by == "tensor" else (out, 1))]
 
     @property
     def group_size(self) -> int:
-        return nvfp4.GROUP if self.scheme == NVFP4_SCHEME else self.group or DEFAULT_GROUP
+        return nvfp4.GROUP if self.fp4 else self.group or DEFAULT_GROUP
 
     @property
     def global_scaled(self) -> bool:
         """Does each weight carry a global scale, found from every tensor of its fused group
         (:meth:`global_scale`) before any band is encoded?"""
-        return self.scheme == NVFP4_SCHEME
+        return self.fp4
 
     def global_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """``X.weight_global_scale`` of the weights of one fused group whose absolute maximum,
@@ -101,30 +146,39 @@ class Encoding:
         if dtype not in FLOATS:
             return (f"is {dtype}: compressed-tensors quantizes float16, bfloat16 or float32 weights",
                     "drop --quantize")
-        if self.scheme == NVFP4_SCHEME and shape[-1] % nvfp4.GROUP:
+        if self.fp4 and shape[-1] % nvfp4.GROUP:
             return (f"has {shape[-1]} inputs, not a multiple of NVFP4's group of {nvfp4.GROUP}",
                     "drop --quantize, or --quantize w4a16 with a --group-size that divides it")
-        if self.scheme == W4A16:
+        if self.packed:
             inp = shape[-1]
-            if inp % self.group_size:
+            if self.by == "group" and inp % self.group_size:
                 return (f"has {inp} inputs, not a multiple of the group size {self.group_size}",
                         "give --group-size a divisor of every linear layer's inputs, or drop --quantize")
-            if inp * INT_BITS % int_packed.WORD_BITS:
-                return (f"has {inp} inputs, which do not fill whole int32 words of int4 codes (a multiple of 8)",
+            if inp * self.num_bits % int_packed.WORD_BITS:
+                return (f"has {inp} inputs, which do not fill whole int32 words of int{self.num_bits} codes",
                         "drop --quantize")
         return None
 
-    def encode_rows(self, w: torch.Tensor, global_scale: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes, scales)`` of rows ``w`` ``[n, in]`` as stored (see the module table);
-        ``global_scale``: the fused group's (:meth:`global_scale`), for an encoding that has one."""
-        if self.scheme == NVFP4_SCHEME:
-            if global_scale is None:
+    def tensor_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The one scale of the whole weight ``w`` under the ``tensor`` strategy (every band's codes
+        are made with it, :meth:`encode_rows`), else None: the other strategies scale rows alone
+        (NVFP4's global scale is its fused group's, :meth:`global_scale`)."""
+        return fp8_scaled.tensor_scale(w) if not self.packed and self.by == "tensor" else None
+
+    def encode_rows(self, w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, scales)`` of rows ``w`` ``[n, in]`` as stored (see the module table); ``scale``:
+        the whole weight's (:meth:`tensor_scale`) under the ``tensor`` strategy, the fused group's
+        global scale (:meth:`global_scale`) for an encoding that has one."""
+        if self.global_scaled:
+            if scale is None:
                 raise TypeError("nvfp4 encodes rows under their fused group's global scale; none was given")
-            return nvfp4.quantize_ct(w, global_scale)
-        if self.scheme == W4A16:
-            codes, scale = int_packed.quantize_symmetric(w, INT_BITS, self.group_size)
-            return int_packed.pack_rows(codes, INT_BITS), scale
+            return nvfp4.quantize_ct(w, scale)
+        if self.packed:
+            group = self.group_size if self.by == "group" else w.shape[1]
+            codes, s = int_packed.quantize_symmetric(w, self.num_bits, group)
+            return int_packed.pack_rows(codes, self.num_bits), s
+        if scale is not None:
+            return fp8_scaled.quantize_with(w, scale), scale
         return fp8_scaled.quantize_channel(w)
 
     def stored_bytes(self, elements: int, itemsize: int) -> int:
@@ -133,7 +187,7 @@ class Encoding:
         left out: the rows are not known from the size)."""
         if self.scheme == W4A16:
             return elements * INT_BITS // 8 + elements // self.group_size * itemsize + 16
-        if self.scheme == NVFP4_SCHEME:
+        if self.fp4:
             return elements // 2 + elements // nvfp4.GROUP + 4
         return elements
 

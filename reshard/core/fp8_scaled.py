@@ -85,8 +85,25 @@ def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ==========  ========================================================================================
 
     Rows are independent: a band of rows gives the rows' codes and scales of the whole weight."""
-    lo = torch.clamp(w.amin(-1, keepdim=True), max=0)
-    hi = torch.clamp(w.amax(-1, keepdim=True), min=0)
-    s = torch.maximum(lo.abs(), hi.abs()) / E4M3_MAX
-    s = torch.where(s == 0, torch.tensor(torch.finfo(s.dtype).eps, dtype=s.dtype), s)
-    return (w / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), s
+    s = _scale(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True))
+    return quantize_with(w, s), s
+
+
+def _scale(amin: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' symmetric FP8 scale of a range: ``max(|min(amin, 0)|, |max(amax, 0)|) /
+    448`` in the range's dtype, ``eps`` for an all-zero range."""
+    m = torch.maximum(torch.clamp(amin, max=0).abs(), torch.clamp(amax, min=0).abs())
+    s = m / E4M3_MAX
+    return torch.where(s == 0, torch.tensor(torch.finfo(s.dtype).eps, dtype=s.dtype), s)
+
+
+def tensor_scale(w: torch.Tensor) -> torch.Tensor:
+    """The ``tensor`` strategy's one scale ``[1]`` of the whole weight ``w`` (the channel rule
+    over all its values): :func:`quantize_with` then makes any band's codes."""
+    return _scale(w.amin().reshape(1), w.amax().reshape(1))
+
+
+def quantize_with(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of ``w`` under ``scale`` (broadcast: ``[n, 1]`` or ``[1]``): ``clamp(w / s, -448,
+    448)`` in ``w``'s dtype, cast to e4m3 (nearest, halves to even)."""
+    return (w / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)

@@ -52,9 +52,11 @@ import torch
 from reshard.core.fp8_block import NonFiniteWeightError
 from reshard.core.lazy import LazyTensor, box_of
 
-__all__ = ["BLOCKS_SUFFIX", "E2M1_MAGNITUDES", "GROUP", "NonFiniteWeightError", "SCALES_SUFFIX", "SCALE_BIAS",
+__all__ = ["BLOCKS_SUFFIX", "E2M1_MAGNITUDES", "GROUP", "METHOD", "NonFiniteWeightError", "SCALES_SUFFIX", "SCALE_BIAS",
            "Mxfp4Dequantized", "Mxfp4Rows", "blocks_shape", "dequantize", "quantize", "scales_shape"]
 
+#: ``quantization_config.quant_method`` of an MXFP4 release (and ``--quantize mxfp4``).
+METHOD = "mxfp4"
 #: Values along the input axis that share one scale.
 GROUP = 32
 #: Bytes a group's codes take (two codes a byte).

@@ -48,8 +48,9 @@ WEIGHTS = ("module", "master", "exp_avg", "exp_avg_sq")
 
 #: ``--quantize`` values: DeepSpeed's group-wise int8 (per-rank outputs; ``--quantize`` alone, as
 #: before it took a value), DeepSeek's FP8 block scaling, GPT-OSS's MXFP4 and compressed-tensors'
-#: INT4 by group, FP8 by channel and weight-only NVFP4 (Hugging Face outputs).
-QUANTIZATIONS = ("int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4")
+#: INT4 by group, FP8 by channel and weight-only NVFP4 (Hugging Face outputs), and a release's own
+#: scheme (``like-source``, with ``--quantize-like``: :mod:`reshard.core.like_source`).
+QUANTIZATIONS = ("int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4", "like-source")
 
 #: ``--normalization`` and ``--position-embedding-type``: Megatron-LM's choices.
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -95,7 +96,7 @@ class ReshardOptions(BaseModel):
                            metavar="KEY")
     num_heads: int | None = _opt(None, "attention heads, when the checkpoint has no saved args (needed to split "
                                        "safely)", metavar="H", minimum=1)
-    quantize: Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4"] | None = _opt(
+    quantize: Literal["int8", "fp8", "mxfp4", "w4a16", "fp8-channel", "nvfp4", "like-source"] | None = _opt(
         None, "int8: DeepSpeed's group-wise int8 of the qkv, dense, h_to_4h, 4h_to_h weights (per-rank outputs; "
               "the flag alone); fp8: e4m3 block-scaled linear weights (--to hf; DeepSeek's format, which vLLM "
               "and transformers load); mxfp4: the stacked experts' weights in MXFP4, the rest as they are "
@@ -104,7 +105,13 @@ class ReshardOptions(BaseModel):
               "fp8-channel: linear weights e4m3, a scale per output row (--to hf; compressed-tensors' "
               "float-quantized); nvfp4: linear weights e2m1, an e4m3 scale per 16 inputs and a global one "
               "shared by q/k/v and by gate/up, weights only (--to hf; compressed-tensors' "
-              "nvfp4-pack-quantized)", metavar="{int8,fp8,mxfp4,w4a16,fp8-channel,nvfp4}", alone="int8")
+              "nvfp4-pack-quantized); like-source: exactly as the release folder --quantize-like names (--to hf; "
+              "unchanged weights keep the release's codes and scales)",
+        metavar="{int8,fp8,mxfp4,w4a16,fp8-channel,nvfp4,like-source}", alone="int8")
+    quantize_like: str | None = _opt(None, "with --quantize like-source: the quantized release folder (a Hugging "
+                                           "Face folder whose config.json, or hf_quant_config.json, declares its "
+                                           "quantization) whose scheme, groups, ignore list and config the output "
+                                           "takes", metavar="DIR")
     fp8_block: tuple[int, int] | None = _opt(None, "with --quantize fp8: the scale blocks, rows x columns "
                                                    "(default 128x128)", metavar="ROWSxCOLS")
     group_size: int | None = _opt(None, "with --quantize w4a16: inputs per scale (default 32)", metavar="N",
@@ -284,6 +291,15 @@ class ReshardOptions(BaseModel):
                 if getattr(self, name) != ReshardOptions.model_fields[name].default:
                     raise LayoutError(f"sets int8 quantization, not {self.quantize}'s", culprit=flag_of(name),
                                       hint="drop it (w4a16's group is --group-size), or --quantize int8")
+        if (self.quantize == "like-source") != (self.quantize_like is not None):
+            raise LayoutError("--quantize like-source and --quantize-like DIR go together", culprit=(
+                "--quantize-like" if self.quantize_like is not None else "--quantize"),
+                hint="give both (the release folder whose quantization the output takes), or neither")
+        if self.quantize == "like-source":  # the release says every setting
+            for name in ("bits", "groups", "mlp_extra_grouping"):
+                if getattr(self, name) != ReshardOptions.model_fields[name].default:
+                    raise LayoutError("sets int8 quantization, not the release's", culprit=flag_of(name),
+                                      hint="drop it: --quantize like-source takes every setting from the release")
         if self.group_size is not None and self.quantize != "w4a16":  # NVFP4's group is 16, fixed
             raise LayoutError("applies only with --quantize w4a16", culprit="--group-size",
                               hint="add --quantize w4a16, or drop it (nvfp4's group is 16, fixed)")

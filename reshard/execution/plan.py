@@ -108,6 +108,9 @@ def build_grid_plan(source: SourceCheckpoint, options: ReshardOptions, target_pp
         raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for compressed-tensors' "
                           "quantized weights", culprit=f"--quantize {options.quantize}",
                           hint="write a Hugging Face folder (--to hf)")
+    if options.quantize == "like-source" and not out_fmt.holds_like_source:
+        raise LayoutError(f"the {out_fmt.title or out_fmt.name} layout has no place for a release's quantized "
+                          "weights", culprit="--quantize like-source", hint="write a Hugging Face folder (--to hf)")
     if options.int8:
         check_quantization(params, options, n, m)
     experts = experts_per_layer([p.key for p in params], source.origin, int_arg(read.args, "num_experts"))

@@ -284,6 +284,8 @@ class Writing:
     holds_mxfp4: ClassVar[bool] = False
     #: Can this layout hold compressed-tensors' formats (``--quantize w4a16``, ``fp8-channel``, ``nvfp4``)?
     holds_compressed_tensors: ClassVar[bool] = False
+    #: Can this layout hold a quantized release's own format (``--quantize like-source``)?
+    holds_like_source: ClassVar[bool] = False
     #: Top-level entries of the source that this output keeps although a reshard drops them
     #: elsewhere (:data:`~reshard.core.plan_types.DROPPED_ENTRIES`): a universal checkpoint resumes
     #: training, so it keeps the LR scheduler.

@@ -52,6 +52,7 @@ from reshard.core.fp8_block import (
     scale_name,
     scale_shape,
 )
+from reshard.core.like_source import LIKE_SOURCE, LikeSource, open_like
 from reshard.core.release_codecs import SIDECAR, read_release_quantization, release_config, release_dequantized
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
@@ -287,6 +288,7 @@ class HFFormat(CheckpointFormat):
     holds_fp8 = True
     holds_mxfp4 = True
     holds_compressed_tensors = True
+    holds_like_source = True
 
     def check_plan(self, plan: Plan) -> None:
         if plan.options.int8:
@@ -297,7 +299,10 @@ class HFFormat(CheckpointFormat):
             raise LayoutError(f"checkpoint_version {plan.version:g} orders the fused QKV rows differently from "
                               "megatron-core", culprit=plan.source.origin,
                               hint="convert it to its own per-rank layout instead (drop --to hf)")
+        like = _like(plan)  # the release folder first: it exists and reshard writes its quantization
         arch = architecture(plan)  # refuses what no architecture computes exactly, before any byte is written
+        if like is not None:
+            _check_like(plan, arch, like)
         if plan.options.quantize == "fp8":
             _check_fp8(plan, arch)
         if plan.options.quantize == "mxfp4":
@@ -367,7 +372,12 @@ class HFFormat(CheckpointFormat):
         encoding = _ct_encoding(plan)
         if encoding is not None:
             config["quantization_config"] = encoding.quantization_config(_ct_ignored(plan, len(names)))
+        like = _like(plan)
+        if like is not None and like.quantization_config is not None:  # the release's, as it is
+            config["quantization_config"] = like.quantization_config
         out: dict[str, str | bytes] = {CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
+        if like is not None and like.sidecar is not None:  # ModelOpt's declaration, as the release has it
+            out[SIDECAR] = like.sidecar
         if len(names) > 1:
             weight_map, total = {}, 0
             for tgt, name in enumerate(names):
@@ -389,10 +399,14 @@ class HFFormat(CheckpointFormat):
         if encoding is not None:
             fp8 = [f"linear weights in compressed-tensors' {encoding.quantization_config(())['format']} "
                    f"({encoding.scheme}), the rest as they are"]
+        like = _like(plan)
+        if like is not None:
+            fp8 = [f"quantized as {like.folder} ({like.quantization.codec.method}): weights equal to its "
+                   "dequantized ones keep its codes and scales, the rest quantized afresh by its scheme"]
         return [f"architecture {arch.name}: {arch.reason}", *arch.notes, *fp8]
 
     def prepare(self, plan: Plan, tgt: int, sd: dict[str, Any]) -> Any:
-        return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)))
+        return SafetensorsFile(_exports(plan, tgt, _module(sd, plan)), _like(plan))
 
     def write(self, obj: Any, path: str | os.PathLike[str], *, pickle_module: Any = None, sha256: bool = False,
               on_bytes: Callable[[int], None] | None = None, stream: Any = None,
@@ -500,6 +514,81 @@ def _fp8_block(plan: Plan) -> tuple[int, int] | None:
     return plan.options.fp8_block or DEFAULT_BLOCK
 
 
+def _like(plan: Plan) -> LikeSource | None:
+    """The release folder of ``--quantize like-source`` (``--quantize-like``), opened once per plan."""
+    if plan.options.quantize != LIKE_SOURCE:
+        return None
+    return _PER_PLAN.get(plan, "like", lambda: open_like(str(plan.options.quantize_like)))
+
+
+def _like_encoding(like: LikeSource, exp: Export) -> Any:
+    """The encoding ``--quantize like-source`` gives export ``exp`` (one for all its outputs: they
+    are written from one megatron-core tensor), refused where its outputs' differ."""
+    found = [like.encoding(o.name, tuple(o.shape), slab=exp.part is not None, linear=exp.linear,
+                           transposed=exp.transposed_slab) for o in exp.outputs]
+    if any(f != found[0] for f in found[1:]):
+        raise LayoutError(f"{like.folder} quantizes {', '.join(o.name for o, f in zip(exp.outputs, found) if f)} but "
+                          f"not {', '.join(o.name for o, f in zip(exp.outputs, found) if not f)}, which reshard "
+                          f"writes from one tensor ({exp.key})", culprit="--quantize-like",
+                          hint="export without --quantize and quantize with the release's own tools")
+    return found[0] if found else None
+
+
+def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
+    """``--quantize like-source``: the release is this architecture; each quantized output is one the
+    release's scheme can write (a stacked weight for MXFP4, a whole ``[out, in]`` weight else, of a
+    float dtype; compressed-tensors' group widths; an NVFP4 fused group made from one tensor); and
+    where a weight would be copied, the release's stored tensors are what the scheme lays out
+    (same scheme, same shapes)."""
+    where = str(like.folder)
+    fused: dict[str, str] = {}  # each module under a global scale -> the megatron-core tensor it is made from
+    if like.architectures and arch.name not in like.architectures:
+        raise LayoutError(f"is a {', '.join(like.architectures)}, not the {arch.name} written", culprit=where,
+                          hint="--quantize-like takes the release this model was imported from")
+    for tgt in range(len(plan.targets)):
+        file = SafetensorsFile(_exports(plan, tgt, _module(plan.target_state(tgt), plan)))
+        for (exp, _value, dtype, enc), (first, stop) in zip(file.exports, file.spans):
+            if enc is None:
+                continue
+            name = exp.outputs[0].name
+            if (enc == MXFP4) != exp.transposed_slab or (enc != MXFP4 and exp.part is not None):
+                how = "as a stacked slab" if exp.part is not None else "whole"
+                raise LayoutError(f"{where} quantizes {name}, which reshard writes {how}", culprit="--quantize-like",
+                                  hint="export without --quantize and quantize with the release's own tools")
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise LayoutError(f"{exp.key} is {dtype}: {like.quantization.codec.method} encodes float16, bfloat16 "
+                                  "or float32 weights", culprit="--quantize like-source", hint="drop --quantize")
+            if isinstance(enc, Encoding):
+                if enc.scale_dtype is not None and enc.scale_dtype != dtype:
+                    raise LayoutError(f"{where} stores compressed-tensors scales as {enc.scale_dtype}, the weights "
+                                      f"written are {dtype}", culprit="--quantize like-source",
+                                      hint="export the model in the release's dtype")
+                for o in exp.outputs:
+                    refused = enc.refusal(o.shape, dtype)
+                    if refused is not None:
+                        raise LayoutError(f"{o.name} {refused[0]}", culprit="--quantize like-source",
+                                          hint="export without --quantize")
+                    if enc.global_scaled:
+                        fused[o.name.removesuffix(".weight")] = exp.key
+            if enc == MXFP4 and exp.outputs[0].shape[0] % mxfp4.GROUP:
+                raise LayoutError(f"{name} has input width {exp.outputs[0].shape[0]}, not a multiple of "
+                                  f"{mxfp4.GROUP}", culprit="--quantize like-source", hint="drop --quantize")
+            entries = file.entries[first:stop]
+            per = len(entries) // len(exp.outputs)
+            for i, o in enumerate(exp.outputs):
+                if not like.copies(o.name, tuple(o.shape), slab=exp.part is not None):
+                    continue
+                for e, key in zip(entries[per * i:per * i + per], like.scheme.stored_names(o.name), strict=True):
+                    t = like.stored.get(key)
+                    if t is None or e.name != key or t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                        got = "absent" if t is None else f"{t.dtype} {list(t.shape)}"
+                        raise LayoutError(f"{key} is {got} in {where}, where its scheme lays out {e.dtype} "
+                                          f"{list(e.shape)}", culprit="--quantize-like",
+                                          hint="the release's tensors do not follow its config.json; re-copy it")
+    _refuse_split_fused(fused, "--quantize like-source",
+                        "export without --quantize and quantize with the release's own tools")
+
+
 def _ct_encoding(plan: Plan) -> Encoding | None:
     """The compressed-tensors encoding of the output's linear weights (``--quantize w4a16``,
     ``fp8-channel`` or ``nvfp4``), else None."""
@@ -530,12 +619,18 @@ def _check_ct(plan: Plan, arch: HFArchitecture, encoding: Encoding) -> None:
                     raise LayoutError(f"{o.name} {refused[0]}", culprit=flag, hint=refused[1])
                 source[o.name.removesuffix(".weight")] = exp.key
     if encoding.global_scaled:
-        for module, key in source.items():
-            split = [m for m in fused_with(module, source) if source[m] != key]
-            if split:
-                raise LayoutError(f"{module} and {split[0]} share one NVFP4 global scale (vLLM fuses them) but are "
-                                  f"made from two tensors, {key} and {source[split[0]]}", culprit=flag,
-                                  hint="drop --quantize, or --quantize w4a16 / fp8-channel")
+        _refuse_split_fused(source, flag, "drop --quantize, or --quantize w4a16 / fp8-channel")
+
+
+def _refuse_split_fused(source: Mapping[str, str], flag: str, hint: str) -> None:
+    """Refuse a fused group (:func:`~reshard.core.compressed_tensors_out.fused_with`) whose layers
+    (``source``: each NVFP4 module -> the megatron-core tensor it is made from) come from two
+    tensors: their one global scale is found over one export's outputs."""
+    for module, key in source.items():
+        split = [m for m in fused_with(module, source) if source[m] != key]
+        if split:
+            raise LayoutError(f"{module} and {split[0]} share one NVFP4 global scale (vLLM fuses them) but are "
+                              f"made from two tensors, {key} and {source[split[0]]}", culprit=flag, hint=hint)
 
 
 def _ct_ignored(plan: Plan, files: int) -> list[str]:
@@ -566,7 +661,7 @@ def _check_fp8(plan: Plan, arch: HFArchitecture) -> None:
 
 
 #: The encoding of an export's 4th element under ``--quantize mxfp4`` (an FP8 export holds its block).
-MXFP4 = "mxfp4"
+MXFP4 = mxfp4.METHOD
 
 
 def _check_mxfp4(plan: Plan, arch: HFArchitecture) -> None:
@@ -627,6 +722,7 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
     None (written as it is)."""
     block = _fp8_block(plan) or _ct_encoding(plan)
     mx = plan.options.quantize == MXFP4
+    like = _like(plan)
     out = []
     for key, value in module.items():
         if not isinstance(value, (PendingTensor, torch.Tensor)):
@@ -634,7 +730,9 @@ def _exports(plan: Plan, tgt: int, module: dict[str, Any]) -> list[tuple[Export,
                 raise LayoutError(f"{key} holds a {type(value).__name__}, not a tensor", culprit=key)
             continue
         exp = export_of(key, tuple(value.shape), value.dtype.itemsize, plan.facts, architecture(plan))
-        if exp.outputs:
+        if exp.outputs and like is not None:
+            out.append((exp, value, value.dtype, _like_encoding(like, exp)))
+        elif exp.outputs:
             out.append((exp, value, value.dtype, MXFP4 if mx and exp.transposed_slab else
                         block if exp.linear else None))
     return out
@@ -681,7 +779,8 @@ class SafetensorsFile:
     """The layout of one safetensors file (header from the shapes) and its streamed writing. An
     FP8-encoded output is two entries, the e4m3 weight and its float32 scales right after it."""
 
-    def __init__(self, exports: list[tuple[Export, Any, torch.dtype, Any]]) -> None:
+    def __init__(self, exports: list[tuple[Export, Any, torch.dtype, Any]], like: LikeSource | None = None) -> None:
+        self.like = like  # --quantize like-source: each quantized weight copied from it where unchanged
         self.exports = exports = _stacked_order(exports)
         self.entries: list[FileEntry] = []
         self.spans: list[tuple[int, int]] = []  # each export's entries: [first, stop)
@@ -753,15 +852,15 @@ class SafetensorsFile:
                 for (exp, value, _dtype, block), (first, stop) in zip(self.exports, self.spans):
                     entries = self.entries[first:stop]
                     if exp.part is not None and block == MXFP4:
-                        hi = _write_mxfp4_slab(writer, exp, value, entries, base)
+                        hi = _write_mxfp4_slab(writer, exp, value, entries, base, self.like)
                     elif exp.part is not None:
                         hi = _write_slab(writer, exp, value, entries[0], base)
                     elif block is None:
                         _write_export(writer, exp, value, entries, base)
                     elif isinstance(block, Encoding):
-                        _write_ct_export(writer, exp, value, entries, base, block)
+                        _write_ct_export(writer, exp, value, entries, base, block, self.like)
                     else:
-                        _write_fp8_export(writer, exp, value, entries, base, block, device, workers)
+                        _write_fp8_export(writer, exp, value, entries, base, block, device, workers, self.like)
                     if exp.part is None:
                         hi = base + entries[-1].start + entries[-1].nbytes
                     writer.put((memoryview(b""), hi, None, None))  # the file is complete up to hi
@@ -835,24 +934,31 @@ def _mxfp4_entries(whole: FileEntry) -> list[FileEntry]:
     return [blocks, scales]
 
 
-def _write_mxfp4_slab(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int) -> int:
+def _write_mxfp4_slab(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
+                      like: LikeSource | None = None) -> int:
     """Write one megatron-core tensor as slab ``exp.part`` of its stacked tensor's MXFP4 pair
     (``entries``: blocks, scales), quantized from the slab's transpose ``[out, in]``
     (:func:`~reshard.core.mxfp4.quantize`; made from the tensor without transposing it twice,
     :attr:`Export.convert_transposed`), and wait until both are written: one slab is held at a
     time, as :func:`_write_slab` holds it. Returns where the file is complete up to: the slab's
-    blocks (its scales, after all the blocks, are complete with the last slab)."""
+    blocks (its scales, after all the blocks, are complete with the last slab). ``like``
+    (``--quantize like-source``): a slab equal to the release's dequantized one takes its codes
+    and scales."""
     blocks, scales = entries
     b_slab, s_slab = blocks.nbytes // blocks.shape[0], scales.nbytes // scales.shape[0]
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
         (w,) = exp.convert_transposed(whole)
         if tuple(w.shape) != (blocks.shape[1], blocks.shape[2] * mxfp4.GROUP):
             raise WriterError(f"{exp.key}: made {tuple(w.shape)} for a slab of {blocks.name} {blocks.shape}")
-        try:
-            codes, scale = mxfp4.quantize(w)
-        except NonFiniteWeightError as exc:
-            raise LayoutError(f"{blocks.name}: {exc}", culprit="--quantize mxfp4", hint="the checkpoint's "
-                              "weights are not finite; convert it without --quantize") from None
+        weight = blocks.name.removesuffix(mxfp4.BLOCKS_SUFFIX)
+        if like is not None and like.unchanged(weight, w, slab=exp.part):
+            (_, codes), (_, scale) = _copied(like, weight, [blocks, scales], exp.part)
+        else:
+            try:
+                codes, scale = mxfp4.quantize(w)
+            except NonFiniteWeightError as exc:
+                raise LayoutError(f"{blocks.name}: {exc}", culprit="--quantize mxfp4", hint="the checkpoint's "
+                                  "weights are not finite; convert it without --quantize") from None
         del w
         done = [threading.Event(), threading.Event()]
         writer.put((tensor_bytes(codes), base + blocks.start + exp.part * b_slab, done[0].set, codes))
@@ -867,19 +973,38 @@ def _write_mxfp4_slab(writer: Any, exp: Export, value: Any, entries: list[FileEn
     return base + (scales.start + scales.nbytes if last else blocks.start + (exp.part + 1) * b_slab)
 
 
+def _copied(like: LikeSource, weight: str, entries: list[FileEntry], slab: int | None = None
+            ) -> list[tuple[str, torch.Tensor]]:
+    """The release's stored codes and scales of ``weight`` (``slab``: one expert's), each checked
+    against the entry it fills (:func:`_check_like` refused a release whose tensors differ)."""
+    got = like.stored_tensors(weight, slab)
+    for (key, t), e in zip(got, entries, strict=True):
+        shape = e.shape if slab is None else e.shape[1:]
+        if key != e.name or t.dtype != e.dtype or tuple(t.shape) != shape:
+            raise WriterError(f"{key} {t.dtype} {list(t.shape)} of {like.folder} does not fill {e.name} {list(shape)}")
+    return got
+
+
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
-                      block: tuple[int, int], device: torch.device | None = None, workers: int = 1) -> None:
+                      block: tuple[int, int], device: torch.device | None = None, workers: int = 1,
+                      like: LikeSource | None = None) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
     (:func:`~reshard.core.fp8_block.quantize_chunks`, on ``device`` when one is given): the weight
     is whole in memory, as a transpose is (a mapped source's rows are read where they lie:
     :meth:`PendingTensor.borrowed`); its codes are queued a chunk of block rows at a time as they
-    are made, then its scales. ``workers``: threads the quantizer shares each chunk's bands among."""
+    are made, then its scales. ``workers``: threads the quantizer shares each chunk's bands among.
+    ``like`` (``--quantize like-source``): an output equal to the release's dequantized weight
+    takes the release's codes and scales instead."""
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
         outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
         for i, out in enumerate(outs):
             codes, scales = entries[2 * i:2 * i + 2]
             if tuple(out.shape) != codes.shape:
                 raise WriterError(f"{exp.key}: made {tuple(out.shape)} for {codes.name} {codes.shape}")
+            if like is not None and like.unchanged(codes.name, out):
+                for (_key, t), e in zip(_copied(like, codes.name, [codes, scales]), (codes, scales)):
+                    writer.put((tensor_bytes(t), base + e.start, None, t))
+                continue
             w = out if device is None else out.to(device)
             s = torch.empty(scales.shape, dtype=torch.float32, device=w.device)
             rows = fp8_chunk_rows(w.shape[1], block[0])
@@ -895,15 +1020,21 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
 
 
 def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
-                     encoding: Encoding) -> None:
+                     encoding: Encoding, like: LikeSource | None = None) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights in compressed-tensors' format
     (``encoding``): the weight is whole in memory, as for FP8 blocks (:func:`_write_fp8_export`);
     its codes are made and queued a band of rows (about :data:`FP8_CHUNK_BYTES` of the weight) at
     a time, then its scales (then ``weight_shape``, or ``weight_global_scale``). An encoding with a
     global scale finds it first, in a pass over the same bands of every output (a fused QKV's q, k
-    and v, a fused fc1's gate and up share it: :func:`_check_ct`), nothing written before."""
+    and v, a fused fc1's gate and up share it: :func:`_check_ct`), nothing written before; under
+    the ``tensor`` strategy every band is coded with the whole weight's one scale. ``like``
+    (``--quantize like-source``): an output equal to the release's dequantized weight takes the
+    release's tensors instead; under a global scale only all the outputs together, where every
+    one is unchanged and the release's global scales of them are one
+    (:meth:`~reshard.core.like_source.LikeSource.unchanged_together`), else all are encoded
+    afresh under a new one."""
     per = len(entries) // len(exp.outputs)
-    flag = f"--quantize {encoding.scheme}"
+    flag = f"--quantize {encoding.scheme if like is None else LIKE_SOURCE}"
 
     def bands(out: torch.Tensor, name: str) -> Iterator[tuple[int, torch.Tensor]]:
         rows = max(1, FP8_CHUNK_BYTES // max(1, out.shape[1] * out.element_size()))
@@ -920,23 +1051,39 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
             codes = entries[per * i]
             if (out.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(out.shape, out.dtype):
                 raise WriterError(f"{exp.key}: made {tuple(out.shape)} {out.dtype} for {codes.name} {codes.shape}")
+        names = [o.name for o in exp.outputs]
+        if like is None:
+            copied = [False] * len(outs)
+        elif encoding.global_scaled:  # one global scale: all copied, or all afresh under a new one
+            copied = [like.unchanged_together(names, outs)] * len(outs)
+        else:
+            copied = [like.unchanged(name, out) for name, out in zip(names, outs, strict=True)]
         fused = None
-        if encoding.global_scaled:
+        if encoding.global_scaled and not all(copied):
             amax = torch.zeros((), dtype=outs[0].dtype)
             for i, out in enumerate(outs):
                 for _r, band in bands(out, entries[per * i].name):
                     amax = torch.maximum(amax, nvfp4.absmax(band))
             fused = encoding.global_scale(amax)
         for i, out in enumerate(outs):
-            codes, scales, *rest = entries[per * i:per * i + per]
+            part = entries[per * i:per * i + per]
+            if like is not None and copied[i]:
+                for (_key, t), e in zip(_copied(like, names[i], part), part):
+                    writer.put((tensor_bytes(t), base + e.start, None, t))
+                continue
+            codes, scales, *rest = part
+            whole_scale = encoding.tensor_scale(out)  # a weight not finite is refused by its first band
             s = torch.empty(scales.shape, dtype=scales.dtype)
             for r, band in bands(out, codes.name):
-                q, sb = encoding.encode_rows(band, fused)
-                s[r:r + q.shape[0]] = sb
+                q, sb = encoding.encode_rows(band, fused if fused is not None else whole_scale)
+                if whole_scale is None:
+                    s[r:r + q.shape[0]] = sb
+                else:
+                    s.copy_(sb)
                 writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
             writer.put((tensor_bytes(s), base + scales.start, None, s))
             for entry in rest:  # weight_shape, or weight_global_scale
-                t = fused if fused is not None else shape_tensor(out.shape)
+                t = fused if fused is not None else shape_tensor(out.shape).to(entry.dtype)
                 writer.put((tensor_bytes(t), base + entry.start, None, t))
 
 
