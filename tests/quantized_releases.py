@@ -47,7 +47,7 @@ SCHEMES = {
 }
 
 
-def _scheme(name: str | dict):
+def ct_scheme(name: str | dict):
     """A scheme of :data:`SCHEMES` by name, or one of ``QuantizationArgs`` keyword arguments."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
@@ -131,7 +131,7 @@ def make_ct_folder(src: Path, dst: Path, scheme: str | dict, dtype: torch.dtype 
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": _scheme(scheme)},
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": ct_scheme(scheme)},
                                                         ignore=list(ignore)))
     with torch.no_grad():
         quantized = {name: module for name, module in model.named_modules()
@@ -210,7 +210,7 @@ def compress_folder_ct(src: Path, dst: Path, scheme: str, quantized: str, ignore
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
-    q_scheme = _scheme(scheme)
+    q_scheme = ct_scheme(scheme)
     args = q_scheme.weights
     fmt = (CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.nvfp4_pack_quantized
            if args.strategy == "tensor_group" else CompressionFormat.float_quantized)
@@ -257,7 +257,7 @@ def ct_compress_weight(spec: str | dict, w: torch.Tensor) -> dict[str, torch.Ten
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    q_scheme = _scheme(spec)
+    q_scheme = ct_scheme(spec)
     args = q_scheme.weights
     fmt = CompressionFormat.pack_quantized if args.type == "int" else CompressionFormat.float_quantized
     if args.strategy == "group":
@@ -281,7 +281,7 @@ def ct_compress_fused(spec: str, weights: dict[str, torch.Tensor]) -> dict[str, 
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    q_scheme = _scheme(spec)
+    q_scheme = ct_scheme(spec)
     args = q_scheme.weights
     compressor = BaseCompressor.get_value_from_registry(CompressionFormat.nvfp4_pack_quantized.value)
     gscales = fused_global_scales(weights, args.group_size)

@@ -432,10 +432,10 @@ def test_the_nvfp4_encoder_is_compressed_tensors_compressor(dtype):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
-    from quantized_releases import _scheme
+    from quantized_releases import ct_scheme
     from reshard.core import nvfp4
 
-    scheme = _scheme("nvfp4a16")
+    scheme = ct_scheme("nvfp4a16")
     compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
     torch.manual_seed(5)
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.2, 0.3, 1.3, 2.6, 4.9, 5.1, -0.1, -0.25])

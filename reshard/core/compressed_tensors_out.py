@@ -24,7 +24,8 @@ band of rows at a time, and the ``quantization_config`` that announces them, as 
 
 ``nvfp4`` is weight-only (compressed-tensors' ``NVFP4A16`` preset): NVFP4 activations need an
 ``input_global_scale`` calibrated on data, which a conversion has none of, so no activation scale is
-written. Its global scale is one per *group of fused layers* (:data:`FUSED`): llm-compressor's fused
+written. Its global scale is one per *group of fused layers* (:func:`fused_with`; the groups are the
+architecture's, :attr:`reshard.models.hf_architectures.HFArchitecture.fused_layers`): llm-compressor's fused
 observers give q/k/v, and gate/up, the scale of their joint absolute maximum, because vLLM runs each
 group as one matmul with one scale. A writer finds it with :meth:`Encoding.global_scale` over every
 tensor of the group before it encodes any band of them.
@@ -44,10 +45,6 @@ from reshard.core.compressed_tensors import METHOD, NAIVE, NVFP4, PACK
 W4A16, FP8_CHANNEL, NVFP4_SCHEME = "w4a16", "fp8-channel", "nvfp4"
 #: ``--quantize`` values written in compressed-tensors' formats.
 SCHEMES = (W4A16, FP8_CHANNEL, NVFP4_SCHEME)
-#: The layers that share one NVFP4 global scale when a module holds all of a group (llm-compressor's
-#: ``FUSED_LAYER_NAMES``: what vLLM fuses into one matmul).
-FUSED = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
-         ("w1", "w3"))
 #: ``--group-size`` when not given: Kimi-K2-Thinking's and llm-compressor's W4A16 preset's.
 DEFAULT_GROUP = 32
 #: Bits of a ``w4a16`` code.
@@ -212,13 +209,14 @@ class Encoding:
                 "moe_sparsity_config": None, "sparsity_config": {}, "transform_config": {}}
 
 
-def fused_with(module: str, present: Collection[str]) -> list[str]:
-    """The modules of ``present`` that share ``module``'s NVFP4 global scale (:data:`FUSED`),
-    ``module`` among them; ``[module]`` where it is in no fused group or its parent does not hold
-    the whole group (llm-compressor fuses only a complete one)."""
+def fused_with(module: str, present: Collection[str], groups: Sequence[Sequence[str]]) -> list[str]:
+    """The modules of ``present`` that share ``module``'s NVFP4 global scale, ``module`` among
+    them: the group of ``groups`` (leaf names of the layers a serving stack runs as one matmul) its
+    leaf name is in, where its parent holds the whole group (llm-compressor fuses only a complete
+    one); else ``[module]``."""
     parent, _, leaf = module.rpartition(".")
     prefix = parent + "." if parent else ""
-    for group in FUSED:
+    for group in groups:
         if leaf in group and all(prefix + g in present for g in group):
             return [prefix + g for g in group]
     return [module]

@@ -585,7 +585,7 @@ def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
                         raise LayoutError(f"{key} is {got} in {where}, where its scheme lays out {e.dtype} "
                                           f"{list(e.shape)}", culprit="--quantize-like",
                                           hint="the release's tensors do not follow its config.json; re-copy it")
-    _refuse_split_fused(fused, "--quantize like-source",
+    _refuse_split_fused(arch, fused, "--quantize like-source",
                         "export without --quantize and quantize with the release's own tools")
 
 
@@ -619,15 +619,15 @@ def _check_ct(plan: Plan, arch: HFArchitecture, encoding: Encoding) -> None:
                     raise LayoutError(f"{o.name} {refused[0]}", culprit=flag, hint=refused[1])
                 source[o.name.removesuffix(".weight")] = exp.key
     if encoding.global_scaled:
-        _refuse_split_fused(source, flag, "drop --quantize, or --quantize w4a16 / fp8-channel")
+        _refuse_split_fused(arch, source, flag, "drop --quantize, or --quantize w4a16 / fp8-channel")
 
 
-def _refuse_split_fused(source: Mapping[str, str], flag: str, hint: str) -> None:
+def _refuse_split_fused(arch: HFArchitecture, source: Mapping[str, str], flag: str, hint: str) -> None:
     """Refuse a fused group (:func:`~reshard.core.compressed_tensors_out.fused_with`) whose layers
     (``source``: each NVFP4 module -> the megatron-core tensor it is made from) come from two
     tensors: their one global scale is found over one export's outputs."""
     for module, key in source.items():
-        split = [m for m in fused_with(module, source) if source[m] != key]
+        split = [m for m in fused_with(module, source, arch.fused_layers) if source[m] != key]
         if split:
             raise LayoutError(f"{module} and {split[0]} share one NVFP4 global scale (vLLM fuses them) but are "
                               f"made from two tensors, {key} and {source[split[0]]}", culprit=flag, hint=hint)

@@ -388,6 +388,13 @@ def export_of(key: str, shape: tuple[int, ...], itemsize: int, facts: ModelFacts
                       hint="export a model whose every tensor that architecture holds")
 
 
+#: The layers (leaf module names) vLLM runs as one matmul, so llm-compressor gives each group one
+#: NVFP4 global scale (``--quantize nvfp4``): its ``FUSED_LAYER_NAMES``, one list it applies to every
+#: model (an architecture whose serving stack fuses others sets its own ``fused_layers``).
+FUSED_LAYERS: tuple[tuple[str, ...], ...] = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"),
+                                             ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class HFArchitecture:
     """The chosen class, its ``config.json``, why (for the report) and its name table."""
@@ -400,6 +407,11 @@ class HFArchitecture:
     #: The architecture that wrote it, whose hooks name the folder's tensors (set by the registry's
     #: :func:`~reshard.models.hf_registry.decide_export` and ``export_as``; None: the table's names).
     family: HFArchitectureFamily | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def fused_layers(self) -> tuple[tuple[str, ...], ...]:
+        """The layers that share one NVFP4 global scale: its family's, else :data:`FUSED_LAYERS`."""
+        return self.family.fused_layers if self.family is not None else FUSED_LAYERS
 
 
 @dataclass(frozen=True)
@@ -442,6 +454,8 @@ class HFArchitectureFamily(abc.ABC):
     #: are converted Hugging Face -> Hugging Face only (read under megatron-core names, written back
     #: by :meth:`decide`), and the ``hf`` format refuses any other output for them in these words.
     hf_only: str | None = None
+    #: The layers (leaf module names) that share one NVFP4 global scale (:data:`FUSED_LAYERS`).
+    fused_layers: tuple[tuple[str, ...], ...] = FUSED_LAYERS
 
     def read_config(self, config: Mapping[str, Any], where: str) -> HFModel:
         """Import: the megatron-core model ``config`` (a ``config.json``) describes, or
