@@ -480,3 +480,22 @@ def test_transformers_loads_an_nvfp4_output_as_it_loads_the_release(nvfp4):
     _model, info = transformers.AutoModelForCausalLM.from_pretrained(rel.parent / "out", output_loading_info=True)
     assert not any(info.values()), info
     assert _differing(ct_dequantized(rel.parent / "out"), ct_dequantized(rel)) == []
+
+
+def test_the_release_folder_is_part_of_the_conversions_identity(releases, tmp_path):
+    """The same model re-quantized like a release whose files changed is another conversion, not an
+    output already up to date (its codes and scales are copied from those files)."""
+    import os
+    import shutil
+
+    from reshard import api
+
+    rel = tmp_path / "rel"
+    shutil.copytree(releases["int4-group"], rel)
+    run = dict(to="hf", quantize="like-source", quantize_like=str(rel), overwrite=True)
+    mid = str(releases["int4-group"].parent / "mid")
+    assert not api.convert(mid, str(tmp_path / "out"), **run).up_to_date
+    assert api.convert(mid, str(tmp_path / "out"), **run).up_to_date
+    blob = next(rel.glob("*.safetensors"))
+    os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))
+    assert not api.convert(mid, str(tmp_path / "out"), **run).up_to_date

@@ -83,9 +83,10 @@ def digest(*parts: Any) -> str:
 def conversion_id(source_objects: Iterable[Mapping[str, Any]], options: Mapping[str, Any]) -> str:
     """Identity of a conversion's output bytes (destination-independent)."""
     objs = sorted((o["name"], o["size"], o.get("etag")) for o in source_objects)
-    adapter = options.get("merge_adapter")
-    if adapter:  # the adapter's files change the output bytes as the source's do
-        root = Path(adapter)
-        objs += sorted((f"--merge-adapter/{p.relative_to(root)}", p.stat().st_size, p.stat().st_mtime_ns)
-                       for p in root.rglob("*") if p.is_file())
+    for option, flag in (("merge_adapter", "--merge-adapter"), ("quantize_like", "--quantize-like")):
+        folder = options.get(option)
+        if folder:  # the adapter's, the release's files change the output bytes as the source's do
+            root = Path(folder)
+            objs += sorted((f"{flag}/{p.relative_to(root)}", p.stat().st_size, p.stat().st_mtime_ns)
+                           for p in root.rglob("*") if p.is_file())
     return digest("conversion", objs, dict(options), code_version())
