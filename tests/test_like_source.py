@@ -325,6 +325,8 @@ def test_bad_requests_are_refused_in_one_line_with_nothing_written(releases, tmp
     _refused(capsys, [str(mid), str(out), "--to", "hf", "--quantize-like", str(rel)],
              "--quantize-like: --quantize like-source and --quantize-like DIR go together", out)
     _refused(capsys, [str(mid), str(out), *like, str(tmp_path / "nowhere")], "has no config.json", out)
+    _refused(capsys, [str(mid), str(out), *like, "s3://bucket/release"], "is a URL: the release folder is read "
+             "from a local disk", out)
     _refused(capsys, [str(mid), str(out), *like, str(mid)], "declares no quantization", out)
     _refused(capsys, [str(mid), str(out), "--to", "torch_dist", "--quantize", "like-source", "--quantize-like",
                       str(rel)], "has no place for a release's quantized weights", out)

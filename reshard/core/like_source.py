@@ -436,6 +436,9 @@ def open_like(folder: str | Path) -> LikeSource:
     """The release folder of ``--quantize-like`` with its scheme, every tensor's header read and
     every quantized pair checked; a folder that is none, declares no quantization, or one no
     :class:`LikeScheme` writes is refused in one line."""
+    if "://" in str(folder):  # the release's tensors are mapped from local files, compared and copied
+        raise LayoutError("is a URL: the release folder is read from a local disk", culprit=str(folder),
+                          hint=f"download the release (its config.json and safetensors) and give {FLAG} that folder")
     path = Path(folder)
     if not (path / CONFIG).is_file():
         raise LayoutError(f"has no {CONFIG}", culprit=str(path),
