@@ -501,3 +501,14 @@ def test_the_release_folder_is_part_of_the_conversions_identity(releases, tmp_pa
     blob = next(rel.glob("*.safetensors"))
     os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))
     assert not api.convert(mid, str(tmp_path / "out"), **run).up_to_date
+
+
+def test_an_nvfp4_release_through_megatron_core_at_tp2_comes_back(nvfp4, tmp_path):
+    """Imported to megatron-core at TP 2 (q/k/v fused per query group and split over the ranks,
+    gate/up into fc1's halves) and exported like the release: every stored tensor back bit for bit."""
+    rel = nvfp4["fused"]
+    assert _run(str(rel), str(tmp_path / "mcore"), "--target-tp", "2") == 0
+    assert len(list((tmp_path / "mcore").rglob("*.pt"))) >= 2
+    _like(tmp_path / "mcore", tmp_path / "out", rel)
+    assert _differing(_tensors(tmp_path / "out"), _tensors(rel)) == []
+    assert _config(tmp_path / "out")["quantization_config"] == _config(rel)["quantization_config"]
