@@ -2,8 +2,9 @@
 
 Why here: the merge is arithmetic on tensors, the same for every format and family. It is done in
 float32 and cast once to the base weight's dtype (as PEFT's ``merge_and_unload`` on a float32 model
-computes it), for the box a target reads only: memory is the box and the adapter (``r`` rows of A,
-the box's rows of B), never the merged model.
+computes it), for the box a target reads only: memory is the box and the adapter's part of it (``r``
+rows of A over the box's columns, the box's rows of B, each read when the box is: the adapter may be
+lazy, so a model's adapters are never held whole), never the merged model.
 
 =======================  ==============================================================
 tensor                   shape
@@ -29,9 +30,10 @@ CHUNK_ELEMENTS = 1 << 18
 
 
 class LoraMerged(LazyTensor):
-    """``base`` (a tensor or a lazy one, ``[out, in]``) with ``scale * b @ a`` added, in float32, cast once."""
+    """``base`` (a tensor or a lazy one, ``[out, in]``) with ``scale * b @ a`` added, in float32, cast
+    once; ``a`` and ``b`` tensors or lazy ones."""
 
-    def __init__(self, base: Any, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    def __init__(self, base: Any, a: Any, b: Any, scale: float) -> None:
         self.base, self.a, self.b, self.scale = base, a, b, scale
         self.shape = tuple(base.shape)
         self.dtype = base.dtype
@@ -42,15 +44,17 @@ class LoraMerged(LazyTensor):
         view = self.base.view_box(offsets, sizes) if isinstance(self.base, LazyTensor) else None
         w = view if view is not None else box_of(self.base, offsets, sizes)
         dst = torch.empty(sizes, dtype=self.dtype) if out is None else out
-        a = self.a[:, c0:c0 + nc].to(torch.float32)
+        rank = self.a.shape[0]
+        a = box_of(self.a, (0, c0), (rank, nc)).to(torch.float32)
+        b = box_of(self.b, (r0, 0), (nr, rank)).to(torch.float32)
         step = max(1, CHUNK_ELEMENTS // max(nc, 1))
-        for i in range(0, nr, step):  # a band of rows at a time: float32 temporaries of CHUNK_ELEMENTS
+        band = torch.empty((min(step, nr), nc), dtype=torch.float32)  # one float32 temporary, reused
+        for i in range(0, nr, step):  # a band of rows at a time
             n = min(step, nr - i)
-            delta = self.b[r0 + i:r0 + i + n].to(torch.float32) @ a
+            delta = torch.matmul(b[i:i + n], a, out=band[:n])
             delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
-            # the sum is computed in float32 (W is promoted exactly) and rounded once into dst's dtype:
-            # the same bits as adding W.float() and casting, without those two passes over the band
-            torch.add(delta, w[i:i + n], out=dst[i:i + n])
+            delta.add_(w[i:i + n])  # in float32: W is promoted exactly, as W.float() would be, without its copy
+            dst[i:i + n].copy_(delta)  # rounded once into the base's dtype
         if view is not None:  # read: the mapped file's pages are given back
             self.base.release(view)
         return dst

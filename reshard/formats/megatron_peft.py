@@ -88,13 +88,14 @@ def read_adapter_checkpoint(src: Path) -> AdapterCheckpoint:
 
 @functools.lru_cache(maxsize=4)
 def _adapter_weights(path: str, _stamp: float) -> tuple[dict[str, tuple[Any, Any]], LoraSettings]:
-    """base weight key -> (A, B) read whole (an adapter is small), and the settings; read once per
-    version of the checkpoint (every source file a conversion opens asks)."""
+    """base weight key -> (A, B) as lazy tensors (each merged box reads its part of them: a model's
+    adapters are never held whole), and the settings; found once per version of the checkpoint
+    (every source file a conversion opens asks)."""
     ckpt = read_adapter_checkpoint(Path(path))
     pairs: dict[str, dict[str, Any]] = {}
     for key, t in ckpt.tensors.items():
         base, side = adapter_parts(key)  # type: ignore[misc]
-        pairs.setdefault(base, {})[side] = t.read_box((0,) * len(t.shape), tuple(t.shape))
+        pairs.setdefault(base, {})[side] = t
     for base, sides in pairs.items():
         if set(sides) != {"A", "B"}:
             raise CheckpointFormatError(f"holds LoRA's {''.join(sides)} of {base} alone", culprit=path,
