@@ -398,21 +398,26 @@ def measure(cmd: list[str]) -> dict[str, float]:
 
 
 def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label: str,
-          pause: float, keep: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+          pause: float, keep: tuple[str, ...] = (), peer_runs: int | None = None) -> dict[str, dict[str, float]]:
     """:func:`bench_hf.timed` with each run's CPU seconds too: medians of ``runs``, methods interleaved,
-    the source warm, ``pause`` seconds before each. The last run's output of each method in ``keep``
-    is left in ``work/kept_<method>`` (for :func:`agree`)."""
+    the source warm, ``pause`` seconds before each; the peers (any method but the floor and reshard)
+    in the first ``peer_runs`` rounds only (they take several times reshard's time). The output of
+    each method in ``keep`` is left in ``work/kept_<method>`` from its last run (for :func:`agree`)."""
     got: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     out = work / "run_out"
+    last = {m: runs - 1 if m in (FLOOR_M, RESHARD) or peer_runs is None else min(runs, peer_runs) - 1
+            for m in methods}
     for i in range(runs):
         for name, cmd in methods.items():
+            if i > last[name]:
+                continue
             remove(out)
             os.sync()
             warm(src)
             settle(pause)
             log(f"{label} run {i + 1}/{runs}: {name}")
             got[name].append(measure([c.replace("{out}", str(out)) for c in cmd]))
-            if i == runs - 1 and name in keep:
+            if i == last[name] and name in keep:
                 remove(work / f"kept_{name}")
                 out.rename(work / f"kept_{name}")
     remove(out)
@@ -442,7 +447,8 @@ def folders(ns: argparse.Namespace, shape: dict[str, Any], layers: int, experts:
     return {k: ns.data_dir / f"{tag}_{k}" for k in ("bf16",) + READS}
 
 
-def build(ns: argparse.Namespace, shape: dict[str, Any], layers: int, experts: int) -> dict[str, Path]:
+def build(ns: argparse.Namespace, shape: dict[str, Any], layers: int, experts: int,
+          codecs: set[str]) -> dict[str, Path]:
     """The bf16 source and the releases read or written made from it (each in its own process), when absent."""
     f = folders(ns, shape, layers, experts)
     if not (f["bf16"] / "config.json").is_file():
@@ -450,7 +456,7 @@ def build(ns: argparse.Namespace, shape: dict[str, Any], layers: int, experts: i
         log(f"writing {f['bf16'].name}")
         subprocess.run([sys.executable, __file__, "--make-source", str(f["bf16"]), str(layers), str(experts),
                         json.dumps(shape)], check=True)
-    for codec in sorted(set(ns.reads) | set(ns.writes)):
+    for codec in sorted(codecs):
         if not (f[codec] / "config.json").is_file():
             remove(f[codec])
             log(f"compressing {f[codec].name}")
@@ -461,7 +467,7 @@ def build(ns: argparse.Namespace, shape: dict[str, Any], layers: int, experts: i
 def shape_run(ns: argparse.Namespace, shape: dict[str, Any], work: Path) -> dict[str, Any]:
     """The timed runs and the agreement checks of one shape, then ``--deep``'s reshard-only runs."""
     layers, experts = ns.layers, ns.experts
-    f = build(ns, shape, layers, experts)
+    f = build(ns, shape, layers, experts, set(ns.reads) | set(ns.writes))
     bf16_bytes = size(f["bf16"])
     rec: dict[str, Any] = {"bf16 GB": round(bf16_bytes / 1e9, 3),
                            **{f"{c} GB": round(size(f[c]) / 1e9, 3) for c in sorted(set(ns.reads) | set(ns.writes))}}
@@ -470,7 +476,8 @@ def shape_run(ns: argparse.Namespace, shape: dict[str, Any], work: Path) -> dict
         rel = f[codec]
         m = {FLOOR_M: FLOOR + [str(rel), "{out}", str(bf16_bytes)], RESHARD: reshard(str(rel), "{out}", "--to", "hf"),
              PEER: peer("decompress", str(rel), "{out}")}
-        rec[f"read {codec}"] = timed(m, rel, work, ns.runs, f"{key} read {codec}", ns.settle, (RESHARD, PEER))
+        rec[f"read {codec}"] = timed(m, rel, work, ns.runs, f"{key} read {codec}", ns.settle, (RESHARD, PEER),
+                                     ns.peer_runs)
         rec[f"read {codec} same"] = agree(work, RESHARD, PEER)
         log(f"{key} read {codec}: {json.dumps(rec[f'read {codec}'])} same: {rec[f'read {codec} same']}")
     for codec in ns.writes:
@@ -481,7 +488,7 @@ def shape_run(ns: argparse.Namespace, shape: dict[str, Any], work: Path) -> dict
             m[LLMC] = [ns.llmcompressor_python, "-c", LLMCOMPRESSOR, str(f["bf16"]), "{out}",
                        json.dumps(CODECS[codec]["args"])]
         rec[f"write {codec}"] = timed(m, f["bf16"], work, ns.runs, f"{key} write {codec}", ns.settle,
-                                      (RESHARD, PEER, LLMC))
+                                      (RESHARD, PEER, LLMC), ns.peer_runs)
         rec[f"write {codec} same"] = agree(work, RESHARD, PEER)
         if LLMC in m:
             rec[f"write {codec} same {LLMC}"] = agree(work, RESHARD, LLMC)
@@ -490,13 +497,13 @@ def shape_run(ns: argparse.Namespace, shape: dict[str, Any], work: Path) -> dict
         deep_layers, deep_experts = (layers, 2 * experts) if key == "kimi" else (2 * layers, experts)
         remove(*(p for c, p in f.items() if c != "bf16"))  # the disk holds the deep folders instead
         remove(f["bf16"])
-        d = build(ns, shape, deep_layers, deep_experts)
+        d = build(ns, shape, deep_layers, deep_experts, (set(ns.reads) | set(ns.writes)) & set(ns.deep_codecs))
         deep: dict[str, Any] = {"layers": deep_layers, "experts": deep_experts,
                                 "bf16 GB": round(size(d["bf16"]) / 1e9, 3)}
-        for codec in ns.reads:
+        for codec in (c for c in ns.reads if c in ns.deep_codecs):
             deep[f"read {codec}"] = timed({RESHARD: reshard(str(d[codec]), "{out}", "--to", "hf")}, d[codec], work,
                                           ns.deep_runs, f"{key} deep read {codec}", ns.settle)
-        for codec in ns.writes:
+        for codec in (c for c in ns.writes if c in ns.deep_codecs):
             cmd = reshard(str(d["bf16"]), "{out}", "--to", "hf", "--quantize", codec)
             deep[f"write {codec}"] = timed({RESHARD: cmd}, d["bf16"], work, ns.deep_runs, f"{key} deep write {codec}",
                                            ns.settle)
@@ -528,7 +535,7 @@ def summary(ns: argparse.Namespace, results: dict[str, Any]) -> None:
         for what in [f"read {c}" for c in ns.reads] + [f"write {c}" for c in ns.writes]:
             rows = rec[what]
             r, fl, p = rows[RESHARD], rows[FLOOR_M], rows[PEER]
-            deep_rss = f"{deep[what][RESHARD]['peak_rss_mib']:8d}" if deep else f"{'-':>8}"
+            deep_rss = f"{deep[what][RESHARD]['peak_rss_mib']:8d}" if deep and what in deep else f"{'-':>8}"
             print(f"{what:22} {r['seconds']:9.2f} {fl['seconds']:7.2f} {r['seconds'] / fl['seconds']:7.2f} "
                   f"{p['seconds']:7.2f} {p['seconds'] / r['seconds']:7.2f} {r['peak_rss_mib']:7d} {deep_rss} "
                   f"{p['peak_rss_mib']:8d} {r['cpu_seconds'] / r['seconds']:5.2f} {gb / r['cpu_seconds']:9.3f} "
@@ -568,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deep", action="store_true", help="also reshard alone at twice the experts (Kimi) or layers")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--deep-runs", type=int, default=1)
+    ap.add_argument("--deep-codec", dest="deep_codecs", action="append", choices=READS, default=None,
+                    help="the codecs --deep runs (default: all read or written)")
+    ap.add_argument("--peer-runs", type=int, default=None, help="time the peers in this many rounds (default: all)")
     ap.add_argument("--settle", type=float, default=SETTLE)
     ap.add_argument("--llmcompressor-python", default=None,
                     help="an interpreter with llmcompressor installed: its W4A16 oneshot as a peer")
@@ -581,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.runs, ns.deep_runs, ns.settle, ns.experts = 1, 1, 0.0, 4
     shapes = [QUICK[s] if ns.quick else SHAPES[s] for s in (ns.shape or SHAPES)]
     ns.reads, ns.writes = tuple(ns.reads or READS), tuple(ns.writes or WRITES)
+    ns.deep_codecs = tuple(ns.deep_codecs or READS)
     # reshard as installed (pip compiles its bytecode at install), as bench_fp8.py
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE.parent / "reshard")], check=True)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
