@@ -27,7 +27,7 @@ folder this script writes a band of rows at a time (``--make-source``), the rele
 time (``--peer compress ... --stream``): no whole model in memory. ``--deep`` repeats reshard alone
 at twice the experts (Kimi) or layers (Llama): peak RSS must stay flat.
 
-    python bench/bench_ct.py              # full run (~14 GB of disk at the peak, deleted at the end)
+    python bench/bench_ct.py              # full run (8 GB of disk at the 16-expert stage; deleted at the end)
     python bench/bench_ct.py --quick      # smoke test of the benchmark itself (tiny shapes, < 1 min)
 
 Not part of the tests. Each command is its own process (wall time around it; peak RSS and CPU
@@ -401,7 +401,7 @@ def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label
           pause: float, keep: tuple[str, ...] = (), peer_runs: int | None = None) -> dict[str, dict[str, float]]:
     """:func:`bench_hf.timed` with each run's CPU seconds too: medians of ``runs``, methods interleaved,
     the source warm, ``pause`` seconds before each; the peers (any method but the floor and reshard)
-    in the first ``peer_runs`` rounds only (they take several times reshard's time). The output of
+    in the first ``peer_runs`` rounds only (they are the slower half of a round). The output of
     each method in ``keep`` is left in ``work/kept_<method>`` from its last run (for :func:`agree`)."""
     got: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     out = work / "run_out"
