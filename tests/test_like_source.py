@@ -602,3 +602,26 @@ def test_a_layer_the_w4a4_release_lacks_is_refused(w4a4, tmp_path, capsys, name)
     _refused(capsys, [str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)],
              f"{gone}.weight is quantized with calibrated activation scales, but {rel} holds no {gone}{W4A4[name]} "
              "to keep", out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_modelopts_weight_rule_is_nvfp4qtensors_bit_for_bit(dtype):
+    """:func:`reshard.core.nvfp4.quantize_modelopt` under one shared ``scale_2_modelopt`` against
+    ModelOpt's own ``NVFP4QTensor`` (:func:`modelopt_fused`) on a fused group with an all-zero
+    block (its scale 1.0 before the clamp), a block far below the group's maximum (clamped at
+    2**-9), ties and negative zeros."""
+    from reshard.core import nvfp4 as fp4
+
+    g = torch.Generator().manual_seed(5)
+    parts = {f"p{i}": (torch.randn(32, 64, generator=g) * s).to(dtype) for i, s in enumerate((1.0, 0.25, 4.0))}
+    parts["p0"][0, :16] = 0
+    parts["p0"][1, :16] = -0.0
+    parts["p1"][2, :16] *= 1e-7
+    parts["p2"][3, :16] = torch.tensor([0.75, 1.75, 3.5, 0.25, 2.5, 5.0, -0.75, -1.25] * 2, dtype=dtype)
+    want = modelopt_fused({m + ".x": w for m, w in parts.items()})
+    amax = torch.stack([fp4.absmax(w) for w in parts.values()]).max()
+    scale_2 = fp4.scale_2_modelopt(amax)
+    for m, w in parts.items():
+        packed, scale = fp4.quantize_modelopt(w, scale_2)
+        got = {m + ".x.weight": packed, m + ".x.weight_scale": scale, m + ".x.weight_scale_2": scale_2}
+        assert _differing(got, {k: v for k, v in want.items() if k.startswith(m + ".")}) == [], (m, dtype)
