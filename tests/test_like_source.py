@@ -10,6 +10,9 @@ DeepSeek FP8 blocks of 32 x 48 and GPT-OSS MXFP4 (the stacked plug-in architectu
 ``tests/plugin_stacked_moe.py``), laid out by reshard's encoders and then given scales and codes
 no quantizer's rule makes (FP8 scales times 1.37; MXFP4 codes of magnitude at most 3), so that
 re-quantizing the dequantized weights does not give the release back and only copying does.
+W4A4 NVFP4 releases: ModelOpt's (its own ``NVFP4QTensor``, ``weight_scale_2`` shared by q/k/v and
+gate/up as its export fuses them) and compressed-tensors' ``NVFP4`` preset, each layer with a
+calibrated activation scale, which like-source keeps from the release.
 
 Proof: release -> bf16 -> like-source gives every stored tensor of the release back bit for bit
 and its ``quantization_config``; with one weight edited only that weight's tensors differ, and

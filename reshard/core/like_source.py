@@ -27,12 +27,30 @@ A scheme is one :class:`LikeScheme` registered for its release method
 :mod:`reshard.core.release_codecs`): which tensors its rule quantizes, which stored tensors hold a
 weight's codes and scales (copied, in the order the writer lays them out), and the encoding a
 fresh quantization uses (the writer's: an FP8 block ``(rows, cols)``, :data:`mxfp4.METHOD`, or a
-compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`). A method without one is
-refused in one line naming it and ``DIR``, as is ModelOpt's NVFP4 (its factory refuses: its
-calibrated activation scales have no fresh counterpart).
+compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`, ModelOpt's NVFP4 among
+them). A method without one is refused in one line naming it and ``DIR``.
+
+W4A4 NVFP4 releases (ModelOpt's ``quant_algo: NVFP4``; compressed-tensors' ``NVFP4`` preset) carry
+a calibrated activation scale per quantized layer (``X.input_scale``, ``X.input_global_scale``),
+found on data a conversion does not have. Decision (issue #58): every one is copied from the
+release as it is, never recomputed:
+
+==========================================  ==================================================
+the layer                                   written as
+==========================================  ==================================================
+unchanged (as the table above decides)      the release's tensors, its activation scale among
+                                            them: bit for bit
+its weights changed                         re-encoded by the scheme's weight rule, keeping the
+                                            release's activation scale; one warning line for
+                                            the run counts these layers (recalibrate with
+                                            ModelOpt / llm-compressor if their activations
+                                            moved)
+quantized, absent from the release          refused in one line naming it: no scale to keep
+==========================================  ==================================================
 
 A scheme whose weights share a global scale (compressed-tensors' NVFP4: q/k/v, gate/up, as
-llm-compressor fuses them for vLLM; :meth:`LikeScheme.global_scale_name`) is decided per *export*,
+llm-compressor fuses them for vLLM; ModelOpt's ``weight_scale_2``, the max of the parts' amax as its
+export's ``preprocess_linear_fusion`` unifies them; :meth:`LikeScheme.global_scale_name`) is decided per *export*,
 the weights the writer makes from one megatron-core tensor, which hold the fused group whole:
 
 =============================================  =====================================================
@@ -42,7 +60,9 @@ every one unchanged, and the release's global  the release's codes and scales of
 scales of them all bit for bit one             (:meth:`LikeSource.unchanged_together`)
 any one changed, or the release's scales of    every one quantized afresh under one global scale
 them differ                                    of their joint maximum (llm-compressor's rule, as
-                                               ``--quantize nvfp4`` writes it)
+                                               ``--quantize nvfp4`` writes it; ModelOpt's
+                                               ``NVFP4QTensor`` rule,
+                                               :func:`~reshard.core.nvfp4.quantize_modelopt`)
 =============================================  =====================================================
 
 Copying the unchanged parts alone would leave them under the release's global scale and the
