@@ -24,6 +24,7 @@ and of the import harness run in ``tests/test_hf_import.py``).
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -89,6 +90,40 @@ def fused_global_scales(weights: dict[str, torch.Tensor], group_size: int = 16) 
     return out
 
 
+def fused_groups(modules: Collection[str]) -> list[list[str]]:
+    """``modules`` in their fused groups (a parent holding every name of one of
+    :data:`FUSED_LAYER_NAMES`, in that order), any other module alone; sorted by first member."""
+    out, seen = [], set()
+    for name in sorted(modules):
+        if name in seen:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        members = [name]
+        for group in FUSED_LAYER_NAMES:
+            if leaf in group and all(f"{parent}.{g}" in modules for g in group):
+                members = [f"{parent}.{g}" for g in group]
+        seen.update(members)
+        out.append(members)
+    return out
+
+
+def modelopt_fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ModelOpt 0.47's own NVFP4 quantization of one fused group's ``weights`` (module name ->
+    ``[out, in]``) as its HF export requantizes them: ``weight_scale_2`` from the max of the
+    parts' amax (``preprocess_linear_fusion`` unifies the weight quantizers' amax;
+    ``get_weights_scaling_factor_2`` of each part is that amax over 2688, so the max of theirs),
+    each part then ``NVFP4QTensor.quantize``d under it; the stored tensors by their full names."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    scale_2 = torch.stack([NVFP4QTensor.get_weights_scaling_factor_2(w) for w in weights.values()]).max()
+    out = {}
+    for module, w in weights.items():
+        q, scale, _ = NVFP4QTensor.quantize(w.clone(), 16, weights_scaling_factor_2=scale_2)
+        out |= {module + ".weight": q._quantized_data, module + ".weight_scale": scale,
+                module + ".weight_scale_2": scale_2.clone()}
+    return out
+
+
 def _observe(module: torch.nn.Module, gscale: torch.Tensor | None = None) -> None:
     """A min-max observer's qparams of ``module``'s weight, set on it (compressed-tensors' helpers);
     ``gscale``: a ``tensor_group`` weight's global scale (its fused group's), else its own."""
@@ -118,6 +153,8 @@ def _observe(module: torch.nn.Module, gscale: torch.Tensor | None = None) -> Non
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
     if hasattr(module, "input_scale"):
         module.input_scale.data.fill_(0.5)  # a calibrated activation scale: a serving kernel's, not read
+    if hasattr(module, "input_global_scale"):  # W4A4 NVFP4's calibrated one (made up: no data here)
+        module.input_global_scale.data.fill_(672.0)
 
 
 def make_ct_folder(src: Path, dst: Path, scheme: str | dict, dtype: torch.dtype = torch.bfloat16,
@@ -161,7 +198,12 @@ def make_modelopt_folder(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat
                          exclude: tuple[str, ...] = ("lm_head",)) -> dict[str, torch.Tensor]:
     """``src`` with every ``*_proj`` weight quantized to NVFP4 by ModelOpt's ``NVFP4QTensor`` (the
     rest in ``dtype``), laid out as ModelOpt's HF export writes it; returns ModelOpt's own
-    dequantization of each weight (``NVFP4QTensor.dequantize``) and the rest as stored."""
+    dequantization of each weight (``NVFP4QTensor.dequantize``) and the rest as stored.
+
+    As ModelOpt's export fuses them (``preprocess_linear_fusion``: the max of the parts' weight
+    amax and of their input amax), q/k/v and gate/up share one ``weight_scale_2`` (each part
+    quantized under it: :func:`modelopt_fused`) and one ``input_scale``; each fused group's
+    ``input_scale`` is its own made-up value (a calibration's, which nothing here recomputes)."""
     import fnmatch
 
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
@@ -173,15 +215,18 @@ def make_modelopt_folder(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
     stored, model = {}, {}
+    chosen = {key.removesuffix(".weight"): w.to(dtype) for key, w in tensors.items() if key.endswith("_proj.weight")
+              and not any(fnmatch.fnmatchcase(key.removesuffix(".weight"), p) for p in exclude)}
     for key, w in sorted(tensors.items()):
-        module = key.removesuffix(".weight")
-        if not key.endswith("_proj.weight") or any(fnmatch.fnmatchcase(module, p) for p in exclude):
+        if key.removesuffix(".weight") not in chosen:
             stored[key] = model[key] = w.to(dtype)
-            continue
-        q, scale, scale_2 = NVFP4QTensor.quantize(w.to(dtype), 16)
-        stored[key], stored[module + ".weight_scale"] = q._quantized_data, scale
-        stored[module + ".weight_scale_2"], stored[module + ".input_scale"] = scale_2, torch.tensor(0.25)
-        model[key] = q.dequantize(dtype=dtype, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
+    for n, modules in enumerate(fused_groups(chosen)):
+        stored.update(modelopt_fused({m: chosen[m] for m in modules}))
+        for m in modules:
+            stored[m + ".input_scale"] = torch.tensor(0.25 + n / 64)
+            q = NVFP4QTensor(chosen[m].shape, dtype, stored[m + ".weight"])
+            model[m + ".weight"] = q.dequantize(dtype=dtype, scale=stored[m + ".weight_scale"],
+                                                double_scale=stored[m + ".weight_scale_2"], block_sizes={-1: 16})
     save_file(stored, dst / "model.safetensors", metadata={"format": "pt"})
     hf_quant = {"producer": {"name": "modelopt", "version": "0.47.0"},
                 "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,

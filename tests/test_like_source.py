@@ -10,6 +10,9 @@ DeepSeek FP8 blocks of 32 x 48 and GPT-OSS MXFP4 (the stacked plug-in architectu
 ``tests/plugin_stacked_moe.py``), laid out by reshard's encoders and then given scales and codes
 no quantizer's rule makes (FP8 scales times 1.37; MXFP4 codes of magnitude at most 3), so that
 re-quantizing the dequantized weights does not give the release back and only copying does.
+W4A4 NVFP4 releases: ModelOpt's (its own ``NVFP4QTensor``, ``weight_scale_2`` shared by q/k/v and
+gate/up as its export fuses them) and compressed-tensors' ``NVFP4`` preset, each layer with a
+calibrated activation scale, which like-source keeps from the release.
 
 Proof: release -> bf16 -> like-source gives every stored tensor of the release back bit for bit
 and its ``quantization_config``; with one weight edited only that weight's tensors differ, and
@@ -38,6 +41,7 @@ from quantized_releases import (
     ct_dequantized,
     make_ct_folder,
     make_modelopt_folder,
+    modelopt_fused,
 )
 from reshard.cli import main
 from reshard.core import fp8_block, like_source, mxfp4
@@ -79,7 +83,7 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
     """The keys whose tensors differ in dtype, shape or any bit; the key sets must agree."""
     assert sorted(got) == sorted(want)
     return sorted(k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
-                  or not torch.equal(got[k].contiguous().view(torch.uint8), want[k].contiguous().view(torch.uint8)))
+                  or not torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)))
 
 
 def _config(folder: Path) -> dict:
@@ -334,18 +338,12 @@ def test_bad_requests_are_refused_in_one_line_with_nothing_written(releases, tmp
              "is a StackedMoeForCausalLM, not the LlamaForCausalLM written", out)
     llama = releases["int4-group"].parent.parent / "llama"
     for scheme, needle in (("w4a16_asym", "asymmetric pack-quantized int4 (config group group_0)"),
-                           ("nvfp4", "model.layers.0.mlp.down_proj.input_global_scale (NVFP4 activations' "
-                                     "calibrated global scale)"),
                            ("fp8_tensor", "config group group_0 quantizes input_activations with calibrated "
                                           "(static) scales")):
         other = tmp_path / scheme
         make_ct_folder(llama, other, scheme)
         _refused(capsys, [str(mid), str(out), *like, str(other)],
                  f"--quantize-like: {other} is quantized with {needle}, which --quantize like-source cannot write", out)
-    make_modelopt_folder(llama, tmp_path / "modelopt")
-    _refused(capsys, [str(mid), str(out), *like, str(tmp_path / "modelopt")],
-             f"{tmp_path / 'modelopt'} is quantized with ModelOpt NVFP4 (W4A4: each layer's input_scale is "
-             "calibrated on activations", out)
     g_idx = tmp_path / "g_idx"
     shutil.copytree(rel, g_idx)
     t = _tensors(g_idx) | {"model.layers.0.self_attn.q_proj.weight_g_idx": torch.arange(64, dtype=torch.int32) // 32}
@@ -512,3 +510,121 @@ def test_an_nvfp4_release_through_megatron_core_at_tp2_comes_back(nvfp4, tmp_pat
     _like(tmp_path / "mcore", tmp_path / "out", rel)
     assert _differing(_tensors(tmp_path / "out"), _tensors(rel)) == []
     assert _config(tmp_path / "out")["quantization_config"] == _config(rel)["quantization_config"]
+
+
+#: W4A4 NVFP4 releases: (name, the stored tensor of each layer's calibrated activation scale).
+W4A4 = {"modelopt": ".input_scale", "ct-w4a4": ".input_global_scale"}
+RE_ENCODED = "quantized layer(s) changed from"
+
+
+@pytest.fixture(scope="module")
+def w4a4(tmp_path_factory) -> dict[str, Path]:
+    """W4A4 NVFP4 releases, each with each layer's calibrated activation scale: ModelOpt's (its
+    own ``NVFP4QTensor`` quantizing, q/k/v and gate/up under one ``weight_scale_2``) and
+    compressed-tensors' NVFP4 preset (llm-compressor's fused global scales); each one's bf16
+    import (``NAME/mid``) and like-source export (``NAME/out``)."""
+    root = tmp_path_factory.mktemp("w4a4")
+    _llama(root / "llama")
+    rel = {name: root / name / "rel" for name in W4A4}
+    make_modelopt_folder(root / "llama", rel["modelopt"], exclude=("lm_head", "*down_proj"))
+    make_ct_folder(root / "llama", rel["ct-w4a4"], "nvfp4", ignore=IGNORE)
+    for folder in rel.values():
+        assert _run(str(folder), str(folder.parent / "mid"), "--to", "hf") == 0
+        _like(folder.parent / "mid", folder.parent / "out", folder)
+    return rel
+
+
+@pytest.mark.parametrize("name", W4A4)
+def test_an_unchanged_w4a4_release_comes_back_bit_for_bit_with_its_activation_scales(w4a4, name):
+    """Every stored tensor (the calibrated activation scales among them), config.json's
+    quantization_config and ModelOpt's hf_quant_config.json, as the release has them."""
+    rel = w4a4[name]
+    got, stored = _tensors(rel.parent / "out"), _tensors(rel)
+    assert sum(k.endswith(W4A4[name]) for k in stored) == 2 * 6
+    assert _differing(got, stored) == []
+    assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
+    sidecar = rel / "hf_quant_config.json"
+    assert (rel.parent / "out" / sidecar.name).exists() == sidecar.exists() == (name == "modelopt")
+    if sidecar.exists():
+        assert (rel.parent / "out" / sidecar.name).read_bytes() == sidecar.read_bytes()
+
+
+def test_the_modelopt_release_is_modelopts_own_fused_quantization(w4a4):
+    """The oracle of the next test is right: ModelOpt quantizing each layer's q/k/v and gate/up
+    under one weight_scale_2 gives the release's tensors."""
+    rel = w4a4["modelopt"]
+    stored, llama = _tensors(rel), _tensors(rel.parent.parent / "llama")
+    for layer in range(2):
+        for group in (QKV, GATE_UP):
+            modules = _modules(layer, group)
+            assert len({stored[m + ".weight_scale_2"].item() for m in modules}) == 1, modules
+            want = modelopt_fused({m: llama[m + ".weight"] for m in modules})
+            assert _differing(want, {k: v for k, v in _stored_of(modules, stored).items() if k in want}) == []
+
+
+@pytest.mark.parametrize("name", W4A4)
+def test_an_edited_q_re_encodes_q_k_v_and_keeps_the_releases_activation_scales(w4a4, tmp_path, capsys, name):
+    """Layer 0's q given a new maximum: layer 0's q, k and v are the scheme's own quantization of
+    the three under one fresh shared weight scale (ModelOpt's NVFP4QTensor; compressed-tensors'
+    compressor with llm-compressor's fused scale), their activation scales the release's, every
+    other stored tensor the release's; one warning line counts the three re-encoded layers."""
+    rel = w4a4[name]
+    t = _tensors(rel.parent / "mid")
+    qkv = _modules(0, QKV)
+    w = t[qkv[0] + ".weight"].clone()
+    w[0, 0] = 2 * max(t[m + ".weight"].abs().max() for m in qkv)
+    t[qkv[0] + ".weight"] = w
+    mid = tmp_path / "mid"
+    shutil.copytree(rel.parent / "mid", mid)
+    save_file(t, mid / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    _like(mid, tmp_path / "out", rel)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if RE_ENCODED in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: 3 quantized layer(s) changed from"), lines
+    got, stored = _tensors(tmp_path / "out"), _tensors(rel)
+    weights = {m: t[m + ".weight"] for m in qkv}
+    fresh = modelopt_fused(weights) if name == "modelopt" else ct_compress_fused("nvfp4", weights)
+    assert _differing({k: got[k] for k in fresh}, fresh) == []
+    moved = {k for k in fresh if k.endswith(("_scale_2", "_global_scale")) and not torch.equal(fresh[k], stored[k])}
+    assert len(moved) == 3
+    assert _differing({k: v for k, v in got.items() if k not in fresh},
+                      {k: v for k, v in stored.items() if k not in fresh}) == []
+    assert all(m + W4A4[name] in got for m in qkv)
+
+
+@pytest.mark.parametrize("name", W4A4)
+def test_a_layer_the_w4a4_release_lacks_is_refused(w4a4, tmp_path, capsys, name):
+    """A quantized layer with no counterpart in the release has no calibrated activation scale to
+    keep: refused in one line naming it, nothing written."""
+    rel = tmp_path / "rel"
+    shutil.copytree(w4a4[name], rel)
+    gone = "model.layers.1.self_attn.o_proj"
+    save_file({k: v for k, v in _tensors(rel).items() if not k.startswith(gone + ".")}, rel / "model.safetensors",
+              metadata={"format": "pt"})
+    mid, out = w4a4[name].parent / "mid", tmp_path / "out"
+    _refused(capsys, [str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)],
+             f"{gone}.weight is quantized with calibrated activation scales, but {rel} holds no {gone}{W4A4[name]} "
+             "to keep", out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_modelopts_weight_rule_is_nvfp4qtensors_bit_for_bit(dtype):
+    """:func:`reshard.core.nvfp4.quantize_modelopt` under one shared ``scale_2_modelopt`` against
+    ModelOpt's own ``NVFP4QTensor`` (:func:`modelopt_fused`) on a fused group with an all-zero
+    block (its scale 1.0 before the clamp), a block far below the group's maximum (clamped at
+    2**-9), ties and negative zeros."""
+    from reshard.core import nvfp4 as fp4
+
+    g = torch.Generator().manual_seed(5)
+    parts = {f"p{i}": (torch.randn(32, 64, generator=g) * s).to(dtype) for i, s in enumerate((1.0, 0.25, 4.0))}
+    parts["p0"][0, :16] = 0
+    parts["p0"][1, :16] = -0.0
+    parts["p1"][2, :16] *= 1e-7
+    parts["p2"][3, :16] = torch.tensor([0.75, 1.75, 3.5, 0.25, 2.5, 5.0, -0.75, -1.25] * 2, dtype=dtype)
+    want = modelopt_fused({m + ".x": w for m, w in parts.items()})
+    amax = torch.stack([fp4.absmax(w) for w in parts.values()]).max()
+    scale_2 = fp4.scale_2_modelopt(amax)
+    for m, w in parts.items():
+        packed, scale = fp4.quantize_modelopt(w, scale_2)
+        got = {m + ".x.weight": packed, m + ".x.weight_scale": scale, m + ".x.weight_scale_2": scale_2}
+        assert _differing(got, {k: v for k, v in want.items() if k.startswith(m + ".")}) == [], (m, dtype)

@@ -45,6 +45,9 @@ from reshard.core.compressed_tensors import METHOD, NAIVE, NVFP4, PACK
 W4A16, FP8_CHANNEL, NVFP4_SCHEME = "w4a16", "fp8-channel", "nvfp4"
 #: ``--quantize`` values written in compressed-tensors' formats.
 SCHEMES = (W4A16, FP8_CHANNEL, NVFP4_SCHEME)
+#: A ModelOpt NVFP4 release's weights re-applied by ``--quantize like-source`` (the codes and scales
+#: laid out as ModelOpt's export writes them, :func:`reshard.core.nvfp4.quantize_modelopt`).
+MODELOPT_NVFP4 = "modelopt-nvfp4"
 #: ``--group-size`` when not given: Kimi-K2-Thinking's and llm-compressor's W4A16 preset's.
 DEFAULT_GROUP = 32
 #: Bits of a ``w4a16`` code.
@@ -71,7 +74,13 @@ class Encoding:
                                tensor      whole weight, :meth:`tensor_scale`)
     ``nvfp4``,   4 (e2m1)      tensor_     uint8 two codes a byte, e4m3 ``[out, in/16]`` and a float32
     ``NVFP4``                  group       global scale ``[1]`` of the fused group (:meth:`global_scale`)
+    ``modelopt`` 4 (e2m1)      tensor_     ``X.weight`` uint8 two codes a byte, e4m3 ``[out, in/16]``,
+    ``-nvfp4``                 group       ``weight_scale_2`` float32 ``[]`` of the fused group
     ===========  ============  ==========  ===========================================================
+
+    ``activation``: the release stores each layer's calibrated activation scale after the weight's
+    (compressed-tensors' ``input_global_scale`` ``[1]``, ModelOpt's ``input_scale`` ``[]``, both
+    float32; :meth:`activation_scale_name`), which ``--quantize like-source`` copies from it.
     """
 
     scheme: str
@@ -82,11 +91,13 @@ class Encoding:
     scale_dtype: torch.dtype | None = None
     #: The dtype of ``weight_shape`` (None: int64, as compressed-tensors 0.20 stores it).
     shape_dtype: torch.dtype | None = None
+    #: Each layer carries the release's calibrated activation scale (W4A4 NVFP4).
+    activation: bool = False
 
     @property
     def fp4(self) -> bool:
         """NVFP4 codes (``--quantize nvfp4``, or a release's ``nvfp4-pack-quantized``)."""
-        return self.scheme in (NVFP4_SCHEME, NVFP4)
+        return self.scheme in (NVFP4_SCHEME, NVFP4, MODELOPT_NVFP4)
 
     @property
     def packed(self) -> bool:
@@ -109,10 +120,16 @@ class Encoding:
         out, inp = shape
         module = name.removesuffix(".weight")
         sd = self.scale_dtype or dtype
+        act = self.activation_scale_name(name)
+        acts = [] if act is None else [(act, torch.float32, () if self.scheme == MODELOPT_NVFP4 else (1,))]
+        if self.scheme == MODELOPT_NVFP4:
+            return [(name, torch.uint8, (out, inp // 2)),
+                    (module + ".weight_scale", torch.float8_e4m3fn, (out, inp // nvfp4.GROUP)),
+                    (module + ".weight_scale_2", torch.float32, ()), *acts]
         if self.fp4:
             return [(module + ".weight_packed", torch.uint8, (out, inp // 2)),
                     (module + ".weight_scale", torch.float8_e4m3fn, (out, inp // nvfp4.GROUP)),
-                    (module + ".weight_global_scale", torch.float32, (1,))]
+                    (module + ".weight_global_scale", torch.float32, (1,)), *acts]
         if self.packed:
             groups = inp // self.group_size if self.by == "group" else 1
             return [(module + ".weight_packed", torch.int32, (out, int_packed.packed_width(inp, self.num_bits))),
@@ -132,10 +149,20 @@ class Encoding:
         return self.fp4
 
     def global_scale(self, amax: torch.Tensor) -> torch.Tensor:
-        """``X.weight_global_scale`` of the weights of one fused group whose absolute maximum,
-        in their dtype, is ``amax`` (the :func:`torch.maximum` of :func:`reshard.core.nvfp4.absmax`
-        over their bands)."""
+        """``X.weight_global_scale`` (ModelOpt's ``X.weight_scale_2``) of the weights of one fused
+        group whose absolute maximum, in their dtype, is ``amax`` (the :func:`torch.maximum` of
+        :func:`reshard.core.nvfp4.absmax` over their bands)."""
+        if self.scheme == MODELOPT_NVFP4:
+            return nvfp4.scale_2_modelopt(amax)
         return nvfp4.global_scale_ct(amax)
+
+    def activation_scale_name(self, name: str) -> str | None:
+        """The release's tensor holding weight ``name``'s calibrated activation scale (copied
+        from the release, never computed), None where the encoding has none."""
+        if not self.activation:
+            return None
+        module = name.removesuffix(".weight")
+        return module + (".input_scale" if self.scheme == MODELOPT_NVFP4 else ".input_global_scale")
 
     def refusal(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, str] | None:
         """``(what, fix)``: what keeps a ``[out, in]`` weight of ``dtype`` from this encoding, and
@@ -169,7 +196,7 @@ class Encoding:
         if self.global_scaled:
             if scale is None:
                 raise TypeError("nvfp4 encodes rows under their fused group's global scale; none was given")
-            return nvfp4.quantize_ct(w, scale)
+            return nvfp4.quantize_modelopt(w, scale) if self.scheme == MODELOPT_NVFP4 else nvfp4.quantize_ct(w, scale)
         if self.packed:
             group = self.group_size if self.by == "group" else w.shape[1]
             codes, s = int_packed.quantize_symmetric(w, self.num_bits, group)

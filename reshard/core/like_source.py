@@ -27,12 +27,30 @@ A scheme is one :class:`LikeScheme` registered for its release method
 :mod:`reshard.core.release_codecs`): which tensors its rule quantizes, which stored tensors hold a
 weight's codes and scales (copied, in the order the writer lays them out), and the encoding a
 fresh quantization uses (the writer's: an FP8 block ``(rows, cols)``, :data:`mxfp4.METHOD`, or a
-compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`). A method without one is
-refused in one line naming it and ``DIR``, as is ModelOpt's NVFP4 (its factory refuses: its
-calibrated activation scales have no fresh counterpart).
+compressed-tensors :class:`~reshard.core.compressed_tensors_out.Encoding`, ModelOpt's NVFP4 among
+them). A method without one is refused in one line naming it and ``DIR``.
+
+W4A4 NVFP4 releases (ModelOpt's ``quant_algo: NVFP4``; compressed-tensors' ``NVFP4`` preset) carry
+a calibrated activation scale per quantized layer (``X.input_scale``, ``X.input_global_scale``),
+found on data a conversion does not have. Decision (issue #58): every one is copied from the
+release as it is, never recomputed:
+
+==========================================  ==================================================
+the layer                                   written as
+==========================================  ==================================================
+unchanged (as the table above decides)      the release's tensors, its activation scale among
+                                            them: bit for bit
+its weights changed                         re-encoded by the scheme's weight rule, keeping the
+                                            release's activation scale; one warning line for
+                                            the run counts these layers (recalibrate with
+                                            ModelOpt / llm-compressor if their activations
+                                            moved)
+quantized, absent from the release          refused in one line naming it: no scale to keep
+==========================================  ==================================================
 
 A scheme whose weights share a global scale (compressed-tensors' NVFP4: q/k/v, gate/up, as
-llm-compressor fuses them for vLLM; :meth:`LikeScheme.global_scale_name`) is decided per *export*,
+llm-compressor fuses them for vLLM; ModelOpt's ``weight_scale_2``, the max of the parts' amax as its
+export's ``preprocess_linear_fusion`` unifies them; :meth:`LikeScheme.global_scale_name`) is decided per *export*,
 the weights the writer makes from one megatron-core tensor, which hold the fused group whole:
 
 =============================================  =====================================================
@@ -42,7 +60,9 @@ every one unchanged, and the release's global  the release's codes and scales of
 scales of them all bit for bit one             (:meth:`LikeSource.unchanged_together`)
 any one changed, or the release's scales of    every one quantized afresh under one global scale
 them differ                                    of their joint maximum (llm-compressor's rule, as
-                                               ``--quantize nvfp4`` writes it)
+                                               ``--quantize nvfp4`` writes it; ModelOpt's
+                                               ``NVFP4QTensor`` rule,
+                                               :func:`~reshard.core.nvfp4.quantize_modelopt`)
 =============================================  =====================================================
 
 Copying the unchanged parts alone would leave them under the release's global scale and the
@@ -52,6 +72,7 @@ changed ones under a fresh one: two scales in one fused matmul.
 from __future__ import annotations
 
 import abc
+import fnmatch
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -62,7 +83,7 @@ from typing import Any
 import torch
 
 from reshard.core import compressed_tensors, fp8_block, fp8_scaled, modelopt, mxfp4
-from reshard.core.compressed_tensors_out import Encoding
+from reshard.core.compressed_tensors_out import MODELOPT_NVFP4, Encoding
 from reshard.core.errors import LayoutError
 from reshard.core.lazy import LazyTensor, box_of, read_rows
 from reshard.core.release_codecs import (
@@ -192,9 +213,8 @@ class CompressedTensorsLike(LikeScheme):
                     raise _refused(f"config group {name} quantizes {kind} with calibrated (static) scales", where)
         if qc.get("kv_cache_scheme"):
             raise _refused("quantization_config.kv_cache_scheme (calibrated KV cache scales)", where)
-        act = next((k for k in stored if k.endswith(".input_global_scale")), None)
-        if act is not None:
-            raise _refused(f"{act} (NVFP4 activations' calibrated global scale)", where)
+        # W4A4 NVFP4 (the NVFP4 preset): each layer's calibrated activation scale, kept from the release
+        self.activation = any(k.endswith(".input_global_scale") for k in stored)
         g_idx = next((k for k in stored if k.endswith(".weight_g_idx")), None)
         if g_idx is not None:
             raise _refused(f"{g_idx} (a g_idx: activation-order groups, which reshard does not write)", where)
@@ -263,7 +283,7 @@ def _nvfp4_encoding(s: compressed_tensors.Scheme, like: CompressedTensorsLike, w
     """nvfp4-pack-quantized weights (:func:`reshard.core.nvfp4.quantize_ct`), a global scale per
     fused group (:func:`~reshard.core.compressed_tensors_out.fused_with`); ``read_config`` has
     checked its 4 bits and group of 16."""
-    return Encoding(compressed_tensors.NVFP4)
+    return Encoding(compressed_tensors.NVFP4, activation=like.activation)
 
 
 #: compressed-tensors format -> the encoding of a config group of it (one entry per format written;
@@ -292,13 +312,39 @@ def _ct_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mappin
     return CompressedTensorsLike(q.settings, stored, config["quantization_config"], where)
 
 
+class ModelOptLike(LikeScheme):
+    """ModelOpt's NVFP4 (W4A4): ``X.weight`` uint8, ``X.weight_scale`` e4m3, ``X.weight_scale_2``
+    (shared by q/k/v and by gate/up, as its export's ``preprocess_linear_fusion`` unifies their
+    amax) and ``X.input_scale`` (calibrated, copied from the release: the module docstring); the
+    rule: linear weights outside ``exclude_modules`` (fnmatch patterns, as vLLM matches them)."""
+
+    def __init__(self, settings: modelopt.Settings) -> None:
+        self.exclude = settings.exclude
+        self.enc = Encoding(MODELOPT_NVFP4, activation=True)
+
+    def quantized(self, name: str, stored: Mapping[str, Any]) -> bool:
+        module = name.removesuffix(".weight")
+        return (name.endswith(".weight") and name in stored and modelopt.encoded(name, stored[name].dtype)
+                and f"{module}.weight_scale_2" in stored)
+
+    def targets(self, name: str, *, linear: bool, stacked: bool) -> bool:
+        module = name.removesuffix(".weight")
+        return (linear and not stacked and name.endswith(".weight")
+                and not any(fnmatch.fnmatchcase(module, p) for p in self.exclude))
+
+    def encoding(self, name: str) -> Any:
+        return self.enc
+
+    def stored_names(self, name: str) -> tuple[str, ...]:
+        return tuple(n for n, _dtype, _shape in self.enc.tensors(name, (1, 1), torch.float32))
+
+    def global_scale_name(self, name: str) -> str | None:
+        return f"{name.removesuffix('.weight')}.weight_scale_2"
+
+
 def _modelopt_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
                      where: str) -> LikeScheme:
-    """Refused: the ModelOpt NVFP4 reshard reads (``quant_algo "NVFP4"``) quantizes activations
-    too, each layer's ``input_scale`` calibrated on data, which a weight quantized afresh has none
-    of and vLLM requires (as compressed-tensors' NVFP4 activations are refused)."""
-    raise _refused("ModelOpt NVFP4 (W4A4: each layer's input_scale is calibrated on activations, which a weight "
-                   "quantized afresh has none of)", where)
+    return ModelOptLike(q.settings)
 
 
 #: release method (``quant_method``) -> its scheme, made from the release (its quantization, its
@@ -429,7 +475,7 @@ class LikeSource:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))  # 0-dim: ModelOpt's scale_2
 
 
 def open_like(folder: str | Path) -> LikeSource:

@@ -7,8 +7,9 @@ ModelOpt's export writes ``hf_quant_config.json`` (``{"producer": ..., "quantiza
 the same as ``config.json``'s ``quantization_config`` (``quant_method "modelopt"``, ``quant_algo``,
 ``ignore``). A quantized linear layer ``X`` stores ``X.weight`` uint8 ``[out, in/2]``,
 ``X.weight_scale`` e4m3 ``[out, in/16]``, ``X.weight_scale_2`` float32 and ``X.input_scale``
-(an activation scale, not read): :mod:`reshard.core.nvfp4` has the arithmetic. Excluded modules
-(``exclude_modules``, fnmatch patterns as vLLM matches them) keep the model's dtype.
+(an activation scale: not read; ``--quantize like-source`` copies it): :mod:`reshard.core.nvfp4`
+has the arithmetic. Excluded modules (``exclude_modules``, fnmatch patterns as vLLM matches them)
+keep the model's dtype.
 """
 
 from __future__ import annotations

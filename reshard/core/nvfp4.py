@@ -142,3 +142,48 @@ def pack_rows(codes: torch.Tensor) -> torch.Tensor:
     inverse of :func:`unpack_rows`)."""
     pairs = codes.to(torch.uint8).view(codes.shape[0], -1, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+#: The smallest group scale ModelOpt casts to e4m3 (its ``_cast_per_block_scale_to_fp8`` clamps to
+#: ``[2**-9, 448]``: no group scale underflows to 0).
+MODELOPT_MIN_SCALE = 2.0 ** -9
+
+
+def scale_2_modelopt(amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's ``weight_scale_2`` (float32, 0-dim) of weights whose absolute maximum is ``amax``
+    (0-dim, the weights' dtype; a fused q/k/v's or gate/up's: the maximum over the parts, as its
+    export's ``preprocess_linear_fusion`` unifies their amax): ``float32(amax) / 2688``, as
+    ``NVFP4QTensor.get_weights_scaling_factor_2`` computes it."""
+    return amax.to(torch.float32).reshape(()) / (E2M1_MAX * E4M3_MAX)
+
+
+def quantize_modelopt(w: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, scale)``: rows ``w`` ``[n, in]`` (float, finite, ``in`` a multiple of
+    :data:`GROUP`) as ModelOpt 0.47's ``NVFP4QTensor.quantize`` stores them under ``scale_2``
+    (:func:`scale_2_modelopt`), each row alone:
+
+    ===================  ==========================================================================
+    step                 arithmetic (ModelOpt's ``get_weights_scaling_factor``, ``quantize``)
+    ===================  ==========================================================================
+    group maximum ``m``  ``max |W|`` over each 16 inputs of a row, in ``W``'s dtype, then float32
+    group scale ``s``    ``e4m3(clamp(m / (6 * S2), 2**-9, 448))`` (float32 quotient; ``m / ..``
+                         == 0 -> 1.0 before the clamp)
+    scaled value ``x``   ``float32(W) / (float32(s) * S2)``
+    e2m1 code            ``|x|`` counted past ``0.25 .. 5`` (``searchsorted``), plus one on
+                         ``0.75``, ``1.75``, ``3.5`` (ties to the even code, as
+                         compressed-tensors'); sign bit ``8`` where ``x < 0``
+    packed byte          column ``2j`` in the low nibble, ``2j+1`` in the high
+    ===================  ==========================================================================
+    """
+    n, columns = w.shape
+    groups = w.reshape(n, columns // GROUP, GROUP)
+    step = groups.abs().amax(-1).to(torch.float32) / (E2M1_MAX * scale_2)
+    step = torch.where(step == 0, torch.ones((), dtype=torch.float32), step)
+    scale = step.clamp(min=MODELOPT_MIN_SCALE, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    x = groups / (scale.to(torch.float32) * scale_2).unsqueeze(-1)
+    a = x.abs()
+    codes = torch.zeros(x.shape, dtype=torch.uint8)
+    for bound, inclusive in _BOUNDS:
+        codes += (a >= bound) if inclusive else (a > bound)
+    codes |= (x < 0).to(torch.uint8) << 3
+    return pack_rows(codes.view(n, columns)), scale

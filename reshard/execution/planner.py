@@ -50,5 +50,7 @@ def build_plan(src: str | SourceCheckpoint, options: ReshardOptions, *, headers_
         plan = build_grid_plan(source, options, options.target_pp, headers_only=headers_only)
     plan = replace(plan, state_reader=target_state)
     out.check_plan(plan)  # the output format's own refusals, with what it would write at hand
+    if not headers_only:  # values at hand: what writing them tells the user
+        plan = replace(plan, warnings=(*plan.warnings, *out.plan_warnings(plan)))
     return plan
 

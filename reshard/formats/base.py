@@ -306,6 +306,12 @@ class Writing:
     def check_plan(self, plan: Plan) -> None:
         """Refuse a validated plan this format cannot write (e.g. a naming it has no place for)."""
 
+    def plan_warnings(self, plan: Plan) -> list[str]:
+        """What the user should know about writing ``plan`` that only the weights' values tell
+        (one line each; the hf format's ``--quantize like-source`` re-encoding), run after
+        :meth:`check_plan` on a plan whose source is fully at hand."""
+        return []
+
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         """Path, relative to the destination, of the output file of (tp_rank, pp_rank). A layout that
         :attr:`holds_experts` also takes ``ep_rank=`` and ``ep=``, passed when EP > 1."""

@@ -311,6 +311,9 @@ class HFFormat(CheckpointFormat):
         if encoding is not None:
             _check_ct(plan, arch, encoding)
 
+    def plan_warnings(self, plan: Plan) -> list[str]:
+        return _like_warnings(plan)
+
     def target_name(self, source: SourceCheckpoint, *, tp_rank: int, pp_rank: int, pp: int) -> str:
         return WEIGHTS
 
@@ -576,6 +579,19 @@ def _check_like(plan: Plan, arch: HFArchitecture, like: LikeSource) -> None:
             entries = file.entries[first:stop]
             per = len(entries) // len(exp.outputs)
             for i, o in enumerate(exp.outputs):
+                act = enc.activation_scale_name(o.name) if isinstance(enc, Encoding) else None
+                if act is not None:  # kept from the release: a layer it lacks has none to keep
+                    e = next(e for e in entries[per * i:per * i + per] if e.name == act)
+                    t = like.stored.get(act)
+                    if t is None:
+                        raise LayoutError(f"{o.name} is quantized with calibrated activation scales, but {where} "
+                                          f"holds no {act} to keep", culprit="--quantize-like",
+                                          hint="export without --quantize and quantize with the release's own "
+                                               "tools (ModelOpt, llm-compressor), which calibrate it")
+                    if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                        raise LayoutError(f"{act} is {t.dtype} {list(t.shape)} in {where}, where its scheme lays "
+                                          f"out {e.dtype} {list(e.shape)}", culprit="--quantize-like",
+                                          hint="the release's tensors do not follow its config.json; re-copy it")
                 if not like.copies(o.name, tuple(o.shape), slab=exp.part is not None):
                     continue
                 for e, key in zip(entries[per * i:per * i + per], like.scheme.stored_names(o.name), strict=True):
@@ -1052,12 +1068,7 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
             if (out.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(out.shape, out.dtype):
                 raise WriterError(f"{exp.key}: made {tuple(out.shape)} {out.dtype} for {codes.name} {codes.shape}")
         names = [o.name for o in exp.outputs]
-        if like is None:
-            copied = [False] * len(outs)
-        elif encoding.global_scaled:  # one global scale: all copied, or all afresh under a new one
-            copied = [like.unchanged_together(names, outs)] * len(outs)
-        else:
-            copied = [like.unchanged(name, out) for name, out in zip(names, outs, strict=True)]
+        copied = [False] * len(outs) if like is None else _like_copied(like, encoding, names, outs)
         fused = None
         if encoding.global_scaled and not all(copied):
             amax = torch.zeros((), dtype=outs[0].dtype)
@@ -1082,9 +1093,56 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
                     s.copy_(sb)
                 writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
             writer.put((tensor_bytes(s), base + scales.start, None, s))
-            for entry in rest:  # weight_shape, or weight_global_scale
-                t = fused if fused is not None else shape_tensor(out.shape).to(entry.dtype)
+            act = encoding.activation_scale_name(names[i])
+            for entry in rest:  # weight_shape, or weight_global_scale (weight_scale_2), then an activation scale
+                if entry.name == act and like is not None:  # the release's calibration, as it is
+                    (_key, t), = _copied_activation(like, entry)
+                else:
+                    t = fused if fused is not None else shape_tensor(out.shape).to(entry.dtype)
                 writer.put((tensor_bytes(t), base + entry.start, None, t))
+
+
+def _like_copied(like: LikeSource, encoding: Encoding, names: list[str], outs: Sequence[torch.Tensor]) -> list[bool]:
+    """Which of one export's outputs ``names`` (``outs``) take the release's tensors: under a
+    global scale all or none (:meth:`~reshard.core.like_source.LikeSource.unchanged_together`),
+    else each unchanged one."""
+    if encoding.global_scaled:  # one global scale: all copied, or all afresh under a new one
+        return [like.unchanged_together(names, outs)] * len(outs)
+    return [like.unchanged(name, out) for name, out in zip(names, outs, strict=True)]
+
+
+def _copied_activation(like: LikeSource, entry: FileEntry) -> list[tuple[str, torch.Tensor]]:
+    """The release's calibrated activation scale ``entry`` (checked by :func:`_check_like`)."""
+    t = like.stored_tensor(entry.name)
+    if t.dtype != entry.dtype or tuple(t.shape) != entry.shape:
+        raise WriterError(f"{entry.name} {t.dtype} {list(t.shape)} of {like.folder} does not fill {entry.name} "
+                          f"{list(entry.shape)}")
+    return [(entry.name, t)]
+
+
+def _like_warnings(plan: Plan) -> list[str]:
+    """``--quantize like-source`` from a release with calibrated activation scales (W4A4 NVFP4):
+    one line counting the layers whose weights changed, re-encoded by the scheme's weight rule
+    while keeping the release's activation scales (:mod:`reshard.core.like_source`). Each such
+    weight is compared with the release's here, as the writer compares it, the first difference
+    ending each comparison."""
+    like = _like(plan)
+    if like is None:
+        return []
+    re_encoded = 0
+    for tgt in range(len(plan.targets)):
+        for exp, value, _dtype, enc in _exports(plan, tgt, _module(plan.target_state(tgt), plan)):
+            if not isinstance(enc, Encoding) or not enc.activation or exp.part is not None or not exp.outputs:
+                continue
+            with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(
+                    value.detach()) as whole:
+                outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
+                re_encoded += _like_copied(like, enc, [o.name for o in exp.outputs], outs).count(False)
+    if not re_encoded:
+        return []
+    return [f"{re_encoded} quantized layer(s) changed from {like.folder} were re-encoded and keep its calibrated "
+            "activation scales (input_scale / input_global_scale); if their activations moved, recalibrate with "
+            "ModelOpt or llm-compressor"]
 
 
 #: Bytes of FP8 codes an export quantizes and queues for the writer at a time: a weight's codes are
