@@ -628,3 +628,24 @@ def test_modelopts_weight_rule_is_nvfp4qtensors_bit_for_bit(dtype):
         packed, scale = fp4.quantize_modelopt(w, scale_2)
         got = {m + ".x.weight": packed, m + ".x.weight_scale": scale, m + ".x.weight_scale_2": scale_2}
         assert _differing(got, {k: v for k, v in want.items() if k.startswith(m + ".")}) == [], (m, dtype)
+
+
+@pytest.mark.usefixtures("prefect_env")
+def test_through_the_prefect_flow_the_warning_and_the_bytes_are_the_direct_runs(w4a4, tmp_path, capsys):
+    """The flow plans from the headers first and reads the values in its cross-rank task: the
+    re-encoding warning (which needs the values) reaches its summary too, and the files equal the
+    in-process run's."""
+    rel = w4a4["modelopt"]
+    t = _tensors(rel.parent / "mid")
+    q = _modules(0, QKV)[0] + ".weight"
+    t[q] = t[q] * 2
+    mid = tmp_path / "mid"
+    shutil.copytree(rel.parent / "mid", mid)
+    save_file(t, mid / "model.safetensors", metadata={"format": "pt"})
+    like = ["--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)]
+    assert main(["run", str(mid), str(tmp_path / "direct"), "--direct", *like]) == 0
+    capsys.readouterr()
+    assert main(["run", str(mid), str(tmp_path / "flow"), "--cache-dir", str(tmp_path / "cache"), *like]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if RE_ENCODED in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: 3 quantized layer(s) changed from"), lines
+    assert _differing(_tensors(tmp_path / "flow"), _tensors(tmp_path / "direct")) == []

@@ -246,7 +246,10 @@ def plan_conversion(layout: dict[str, Any], fetched: dict[str, str]) -> dict[str
         job["lock_token"] = token
         dest.open(clean_staging=False)
     crash_point("planned")
-    return dict(job, up_to_date=up_to_date, source_record=source_record(plan, local))
+    # the layout's plan read headers only; this one read the values, which some warnings need
+    # (a format's plan_warnings: like-source's re-encoded layers)
+    warnings = list(dict.fromkeys([*job["warnings"], *plan.warnings]))
+    return dict(job, up_to_date=up_to_date, source_record=source_record(plan, local), warnings=warnings)
 
 
 @task(name="convert-target", cache_key_fn=target_key("convert"), persist_result=True)
