@@ -11,8 +11,9 @@ Reading (every linear weight but the head and the routers quantized, as reshard'
 compressed-tensors ``pack-quantized`` INT4 group 32 symmetric (Kimi-K2-Thinking's) and asymmetric,
 ``float-quantized`` FP8 per channel, ``nvfp4-pack-quantized`` (weight-only, q/k/v and gate/up
 sharing one global scale as llm-compressor writes it), and ModelOpt NVFP4. Writing: ``--quantize
-w4a16`` and ``--quantize fp8-channel``; :data:`WRITES` names the written codecs (the compressed-tensors
-peer of ``nvfp4`` is already here: its row is the one entry ``"nvfp4"`` there).
+w4a16`` and ``--quantize fp8-channel``; :data:`WRITES` names the written codecs (``--quantize nvfp4``
+is not among them: it refuses DeepSeek-V3's fused ``q_a_proj`` / ``kv_a_proj_with_mqa``, so the
+Kimi-shaped layer cannot carry it; its compressed-tensors peer is here for a Llama-only row).
 
 Each run against the byte-copy floor of the bytes it reads and writes (:data:`bench_fp8.FLOOR`)
 and against the reference library's own path in the same run, loading the safetensors as a user's
@@ -44,7 +45,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_fp8 import FLOOR  # noqa: E402
 from bench_mxfp4 import remove, same_tensors, write_safetensors  # noqa: E402
-from bench_torch_dist import SETTLE, log, reshard, settle, size, warm  # noqa: E402
+from bench_torch_dist import SETTLE, log, measure, reshard, settle, size, warm  # noqa: E402
 
 #: The layer shapes (vocabulary cut), and tiny ones for ``--quick``.
 KIMI_K2 = dict(family="kimi", hidden=7168, heads=64, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,
@@ -79,8 +79,8 @@ CODECS: dict[str, dict[str, Any]] = {
 #: The codecs read (``--to hf``).
 READS = tuple(CODECS)
 #: The codecs reshard writes (``--quantize NAME``), each against the peer's ``compress`` of the
-#: same name. ``"nvfp4"`` joins them when reshard writes it: its peer (one global scale for q/k/v
-#: and for gate/up) and its release are already made for the reading rows.
+#: same name (``"nvfp4"``'s peer, one global scale for q/k/v and for gate/up, is made for the
+#: reading rows; see the module docstring for why it is not written here).
 WRITES = ("w4a16", "fp8-channel")
 
 #: The linear weights quantized: every ``*_proj`` (``kv_a_proj_with_mqa`` too), not the head or the
@@ -384,18 +384,6 @@ model_free_ptq(model_stub=sys.argv[1], save_directory=sys.argv[2], scheme=scheme
 
 
 # --- timing ---------------------------------------------------------------------------------------
-
-def measure(cmd: list[str]) -> dict[str, float]:
-    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system) of ``cmd``, from its ``wait4``."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{cmd[:4]}... failed: {err[-3000:]}")
-    return {"seconds": wall, "rss_mib": usage.ru_maxrss / 1024, "cpu": usage.ru_utime + usage.ru_stime}
-
 
 def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label: str,
           pause: float, keep: tuple[str, ...] = (), peer_runs: int | None = None) -> dict[str, dict[str, float]]:

@@ -116,7 +116,7 @@ def measure(cmd: list[str]) -> dict[str, float]:
     err = proc.stderr.read().decode() if proc.stderr else ""
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd[:4]}... failed: {err[-2000:]}")
-    return {"seconds": wall, "rss_mib": usage.ru_maxrss / 1024}
+    return {"seconds": wall, "rss_mib": usage.ru_maxrss / 1024, "cpu": usage.ru_utime + usage.ru_stime}
 
 
 #: Seconds to wait before each run (``--settle``), as ``bench_reshard.py`` does.

@@ -18,6 +18,7 @@ import argparse
 import json
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,21 @@ from reshard.models.lora import (
     target_modules,
     wrapped_layer,
 )
+
+
+def _staged(dst: Path, write: Callable[[Path], int]) -> int:
+    """``write`` the output into a folder beside ``dst``, then rename it into place: a failed or
+    killed run leaves no half-written ``dst``. Returns what ``write`` returns (the bytes written)."""
+    stage = dst.parent / f".{dst.name}.reshard-{uuid.uuid4().hex[:8]}"
+    try:
+        size = write(stage)
+        if dst.exists():
+            shutil.rmtree(dst)
+        stage.rename(dst)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage)
+    return size
 
 
 def export_hf_peft(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
@@ -77,15 +93,7 @@ def export_hf_peft(src: str | Path, dst: str | Path, *, overwrite: bool = False)
         out.update({o.name: b for o, b in zip(exp.outputs, bufs, strict=True)})
     config = adapter_config(r=ckpt.lora.r, alpha=ckpt.lora.alpha, dropout=ckpt.lora.dropout,
                             targets=target_modules(list(out)), base=ckpt.base)
-    stage = dst.parent / f".{dst.name}.reshard-{uuid.uuid4().hex[:8]}"
-    try:
-        size = write_adapter(stage, out.items(), config)
-        if dst.exists():
-            shutil.rmtree(dst)
-        stage.rename(dst)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage)
+    size = _staged(dst, lambda stage: write_adapter(stage, out.items(), config))
     return {"destination": str(dst), "architecture": arch.name, "tensors": len(out), "bytes": size,
             "dtypes": sorted(str(d) for d in dtypes), "r": ckpt.lora.r, "lora_alpha": ckpt.lora.alpha}
 
@@ -118,15 +126,7 @@ def export_megatron_peft(src: str | Path, dst: str | Path, *, target_tp: int | N
     targets = sorted({wrapped_layer(k) for k in pairs})
     text = run_config(args, peft_section(lora, targets), tp, base)
     ranks = rank_items(pairs, tp, model.facts.num_layers or 0, bool(model.facts.swiglu))
-    stage = dst.parent / f".{dst.name}.reshard-{uuid.uuid4().hex[:8]}"
-    try:
-        size = write_checkpoint(stage, ranks, text)
-        if dst.exists():
-            shutil.rmtree(dst)
-        stage.rename(dst)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage)
+    size = _staged(dst, lambda stage: write_checkpoint(stage, ranks, text))
     return {"destination": str(dst), "architecture": model.architecture, "tensors": 2 * len(pairs), "bytes": size,
             "dtypes": [str(dtype)], "r": lora.r, "lora_alpha": lora.alpha, "tp": tp,
             "target_modules": [t for t in BRIDGE_TARGETS if t in targets]}

@@ -338,3 +338,21 @@ def ct_compress_fused(spec: str, weights: dict[str, torch.Tensor]) -> dict[str, 
                  "weight_global_scale": gscales[module]}
         out.update({f"{module}.{name}": t for name, t in compressor.compress(state, q_scheme).items()})
     return out
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        got.update(load_file(f))
+    return got
+
+
+def differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose tensors differ in dtype, shape or any bit (``-0.0`` is not ``0.0``); the key
+    sets must agree."""
+    assert sorted(got) == sorted(want)
+    return sorted(k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+                  or not torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from plugin_stacked_moe import StackedMoe
 from quantized_releases import (
@@ -39,6 +39,8 @@ from quantized_releases import (
     ct_compress_fused,
     ct_compress_weight,
     ct_dequantized,
+    differing,
+    folder_tensors,
     make_ct_folder,
     make_modelopt_folder,
     modelopt_fused,
@@ -72,18 +74,6 @@ def _run(*argv: str) -> int:
     return main(["run", "--direct", *argv])
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        got.update(load_file(f))
-    return got
-
-
-def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    """The keys whose tensors differ in dtype, shape or any bit; the key sets must agree."""
-    assert sorted(got) == sorted(want)
-    return sorted(k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
-                  or not torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)))
 
 
 def _config(folder: Path) -> dict:
@@ -122,7 +112,7 @@ def _moe(folder: Path) -> None:
 
 def _rewrite(folder: Path, change) -> None:
     """Each stored tensor of ``folder`` through ``change(key, tensor)`` (same shape and dtype)."""
-    t = _tensors(folder)
+    t = folder_tensors(folder)
     save_file({k: change(k, v) for k, v in t.items()}, folder / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -168,7 +158,7 @@ def releases(tmp_path_factory, moe_arch) -> dict[str, Path]:
 @pytest.mark.parametrize("name", [*CT, "fp8", "mxfp4"])
 def test_an_unchanged_model_comes_back_as_the_release_bit_for_bit(releases, name):
     rel = releases[name]
-    assert _differing(_tensors(rel.parent / "out"), _tensors(rel)) == []
+    assert differing(folder_tensors(rel.parent / "out"), folder_tensors(rel)) == []
     assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
 
 
@@ -191,18 +181,18 @@ def test_recomputing_the_releases_scales_would_not_give_them_back(releases):
     compressed-tensors' FP8 (a row's largest value codes as 448 exactly, so its scale comes
     back); and compressed-tensors' compressor of the original weights gives the release's
     tensors (the oracle is right)."""
-    llama = _tensors(releases["int4-group"].parent.parent / "llama")
+    llama = folder_tensors(releases["int4-group"].parent.parent / "llama")
     lossy = []
     for name in [*CT, "fp8", "mxfp4"]:
         rel = releases[name]
         key = EDITED.get(name, "model.layers.1.self_attn.k_proj.weight")
-        fresh = _fresh(name, key, _tensors(rel.parent / "mid")[key])
-        stored = _tensors(rel)
-        if _differing(fresh, {k: stored[k] for k in fresh}):
+        fresh = _fresh(name, key, folder_tensors(rel.parent / "mid")[key])
+        stored = folder_tensors(rel)
+        if differing(fresh, {k: stored[k] for k in fresh}):
             lossy.append(name)
         if name in CT:
             again = _fresh(name, key, llama[key])
-            assert _differing(again, {k: stored[k] for k in again}) == [], name
+            assert differing(again, {k: stored[k] for k in again}) == [], name
     assert lossy == ["int4-group", "int4-channel", "int8-channel", "fp8", "mxfp4"]
 
 
@@ -217,7 +207,7 @@ def test_an_edited_weight_alone_is_quantized_afresh(releases, tmp_path, name, ed
     key = EDITED.get(name, EDITED_DENSE)
     mid = tmp_path / "mid"
     shutil.copytree(rel.parent / "mid", mid)
-    t = _tensors(mid)
+    t = folder_tensors(mid)
     w = t[key].clone()
     at = (1, 0, 0) if w.dim() == 3 else (0, 0)
     if edit == "plus-quarter":
@@ -232,13 +222,13 @@ def test_an_edited_weight_alone_is_quantized_afresh(releases, tmp_path, name, ed
         (mid / "model.safetensors.index.json").unlink()
     out = tmp_path / "out"
     assert _run(str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)) == 0
-    got, stored = _tensors(out), _tensors(rel)
+    got, stored = folder_tensors(out), folder_tensors(rel)
     fresh = _fresh(name, key, w)
     if name == "mxfp4":  # the changed expert's slab afresh, the others copied
         for k in fresh:
             fresh[k] = torch.cat([stored[k][:1], fresh[k][1:2], stored[k][2:]])
-    assert _differing(got, stored) == sorted(k for k in fresh if not torch.equal(fresh[k], stored[k]))
-    assert _differing({k: got[k] for k in fresh}, fresh) == []
+    assert differing(got, stored) == sorted(k for k in fresh if not torch.equal(fresh[k], stored[k]))
+    assert differing({k: got[k] for k in fresh}, fresh) == []
 
 
 @pytest.mark.parametrize("name", ["fp8", "int4-group"])
@@ -248,7 +238,7 @@ def test_through_megatron_core_at_tp2_the_release_comes_back(releases, tmp_path,
     assert len(list((tmp_path / "mcore").rglob("*.pt"))) >= 2
     assert _run(str(tmp_path / "mcore"), str(tmp_path / "out"), "--to", "hf", "--quantize", "like-source",
                 "--quantize-like", str(rel)) == 0
-    assert _differing(_tensors(tmp_path / "out"), _tensors(rel)) == []
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(rel)) == []
     assert _config(tmp_path / "out")["quantization_config"] == _config(rel)["quantization_config"]
 
 
@@ -269,7 +259,7 @@ def test_a_layer_the_release_lacks_follows_its_rule_and_its_ignore_list(releases
         (rel / "config.json").write_text(json.dumps(config))
     mid = tmp_path / "mid"
     mid.mkdir()
-    t = _tensors(releases[name].parent / "mid")
+    t = folder_tensors(releases[name].parent / "mid")
     t |= {k.replace("layers.1.", "layers.2."): v.clone() for k, v in t.items() if "layers.1." in k}
     t["model.layers.2.self_attn.q_proj.weight"][0, 0] += 0.25
     save_file(t, mid / "model.safetensors", metadata={"format": "pt"})
@@ -279,8 +269,8 @@ def test_a_layer_the_release_lacks_follows_its_rule_and_its_ignore_list(releases
     (mid / "config.json").write_text(json.dumps({**_config(releases[name].parent / "mid"), "num_hidden_layers": 3}))
     out = tmp_path / "out"
     assert _run(str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)) == 0
-    got, stored = _tensors(out), _tensors(rel)
-    assert _differing({k: v for k, v in got.items() if "layers.2." not in k}, stored) == []
+    got, stored = folder_tensors(out), folder_tensors(rel)
+    assert differing({k: v for k, v in got.items() if "layers.2." not in k}, stored) == []
     want = {}
     for k, v in t.items():
         if "layers.2." not in k:
@@ -289,7 +279,7 @@ def test_a_layer_the_release_lacks_follows_its_rule_and_its_ignore_list(releases
             want |= _fresh(name, k, v)
         else:
             want[k] = v
-    assert _differing({k: v for k, v in got.items() if "layers.2." in k}, want) == []
+    assert differing({k: v for k, v in got.items() if "layers.2." in k}, want) == []
     assert _config(out)["quantization_config"] == _config(rel)["quantization_config"]
 
 
@@ -309,7 +299,7 @@ def test_transformers_loads_the_outputs_as_it_loads_the_release(releases):
             with torch.no_grad():
                 logits.append(model(ids).logits)
         assert torch.equal(logits[0], logits[1]), name
-        assert _differing(ct_dequantized(rel.parent / "out"), ct_dequantized(rel)) == []
+        assert differing(ct_dequantized(rel.parent / "out"), ct_dequantized(rel)) == []
 
 
 def _refused(capsys, argv: list[str], needle: str, out: Path) -> None:
@@ -346,7 +336,8 @@ def test_bad_requests_are_refused_in_one_line_with_nothing_written(releases, tmp
                  f"--quantize-like: {other} is quantized with {needle}, which --quantize like-source cannot write", out)
     g_idx = tmp_path / "g_idx"
     shutil.copytree(rel, g_idx)
-    t = _tensors(g_idx) | {"model.layers.0.self_attn.q_proj.weight_g_idx": torch.arange(64, dtype=torch.int32) // 32}
+    g = torch.arange(64, dtype=torch.int32) // 32
+    t = folder_tensors(g_idx) | {"model.layers.0.self_attn.q_proj.weight_g_idx": g}
     save_file(t, g_idx / "model.safetensors", metadata={"format": "pt"})
     _refused(capsys, [str(mid), str(out), *like, str(g_idx)],
              "model.layers.0.self_attn.q_proj.weight_g_idx (a g_idx: activation-order groups", out)
@@ -363,7 +354,7 @@ def test_a_weight_is_compared_a_band_at_a_time_and_the_first_difference_ends_it(
     monkeypatch.setattr(like.scheme, "rows", lambda deq, slab: (lambda first, n: bands.append(n) or
                                                                 rows(deq, slab)(first, n)))
     key = "model.layers.0.mlp.gate_proj.weight"
-    w = _tensors(rel.parent / "mid")[key]
+    w = folder_tensors(rel.parent / "mid")[key]
     assert like.unchanged(key, w) and bands == [1] * w.shape[0]
     bands.clear()
     edited = w.clone()
@@ -411,17 +402,17 @@ def test_an_unchanged_nvfp4_release_comes_back_bit_for_bit(nvfp4):
     one global scale, and compressed-tensors compressing the original weights with fused scales
     gives the release (the oracle of the next tests is right)."""
     rel = nvfp4["fused"]
-    stored = _tensors(rel)
-    assert _differing(_tensors(rel.parent / "out"), stored) == []
+    stored = folder_tensors(rel)
+    assert differing(folder_tensors(rel.parent / "out"), stored) == []
     assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
-    llama = _tensors(rel.parent.parent / "llama")
+    llama = folder_tensors(rel.parent.parent / "llama")
     for layer in range(2):
         for group in (QKV, GATE_UP):
             modules = _modules(layer, group)
             scales = {stored[m + ".weight_global_scale"].item() for m in modules}
             assert len(scales) == 1, modules
             want = ct_compress_fused("nvfp4a16", {m: llama[m + ".weight"] for m in modules})
-            assert _differing(want, _stored_of(modules, stored)) == []
+            assert differing(want, _stored_of(modules, stored)) == []
 
 
 @pytest.mark.parametrize("edit", ["new-maximum", "one-ulp"])
@@ -432,7 +423,7 @@ def test_an_edited_q_re_encodes_q_k_v_under_a_fresh_shared_scale(nvfp4, tmp_path
     release's. Copying k and v because they alone are unchanged keeps the release's global scale
     beside q's fresh one: caught by the new-maximum edit."""
     rel = nvfp4["fused"]
-    t = _tensors(rel.parent / "mid")
+    t = folder_tensors(rel.parent / "mid")
     qkv = _modules(0, QKV)
     w = t[qkv[0] + ".weight"].clone()
     if edit == "new-maximum":
@@ -444,10 +435,10 @@ def test_an_edited_q_re_encodes_q_k_v_under_a_fresh_shared_scale(nvfp4, tmp_path
     shutil.copytree(rel.parent / "mid", mid)
     save_file(t, mid / "model.safetensors", metadata={"format": "pt"})
     _like(mid, tmp_path / "out", rel)
-    got, stored = _tensors(tmp_path / "out"), _tensors(rel)
+    got, stored = folder_tensors(tmp_path / "out"), folder_tensors(rel)
     fresh = ct_compress_fused("nvfp4a16", {m: t[m + ".weight"] for m in qkv})
-    assert _differing({k: got[k] for k in fresh}, fresh) == []
-    assert _differing({k: v for k, v in got.items() if k not in fresh}, {k: v for k, v in stored.items()
+    assert differing({k: got[k] for k in fresh}, fresh) == []
+    assert differing({k: v for k, v in got.items() if k not in fresh}, {k: v for k, v in stored.items()
                                                                           if k not in fresh}) == []
     moved = {k for k in fresh if k.endswith(".weight_global_scale") and not torch.equal(fresh[k], stored[k])}
     assert len(moved) == (3 if edit == "new-maximum" else 0)
@@ -458,16 +449,16 @@ def test_a_release_whose_fused_weights_have_their_own_scales_is_re_encoded_with_
     unchanged, every fused group is quantized afresh under one scale, as compressed-tensors
     compresses them with fused scales; o_proj (fused with nothing) is the release's, copied."""
     rel = nvfp4["own"]
-    got, stored = _tensors(rel.parent / "out"), _tensors(rel)
-    mid = _tensors(rel.parent / "mid")
+    got, stored = folder_tensors(rel.parent / "out"), folder_tensors(rel)
+    mid = folder_tensors(rel.parent / "mid")
     fresh: dict[str, torch.Tensor] = {}
     for layer in range(2):
         for group in (QKV, GATE_UP):
             modules = _modules(layer, group)
             assert len({stored[m + ".weight_global_scale"].item() for m in modules}) > 1, modules
             fresh |= ct_compress_fused("nvfp4a16", {m: mid[m + ".weight"] for m in modules})
-    assert _differing({k: got[k] for k in fresh}, fresh) == []
-    assert _differing({k: v for k, v in got.items() if k not in fresh}, {k: v for k, v in stored.items()
+    assert differing({k: got[k] for k in fresh}, fresh) == []
+    assert differing({k: v for k, v in got.items() if k not in fresh}, {k: v for k, v in stored.items()
                                                                           if k not in fresh}) == []
     assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
 
@@ -479,7 +470,7 @@ def test_transformers_loads_an_nvfp4_output_as_it_loads_the_release(nvfp4):
     rel = nvfp4["fused"]
     _model, info = transformers.AutoModelForCausalLM.from_pretrained(rel.parent / "out", output_loading_info=True)
     assert not any(info.values()), info
-    assert _differing(ct_dequantized(rel.parent / "out"), ct_dequantized(rel)) == []
+    assert differing(ct_dequantized(rel.parent / "out"), ct_dequantized(rel)) == []
 
 
 def test_the_release_folder_is_part_of_the_conversions_identity(releases, tmp_path):
@@ -508,7 +499,7 @@ def test_an_nvfp4_release_through_megatron_core_at_tp2_comes_back(nvfp4, tmp_pat
     assert _run(str(rel), str(tmp_path / "mcore"), "--target-tp", "2") == 0
     assert len(list((tmp_path / "mcore").rglob("*.pt"))) >= 2
     _like(tmp_path / "mcore", tmp_path / "out", rel)
-    assert _differing(_tensors(tmp_path / "out"), _tensors(rel)) == []
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(rel)) == []
     assert _config(tmp_path / "out")["quantization_config"] == _config(rel)["quantization_config"]
 
 
@@ -539,9 +530,9 @@ def test_an_unchanged_w4a4_release_comes_back_bit_for_bit_with_its_activation_sc
     """Every stored tensor (the calibrated activation scales among them), config.json's
     quantization_config and ModelOpt's hf_quant_config.json, as the release has them."""
     rel = w4a4[name]
-    got, stored = _tensors(rel.parent / "out"), _tensors(rel)
+    got, stored = folder_tensors(rel.parent / "out"), folder_tensors(rel)
     assert sum(k.endswith(W4A4[name]) for k in stored) == 2 * 6
-    assert _differing(got, stored) == []
+    assert differing(got, stored) == []
     assert _config(rel.parent / "out")["quantization_config"] == _config(rel)["quantization_config"]
     sidecar = rel / "hf_quant_config.json"
     assert (rel.parent / "out" / sidecar.name).exists() == sidecar.exists() == (name == "modelopt")
@@ -553,13 +544,13 @@ def test_the_modelopt_release_is_modelopts_own_fused_quantization(w4a4):
     """The oracle of the next test is right: ModelOpt quantizing each layer's q/k/v and gate/up
     under one weight_scale_2 gives the release's tensors."""
     rel = w4a4["modelopt"]
-    stored, llama = _tensors(rel), _tensors(rel.parent.parent / "llama")
+    stored, llama = folder_tensors(rel), folder_tensors(rel.parent.parent / "llama")
     for layer in range(2):
         for group in (QKV, GATE_UP):
             modules = _modules(layer, group)
             assert len({stored[m + ".weight_scale_2"].item() for m in modules}) == 1, modules
             want = modelopt_fused({m: llama[m + ".weight"] for m in modules})
-            assert _differing(want, {k: v for k, v in _stored_of(modules, stored).items() if k in want}) == []
+            assert differing(want, {k: v for k, v in _stored_of(modules, stored).items() if k in want}) == []
 
 
 @pytest.mark.parametrize("name", W4A4)
@@ -569,7 +560,7 @@ def test_an_edited_q_re_encodes_q_k_v_and_keeps_the_releases_activation_scales(w
     compressor with llm-compressor's fused scale), their activation scales the release's, every
     other stored tensor the release's; one warning line counts the three re-encoded layers."""
     rel = w4a4[name]
-    t = _tensors(rel.parent / "mid")
+    t = folder_tensors(rel.parent / "mid")
     qkv = _modules(0, QKV)
     w = t[qkv[0] + ".weight"].clone()
     w[0, 0] = 2 * max(t[m + ".weight"].abs().max() for m in qkv)
@@ -581,13 +572,13 @@ def test_an_edited_q_re_encodes_q_k_v_and_keeps_the_releases_activation_scales(w
     _like(mid, tmp_path / "out", rel)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if RE_ENCODED in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: 3 quantized layer(s) changed from"), lines
-    got, stored = _tensors(tmp_path / "out"), _tensors(rel)
+    got, stored = folder_tensors(tmp_path / "out"), folder_tensors(rel)
     weights = {m: t[m + ".weight"] for m in qkv}
     fresh = modelopt_fused(weights) if name == "modelopt" else ct_compress_fused("nvfp4", weights)
-    assert _differing({k: got[k] for k in fresh}, fresh) == []
+    assert differing({k: got[k] for k in fresh}, fresh) == []
     moved = {k for k in fresh if k.endswith(("_scale_2", "_global_scale")) and not torch.equal(fresh[k], stored[k])}
     assert len(moved) == 3
-    assert _differing({k: v for k, v in got.items() if k not in fresh},
+    assert differing({k: v for k, v in got.items() if k not in fresh},
                       {k: v for k, v in stored.items() if k not in fresh}) == []
     assert all(m + W4A4[name] in got for m in qkv)
 
@@ -599,7 +590,7 @@ def test_a_layer_the_w4a4_release_lacks_is_refused(w4a4, tmp_path, capsys, name)
     rel = tmp_path / "rel"
     shutil.copytree(w4a4[name], rel)
     gone = "model.layers.1.self_attn.o_proj"
-    save_file({k: v for k, v in _tensors(rel).items() if not k.startswith(gone + ".")}, rel / "model.safetensors",
+    save_file({k: v for k, v in folder_tensors(rel).items() if not k.startswith(gone + ".")}, rel / "model.safetensors",
               metadata={"format": "pt"})
     mid, out = w4a4[name].parent / "mid", tmp_path / "out"
     _refused(capsys, [str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)],
@@ -627,7 +618,7 @@ def test_modelopts_weight_rule_is_nvfp4qtensors_bit_for_bit(dtype):
     for m, w in parts.items():
         packed, scale = fp4.quantize_modelopt(w, scale_2)
         got = {m + ".x.weight": packed, m + ".x.weight_scale": scale, m + ".x.weight_scale_2": scale_2}
-        assert _differing(got, {k: v for k, v in want.items() if k.startswith(m + ".")}) == [], (m, dtype)
+        assert differing(got, {k: v for k, v in want.items() if k.startswith(m + ".")}) == [], (m, dtype)
 
 
 @pytest.mark.usefixtures("prefect_env")
@@ -636,7 +627,7 @@ def test_through_the_prefect_flow_the_warning_and_the_bytes_are_the_direct_runs(
     re-encoding warning (which needs the values) reaches its summary too, and the files equal the
     in-process run's."""
     rel = w4a4["modelopt"]
-    t = _tensors(rel.parent / "mid")
+    t = folder_tensors(rel.parent / "mid")
     q = _modules(0, QKV)[0] + ".weight"
     t[q] = t[q] * 2
     mid = tmp_path / "mid"
@@ -648,4 +639,4 @@ def test_through_the_prefect_flow_the_warning_and_the_bytes_are_the_direct_runs(
     assert main(["run", str(mid), str(tmp_path / "flow"), "--cache-dir", str(tmp_path / "cache"), *like]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if RE_ENCODED in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: 3 quantized layer(s) changed from"), lines
-    assert _differing(_tensors(tmp_path / "flow"), _tensors(tmp_path / "direct")) == []
+    assert differing(folder_tensors(tmp_path / "flow"), folder_tensors(tmp_path / "direct")) == []

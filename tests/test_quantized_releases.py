@@ -23,7 +23,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantized_releases import SCHEMES, ct_dequantized, make_ct_folder, make_modelopt_folder
+from quantized_releases import (
+    SCHEMES,
+    ct_dequantized,
+    differing,
+    folder_tensors,
+    make_ct_folder,
+    make_modelopt_folder,
+)
 from reshard.cli import main
 from reshard.core.lazy import RowsDecoded
 from reshard.formats.hf import HFFormat
@@ -63,18 +70,6 @@ def _run(*argv: str) -> int:
     return main(["run", "--direct", *argv])
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        got.update(load_file(f))
-    return got
-
-
-def _bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    """The keys whose tensors differ in dtype, shape or any bit (``-0.0`` is not ``0.0``)."""
-    assert sorted(got) == sorted(want)
-    return [k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
-            or not torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))]
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -85,12 +80,12 @@ def test_a_compressed_tensors_release_goes_to_bf16_as_compressed_tensors_decompr
     src, out = releases[scheme], tmp_path / "bf16"
     assert _run(str(src), str(out), "--to", "hf") == 0
     want = ct_dequantized(src)
-    assert _bit_equal(_tensors(out), want) == []
+    assert differing(folder_tensors(out), want) == []
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
-    assert _bit_equal({k: v.detach() for k, v in model.state_dict().items()}, want) == []
+    assert differing({k: v.detach() for k, v in model.state_dict().items()}, want) == []
 
 
 @pytest.mark.parametrize("declared", ["config", "sidecar"])
@@ -107,7 +102,7 @@ def test_a_modelopt_nvfp4_release_goes_to_bf16_as_modelopt_dequantizes_it(releas
         (src / "config.json").write_text(json.dumps(config))
     out = tmp_path / "bf16"
     assert _run(str(src), str(out), "--to", "hf") == 0
-    assert _bit_equal(_tensors(out), releases["modelopt_want"]) == []
+    assert differing(folder_tensors(out), releases["modelopt_want"]) == []
     assert not (out / "hf_quant_config.json").exists()
 
 
@@ -253,7 +248,7 @@ def test_quantize_writes_what_compressed_tensors_compresses(llama, compressed, t
     want = compressed[_OUT[quantize]]
     out = tmp_path / "out"
     assert _run(str(llama), str(out), "--to", "hf", "--quantize", *quantize) == 0
-    assert _bit_equal(_tensors(out), _tensors(want)) == []
+    assert differing(folder_tensors(out), folder_tensors(want)) == []
     config = json.loads((want / "config.json").read_text())["quantization_config"]
     config.pop("version")
     assert json.loads((out / "config.json").read_text())["quantization_config"] == config
@@ -262,9 +257,9 @@ def test_quantize_writes_what_compressed_tensors_compresses(llama, compressed, t
     _model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
     want_model = ct_dequantized(want)
-    assert _bit_equal(ct_dequantized(out), want_model) == []
+    assert differing(ct_dequantized(out), want_model) == []
     assert _run(str(out), str(tmp_path / "back"), "--to", "hf") == 0  # and reshard reads its own output back
-    assert _bit_equal(_tensors(tmp_path / "back"), want_model) == []
+    assert differing(folder_tensors(tmp_path / "back"), want_model) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -348,7 +343,7 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
                         lambda self, w, *rest: bands.append(w.shape[0]) or original(self, w, *rest))
     assert _run(str(llama), str(tmp_path / "out"), "--to", "hf", "--quantize", quantize) == 0
     assert set(bands) == {1}
-    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(compressed[scheme])) == []
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(compressed[scheme])) == []
 
 
 def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
@@ -367,9 +362,9 @@ def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
     assert _run(str(tmp_path / "src"), str(tmp_path / "bf16"), "--to", "hf") == 0
     assert _run(str(tmp_path / "src"), str(tmp_path / "out"), "--to", "hf", "--quantize", "w4a16") == 0
     compress_folder_ct(tmp_path / "bf16", tmp_path / "want", "w4a16", r".*_proj", ["lm_head"], dtype=torch.bfloat16)
-    got = _tensors(tmp_path / "out")
+    got = folder_tensors(tmp_path / "out")
     assert any(".experts.3.down_proj.weight_packed" in k for k in got)
-    assert _bit_equal(got, _tensors(tmp_path / "want")) == []
+    assert differing(got, folder_tensors(tmp_path / "want")) == []
     ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
     assert ignore == ["lm_head"] + [f"model.layers.{i}.mlp.{g}" for i in (0, 1) for g in ("gate", "shared_expert_gate")]
     _model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
@@ -393,7 +388,7 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it(llama, tmp_path, capsy
 # --- out: --quantize nvfp4's global scales, fused as llm-compressor fuses them ----------------------
 
 def _own_scales(folder: Path) -> dict[str, torch.Tensor]:
-    return {k.removesuffix(".weight_global_scale"): v for k, v in _tensors(folder).items()
+    return {k.removesuffix(".weight_global_scale"): v for k, v in folder_tensors(folder).items()
             if k.endswith(".weight_global_scale")}
 
 
@@ -407,7 +402,7 @@ def test_nvfp4_q_k_v_and_gate_up_share_one_global_scale(llama, compressed, tmp_p
 
     out = tmp_path / "out"
     assert _run(str(llama), str(out), "--to", "hf", "--quantize", "nvfp4") == 0
-    scales, src = _own_scales(out), _tensors(llama)
+    scales, src = _own_scales(out), folder_tensors(llama)
     for layer in (0, 1):
         for group in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
             names = [f"model.layers.{layer}.{group[0]}.{p}" for p in group[1]]
@@ -482,7 +477,7 @@ def test_a_qwen3_model_is_written_as_compressed_tensors_compresses_it(tmp_path):
     src = _tiny(tmp_path, "qwen3", head_dim=16, num_attention_heads=4)
     assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", "nvfp4") == 0
     make_ct_folder(src, tmp_path / "want", "nvfp4a16")
-    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(tmp_path / "want")) == []
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "want")) == []
     config = json.loads((tmp_path / "want" / "config.json").read_text())["quantization_config"]
     config.pop("version")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"] == config
@@ -508,7 +503,7 @@ def test_each_experts_gate_and_up_share_a_global_scale(tmp_path, family, config,
     assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", "nvfp4") == 0
     compress_folder_ct(tmp_path / "bf16", tmp_path / "want", "nvfp4a16", r".*(_proj|\.w[123])", ["lm_head"],
                        dtype=torch.bfloat16)
-    assert _bit_equal(_tensors(tmp_path / "out"), _tensors(tmp_path / "want")) == []
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "want")) == []
     scales = _own_scales(tmp_path / "out")
     experts = sorted({k.rsplit(".", 1)[0] for k in scales if ".experts." in k or "shared_expert." in k})
     assert len(experts) == 4 * 2 + (2 if family == "qwen2_moe" else 0)
