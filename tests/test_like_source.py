@@ -640,3 +640,20 @@ def test_through_the_prefect_flow_the_warning_and_the_bytes_are_the_direct_runs(
     lines = [ln for ln in capsys.readouterr().out.splitlines() if RE_ENCODED in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: 3 quantized layer(s) changed from"), lines
     assert differing(folder_tensors(tmp_path / "flow"), folder_tensors(tmp_path / "direct")) == []
+
+
+@pytest.mark.parametrize(("kept", "words"), [
+    ("lm_head", "modules_to_not_convert is 'lm_head'"),
+    (["lm_head", "model.layers.*.mlp.("], "modules_to_not_convert holds 'model.layers.*.mlp.(', no regular expression"),
+])
+def test_a_malformed_modules_to_not_convert_is_refused(releases, tmp_path, capsys, kept, words):
+    """transformers matches the FP8 release's ``modules_to_not_convert`` as regular expressions: a
+    value that is no list of them is refused in one line, nothing written."""
+    rel = tmp_path / "rel"
+    shutil.copytree(releases["fp8"], rel)
+    config = _config(rel)
+    config["quantization_config"]["modules_to_not_convert"] = kept
+    (rel / "config.json").write_text(json.dumps(config))
+    mid, out = releases["fp8"].parent / "mid", tmp_path / "out"
+    _refused(capsys, [str(mid), str(out), "--to", "hf", "--quantize", "like-source", "--quantize-like", str(rel)],
+             words, out)

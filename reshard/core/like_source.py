@@ -139,15 +139,22 @@ class LikeScheme(abc.ABC):
 def _excluded(module: str, patterns: tuple[str, ...]) -> bool:
     """transformers' match of ``modules_to_not_convert``: a pattern matched from the start of the
     module's name (``*`` for a layer number), or its suffix."""
-    for p in patterns:
+    return any(re.match(p, module) or module == p or module.endswith("." + p) for p in patterns)
+
+
+def _not_converted(kept: Any, where: str) -> tuple[str, ...]:
+    """A release's ``modules_to_not_convert`` as patterns :func:`_excluded` matches: a list of
+    strings, each a regular expression (transformers matches them as such); else refused."""
+    if not isinstance(kept, (list, tuple)) or not all(isinstance(k, str) for k in kept):
+        raise LayoutError(f"quantization_config.modules_to_not_convert is {kept!r}", culprit=where,
+                          hint="a list of module names or patterns, as transformers writes it")
+    for k in kept:
         try:
-            if re.match(p, module):
-                return True
-        except re.error:
-            pass
-        if module == p or module.endswith("." + p):
-            return True
-    return False
+            re.compile(k)
+        except re.error as exc:
+            raise LayoutError(f"quantization_config.modules_to_not_convert holds {k!r}, no regular expression "
+                              f"({exc})", culprit=where, hint="fix the pattern in the release's config.json") from None
+    return tuple(kept)
 
 
 class Fp8BlockLike(LikeScheme):
@@ -295,16 +302,13 @@ CT_FORMATS: dict[str, Callable[[compressed_tensors.Scheme, CompressedTensorsLike
 
 def _fp8_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
                 where: str) -> LikeScheme:
-    kept = config["quantization_config"].get("modules_to_not_convert") or []
-    if not isinstance(kept, list) or not all(isinstance(k, str) for k in kept):
-        raise LayoutError(f"quantization_config.modules_to_not_convert is {kept!r}", culprit=where,
-                          hint="a list of module names or patterns, as transformers writes it")
-    return Fp8BlockLike(q.settings, tuple(kept))
+    return Fp8BlockLike(q.settings, _not_converted(config["quantization_config"].get("modules_to_not_convert") or [],
+                                                   where))
 
 
 def _mxfp4_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
                   where: str) -> LikeScheme:
-    return Mxfp4Like(tuple(q.settings))
+    return Mxfp4Like(_not_converted(tuple(q.settings), where))
 
 
 def _ct_scheme(q: ReleaseQuantization, config: Mapping[str, Any], stored: Mapping[str, Any],
