@@ -346,6 +346,45 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
     assert differing(folder_tensors(tmp_path / "out"), folder_tensors(compressed[scheme])) == []
 
 
+@pytest.mark.parametrize("source", ["hf", "tp2"])
+@pytest.mark.parametrize("quantize", [["w4a16"], ["nvfp4"], ["fp8-channel"], ["fp8", "--fp8-block", "32x48"]],
+                         ids=["w4a16", "nvfp4", "fp8-channel", "fp8-block"])
+def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monkeypatch, quantize, source):
+    """Each fused megatron-core weight (QKV, fc1) streams into bands of its outputs' rows
+    (``reshard.core.row_bands``), whether its rows lie mapped in a file (``hf``) or are gathered from
+    two TP ranks (``tp2``): it is never borrowed or materialized whole, no output is cut from it
+    whole, and no band handed to an encoder is over about ``FP8_CHUNK_BYTES`` of the weight. The
+    output is the same as with the default band size (many bands per weight here)."""
+    from reshard.core.torch_writer import PendingTensor
+    from reshard.formats import hf
+
+    src = llama
+    if source == "tp2":
+        src = tmp_path / "tp2"
+        assert _run(str(llama), str(src), "--target-tp", "2") == 0
+    assert _run(str(src), str(tmp_path / "want"), "--to", "hf", "--quantize", *quantize) == 0
+    whole, largest = [], [0]
+    borrowed, materialize, by_runs = PendingTensor.borrowed, PendingTensor.materialize, hf._by_runs
+    monkeypatch.setattr(PendingTensor, "borrowed", lambda self: whole.append(self.name) or borrowed(self))
+    monkeypatch.setattr(PendingTensor, "materialize", lambda self: whole.append(self.name) or materialize(self))
+    monkeypatch.setattr(hf, "_by_runs", lambda t, exp: whole.append(exp.key) or by_runs(t, exp))
+    monkeypatch.setattr(hf, "FP8_CHUNK_BYTES", 1024)
+    encoders = [(hf.Encoding, "encode_rows"), (hf, "quantize_chunks")]
+    for owner, name in encoders:
+        original = getattr(owner, name)
+
+        def counted(*args, original=original, **kwargs):
+            w = args[1] if original.__name__ == "encode_rows" else args[0]
+            largest[0] = max(largest[0], w.numel() * w.element_size())
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", *quantize) == 0
+    assert whole == []
+    assert 0 < largest[0] <= 32 * 96 * 2  # 1 KiB of rows, whole block rows of 32 for FP8 blocks
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "want")) == []
+
+
 def test_a_moe_model_quantizes_its_experts_and_keeps_its_routers(tmp_path):
     """A Qwen2-MoE model: each routed and shared expert's projections bit for bit compressed-tensors'
     compression of each module (its model-free, per-module path: transformers fuses the experts,

@@ -183,11 +183,33 @@ class Encoding:
                         "drop --quantize")
         return None
 
-    def tensor_scale(self, w: torch.Tensor) -> torch.Tensor | None:
-        """The one scale of the whole weight ``w`` under the ``tensor`` strategy (every band's codes
-        are made with it, :meth:`encode_rows`), else None: the other strategies scale rows alone
-        (NVFP4's global scale is its fused group's, :meth:`global_scale`)."""
-        return fp8_scaled.tensor_scale(w) if not self.packed and self.by == "tensor" else None
+    @property
+    def surveyed(self) -> bool:
+        """Is a weight's every band seen (:meth:`band_stat`) before any is encoded: for NVFP4's
+        global scale of the fused group, or the ``tensor`` strategy's one scale of the weight?"""
+        return self.global_scaled or self.tensor_scaled
+
+    @property
+    def tensor_scaled(self) -> bool:
+        """FP8 under the ``tensor`` strategy: every band coded with the whole weight's one scale."""
+        return not self.packed and self.by == "tensor"
+
+    def band_stat(self, band: torch.Tensor) -> torch.Tensor:
+        """What a :attr:`surveyed` encoding needs of ``band``, combined over bands (and over a fused
+        group's weights) by :func:`torch.maximum`: NVFP4's absolute maximum (0-dim); the ``tensor``
+        strategy's ``[-min, max]``, from which :meth:`tensor_scale` makes the weight's scale."""
+        if self.global_scaled:
+            return nvfp4.absmax(band)
+        return torch.stack((band.amin().neg(), band.amax()))
+
+    def tensor_scale(self, stat: torch.Tensor | None) -> torch.Tensor | None:
+        """The one scale of a whole weight under the ``tensor`` strategy, from its bands'
+        :meth:`band_stat` (the codes of every band are made with it, :meth:`encode_rows`), else
+        None: the other strategies scale rows alone (NVFP4's global scale is its fused group's,
+        :meth:`global_scale`)."""
+        if not self.tensor_scaled or stat is None:
+            return None
+        return fp8_scaled.range_scale(stat[0].neg().reshape(1), stat[1].reshape(1))
 
     def encode_rows(self, w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, scales)`` of rows ``w`` ``[n, in]`` as stored (see the module table); ``scale``:

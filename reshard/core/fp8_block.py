@@ -187,7 +187,17 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
 
 class NonFiniteWeightError(ValueError):
     """A weight holds a NaN or an infinity, which no FP8 (or MXFP4: :mod:`reshard.core.mxfp4`)
-    scale can encode (the checkpoint's fault, not the caller's)."""
+    scale can encode (the checkpoint's fault, not the caller's): in rows ``first .. last`` of what
+    was given to ``codec``."""
+
+    def __init__(self, first: int, last: int, codec: str) -> None:
+        self.first, self.last, self.codec = first, last, codec
+        where = f"row {first} holds" if first == last else f"rows {first}..{last} hold"
+        super().__init__(f"{where} a NaN or an infinity, which {codec} cannot scale")
+
+    def moved(self, rows: int) -> NonFiniteWeightError:
+        """The same error for a band that starts ``rows`` into the weight: its rows in the weight."""
+        return NonFiniteWeightError(self.first + rows, self.last + rows, self.codec)
 
 
 #: Threads the codec shares a weight's bands among on a CPU whose torch runs one intra-op thread.
@@ -314,8 +324,7 @@ def _quantize_bands(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
             top = torch.nn.functional.pad(top, (0, pad))
         amax = top.view(gn, b1).amax(dim=1).float()
         if not torch.isfinite(amax).all():
-            raise NonFiniteWeightError(f"rows {i * b0}..{i * b0 + rows - 1} hold a NaN or an infinity, "
-                                       "which FP8 cannot scale")
+            raise NonFiniteWeightError(i * b0, i * b0 + rows - 1, "FP8")
         si = amax / e4m3_max
         si = torch.where(si > 0, si, torch.ones_like(si))  # an all-zero block (or one too small to scale) keeps 1
         s[i] = si

@@ -100,7 +100,14 @@ def _scale(amin: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def tensor_scale(w: torch.Tensor) -> torch.Tensor:
     """The ``tensor`` strategy's one scale ``[1]`` of the whole weight ``w`` (the channel rule
     over all its values): :func:`quantize_with` then makes any band's codes."""
-    return _scale(w.amin().reshape(1), w.amax().reshape(1))
+    return range_scale(w.amin().reshape(1), w.amax().reshape(1))
+
+
+def range_scale(amin: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """:func:`tensor_scale` of a weight whose least and largest values are ``amin`` and ``amax``
+    (``[1]``, its dtype): the minimum and maximum of its bands', so a weight streamed band by band
+    gets the scale of the whole."""
+    return _scale(amin, amax)
 
 
 def quantize_with(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ the weights the writer makes from one megatron-core tensor, which hold the fused
 the export's weights                           written as
 =============================================  =====================================================
 every one unchanged, and the release's global  the release's codes and scales of every one, copied
-scales of them all bit for bit one             (:meth:`LikeSource.unchanged_together`)
+scales of them all bit for bit one             (:meth:`LikeSource.global_scales_agree`)
 any one changed, or the release's scales of    every one quantized afresh under one global scale
 them differ                                    of their joint maximum (llm-compressor's rule, as
                                                ``--quantize nvfp4`` writes it; ModelOpt's
@@ -424,39 +424,45 @@ class LikeSource:
         """Would an unchanged ``name`` be copied (the release holds it quantized, same shape)?"""
         return self.counterpart(name, shape, stacked=slab) and self.scheme.quantized(name, self.stored)
 
-    def unchanged(self, name: str, value: torch.Tensor, slab: int | None = None) -> bool:
-        """Are ``value``'s bits (``[out, in]`` as the writer encodes it; ``slab``: its expert) the
-        release's dequantized ``name`` in ``value``'s dtype? Compared a band of rows at a time, the
-        first differing band ending it."""
-        deq = self.dequantized(value.dtype).get(name)
-        if deq is None or value.dim() != 2 or not self.scheme.quantized(name, self.stored):
-            return False
+    def matcher(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slab: int | None = None
+                ) -> Callable[[int, torch.Tensor], bool] | None:
+        """For a weight ``name`` of ``shape`` and ``dtype`` (``[out, in]`` as the writer encodes it;
+        ``slab``: its expert) seen a band at a time: ``(first row, rows) ->`` are those rows' bits the
+        release's dequantized ones in ``dtype``? None where the release holds no such quantized
+        weight (nothing to copy)."""
+        deq = self.dequantized(dtype).get(name)
+        if deq is None or len(shape) != 2 or not self.scheme.quantized(name, self.stored):
+            return None
         rows = self.scheme.rows(deq, slab)
         if rows is None or tuple(deq.shape[1:] if slab is not None else deq.shape) != \
-                tuple(reversed(value.shape) if slab is not None else value.shape):
-            return False
-        bits = _BITS[value.element_size()]
-        band = max(1, BAND_ELEMENTS // max(1, value.shape[1]))
-        for r in range(0, value.shape[0], band):
-            n = min(band, value.shape[0] - r)
-            got = rows(r, n)
-            if got.dtype != value.dtype or not torch.equal(got.contiguous().view(bits),
-                                                           value[r:r + n].contiguous().view(bits)):
-                return False
-        return True
+                tuple(reversed(shape) if slab is not None else shape):
+            return None
+        bits = _BITS[dtype.itemsize]
 
-    def unchanged_together(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
-        """Are the weights ``names`` (``values``, as the writer encodes them), which share one
-        global scale, to be copied together: each :meth:`unchanged`, and the release's global
-        scales of them all one, bit for bit (the module docstring)? The scales are compared
-        first, the weights in order, the first that differs ending it."""
+        def same(first: int, band: torch.Tensor) -> bool:
+            got = rows(first, band.shape[0])
+            return got.dtype == band.dtype and torch.equal(got.contiguous().view(bits), band.contiguous().view(bits))
+
+        return same
+
+    def unchanged(self, name: str, value: torch.Tensor, slab: int | None = None) -> bool:
+        """Are ``value``'s bits (``[out, in]`` as the writer encodes it; ``slab``: its expert) the
+        release's dequantized ``name`` in ``value``'s dtype? Compared a band of rows at a time
+        (:meth:`matcher`), the first differing band ending it."""
+        same = self.matcher(name, tuple(value.shape), value.dtype, slab) if value.dim() == 2 else None
+        if same is None:
+            return False
+        band = max(1, BAND_ELEMENTS // max(1, value.shape[1]))
+        return all(same(r, value[r:r + band]) for r in range(0, value.shape[0], band))
+
+    def global_scales_agree(self, names: Sequence[str]) -> bool:
+        """Do the weights ``names``, which share one global scale, have one in the release, bit
+        for bit (the module docstring: else none of them is copied)?"""
         keys = [self.scheme.global_scale_name(n) for n in names]
         if any(k is None or k not in self.stored for k in keys):
             return False
         first = self.stored_tensor(keys[0])
-        if not all(_same_bits(first, self.stored_tensor(k)) for k in keys[1:]):
-            return False
-        return all(self.unchanged(n, v) for n, v in zip(names, values, strict=True))
+        return all(_same_bits(first, self.stored_tensor(k)) for k in keys[1:])
 
     def stored_tensor(self, key: str) -> torch.Tensor:
         """The release's stored tensor ``key``, read whole (a scale: small)."""

@@ -238,7 +238,7 @@ def _refuse_non_finite(amax_finite: torch.Tensor, first: int) -> None:
     """:class:`NonFiniteWeightError` naming the first row of a band whose groups are not all finite."""
     if not amax_finite.all():
         bad = int(torch.nonzero(~amax_finite)[0, 0])
-        raise NonFiniteWeightError(f"row {first + bad} holds a NaN or an infinity, which MXFP4 cannot scale")
+        raise NonFiniteWeightError(first + bad, first + bad, "MXFP4")
 
 
 #: bfloat16's bits: all but the sign, infinity's (the least of the non-finite magnitudes), and the

@@ -31,14 +31,14 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.core import mxfp4, nvfp4
+from reshard.core import mxfp4
 from reshard.core.compressed_tensors_out import SCHEMES as CT_SCHEMES
 from reshard.core.compressed_tensors_out import Encoding, fused_with, shape_tensor
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
@@ -54,6 +54,7 @@ from reshard.core.fp8_block import (
 )
 from reshard.core.like_source import LIKE_SOURCE, LikeSource, open_like
 from reshard.core.release_codecs import SIDECAR, read_release_quantization, release_config, release_dequantized
+from reshard.core.row_bands import RowBandSink, in_order
 from reshard.core.safetensors_read import ST_DTYPES, MappedSafetensors
 from reshard.core.source import MEGATRON, MODULE_KEYS, SourceCheckpoint
 from reshard.core.torch_writer import (
@@ -1001,114 +1002,195 @@ def _copied(like: LikeSource, weight: str, entries: list[FileEntry], slab: int |
     return got
 
 
+def _bands(exp: Export, value: Any, band_rows: Sequence[int], on_band: Callable[[int, int, torch.Tensor], None]
+           ) -> None:
+    """Hand ``on_band(i, first row, rows)`` each band of ``band_rows[i]`` rows of the export's
+    outputs, in the order the tensor's bytes come: streamed through a
+    :class:`~reshard.core.row_bands.RowBandSink` where its byte runs fill each output in order (a
+    fused QKV or fc1: neither the tensor nor an output is ever whole in memory); a transform of
+    the whole tensor (a transpose) takes it whole, as :func:`_write_export` does, and hands on
+    bands of its outputs. ``rows`` may be a reused buffer: ``on_band`` must not keep it."""
+    dtype = value.dtype
+    runs = [(r.src, r.length, r.out, r.dst) for r in exp.runs]
+    if exp.convert is None and in_order(runs, [_nbytes(o.shape, dtype) for o in exp.outputs]):
+        sink = RowBandSink(runs, [o.shape for o in exp.outputs], dtype, band_rows, on_band, exp.key)
+        if isinstance(value, PendingTensor):
+            value.produce(sink)
+            sink.finish(value.nbytes)
+        else:
+            t = value.detach().contiguous()
+            sink.write(t)
+            sink.finish(t.numel() * t.element_size())
+        return
+    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
+        outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
+        for i, (out, o) in enumerate(zip(outs, exp.outputs, strict=True)):
+            if tuple(out.shape) != tuple(o.shape):
+                raise WriterError(f"{exp.key}: made {tuple(out.shape)} for {o.name} {o.shape}")
+            for r in range(0, out.shape[0], band_rows[i]):
+                on_band(i, r, out[r:r + band_rows[i]])
+
+
+def _finite(band: torch.Tensor, name: str, flag: str) -> None:
+    """Refuse a weight holding a value no quantizer can scale (NaN, an infinity), naming it."""
+    if not bool(torch.isfinite(band).all()):
+        raise LayoutError(f"{name}: holds a value that is not finite", culprit=flag,
+                          hint="the checkpoint's weights are not finite; convert it without --quantize")
+
+
+def _surveyed(exp: Export, value: Any, names: Sequence[str], band_rows: Sequence[int], like: LikeSource | None,
+              stat: Callable[[torch.Tensor], torch.Tensor] | None, flag: str
+              ) -> tuple[list[bool], list[torch.Tensor | None]]:
+    """One pass over an export's outputs ``names`` before any is encoded, band by band
+    (:func:`_bands`), each band checked finite: which outputs are the release's dequantized
+    weights unchanged (``like``; all False without it), and per output ``stat`` of its bands
+    combined by :func:`torch.maximum` (:meth:`Encoding.band_stat`; None without ``stat``). Skipped
+    (nothing to learn) without either."""
+    n = len(names)
+    same: list[bool] = [False] * n
+    stats: list[torch.Tensor | None] = [None] * n
+    if like is None and stat is None:
+        return same, stats
+    matchers = [None] * n if like is None else [like.matcher(name, tuple(o.shape), value.dtype)
+                                                 for name, o in zip(names, exp.outputs, strict=True)]
+    same = [m is not None for m in matchers]
+
+    def on_band(i: int, r: int, band: torch.Tensor) -> None:
+        _finite(band, names[i], flag)
+        if same[i]:
+            same[i] = matchers[i](r, band)
+        if stat is not None:
+            got = stat(band)
+            stats[i] = got if stats[i] is None else torch.maximum(stats[i], got)
+
+    if stat is not None or any(same):
+        _bands(exp, value, band_rows, on_band)
+    return same, stats
+
+
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
                       block: tuple[int, int], device: torch.device | None = None, workers: int = 1,
                       like: LikeSource | None = None) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights, each FP8-encoded
-    (:func:`~reshard.core.fp8_block.quantize_chunks`, on ``device`` when one is given): the weight
-    is whole in memory, as a transpose is (a mapped source's rows are read where they lie:
-    :meth:`PendingTensor.borrowed`); its codes are queued a chunk of block rows at a time as they
-    are made, then its scales. ``workers``: threads the quantizer shares each chunk's bands among.
-    ``like`` (``--quantize like-source``): an output equal to the release's dequantized weight
-    takes the release's codes and scales instead."""
-    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
-        outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
-        for i, out in enumerate(outs):
-            codes, scales = entries[2 * i:2 * i + 2]
-            if tuple(out.shape) != codes.shape:
-                raise WriterError(f"{exp.key}: made {tuple(out.shape)} for {codes.name} {codes.shape}")
-            if like is not None and like.unchanged(codes.name, out):
-                for (_key, t), e in zip(_copied(like, codes.name, [codes, scales]), (codes, scales)):
-                    writer.put((tensor_bytes(t), base + e.start, None, t))
-                continue
-            w = out if device is None else out.to(device)
-            s = torch.empty(scales.shape, dtype=torch.float32, device=w.device)
-            rows = fp8_chunk_rows(w.shape[1], block[0])
-            try:
-                for r, q in quantize_chunks(w, s, block, chunk_rows=rows, workers=workers):
-                    q = q.cpu()
-                    writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
-            except NonFiniteWeightError as exc:
-                raise LayoutError(f"{codes.name}: {exc}", culprit="--quantize fp8", hint="the checkpoint's "
-                                  "weights are not finite; convert it without --quantize") from None
+    (:func:`~reshard.core.fp8_block.quantize_chunks`, on ``device`` when one is given), a band
+    of whole block rows (about :data:`FP8_CHUNK_BYTES` of codes) at a time as the tensor streams
+    (:func:`_bands`): each band's codes are queued as they are made, the scales after the last.
+    ``workers``: threads the quantizer shares each band's blocks among. ``like`` (``--quantize
+    like-source``): an output equal to the release's dequantized weight (a first pass,
+    :func:`_surveyed`) takes the release's codes and scales instead."""
+    flag = f"--quantize {'fp8' if like is None else LIKE_SOURCE}"
+    names = [e.name for e in entries[0::2]]
+    for o, codes in zip(exp.outputs, entries[0::2], strict=True):
+        if tuple(o.shape) != codes.shape:
+            raise WriterError(f"{exp.key}: makes {tuple(o.shape)} for {codes.name} {codes.shape}")
+    rows = [fp8_chunk_rows(o.shape[1], block[0]) for o in exp.outputs]
+    copied, _ = _surveyed(exp, value, names, rows, like, None, flag)
+    for i, name in enumerate(names):
+        if copied[i] and like is not None:
+            part = entries[2 * i:2 * i + 2]
+            for (_key, t), e in zip(_copied(like, name, part), part):
+                writer.put((tensor_bytes(t), base + e.start, None, t))
+    if all(copied):
+        return
+    dev = device if device is not None else torch.device("cpu")
+    scales = [torch.empty(entries[2 * i + 1].shape, dtype=torch.float32, device=dev) for i in range(len(names))]
+
+    def on_band(i: int, r: int, band: torch.Tensor) -> None:
+        if copied[i]:
+            return
+        codes = entries[2 * i]
+        w = band if device is None else band.to(device)
+        s = scales[i][r // block[0]:math.ceil((r + band.shape[0]) / block[0])]
+        try:
+            for rr, q in quantize_chunks(w, s, block, chunk_rows=rows[i], workers=workers):
+                q = q.cpu()
+                writer.put((tensor_bytes(q), base + codes.start + (r + rr) * q.shape[1] * q.element_size(), None, q))
+        except NonFiniteWeightError as exc:
+            raise LayoutError(f"{codes.name}: {exc.moved(r)}", culprit=flag, hint="the checkpoint's "
+                              "weights are not finite; convert it without --quantize") from None
+
+    _bands(exp, value, rows, on_band)
+    for i, s in enumerate(scales):
+        if not copied[i]:
             s = s.cpu()
-            writer.put((tensor_bytes(s), base + scales.start, None, s))
+            writer.put((tensor_bytes(s), base + entries[2 * i + 1].start, None, s))
 
 
 def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
                      encoding: Encoding, like: LikeSource | None = None) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights in compressed-tensors' format
-    (``encoding``): the weight is whole in memory, as for FP8 blocks (:func:`_write_fp8_export`);
-    its codes are made and queued a band of rows (about :data:`FP8_CHUNK_BYTES` of the weight) at
-    a time, then its scales (then ``weight_shape``, or ``weight_global_scale``). An encoding with a
-    global scale finds it first, in a pass over the same bands of every output (a fused QKV's q, k
-    and v, a fused fc1's gate and up share it: :func:`_check_ct`), nothing written before; under
-    the ``tensor`` strategy every band is coded with the whole weight's one scale. ``like``
-    (``--quantize like-source``): an output equal to the release's dequantized weight takes the
-    release's tensors instead; under a global scale only all the outputs together, where every
-    one is unchanged and the release's global scales of them are one
-    (:meth:`~reshard.core.like_source.LikeSource.unchanged_together`), else all are encoded
+    (``encoding``), a band of rows (about :data:`FP8_CHUNK_BYTES` of the weight) at a time as the
+    tensor streams (:func:`_bands`): each band's codes are queued as they are made, then each
+    output's scales (then ``weight_shape``, or ``weight_global_scale``). An encoding that needs
+    every band first (:attr:`Encoding.surveyed`: NVFP4's global scale, shared by a fused QKV's q, k
+    and v and a fused fc1's gate and up, :func:`_check_ct`; the ``tensor`` strategy's one scale)
+    has it from a first pass over the same bands (:func:`_surveyed`), nothing written before.
+    ``like`` (``--quantize like-source``): an output equal to the release's dequantized weight,
+    found in that first pass, takes the release's tensors instead; under a global scale only all
+    the outputs together, where every one is unchanged and the release's global scales of them are
+    one (:meth:`~reshard.core.like_source.LikeSource.global_scales_agree`), else all are encoded
     afresh under a new one."""
     per = len(entries) // len(exp.outputs)
     flag = f"--quantize {encoding.scheme if like is None else LIKE_SOURCE}"
-
-    def bands(out: torch.Tensor, name: str) -> Iterator[tuple[int, torch.Tensor]]:
-        rows = max(1, FP8_CHUNK_BYTES // max(1, out.shape[1] * out.element_size()))
-        for r in range(0, out.shape[0], rows):
-            band = out[r:r + rows]
-            if not bool(torch.isfinite(band).all()):
-                raise LayoutError(f"{name}: holds a value that is not finite", culprit=flag,
-                                  hint="the checkpoint's weights are not finite; convert it without --quantize")
-            yield r, band
-
-    with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
-        outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
-        for i, out in enumerate(outs):
-            codes = entries[per * i]
-            if (out.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(out.shape, out.dtype):
-                raise WriterError(f"{exp.key}: made {tuple(out.shape)} {out.dtype} for {codes.name} {codes.shape}")
-        names = [o.name for o in exp.outputs]
-        copied = [False] * len(outs) if like is None else _like_copied(like, encoding, names, outs)
-        fused = None
-        if encoding.global_scaled and not all(copied):
-            amax = torch.zeros((), dtype=outs[0].dtype)
-            for i, out in enumerate(outs):
-                for _r, band in bands(out, entries[per * i].name):
-                    amax = torch.maximum(amax, nvfp4.absmax(band))
-            fused = encoding.global_scale(amax)
-        for i, out in enumerate(outs):
-            part = entries[per * i:per * i + per]
-            if like is not None and copied[i]:
-                for (_key, t), e in zip(_copied(like, names[i], part), part):
-                    writer.put((tensor_bytes(t), base + e.start, None, t))
-                continue
-            codes, scales, *rest = part
-            whole_scale = encoding.tensor_scale(out)  # a weight not finite is refused by its first band
-            s = torch.empty(scales.shape, dtype=scales.dtype)
-            for r, band in bands(out, codes.name):
-                q, sb = encoding.encode_rows(band, fused if fused is not None else whole_scale)
-                if whole_scale is None:
-                    s[r:r + q.shape[0]] = sb
-                else:
-                    s.copy_(sb)
-                writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
-            writer.put((tensor_bytes(s), base + scales.start, None, s))
-            act = encoding.activation_scale_name(names[i])
-            for entry in rest:  # weight_shape, or weight_global_scale (weight_scale_2), then an activation scale
-                if entry.name == act and like is not None:  # the release's calibration, as it is
-                    (_key, t), = _copied_activation(like, entry)
-                else:
-                    t = fused if fused is not None else shape_tensor(out.shape).to(entry.dtype)
-                writer.put((tensor_bytes(t), base + entry.start, None, t))
-
-
-def _like_copied(like: LikeSource, encoding: Encoding, names: list[str], outs: Sequence[torch.Tensor]) -> list[bool]:
-    """Which of one export's outputs ``names`` (``outs``) take the release's tensors: under a
-    global scale all or none (:meth:`~reshard.core.like_source.LikeSource.unchanged_together`),
-    else each unchanged one."""
+    names = [o.name for o in exp.outputs]
+    for o, codes in zip(exp.outputs, entries[0::per], strict=True):
+        if (o.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(o.shape, value.dtype):
+            raise WriterError(f"{exp.key}: makes {tuple(o.shape)} {value.dtype} for {codes.name} {codes.shape}")
+    rows = [max(1, FP8_CHUNK_BYTES // max(1, o.shape[1] * value.dtype.itemsize)) for o in exp.outputs]
+    copied, stats = _surveyed(exp, value, names, rows, like, encoding.band_stat if encoding.surveyed else None, flag)
     if encoding.global_scaled:  # one global scale: all copied, or all afresh under a new one
-        return [like.unchanged_together(names, outs)] * len(outs)
-    return [like.unchanged(name, out) for name, out in zip(names, outs, strict=True)]
+        copied = [all(copied) and like is not None and like.global_scales_agree(names)] * len(names)
+    fused = None
+    if encoding.global_scaled and not all(copied):
+        amax = functools.reduce(torch.maximum, [t for t in stats if t is not None])
+        fused = encoding.global_scale(amax)
+    for i, name in enumerate(names):
+        if copied[i] and like is not None:
+            part = entries[per * i:per * i + per]
+            for (_key, t), e in zip(_copied(like, name, part), part):
+                writer.put((tensor_bytes(t), base + e.start, None, t))
+    if all(copied):
+        return
+    whole = [encoding.tensor_scale(t) for t in stats]  # the tensor strategy's one scale of each weight
+    scales = [torch.empty(entries[per * i + 1].shape, dtype=entries[per * i + 1].dtype) for i in range(len(names))]
+
+    def on_band(i: int, r: int, band: torch.Tensor) -> None:
+        if copied[i]:
+            return
+        if stats[i] is None:  # surveyed bands were checked in the first pass
+            _finite(band, names[i], flag)
+        codes = entries[per * i]
+        q, sb = encoding.encode_rows(band, fused if fused is not None else whole[i])
+        if whole[i] is None:
+            scales[i][r:r + q.shape[0]] = sb
+        else:
+            scales[i].copy_(sb)
+        writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
+
+    _bands(exp, value, rows, on_band)
+    for i, name in enumerate(names):
+        if copied[i]:
+            continue
+        codes, scale_entry, *rest = entries[per * i:per * i + per]
+        writer.put((tensor_bytes(scales[i]), base + scale_entry.start, None, scales[i]))
+        act = encoding.activation_scale_name(name)
+        for entry in rest:  # weight_shape, or weight_global_scale (weight_scale_2), then an activation scale
+            if entry.name == act and like is not None:  # the release's calibration, as it is
+                (_key, t), = _copied_activation(like, entry)
+            else:
+                t = fused if fused is not None else shape_tensor(exp.outputs[i].shape).to(entry.dtype)
+            writer.put((tensor_bytes(t), base + entry.start, None, t))
+
+
+def _like_copied(like: LikeSource, encoding: Encoding, exp: Export, value: Any) -> list[bool]:
+    """Which of one export's outputs take the release's tensors (a pass over its bands,
+    :func:`_surveyed`): under a global scale all or none, else each unchanged one."""
+    names = [o.name for o in exp.outputs]
+    rows = [max(1, FP8_CHUNK_BYTES // max(1, o.shape[1] * value.dtype.itemsize)) for o in exp.outputs]
+    same, _ = _surveyed(exp, value, names, rows, like, None, f"--quantize {LIKE_SOURCE}")
+    if encoding.global_scaled:
+        return [all(same) and like.global_scales_agree(names)] * len(names)
+    return same
 
 
 def _copied_activation(like: LikeSource, entry: FileEntry) -> list[tuple[str, torch.Tensor]]:
@@ -1134,10 +1216,7 @@ def _like_warnings(plan: Plan) -> list[str]:
         for exp, value, _dtype, enc in _exports(plan, tgt, _module(plan.target_state(tgt), plan)):
             if not isinstance(enc, Encoding) or not enc.activation or exp.part is not None or not exp.outputs:
                 continue
-            with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(
-                    value.detach()) as whole:
-                outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
-                re_encoded += _like_copied(like, enc, [o.name for o in exp.outputs], outs).count(False)
+            re_encoded += _like_copied(like, enc, exp, value).count(False)
     if not re_encoded:
         return []
     return [f"{re_encoded} quantized layer(s) changed from {like.folder} were re-encoded and keep its calibrated "
