@@ -15,7 +15,6 @@ from reshard.core.fp8_block import (
     E4M3,
     E4M3_MAX,
     Fp8BlockDequantized,
-    band_workers,
     check_scale,
     dequantize,
     quantization_config,
@@ -209,16 +208,17 @@ def test_quantized_chunks_are_the_whole_weights_codes_and_name_the_bad_rows_of_t
 
 
 def test_band_workers_are_two_on_a_one_thread_cpu_and_one_where_torchs_pool_or_a_device_works(monkeypatch):
-    from reshard.core import fp8_block
+    from reshard.core import band_threads
+    from reshard.core.band_threads import band_workers
 
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr(fp8_block, "usable_cores", lambda: 2)
+        monkeypatch.setattr(band_threads, "usable_cores", lambda: 2)
         torch.set_num_threads(1)
         assert band_workers() == band_workers(torch.device("cpu")) == 2 and band_workers(torch.device("cuda")) == 1
         torch.set_num_threads(3)
         assert band_workers() == 1
-        monkeypatch.setattr(fp8_block, "usable_cores", lambda: 1)  # one core: a second thread only waits its turn
+        monkeypatch.setattr(band_threads, "usable_cores", lambda: 1)  # one core: a second thread only waits its turn
         torch.set_num_threads(1)
         assert band_workers() == 1
     finally:

@@ -354,7 +354,10 @@ def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monke
     (``reshard.core.row_bands``), whether its rows lie mapped in a file (``hf``) or are gathered from
     two TP ranks (``tp2``): it is never borrowed or materialized whole, no output is cut from it
     whole, and no band handed to an encoder is over about ``FP8_CHUNK_BYTES`` of the weight. The
-    output is the same as with the default band size (many bands per weight here)."""
+    output is the same as with the default band size (many bands per weight here), each band's
+    rows shared by two threads."""
+    import threading
+
     from reshard.core.torch_writer import PendingTensor
     from reshard.formats import hf
 
@@ -369,6 +372,8 @@ def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monke
     monkeypatch.setattr(PendingTensor, "materialize", lambda self: whole.append(self.name) or materialize(self))
     monkeypatch.setattr(hf, "_by_runs", lambda t, exp: whole.append(exp.key) or by_runs(t, exp))
     monkeypatch.setattr(hf, "FP8_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(hf, "band_workers", lambda *a: 2)  # as on a 2-core machine
+    threads: set[str] = set()
     encoders = [(hf.Encoding, "encode_rows"), (hf, "quantize_chunks")]
     for owner, name in encoders:
         original = getattr(owner, name)
@@ -376,12 +381,15 @@ def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monke
         def counted(*args, original=original, **kwargs):
             w = args[1] if original.__name__ == "encode_rows" else args[0]
             largest[0] = max(largest[0], w.numel() * w.element_size())
+            threads.add(threading.current_thread().name)
             return original(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, counted)
     assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", *quantize) == 0
     assert whole == []
     assert 0 < largest[0] <= 32 * 96 * 2  # 1 KiB of rows, whole block rows of 32 for FP8 blocks
+    if quantize[0] != "fp8":  # compressed-tensors' bands are shared with the second thread (band_threads)
+        assert any(t.startswith("reshard-band") for t in threads), threads
     assert differing(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "want")) == []
 
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from reshard.core.cpus import usable_cores
 from reshard.core.errors import CheckpointFormatError
 from reshard.core.lazy import LazyTensor, box_of
 
@@ -198,24 +197,6 @@ class NonFiniteWeightError(ValueError):
     def moved(self, rows: int) -> NonFiniteWeightError:
         """The same error for a band that starts ``rows`` into the weight: its rows in the weight."""
         return NonFiniteWeightError(self.first + rows, self.last + rows, self.codec)
-
-
-#: Threads the codec shares a weight's bands among on a CPU whose torch runs one intra-op thread.
-_BAND_WORKERS_ON_ONE_THREAD = 2
-
-
-def band_workers(device: torch.device | None = None) -> int:
-    """Threads to share a weight's bands among (:func:`quantize`'s ``workers``): two on a CPU with
-    at least two cores whose torch runs one intra-op thread (a 2-core worker, where a streamed
-    conversion keeps the other threads for the writer and the hasher), else one, torch's own pool
-    spreading each op where it has more.
-
-    Why two there: the codec is the critical path, and a second thread that waits without
-    spinning (torch's idle OpenMP workers spin) takes the time the writer and hasher leave idle
-    (the A/B is in docs/performance.md, session 26; the bytes are the same)."""
-    on_cpu = device is None or device.type == "cpu"
-    one_thread = torch.get_num_threads() == 1 and usable_cores() >= 2
-    return _BAND_WORKERS_ON_ONE_THREAD if on_cpu and one_thread else 1
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, *,

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.core import mxfp4
+from reshard.core import band_threads, mxfp4
+from reshard.core.band_threads import band_workers
 from reshard.core.compressed_tensors_out import SCHEMES as CT_SCHEMES
 from reshard.core.compressed_tensors_out import Encoding, fused_with, shape_tensor
 from reshard.core.errors import CheckpointFormatError, CorruptCheckpointError, LayoutError, UnsafeCheckpointError
@@ -46,7 +47,6 @@ from reshard.core.fp8_block import (
     DEFAULT_BLOCK,
     E4M3,
     NonFiniteWeightError,
-    band_workers,
     quantization_config,
     quantize_chunks,
     scale_name,
@@ -875,7 +875,7 @@ class SafetensorsFile:
                     elif block is None:
                         _write_export(writer, exp, value, entries, base)
                     elif isinstance(block, Encoding):
-                        _write_ct_export(writer, exp, value, entries, base, block, self.like)
+                        _write_ct_export(writer, exp, value, entries, base, block, self.like, workers)
                     else:
                         _write_fp8_export(writer, exp, value, entries, base, block, device, workers, self.like)
                     if exp.part is None:
@@ -1117,7 +1117,7 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
 
 
 def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
-                     encoding: Encoding, like: LikeSource | None = None) -> None:
+                     encoding: Encoding, like: LikeSource | None = None, workers: int = 1) -> None:
     """Queue one megatron-core linear weight's Hugging Face weights in compressed-tensors' format
     (``encoding``), a band of rows (about :data:`FP8_CHUNK_BYTES` of the weight) at a time as the
     tensor streams (:func:`_bands`): each band's codes are queued as they are made, then each
@@ -1125,6 +1125,7 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
     every band first (:attr:`Encoding.surveyed`: NVFP4's global scale, shared by a fused QKV's q, k
     and v and a fused fc1's gate and up, :func:`_check_ct`; the ``tensor`` strategy's one scale)
     has it from a first pass over the same bands (:func:`_surveyed`), nothing written before.
+    ``workers``: threads each band's rows are shared among (:mod:`reshard.core.band_threads`).
     ``like`` (``--quantize like-source``): an output equal to the release's dequantized weight,
     found in that first pass, takes the release's tensors instead; under a global scale only all
     the outputs together, where every one is unchanged and the release's global scales of them are
@@ -1160,12 +1161,16 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
         if stats[i] is None:  # surveyed bands were checked in the first pass
             _finite(band, names[i], flag)
         codes = entries[per * i]
-        q, sb = encoding.encode_rows(band, fused if fused is not None else whole[i])
-        if whole[i] is None:
-            scales[i][r:r + q.shape[0]] = sb
-        else:
-            scales[i].copy_(sb)
-        writer.put((tensor_bytes(q), base + codes.start + r * q.shape[1] * q.element_size(), None, q))
+
+        def encode(first: int, stop: int) -> None:  # rows first .. stop of the band
+            q, sb = encoding.encode_rows(band[first:stop], fused if fused is not None else whole[i])
+            if whole[i] is None:
+                scales[i][r + first:r + stop] = sb
+            else:
+                scales[i].copy_(sb)
+            writer.put((tensor_bytes(q), base + codes.start + (r + first) * q.shape[1] * q.element_size(), None, q))
+
+        band_threads.split_rows(band.shape[0], encode, workers)
 
     _bands(exp, value, rows, on_band)
     for i, name in enumerate(names):
