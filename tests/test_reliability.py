@@ -130,7 +130,7 @@ FAULTS = [("503", 10), ("503", 3), ("500", 10), ("500", 3), ("reset", 10), ("res
 
 
 @pytest.mark.parametrize("kind,every", FAULTS, ids=[f"{k}-1in{n}" for k, n in FAULTS])
-def test_faults_are_survived(s3_server, s3_source, tmp_path, clean_tp2, kind, every):
+def test_faults_are_survived(s3_server, s3_source, tmp_path, clean_tp2, quick_backoff, kind, every):
     from faultproxy import FaultProxy
 
     bucket, src, so = s3_source

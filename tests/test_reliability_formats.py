@@ -123,7 +123,7 @@ FAULTS = ("503", "reset", "truncate")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_faults_on_every_new_format_are_survived(s3_server, s3_bucket, on_s3, clean, tmp_path, case):
+def test_faults_on_every_new_format_are_survived(s3_server, s3_bucket, on_s3, clean, tmp_path, quick_backoff, case):
     """1 request in 5 failing (a 503, a reset connection or a truncated body) on every request of an
     S3 -> S3 conversion: the output equals the clean local run."""
     from faultproxy import FaultProxy

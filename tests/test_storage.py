@@ -259,7 +259,8 @@ def test_an_unknown_storage_option_is_one_line_naming_it(capsys):
 # --- faults --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,every", [("503", 3), ("500", 3), ("reset", 4), ("truncate", 4)])
-def test_full_s3_to_s3_reshard_survives_faults(s3_server, s3_src, tmp_path, reference_tp2, kind, every):
+def test_full_s3_to_s3_reshard_survives_faults(s3_server, s3_src, tmp_path, reference_tp2, quick_backoff, kind,
+                                               every):
     from faultproxy import FaultProxy
 
     url, so = s3_src
