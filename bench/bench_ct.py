@@ -11,9 +11,9 @@ Reading (every linear weight but the head and the routers quantized, as reshard'
 compressed-tensors ``pack-quantized`` INT4 group 32 symmetric (Kimi-K2-Thinking's) and asymmetric,
 ``float-quantized`` FP8 per channel, ``nvfp4-pack-quantized`` (weight-only, q/k/v and gate/up
 sharing one global scale as llm-compressor writes it), and ModelOpt NVFP4. Writing: ``--quantize
-w4a16`` and ``--quantize fp8-channel``; :data:`WRITES` names the written codecs (``--quantize nvfp4``
-is not among them: it refuses DeepSeek-V3's fused ``q_a_proj`` / ``kv_a_proj_with_mqa``, so the
-Kimi-shaped layer cannot carry it; its compressed-tensors peer is here for a Llama-only row).
+w4a16``, ``fp8-channel`` and ``nvfp4`` (:data:`WRITES`); ``nvfp4`` on the Llama shape only
+(:data:`NOT_WRITTEN`: it refuses DeepSeek-V3's fused ``q_a_proj`` / ``kv_a_proj_with_mqa``, so the
+Kimi-shaped layer cannot carry it).
 
 Each run against the byte-copy floor of the bytes it reads and writes (:data:`bench_fp8.FLOOR`)
 and against the reference library's own path in the same run, loading the safetensors as a user's
@@ -79,9 +79,11 @@ CODECS: dict[str, dict[str, Any]] = {
 #: The codecs read (``--to hf``).
 READS = tuple(CODECS)
 #: The codecs reshard writes (``--quantize NAME``), each against the peer's ``compress`` of the
-#: same name (``"nvfp4"``'s peer, one global scale for q/k/v and for gate/up, is made for the
-#: reading rows; see the module docstring for why it is not written here).
-WRITES = ("w4a16", "fp8-channel")
+#: same name (``"nvfp4"``'s: one global scale for q/k/v and for gate/up, as llm-compressor's).
+WRITES = ("w4a16", "fp8-channel", "nvfp4")
+#: shape family -> the written codecs it cannot carry (``--quantize nvfp4`` refuses DeepSeek-V3's
+#: fused ``q_a_proj`` / ``kv_a_proj_with_mqa``, one tensor in vLLM, two in megatron-core).
+NOT_WRITTEN = {"kimi": ("nvfp4",)}
 
 #: The linear weights quantized: every ``*_proj`` (``kv_a_proj_with_mqa`` too), not the head or the
 #: routers (``mlp.gate``), as reshard's ``--quantize`` chooses.
@@ -204,7 +206,7 @@ def _fused_amax(keys: list[str], get: Callable[[str], Any]) -> dict[str, tuple[A
     one with (:data:`FUSED`), else its own."""
     import torch
 
-    own = {k: (get(k).amin().float(), get(k).amax().float()) for k in keys}
+    own = {k: (get(k).amin(), get(k).amax()) for k in keys}  # in the weight's dtype, as its observers
     out = {}
     for k in keys:
         module = k.removesuffix(".weight")
@@ -468,7 +470,7 @@ def shape_run(ns: argparse.Namespace, shape: dict[str, Any], work: Path) -> dict
                                      ns.peer_runs)
         rec[f"read {codec} same"] = agree(work, RESHARD, PEER)
         log(f"{key} read {codec}: {json.dumps(rec[f'read {codec}'])} same: {rec[f'read {codec} same']}")
-    for codec in ns.writes:
+    for codec in (c for c in ns.writes if c not in NOT_WRITTEN.get(key, ())):
         m = {FLOOR_M: FLOOR + [str(f["bf16"]), "{out}", str(size(f[codec]))],
              RESHARD: reshard(str(f["bf16"]), "{out}", "--to", "hf", "--quantize", codec),
              PEER: peer("compress", str(f["bf16"]), "{out}", codec)}
@@ -491,7 +493,7 @@ def shape_run(ns: argparse.Namespace, shape: dict[str, Any], work: Path) -> dict
         for codec in (c for c in ns.reads if c in ns.deep_codecs):
             deep[f"read {codec}"] = timed({RESHARD: reshard(str(d[codec]), "{out}", "--to", "hf")}, d[codec], work,
                                           ns.deep_runs, f"{key} deep read {codec}", ns.settle)
-        for codec in (c for c in ns.writes if c in ns.deep_codecs):
+        for codec in (c for c in ns.writes if c in ns.deep_codecs and c not in NOT_WRITTEN.get(key, ())):
             cmd = reshard(str(d["bf16"]), "{out}", "--to", "hf", "--quantize", codec)
             deep[f"write {codec}"] = timed({RESHARD: cmd}, d["bf16"], work, ns.deep_runs, f"{key} deep write {codec}",
                                            ns.settle)
@@ -520,7 +522,7 @@ def summary(ns: argparse.Namespace, results: dict[str, Any]) -> None:
                 f"{'RSS MiB':>7} {'deep RSS':>8} {'peer RSS':>8} {'cores':>5} {'GB/s/core':>9} {'peer GB/s/c':>11} "
                 f"{'spread':>6} same")
         print(cols)
-        for what in [f"read {c}" for c in ns.reads] + [f"write {c}" for c in ns.writes]:
+        for what in [f"read {c}" for c in ns.reads] + [f"write {c}" for c in ns.writes if f"write {c}" in rec]:
             rows = rec[what]
             r, fl, p = rows[RESHARD], rows[FLOOR_M], rows[PEER]
             deep_rss = f"{deep[what][RESHARD]['peak_rss_mib']:8d}" if deep and what in deep else f"{'-':>8}"
