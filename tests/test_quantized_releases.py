@@ -352,8 +352,8 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
 def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monkeypatch, quantize, source):
     """Each fused megatron-core weight (QKV, fc1) streams into bands of its outputs' rows
     (``reshard.core.row_bands``), whether its rows lie mapped in a file (``hf``) or are gathered from
-    two TP ranks (``tp2``): it is never borrowed or materialized whole, no output is cut from it
-    whole, and no band handed to an encoder is over about ``FP8_CHUNK_BYTES`` of the weight. The
+    two TP ranks (``tp2``): it is never borrowed or materialized whole, and no band handed to an
+    encoder is over about ``FP8_CHUNK_BYTES`` of the weight. The
     output is the same as with the default band size (many bands per weight here), each band's
     rows shared by two threads."""
     import threading
@@ -367,10 +367,9 @@ def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monke
         assert _run(str(llama), str(src), "--target-tp", "2") == 0
     assert _run(str(src), str(tmp_path / "want"), "--to", "hf", "--quantize", *quantize) == 0
     whole, largest = [], [0]
-    borrowed, materialize, by_runs = PendingTensor.borrowed, PendingTensor.materialize, hf._by_runs
+    borrowed, materialize = PendingTensor.borrowed, PendingTensor.materialize
     monkeypatch.setattr(PendingTensor, "borrowed", lambda self: whole.append(self.name) or borrowed(self))
     monkeypatch.setattr(PendingTensor, "materialize", lambda self: whole.append(self.name) or materialize(self))
-    monkeypatch.setattr(hf, "_by_runs", lambda t, exp: whole.append(exp.key) or by_runs(t, exp))
     monkeypatch.setattr(hf, "FP8_CHUNK_BYTES", 1024)
     monkeypatch.setattr(hf, "band_workers", lambda *a: 2)  # as on a 2-core machine
     threads: set[str] = set()

@@ -1,13 +1,12 @@
 """Bands of rows of a tensor's outputs, made from its bytes as a producer streams them.
 
-A megatron-core linear weight becomes its Hugging Face weights by byte runs: a fused ``linear_fc1``
-``[2F, H]`` is ``gate_proj`` ``[F, H]`` then ``up_proj`` ``[F, H]``; a fused ``linear_qkv`` ``[G * (q
-+ 2) * d, H]`` interleaves, per query group, ``q`` heads' rows of ``q_proj``, then one head's of
-``k_proj`` and of ``v_proj``. An encoder that quantizes a band of rows at a time (FP8 blocks,
-compressed-tensors' codecs) needs only the band: :class:`RowBandSink` takes the producer's bytes in
-the order they come, copies each into the band buffer of the output its run names, and hands a band
-on the moment it is full. So neither the source tensor nor any output is ever whole in memory: one
-band buffer per output (``fc1``: 2, ``qkv``: 3), reused band after band.
+A fused linear weight becomes its several output weights by byte runs: one output's rows after
+another's, or the rows of several outputs interleaved group by group (a group's rows of the first
+output, then of the second, then of the third). An encoder that quantizes a band of rows at a time
+(FP8 blocks, compressed-tensors' codecs) needs only the band: :class:`RowBandSink` takes the
+producer's bytes in the order they come, copies each into the band buffer of the output its run
+names, and hands a band on the moment it is full. So neither the source tensor nor any output is
+ever whole in memory: one band buffer per output, reused band after band.
 
     ======================  ===========================  ===========================
     what                    shape                        memory held
@@ -18,7 +17,7 @@ band buffer per output (``fc1``: 2, ``qkv``: 3), reused band after band.
     ======================  ===========================  ===========================
 
 This holds where every output's runs, taken in source order, fill it front to back (each output's
-rows come in order, as in every fused layout above); :func:`in_order` says whether they do.
+rows come in order, as in both layouts above); :func:`in_order` says whether they do.
 """
 
 from __future__ import annotations

@@ -905,7 +905,12 @@ def _write_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry]
     runs = sorted((r.src, r.length, base + entries[r.out].start + r.dst) for r in exp.runs)
     if sum(r[1] for r in runs) != sum(e.nbytes for e in entries):
         raise WriterError(f"{exp.key}: its byte runs do not cover its Hugging Face tensors")
-    sink = ScatterSink(writer, runs, exp.key)
+    _stream_into(value, ScatterSink(writer, runs, exp.key))
+
+
+def _stream_into(value: Any, sink: ScatterSink | RowBandSink) -> None:
+    """All of ``value``'s bytes into ``sink`` in order (a pending tensor's as its producer makes
+    them), then the sink's check that they were all of them."""
     if isinstance(value, PendingTensor):
         value.produce(sink)
         sink.finish(value.nbytes)
@@ -1013,14 +1018,7 @@ def _bands(exp: Export, value: Any, band_rows: Sequence[int], on_band: Callable[
     dtype = value.dtype
     runs = [(r.src, r.length, r.out, r.dst) for r in exp.runs]
     if exp.convert is None and in_order(runs, [_nbytes(o.shape, dtype) for o in exp.outputs]):
-        sink = RowBandSink(runs, [o.shape for o in exp.outputs], dtype, band_rows, on_band, exp.key)
-        if isinstance(value, PendingTensor):
-            value.produce(sink)
-            sink.finish(value.nbytes)
-        else:
-            t = value.detach().contiguous()
-            sink.write(t)
-            sink.finish(t.numel() * t.element_size())
+        _stream_into(value, RowBandSink(runs, [o.shape for o in exp.outputs], dtype, band_rows, on_band, exp.key))
         return
     with value.borrowed() if isinstance(value, PendingTensor) else contextlib.nullcontext(value.detach()) as whole:
         outs = exp.convert(whole) if exp.convert is not None else _by_runs(whole, exp)
