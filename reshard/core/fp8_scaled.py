@@ -85,13 +85,14 @@ def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ==========  ========================================================================================
 
     Rows are independent: a band of rows gives the rows' codes and scales of the whole weight."""
-    s = _scale(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True))
+    s = range_scale(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True))
     return quantize_with(w, s), s
 
 
-def _scale(amin: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def range_scale(amin: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' symmetric FP8 scale of a range: ``max(|min(amin, 0)|, |max(amax, 0)|) /
-    448`` in the range's dtype, ``eps`` for an all-zero range."""
+    448`` in the range's dtype, ``eps`` for an all-zero range. A row's range gives its channel
+    scale; a whole weight's, the minimum and maximum of its bands', its ``tensor`` scale."""
     m = torch.maximum(torch.clamp(amin, max=0).abs(), torch.clamp(amax, min=0).abs())
     s = m / E4M3_MAX
     return torch.where(s == 0, torch.tensor(torch.finfo(s.dtype).eps, dtype=s.dtype), s)
@@ -101,13 +102,6 @@ def tensor_scale(w: torch.Tensor) -> torch.Tensor:
     """The ``tensor`` strategy's one scale ``[1]`` of the whole weight ``w`` (the channel rule
     over all its values): :func:`quantize_with` then makes any band's codes."""
     return range_scale(w.amin().reshape(1), w.amax().reshape(1))
-
-
-def range_scale(amin: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """:func:`tensor_scale` of a weight whose least and largest values are ``amin`` and ``amax``
-    (``[1]``, its dtype): the minimum and maximum of its bands', so a weight streamed band by band
-    gets the scale of the whole."""
-    return _scale(amin, amax)
 
 
 def quantize_with(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

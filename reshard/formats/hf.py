@@ -1066,6 +1066,18 @@ def _surveyed(exp: Export, value: Any, names: Sequence[str], band_rows: Sequence
     return same, stats
 
 
+def _put_copied(writer: Any, like: LikeSource, names: Sequence[str], copied: Sequence[bool],
+                entries: list[FileEntry], base: int) -> None:
+    """Queue the release's stored tensors of each output ``names[i]`` that is ``copied``, into its
+    entries (``entries``: every output's, the same number each)."""
+    per = len(entries) // len(names)
+    for i, name in enumerate(names):
+        if copied[i]:
+            part = entries[per * i:per * i + per]
+            for (_key, t), e in zip(_copied(like, name, part), part):
+                writer.put((tensor_bytes(t), base + e.start, None, t))
+
+
 def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEntry], base: int,
                       block: tuple[int, int], device: torch.device | None = None, workers: int = 1,
                       like: LikeSource | None = None) -> None:
@@ -1083,11 +1095,8 @@ def _write_fp8_export(writer: Any, exp: Export, value: Any, entries: list[FileEn
             raise WriterError(f"{exp.key}: makes {tuple(o.shape)} for {codes.name} {codes.shape}")
     rows = [fp8_chunk_rows(o.shape[1], block[0]) for o in exp.outputs]
     copied, _ = _surveyed(exp, value, names, rows, like, None, flag)
-    for i, name in enumerate(names):
-        if copied[i] and like is not None:
-            part = entries[2 * i:2 * i + 2]
-            for (_key, t), e in zip(_copied(like, name, part), part):
-                writer.put((tensor_bytes(t), base + e.start, None, t))
+    if like is not None:
+        _put_copied(writer, like, names, copied, entries, base)
     if all(copied):
         return
     dev = device if device is not None else torch.device("cpu")
@@ -1135,19 +1144,15 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
     for o, codes in zip(exp.outputs, entries[0::per], strict=True):
         if (o.shape[0], *codes.shape[1:]) != codes.shape or encoding.refusal(o.shape, value.dtype):
             raise WriterError(f"{exp.key}: makes {tuple(o.shape)} {value.dtype} for {codes.name} {codes.shape}")
-    rows = [max(1, FP8_CHUNK_BYTES // max(1, o.shape[1] * value.dtype.itemsize)) for o in exp.outputs]
-    copied, stats = _surveyed(exp, value, names, rows, like, encoding.band_stat if encoding.surveyed else None, flag)
-    if encoding.global_scaled:  # one global scale: all copied, or all afresh under a new one
-        copied = [all(copied) and like is not None and like.global_scales_agree(names)] * len(names)
+    rows = _ct_band_rows(exp, value.dtype)
+    same, stats = _surveyed(exp, value, names, rows, like, encoding.band_stat if encoding.surveyed else None, flag)
+    copied = [False] * len(names) if like is None else _like_decided(like, encoding, names, same)
     fused = None
     if encoding.global_scaled and not all(copied):
         amax = functools.reduce(torch.maximum, [t for t in stats if t is not None])
         fused = encoding.global_scale(amax)
-    for i, name in enumerate(names):
-        if copied[i] and like is not None:
-            part = entries[per * i:per * i + per]
-            for (_key, t), e in zip(_copied(like, name, part), part):
-                writer.put((tensor_bytes(t), base + e.start, None, t))
+    if like is not None:
+        _put_copied(writer, like, names, copied, entries, base)
     if all(copied):
         return
     whole = [encoding.tensor_scale(t) for t in stats]  # the tensor strategy's one scale of each weight
@@ -1179,30 +1184,42 @@ def _write_ct_export(writer: Any, exp: Export, value: Any, entries: list[FileEnt
         act = encoding.activation_scale_name(name)
         for entry in rest:  # weight_shape, or weight_global_scale (weight_scale_2), then an activation scale
             if entry.name == act and like is not None:  # the release's calibration, as it is
-                (_key, t), = _copied_activation(like, entry)
+                t = _copied_activation(like, entry)
             else:
                 t = fused if fused is not None else shape_tensor(exp.outputs[i].shape).to(entry.dtype)
             writer.put((tensor_bytes(t), base + entry.start, None, t))
 
 
-def _like_copied(like: LikeSource, encoding: Encoding, exp: Export, value: Any) -> list[bool]:
-    """Which of one export's outputs take the release's tensors (a pass over its bands,
-    :func:`_surveyed`): under a global scale all or none, else each unchanged one."""
-    names = [o.name for o in exp.outputs]
-    rows = [max(1, FP8_CHUNK_BYTES // max(1, o.shape[1] * value.dtype.itemsize)) for o in exp.outputs]
-    same, _ = _surveyed(exp, value, names, rows, like, None, f"--quantize {LIKE_SOURCE}")
+def _ct_band_rows(exp: Export, dtype: torch.dtype) -> list[int]:
+    """Rows of each output's band for compressed-tensors' encodings: about :data:`FP8_CHUNK_BYTES`
+    of the weight, at least one row."""
+    return [max(1, FP8_CHUNK_BYTES // max(1, o.shape[1] * dtype.itemsize)) for o in exp.outputs]
+
+
+def _like_decided(like: LikeSource, encoding: Encoding, names: Sequence[str], same: Sequence[bool]) -> list[bool]:
+    """Which outputs ``names`` take the release's tensors, given which are its weights unchanged
+    (``same``): under a global scale all or none (every one unchanged and the release's scales of
+    them one), else each unchanged one."""
     if encoding.global_scaled:
         return [all(same) and like.global_scales_agree(names)] * len(names)
-    return same
+    return list(same)
 
 
-def _copied_activation(like: LikeSource, entry: FileEntry) -> list[tuple[str, torch.Tensor]]:
+def _like_copied(like: LikeSource, encoding: Encoding, exp: Export, value: Any) -> list[bool]:
+    """Which of one export's outputs take the release's tensors (:func:`_like_decided`, after a
+    pass over its bands, :func:`_surveyed`)."""
+    names = [o.name for o in exp.outputs]
+    same, _ = _surveyed(exp, value, names, _ct_band_rows(exp, value.dtype), like, None, f"--quantize {LIKE_SOURCE}")
+    return _like_decided(like, encoding, names, same)
+
+
+def _copied_activation(like: LikeSource, entry: FileEntry) -> torch.Tensor:
     """The release's calibrated activation scale ``entry`` (checked by :func:`_check_like`)."""
     t = like.stored_tensor(entry.name)
     if t.dtype != entry.dtype or tuple(t.shape) != entry.shape:
         raise WriterError(f"{entry.name} {t.dtype} {list(t.shape)} of {like.folder} does not fill {entry.name} "
                           f"{list(entry.shape)}")
-    return [(entry.name, t)]
+    return t
 
 
 def _like_warnings(plan: Plan) -> list[str]:
