@@ -52,7 +52,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_fp8 import FLOOR  # noqa: E402
+from bench_fp8 import FLOOR, child_mode  # noqa: E402
 from bench_mxfp4 import remove, same_tensors, write_safetensors  # noqa: E402
 from bench_torch_dist import SETTLE, log, measure, reshard, settle, size, warm  # noqa: E402
 
@@ -545,11 +545,9 @@ def summary(ns: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--make-source"]:
-        make_source(Path(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4]))
-        return 0
-    if argv[:1] == ["--compare"]:
-        return 0 if same_tensors(Path(argv[1]), Path(argv[2])) else 1
+    child = child_mode(argv, make_source, same_tensors)
+    if child is not None:
+        return child
     if argv[:2] == ["--peer", "compress"]:
         peer_compress(Path(argv[2]), Path(argv[3]), argv[4], stream="--stream" in argv[5:])
         return 0

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,13 +257,24 @@ REPORTS = (("quantize", "bf16 -> FP8", QUANT, "floor (read bf16, write FP8 bytes
 GROUPS = tuple(r[0] for r in REPORTS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def child_mode(argv: list[str], make_source: Callable[..., Any], compare: Callable[[Path, Path], bool]) -> int | None:
+    """The two child commands a bench runs itself (each in its own process, so the parent stays
+    small): ``--make-source FOLDER LAYERS EXPERTS JSON`` writes a source with the bench's
+    ``make_source``; ``--compare A B`` exits 0 where ``compare`` finds their tensors the same.
+    None for any other command line (the bench's own)."""
     if argv[:1] == ["--make-source"]:
         make_source(Path(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4]))
         return 0
     if argv[:1] == ["--compare"]:
-        return 0 if same_tensors(Path(argv[1]), Path(argv[2])) else 1
+        return 0 if compare(Path(argv[1]), Path(argv[2])) else 1
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    child = child_mode(argv, make_source, same_tensors)
+    if child is not None:
+        return child
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)

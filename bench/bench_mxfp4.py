@@ -45,7 +45,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_fp8 import FLOOR, ranks_size  # noqa: E402
+from bench_fp8 import FLOOR, child_mode, ranks_size  # noqa: E402
 from bench_hf import agree, report, timed  # noqa: E402
 from bench_torch_dist import SETTLE, log, reshard, size  # noqa: E402
 
@@ -450,11 +450,9 @@ def summary(ns: argparse.Namespace, only: set[str], results: dict[str, Any]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--make-source"]:
-        make_source(Path(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4]))
-        return 0
-    if argv[:1] == ["--compare"]:
-        return 0 if same_tensors(Path(argv[1]), Path(argv[2])) else 1
+    child = child_mode(argv, make_source, same_tensors)
+    if child is not None:
+        return child
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--experts", type=int, default=128)
