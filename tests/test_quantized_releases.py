@@ -346,14 +346,31 @@ def test_a_weight_is_encoded_a_band_of_rows_at_a_time(llama, compressed, tmp_pat
     assert differing(folder_tensors(tmp_path / "out"), folder_tensors(compressed[scheme])) == []
 
 
-@pytest.mark.parametrize("source", ["hf", "tp2"])
+#: A Llama written by Megatron-Bridge 0.6.2 (megatron-core 0.19) on a CPU: its torch_dist run folder
+#: and Bridge's own Hugging Face export of it.
+BRIDGE_LLAMA = Path(__file__).parent / "fixtures/realtools/megatron-bridge-0.6.2/llama"
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "nvfp4a16", "fp8_channel"])
+def test_a_megatron_bridge_checkpoint_is_written_as_compressed_tensors_compresses_its_export(tmp_path, scheme):
+    """From the torch_dist run folder Megatron-Bridge wrote (its fused QKV and fc1 streamed by row
+    bands): every tensor bit for bit compressed-tensors' compression of Bridge's own Hugging Face
+    export of the same model."""
+    quantize = next(q for q, name in _OUT.items() if name == scheme)
+    make_ct_folder(BRIDGE_LLAMA / "hf", tmp_path / "want", scheme)
+    assert _run(str(BRIDGE_LLAMA / "checkpoint"), str(tmp_path / "out"), "--to", "hf", "--quantize", *quantize) == 0
+    assert differing(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "want")) == []
+
+
+@pytest.mark.parametrize("source", ["hf", "tp2", "bridge"])
 @pytest.mark.parametrize("quantize", [["w4a16"], ["nvfp4"], ["fp8-channel"], ["fp8", "--fp8-block", "32x48"]],
                          ids=["w4a16", "nvfp4", "fp8-channel", "fp8-block"])
 def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monkeypatch, quantize, source):
     """Each fused megatron-core weight (QKV, fc1) streams into bands of its outputs' rows
-    (``reshard.core.row_bands``), whether its rows lie mapped in a file (``hf``) or are gathered from
-    two TP ranks (``tp2``): it is never borrowed or materialized whole, and no band handed to an
-    encoder is over about ``FP8_CHUNK_BYTES`` of the weight. The
+    (``reshard.core.row_bands``), whether its rows lie mapped in a file (``hf``), are gathered from
+    two TP ranks (``tp2``) or are read from the torch_dist shards Megatron-Bridge wrote (``bridge``):
+    it is never borrowed or materialized whole, and no band handed to an encoder is over about
+    ``FP8_CHUNK_BYTES`` of the weight. The
     output is the same as with the default band size (many bands per weight here), each band's
     rows shared by two threads."""
     import threading
@@ -361,7 +378,7 @@ def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monke
     from reshard.core.torch_writer import PendingTensor
     from reshard.formats import hf
 
-    src = llama
+    src = BRIDGE_LLAMA / "checkpoint" if source == "bridge" else llama
     if source == "tp2":
         src = tmp_path / "tp2"
         assert _run(str(llama), str(src), "--target-tp", "2") == 0
@@ -386,7 +403,9 @@ def test_no_weight_is_whole_in_memory_while_it_is_encoded(llama, tmp_path, monke
         monkeypatch.setattr(owner, name, counted)
     assert _run(str(src), str(tmp_path / "out"), "--to", "hf", "--quantize", *quantize) == 0
     assert whole == []
-    assert 0 < largest[0] <= 32 * 96 * 2  # 1 KiB of rows, whole block rows of 32 for FP8 blocks
+    config = json.loads(((BRIDGE_LLAMA / "hf") if source == "bridge" else llama).joinpath("config.json").read_text())
+    widest = max(config["hidden_size"], config["intermediate_size"])
+    assert 0 < largest[0] <= max(1024, 32 * widest * 2)  # 1 KiB of rows; whole block rows of 32 for FP8 blocks
     if quantize[0] != "fp8":  # compressed-tensors' bands are shared with the second thread (band_threads)
         assert any(t.startswith("reshard-band") for t in threads), threads
     assert differing(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "want")) == []
