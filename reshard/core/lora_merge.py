@@ -2,22 +2,35 @@
 
 Why here: the merge is arithmetic on tensors, the same for every format and family. It is done in
 float32 and cast once to the base weight's dtype (as PEFT's ``merge_and_unload`` on a float32 model
-computes it), for the box a target reads only: memory is the box and the adapter's part of it (``r``
-rows of A over the box's columns, the box's rows of B, each read when the box is: the adapter may be
-lazy, so a model's adapters are never held whole), never the merged model.
+computes it), for the box a target reads only: memory is the box, a band's float32 buffers and the
+adapter of the one weight being read (the adapter may be lazy, so a model's adapters are never held
+whole), never the merged model.
 
 =======================  ==============================================================
 tensor                   shape
 =======================  ==============================================================
 ``base`` (W)             ``[out, in]``
-``a`` (LoRA's A)         ``[r, in]``
-``b`` (LoRA's B)         ``[out, r]``
+``a`` (LoRA's A)         ``[r, in]``, float32 while its weight is read
+``b`` (LoRA's B)         ``[out, r]``, float32 while its weight is read
 box (offsets, sizes)     rows ``o0 .. o0+s0`` of W and of B; columns ``o1 .. o1+s1`` of W and of A
+band                     about :data:`CHUNK_ELEMENTS` of a box's rows, merged at once
+band's ``B @ A``         the band's rows and columns, and neighbours' up to
+                         :data:`MIN_ROWS` x :data:`MIN_COLS` (whole-weight bits)
 =======================  ==============================================================
+
+Where the time goes (issue 59; docs/performance.md): the rank-``r`` GEMM and three passes over a
+band, all in the core's cache; what made a merge slow besides was memory, not arithmetic. So nothing
+here allocates per box or band: the float32 band and the base's float32 copy are buffers kept per
+thread, the base is read where it lies (each fused part's rows a view of its mapped file, not
+gathered into a fresh copy), and the adapter's float32 A and B are read once per weight, not once
+per box.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -28,6 +41,31 @@ from reshard.core.lazy import LazyTensor, box_of
 #: the core's cache when the base is added to it.
 CHUNK_ELEMENTS = 1 << 18
 
+#: The fewest rows and columns a band's ``B @ A`` is taken over. A BLAS picks another kernel, which
+#: sums in another order, for a product of few rows or columns (MKL on an AVX2 CPU: under 4 rows or
+#: 12 columns): its bits would then differ from the whole weight's product, PEFT's.
+MIN_ROWS, MIN_COLS = 16, 64
+
+#: The largest buffer a thread keeps (float32 elements); a bigger box (a caller reading a whole
+#: weight at once) gets a buffer of its own, freed with it.
+KEPT_ELEMENTS = 4 * CHUNK_ELEMENTS
+
+#: Per thread: the float32 buffers of :func:`_kept` and the merged weight whose adapter was last read.
+_per_thread = threading.local()
+
+
+def _kept(name: str, elements: int) -> torch.Tensor:
+    """This thread's float32 buffer ``name`` of at least ``elements``, kept from band to band and
+    from box to box (a fresh megabyte per band is fresh pages to fault in and give back); one of
+    its own above :data:`KEPT_ELEMENTS`."""
+    if elements > KEPT_ELEMENTS:
+        return torch.empty(elements, dtype=torch.float32)
+    buf = getattr(_per_thread, name, None)
+    if buf is None or buf.numel() < elements:
+        buf = torch.empty(elements, dtype=torch.float32)
+        setattr(_per_thread, name, buf)
+    return buf[:elements]
+
 
 class LoraMerged(LazyTensor):
     """``base`` (a tensor or a lazy one, ``[out, in]``) with ``scale * b @ a`` added, in float32, cast
@@ -37,27 +75,80 @@ class LoraMerged(LazyTensor):
         self.base, self.a, self.b, self.scale = base, a, b, scale
         self.shape = tuple(base.shape)
         self.dtype = base.dtype
+        self._adapter: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _adapter_for(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and B in float32 (``(in + out) * r`` elements, a small part of the weight's): read at
+        the weight's first box and kept while this thread reads its boxes. The weight this thread
+        read before lets go of its own, so a thread holds one weight's adapter at a time."""
+        got = self._adapter
+        if got is None:
+            got = self._adapter = (box_of(self.a, (0, 0), tuple(self.a.shape)).to(torch.float32),
+                                   box_of(self.b, (0, 0), tuple(self.b.shape)).to(torch.float32))
+        before = getattr(_per_thread, "last", None)
+        other = before() if before is not None else None
+        if other is not self:
+            if other is not None:
+                other._adapter = None
+            _per_thread.last = weakref.ref(self)
+        return got
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
         (r0, c0), (nr, nc) = offsets, sizes
-        view = self.base.view_box(offsets, sizes) if isinstance(self.base, LazyTensor) else None
-        w = view if view is not None else box_of(self.base, offsets, sizes)
         dst = torch.empty(sizes, dtype=self.dtype) if out is None else out
-        rank = self.a.shape[0]
-        a = box_of(self.a, (0, c0), (rank, nc)).to(torch.float32)
-        b = box_of(self.b, (r0, 0), (nr, rank)).to(torch.float32)
-        step = max(1, CHUNK_ELEMENTS // max(nc, 1))
-        band = torch.empty((min(step, nr), nc), dtype=torch.float32)  # one float32 temporary, reused
-        for i in range(0, nr, step):  # a band of rows at a time
-            n = min(step, nr - i)
-            delta = torch.matmul(b[i:i + n], a, out=band[:n])
-            delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
-            delta.add_(w[i:i + n])  # in float32: W is promoted exactly, as W.float() would be, without its copy
-            dst[i:i + n].copy_(delta)  # rounded once into the base's dtype
-        if view is not None:  # read: the mapped file's pages are given back
-            self.base.release(view)
+        width = self.shape[1]
+        # the box's rows, whole, where they lie (each fused part's run of rows a view of its mapped
+        # file); a box of columns (a row-parallel weight cut by TP) merges its columns of them
+        pieces = self.base.view_pieces((r0, 0), (nr, width)) if isinstance(self.base, LazyTensor) and nr else None
+        if pieces is not None and any(view.numel() % max(width, 1) for _, view in pieces):  # not whole rows
+            for owner, view in pieces:
+                owner.release(view)
+            pieces = None
+        if pieces is None:  # not where it lies (a tensor, a remote file): one copy, in a kept buffer when lazy
+            w = self.base.read_box(offsets, sizes, out=_kept_like(sizes, self.dtype)) \
+                if isinstance(self.base, LazyTensor) else box_of(self.base, offsets, sizes)
+            self._merge_rows(w, r0, c0, dst)
+            return dst
+        at = 0
+        for owner, view in pieces:
+            rows = view.numel() // max(width, 1)
+            self._merge_rows(view.view(rows, width)[:, c0:c0 + nc], r0 + at, c0, dst[at:at + rows])
+            owner.release(view)  # read: the mapped file's pages are given back
+            at += rows
         return dst
+
+    def _merge_rows(self, w: torch.Tensor, r0: int, c0: int, dst: torch.Tensor) -> None:
+        """``dst = W + scale * B @ A`` for ``w``, the weight's rows from ``r0`` and columns from
+        ``c0``, a band at a time. Each band's product is taken over at least :data:`MIN_ROWS` rows
+        and :data:`MIN_COLS` columns of the weight (its neighbours' where the band has fewer), so
+        its sums are those of the whole weight's product."""
+        a, b = self._adapter_for()
+        (out_rows, in_cols), (nr, nc) = self.shape, w.shape
+        q = max(nc, min(MIN_COLS, in_cols))  # the product's columns: [k, k + q) holds [c0, c0 + nc)
+        k = min(c0, in_cols - q)
+        step = max(1, min(nr, CHUNK_ELEMENTS // max(q, 1)))
+        m_most = max(step, min(MIN_ROWS, out_rows))
+        band = _kept("band", m_most * q)
+        wide = None if w.dtype == torch.float32 else _kept("base", step * nc).view(step, nc)
+        for i in range(0, nr, step):
+            n = min(step, nr - i)
+            m = max(n, min(MIN_ROWS, out_rows))  # the product's rows: [j, j + m) holds this band's
+            j = min(r0 + i, out_rows - m)
+            product = torch.matmul(b[j:j + m], a[:, k:k + q], out=band[:m * q].view(m, q))
+            delta = product[r0 + i - j:r0 + i - j + n, c0 - k:c0 - k + nc]
+            if self.scale != 1.0:  # x * 1.0 is x: a pass saved where alpha = r (Megatron-Bridge's default)
+                delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
+            base = w[i:i + n] if wide is None else wide[:n].copy_(w[i:i + n])  # exact: W as W.float()
+            delta.add_(base)
+            dst[i:i + n].copy_(delta)  # rounded once into the base's dtype
 
     def __repr__(self) -> str:
         return f"LoraMerged({self.shape}, {self.dtype}, r={self.a.shape[0]}, scale={self.scale})"
+
+
+def _kept_like(sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A kept buffer for a box of the base that is not one view (``dtype`` elements of ``sizes``)."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    raw = _kept("gathered", (nbytes + 3) // 4)
+    return raw.view(torch.uint8)[:nbytes].view(dtype).view(sizes)
