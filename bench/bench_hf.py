@@ -173,6 +173,7 @@ def timed(methods: dict[str, list[str]], src: Path, work: Path, runs: int, label
             log(f"{label} run {i + 1}/{runs}: {name}")
             with busy(load):  # the same load beside every method (none by default)
                 got[name].append(measure([c.replace("{out}", str(out)) for c in cmd]))
+            log(f"  {got[name][-1]['seconds']:.2f} s, {got[name][-1]['rss_mib']:.0f} MiB")  # each run, for the spread
     shutil.rmtree(out, ignore_errors=True)
     return {m: {"seconds": round(statistics.median(r["seconds"] for r in rs), 2),
                 "peak_rss_mib": round(statistics.median(r["rss_mib"] for r in rs))} for m, rs in got.items()}
