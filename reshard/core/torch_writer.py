@@ -18,7 +18,7 @@ the same file as a stream instead:
 3. **Stream.** Each record's bytes are produced in file order, chunk by chunk (the engine never
    assembles a whole tensor: chunks are views of the memory-mapped sources, or gathers of their
    rows), and written into its hole with ``pwrite`` by a writer thread while the
-   producer reads the next chunk; CRC-32 is computed on the fly beside the producer, and optionally
+   producer reads the next chunk; CRC-32 is computed on the fly by the producer, and optionally
    the SHA-256 of the whole file, in file order, by a third thread (``save(..., sha256=True)``),
    so the file need not be read again.
 4. **Patch.** The CRC fields (data descriptors and central directory) and the serialization id
@@ -35,10 +35,8 @@ producers decide how big a chunk is (engine: ``CHUNK_BYTES``).
 from __future__ import annotations
 
 import abc
-import concurrent.futures
 import contextlib
 import ctypes
-import functools
 import hashlib
 import io
 import os
@@ -626,9 +624,8 @@ def writer_pipeline(fd: int, depth: int, digest: Any = None,
 
 
 class _FileSink(RecordSink):
-    """Streams one record into its hole: ``pwrite`` on the writer thread (unless ``to_disk`` is off:
-    then the bytes only go on to the hashing stage, see ``save``'s ``stream``), the CRC-32 on this
-    thread's CRC thread (:func:`_crc_thread`), chunk after chunk, while the producer goes on."""
+    """Streams one record into its hole: CRC here, ``pwrite`` on the writer thread (unless
+    ``to_disk`` is off: then the bytes only go on to the hashing stage, see ``save``'s ``stream``)."""
 
     def __init__(self, writer: WriteStage, entry: ZipEntry, name: str, to_disk: bool = True) -> None:
         self.writer = writer
@@ -638,11 +635,6 @@ class _FileSink(RecordSink):
         self.pos = 0
         self.crc = 0
         self.head = b""
-        self._crcs = _crc_thread()
-        self._last: concurrent.futures.Future[None] | None = None
-
-    def _fold(self, mv: memoryview, _alive: Any) -> None:
-        self.crc = zlib_ng.crc32(mv, self.crc)  # in chunk order: the CRC thread runs its tasks in turn
 
     def write(self, data: Any, release: Callable[[], None] | None = None, keep: Any = None) -> None:
         mv, hold = as_bytes(data)
@@ -657,38 +649,13 @@ class _FileSink(RecordSink):
             return
         if len(self.head) < 8:
             self.head += bytes(mv[:8 - len(self.head)])
-        folded = self._last = self._crcs.submit(self._fold, mv, (keep, hold, data))
-        # the bytes go back (a reused buffer refilled) only once their CRC is folded in as well
-        given_back = None if release is None else functools.partial(_after, folded, release)
-        self.writer.put((mv, self.entry.data_offset + self.pos if self.to_disk else None, given_back,
-                         (keep, hold, data)))
+        self.crc = zlib_ng.crc32(mv, self.crc)
+        self.writer.put((mv, self.entry.data_offset + self.pos if self.to_disk else None, release, (keep, hold, data)))
         self.pos += n
 
     def finish(self) -> None:
         if self.pos != self.entry.size:
             raise WriterError(f"producer of {self.name} wrote {self.pos} of {self.entry.size} bytes")
-        if self._last is not None:
-            self._last.result()  # self.crc is the record's
-
-
-def _after(done: concurrent.futures.Future[None], release: Callable[[], None]) -> None:
-    done.result()
-    release()
-
-
-_crc_local = threading.local()
-
-
-def _crc_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The producing thread's CRC-32 thread, kept from record to record: zlib-ng's CRC releases the
-    GIL, so a producer that computes (a LoRA merge, a quantizer) is not also the one that folds every
-    byte it writes into the zip's CRCs, which was on its critical path (docs/performance.md, issue
-    59). One per producer, so its chunks are folded in the order they were written; it ends with its
-    thread."""
-    pool = getattr(_crc_local, "pool", None)
-    if pool is None:
-        pool = _crc_local.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reshard-crc")
-    return pool
 
 
 @dataclass
