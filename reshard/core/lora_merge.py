@@ -75,19 +75,16 @@ class LoraMerged(LazyTensor):
         self.base, self.a, self.b, self.scale = base, a, b, scale
         self.shape = tuple(base.shape)
         self.dtype = base.dtype
-        self._adapter: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        self._adapter: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _adapter_for(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """A and B in float32 (``(in + out) * r`` elements, a small part of the weight's), and
-        whether B already holds the scale (:func:`_scales_exactly`): read at the weight's first box
-        and kept while this thread reads its boxes. The weight this thread read before lets go of
-        its own, so a thread holds one weight's adapter at a time."""
+    def _adapter_for(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and B in float32 (``(in + out) * r`` elements, a small part of the weight's): read at
+        the weight's first box and kept while this thread reads its boxes. The weight this thread
+        read before lets go of its own, so a thread holds one weight's adapter at a time."""
         got = self._adapter
         if got is None:
-            a = box_of(self.a, (0, 0), tuple(self.a.shape)).to(torch.float32)
-            b = box_of(self.b, (0, 0), tuple(self.b.shape)).to(torch.float32)
-            prescaled = _scales_exactly(a, b, self.scale)
-            got = self._adapter = (a, b * self.scale if prescaled else b, prescaled)
+            got = self._adapter = (box_of(self.a, (0, 0), tuple(self.a.shape)).to(torch.float32),
+                                   box_of(self.b, (0, 0), tuple(self.b.shape)).to(torch.float32))
         before = getattr(_per_thread, "last", None)
         other = before() if before is not None else None
         if other is not self:
@@ -126,7 +123,7 @@ class LoraMerged(LazyTensor):
         ``c0``, a band at a time. Each band's product is taken over at least :data:`MIN_ROWS` rows
         and :data:`MIN_COLS` columns of the weight (its neighbours' where the band has fewer), so
         its sums are those of the whole weight's product."""
-        a, b, prescaled = self._adapter_for()
+        a, b = self._adapter_for()
         (out_rows, in_cols), (nr, nc) = self.shape, w.shape
         q = max(nc, min(MIN_COLS, in_cols))  # the product's columns: [k, k + q) holds [c0, c0 + nc)
         k = min(c0, in_cols - q)
@@ -140,7 +137,7 @@ class LoraMerged(LazyTensor):
             j = min(r0 + i, out_rows - m)
             product = torch.matmul(b[j:j + m], a[:, k:k + q], out=band[:m * q].view(m, q))
             delta = product[r0 + i - j:r0 + i - j + n, c0 - k:c0 - k + nc]
-            if not prescaled:
+            if self.scale != 1.0:  # x * 1.0 is x: a pass saved where alpha = r (Megatron-Bridge's default)
                 delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
             base = w[i:i + n] if wide is None else wide[:n].copy_(w[i:i + n])  # exact: W as W.float()
             delta.add_(base)
@@ -148,33 +145,6 @@ class LoraMerged(LazyTensor):
 
     def __repr__(self) -> str:
         return f"LoraMerged({self.shape}, {self.dtype}, r={self.a.shape[0]}, scale={self.scale})"
-
-
-def _scales_exactly(a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
-    """Is ``(scale * B) @ A`` bit for bit ``(B @ A) * scale``, so the scale costs no pass per band?
-
-    When ``scale`` is a power of two (``lora_alpha`` 2r, r or r/2: the usual ones) and no number in
-    either product leaves float32's normal range. Scaling by 2^k then changes only exponents: every
-    product and partial sum of the GEMM is the other's times 2^k, so each rounds alike, whatever
-    order the BLAS sums in. The bounds keep every nonzero product's last bit on float32's grid (at
-    least 2^-148: above the smallest subnormal, so a sum that cancels to a subnormal is exact in
-    both) and every sum far from overflow. Otherwise (another scale, or weights that close to the
-    edges), the scale is its own pass, after the product, as PEFT applies it. A scale of 1 always
-    qualifies.
-    """
-    if scale <= 0 or math.frexp(scale)[0] != 0.5:
-        return False
-    if scale == 1.0:
-        return True
-    b_abs, a_abs = b.double().abs(), a.double().abs()
-    b_nz, a_nz = b_abs[b_abs > 0], a_abs[a_abs > 0]
-    if b_nz.numel() == 0 or a_nz.numel() == 0:  # B @ A is zero either way
-        return True
-    low, high = min(1.0, scale), max(1.0, scale)  # the bounds hold scaled and unscaled
-    smallest_b = float(b_nz.min()) * low
-    smallest = smallest_b * float(a_nz.min())
-    largest = float(b_nz.max()) * high * float(a_nz.max()) * a.shape[0]
-    return smallest_b >= 2.0 ** -126 and smallest >= 2.0 ** -100 and largest <= 2.0 ** 100
 
 
 def _kept_like(sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
