@@ -46,25 +46,26 @@ CHUNK_ELEMENTS = 1 << 18
 #: 12 columns): its bits would then differ from the whole weight's product, PEFT's.
 MIN_ROWS, MIN_COLS = 16, 64
 
-#: The largest buffer a thread keeps (float32 elements); a bigger box (a caller reading a whole
-#: weight at once) gets a buffer of its own, freed with it.
-KEPT_ELEMENTS = 4 * CHUNK_ELEMENTS
+#: The largest buffer a thread keeps (bytes); a bigger box (a caller reading a whole weight at once)
+#: gets a buffer of its own, freed with it.
+KEPT_BYTES = 16 * CHUNK_ELEMENTS
 
-#: Per thread: the float32 buffers of :func:`_kept` and the merged weight whose adapter was last read.
+#: Per thread: the buffers of :func:`_kept` and the merged weight whose adapter was last read.
 _per_thread = threading.local()
 
 
-def _kept(name: str, elements: int) -> torch.Tensor:
-    """This thread's float32 buffer ``name`` of at least ``elements``, kept from band to band and
+def _kept(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This thread's buffer ``name`` as a ``dtype`` tensor of ``shape``, kept from band to band and
     from box to box (a fresh megabyte per band is fresh pages to fault in and give back); one of
-    its own above :data:`KEPT_ELEMENTS`."""
-    if elements > KEPT_ELEMENTS:
-        return torch.empty(elements, dtype=torch.float32)
+    its own above :data:`KEPT_BYTES`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > KEPT_BYTES:
+        return torch.empty(shape, dtype=dtype)
     buf = getattr(_per_thread, name, None)
-    if buf is None or buf.numel() < elements:
-        buf = torch.empty(elements, dtype=torch.float32)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         setattr(_per_thread, name, buf)
-    return buf[:elements]
+    return buf[:nbytes].view(dtype).view(shape)
 
 
 class LoraMerged(LazyTensor):
@@ -106,7 +107,7 @@ class LoraMerged(LazyTensor):
                 owner.release(view)
             pieces = None
         if pieces is None:  # not where it lies (a tensor, a remote file): one copy, in a kept buffer when lazy
-            w = self.base.read_box(offsets, sizes, out=_kept_like(sizes, self.dtype)) \
+            w = self.base.read_box(offsets, sizes, out=_kept("gathered", sizes, self.dtype)) \
                 if isinstance(self.base, LazyTensor) else box_of(self.base, offsets, sizes)
             self._merge_rows(w, r0, c0, dst)
             return dst
@@ -129,8 +130,8 @@ class LoraMerged(LazyTensor):
         k = min(c0, in_cols - q)
         step = max(1, min(nr, CHUNK_ELEMENTS // max(q, 1)))
         m_most = max(step, min(MIN_ROWS, out_rows))
-        band = _kept("band", m_most * q)
-        wide = None if w.dtype == torch.float32 else _kept("base", step * nc).view(step, nc)
+        band = _kept("band", (m_most * q,))
+        wide = None if w.dtype == torch.float32 else _kept("base", (step, nc))
         for i in range(0, nr, step):
             n = min(step, nr - i)
             m = max(n, min(MIN_ROWS, out_rows))  # the product's rows: [j, j + m) holds this band's
@@ -146,9 +147,3 @@ class LoraMerged(LazyTensor):
     def __repr__(self) -> str:
         return f"LoraMerged({self.shape}, {self.dtype}, r={self.a.shape[0]}, scale={self.scale})"
 
-
-def _kept_like(sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A kept buffer for a box of the base that is not one view (``dtype`` elements of ``sizes``)."""
-    nbytes = math.prod(sizes) * dtype.itemsize
-    raw = _kept("gathered", (nbytes + 3) // 4)
-    return raw.view(torch.uint8)[:nbytes].view(dtype).view(sizes)
