@@ -150,3 +150,29 @@ def test_a_base_that_is_no_view_is_copied_box_by_box(tmp_path: Path, weights: di
     got = torch.cat([torch.cat([m.read_box((r, c), (20, 20)) for c in (0, 20)], dim=1) for r in (0, 20)])
     assert torch.equal(got, whole(weights))
     assert counts == {"base copied": 4, "A copied": 1, "B copied": 1}
+
+
+class SplitMidRow(Counted):
+    """A mapped base whose views of whole rows come cut inside a row (bytes stored in pieces that
+    do not follow rows)."""
+
+    def view_pieces(self, offsets: tuple[int, ...],
+                    sizes: tuple[int, ...]) -> list[tuple[LazyTensor, torch.Tensor]] | None:
+        got = self.inner.view_pieces(offsets, sizes)
+        if got is None:
+            return None
+        self.counts["base viewed"] += 1
+        flat = torch.cat([view.reshape(-1) for _, view in got])  # stands for the stored bytes
+        cut = sizes[1] // 2
+        return [(self, flat[:cut]), (self, flat[cut:])]
+
+
+def test_views_cut_inside_a_row_are_given_back_and_the_box_copied(tmp_path: Path,
+                                                                  weights: dict[str, torch.Tensor]) -> None:
+    """Views that are not whole rows cannot be merged row by row: each is given back, and the box
+    is read into a buffer instead, merging the same."""
+    counts: collections.Counter[str] = collections.Counter()
+    m = lazy(tmp_path, counts)
+    m.base = SplitMidRow(m.base.inner, counts, "base")
+    assert torch.equal(m.read_box((0, 0), (10, 40)), whole(weights)[:10])
+    assert counts == {"base viewed": 1, "base released": 2, "base copied": 1, "A copied": 1, "B copied": 1}
