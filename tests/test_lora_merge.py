@@ -176,3 +176,89 @@ def test_views_cut_inside_a_row_are_given_back_and_the_box_copied(tmp_path: Path
     m.base = SplitMidRow(m.base.inner, counts, "base")
     assert torch.equal(m.read_box((0, 0), (10, 40)), whole(weights)[:10])
     assert counts == {"base viewed": 1, "base released": 2, "base copied": 1, "A copied": 1, "B copied": 1}
+
+
+# --- bands merged in one GEMM onto their base (``fused_add_is_exact``) -------------------------------
+
+ROWS, COLS = (48, 24, 24), 160  # a fused q/k/v-like base of 96 rows, wide enough for MIN_COLS
+
+
+def wide_merge(tmp_path: Path, dtype: torch.dtype, rank: int, scale: float) -> tuple[LoraMerged, torch.Tensor]:
+    """A fused base of :data:`ROWS` x :data:`COLS` in a mapped file, merged with a rank-``rank`` adapter,
+    and PEFT's merge of the whole weight."""
+    g = torch.Generator().manual_seed(rank)
+    t = {f"p{i}": torch.randn(rows, COLS, generator=g).to(dtype) for i, rows in enumerate(ROWS)}
+    t["a"] = torch.randn(rank, COLS, generator=g) * 0.1
+    t["b"] = torch.randn(sum(ROWS), rank, generator=g) * 0.1
+    save_file(t, str(tmp_path / "wide.safetensors"))
+    f = MappedSafetensors(tmp_path / "wide.safetensors")
+    base = RowConcat([(f.tensor(f"p{i}"), 0, rows) for i, rows in enumerate(ROWS)])
+    want = peft_merged(torch.cat([t[f"p{i}"] for i in range(len(ROWS))]), t["a"], t["b"], scale)
+    return LoraMerged(base, f.tensor("a"), f.tensor("b"), scale), want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rank", [4, 256])  # 256: past MKL's inner block, where the fused GEMM differs
+@pytest.mark.parametrize("scale", [1.0, 2.0, 0.5, 2.5])
+@pytest.mark.parametrize(("offsets", "sizes"), [((0, 0), (96, 160)), ((0, 80), (96, 80)), ((10, 0), (70, 160)),
+                                                ((0, 30), (96, 70))])
+def test_bands_of_a_wide_weight_equal_the_whole_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      dtype: torch.dtype, rank: int, scale: float,
+                                                      offsets: tuple[int, int], sizes: tuple[int, int]) -> None:
+    """Bands with the minimum rows and columns themselves (merged in one GEMM where that is exact)
+    and tails of fewer rows (merged unfused) give PEFT's whole merge bit for bit: whole rows, a
+    row-parallel weight's half, rows from inside a part, columns at an offset; every scale kind."""
+    monkeypatch.setattr(lora_merge, "CHUNK_ELEMENTS", 30 * 160)  # bands of 30 rows (60 of 80 columns)
+    m, want = wide_merge(tmp_path, dtype, rank, scale)
+    (r0, c0), (nr, nc) = offsets, sizes
+    assert torch.equal(m.read_box(offsets, sizes), want[r0:r0 + nr, c0:c0 + nc])
+
+
+def test_a_fp32_base_into_an_out_of_columns(tmp_path: Path) -> None:
+    """A float32 merge written into an ``out`` that is a column slice of a larger buffer (the engine
+    gathering one source's columns of a row-parallel weight) goes through the band buffer."""
+    m, want = wide_merge(tmp_path, torch.float32, 4, 2.0)
+    out = torch.full((96, 200), float("nan"))
+    m.read_box((0, 0), (96, 160), out=out[:, 20:180])
+    assert torch.equal(out[:, 20:180], want)
+    assert out[:, :20].isnan().all() and out[:, 180:].isnan().all()
+
+
+def test_the_fused_gemm_is_used_where_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A power-of-two scale of at least 1 and a small rank: this BLAS (torch's MKL build) sums from
+    zero, so the bands are merged in one GEMM each; other scales are never fused."""
+    calls: list[tuple[int, ...]] = []
+    addmm_ = torch.Tensor.addmm_
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(tuple(self.shape))
+        return addmm_(self, *args, **kwargs)
+
+    threads = torch.get_num_threads()
+    assert all(lora_merge.fused_add_is_exact(20, 160, 4, s, threads) for s in (1.0, 2.0, 4.0))
+    assert not any(lora_merge.fused_add_is_exact(20, 160, 4, s, threads) for s in (0.5, 2.5, 3.0))
+    monkeypatch.setattr(lora_merge, "CHUNK_ELEMENTS", 20 * 160)
+    monkeypatch.setattr(torch.Tensor, "addmm_", counted)
+    m, want = wide_merge(tmp_path, torch.bfloat16, 4, 2.0)
+    assert torch.equal(m.read_box((0, 0), (96, 160)), want)
+    # each fused part's rows (48, 24, 24) in bands of 20: the tails of 8, 4 and 4 rows are unfused
+    assert calls == [(20, 160)] * 4
+
+
+def test_a_blas_that_adds_onto_the_base_first_is_not_fused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GEMM that starts its sums from ``C`` (a BLAS's small-shape kernel; an inner dimension cut
+    in blocks) rounds otherwise: the probe sees it, and the merge stays bit-equal, unfused."""
+    def from_c(self: torch.Tensor, b: torch.Tensor, a: torch.Tensor, *, alpha: float = 1.0) -> torch.Tensor:
+        for i in range(a.shape[0]):
+            self.add_(b[:, i:i + 1] * a[i:i + 1] * alpha)
+        return self
+
+    lora_merge.fused_add_is_exact.cache_clear()
+    monkeypatch.setattr(torch.Tensor, "addmm_", from_c)
+    try:
+        assert not lora_merge.fused_add_is_exact(30, 160, 4, 2.0, torch.get_num_threads())
+        monkeypatch.setattr(lora_merge, "CHUNK_ELEMENTS", 30 * 160)
+        m, want = wide_merge(tmp_path, torch.bfloat16, 4, 2.0)
+        assert torch.equal(m.read_box((0, 0), (96, 160)), want)
+    finally:
+        lora_merge.fused_add_is_exact.cache_clear()  # verdicts of the real BLAS only, for later tests

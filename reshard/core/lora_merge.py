@@ -18,16 +18,19 @@ band's ``B @ A``         the band's rows and columns, and neighbours' up to
                          :data:`MIN_ROWS` x :data:`MIN_COLS` (whole-weight bits)
 =======================  ==============================================================
 
-Where the time goes (issue 59; docs/performance.md): the rank-``r`` GEMM and three passes over a
+Where the time goes (issue 59; docs/performance.md): the rank-``r`` GEMM and the passes over a
 band, all in the core's cache; what made a merge slow besides was memory, not arithmetic. So nothing
 here allocates per box or band: the float32 band and the base's float32 copy are buffers kept per
 thread, the base is read where it lies (each fused part's rows a view of its mapped file, not
 gathered into a fresh copy), and the adapter's float32 A and B are read once per weight, not once
-per box.
+per box. Where it gives the same bits (:func:`fused_add_is_exact`: a power-of-two scale, a BLAS
+that adds its sums to the base once), a band is three passes: the base widened, one GEMM onto it
+(``addmm_``), the cast back; else five (GEMM, scale, widen, add, cast).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -66,6 +69,34 @@ def _kept(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         setattr(_per_thread, name, buf)
     return buf[:nbytes].view(dtype).view(shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def fused_add_is_exact(rows: int, cols: int, rank: int, scale: float, threads: int) -> bool:
+    """Whether ``C.addmm_(B, A, alpha=scale)`` (``C`` ``[rows, cols]`` float32, ``B`` ``[rows, rank]``,
+    ``A`` ``[rank, cols]``) equals ``C + (B @ A) * scale`` bit for bit, as this process's BLAS
+    computes both at ``threads`` intra-op threads (torch's count where it is asked).
+
+    Why: the fused GEMM saves a band two of its passes (the product's zeroing by the BLAS and the
+    add), about a quarter of a merge's arithmetic. It is exact only where (a) ``scale`` is a power
+    of two of at least 1, so ``scale * (B @ A)`` is exact, and (b) the BLAS sums the rank's
+    products from zero and adds ``C`` once, as the unfused product then add do. (b) is the BLAS's
+    choice by shape: MKL's kernels for the larger shapes do, its small-shape kernels start from
+    ``C``, and a rank above its block of the inner dimension (256 on an AVX2 CPU) adds ``C`` to the
+    first block's sums. So (b) is seen, not assumed: seeded random operands of the very shape are
+    multiplied both ways once per process and shape (where the orders differ, thousands of sums
+    do); anything else is merged unfused."""
+    if not (scale >= 1.0 and math.frexp(scale)[0] == 0.5):
+        return False
+    g = torch.Generator().manual_seed(rows * 1_000_003 + cols * 31 + rank)
+    a = torch.randn(rank, cols, generator=g)
+    b = torch.randn(rows, rank, generator=g)
+    c = torch.randn(rows, cols, generator=g)
+    want = torch.matmul(b, a)
+    if scale != 1.0:
+        want.mul_(scale)
+    want.add_(c)
+    return torch.equal(c.addmm_(b, a, alpha=scale), want)
 
 
 class LoraMerged(LazyTensor):
@@ -123,24 +154,35 @@ class LoraMerged(LazyTensor):
         """``dst = W + scale * B @ A`` for ``w``, the weight's rows from ``r0`` and columns from
         ``c0``, a band at a time. Each band's product is taken over at least :data:`MIN_ROWS` rows
         and :data:`MIN_COLS` columns of the weight (its neighbours' where the band has fewer), so
-        its sums are those of the whole weight's product."""
+        its sums are those of the whole weight's product. A band that has them itself is merged in
+        one GEMM onto its widened base where that is bit for bit the same (:func:`fused_add_is_exact`)."""
         a, b = self._adapter_for()
         (out_rows, in_cols), (nr, nc) = self.shape, w.shape
         q = max(nc, min(MIN_COLS, in_cols))  # the product's columns: [k, k + q) holds [c0, c0 + nc)
         k = min(c0, in_cols - q)
+        a_q = a[:, k:k + q]
         step = max(1, min(nr, CHUNK_ELEMENTS // max(q, 1)))
         m_most = max(step, min(MIN_ROWS, out_rows))
         band = _kept("band", (m_most * q,))
-        wide = None if w.dtype == torch.float32 else _kept("base", (step, nc))
+        wide = _kept("base", (step, nc))
+        in_place = dst.dtype == torch.float32 and dst.is_contiguous()  # fused into dst itself
+        rank, scale, threads = a.shape[0], float(self.scale), torch.get_num_threads()
         for i in range(0, nr, step):
             n = min(step, nr - i)
+            if q == nc and n >= min(MIN_ROWS, out_rows) and fused_add_is_exact(n, nc, rank, scale, threads):
+                acc = dst[i:i + n] if in_place else wide[:n]
+                acc.copy_(w[i:i + n])  # exact: W as W.float()
+                acc.addmm_(b[r0 + i:r0 + i + n], a_q, alpha=self.scale)  # W + (B A) * scale in one pass
+                if not in_place:
+                    dst[i:i + n].copy_(acc)  # rounded once into the base's dtype
+                continue
             m = max(n, min(MIN_ROWS, out_rows))  # the product's rows: [j, j + m) holds this band's
             j = min(r0 + i, out_rows - m)
-            product = torch.matmul(b[j:j + m], a[:, k:k + q], out=band[:m * q].view(m, q))
+            product = torch.matmul(b[j:j + m], a_q, out=band[:m * q].view(m, q))
             delta = product[r0 + i - j:r0 + i - j + n, c0 - k:c0 - k + nc]
             if self.scale != 1.0:  # x * 1.0 is x: a pass saved where alpha = r (Megatron-Bridge's default)
                 delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
-            base = w[i:i + n] if wide is None else wide[:n].copy_(w[i:i + n])  # exact: W as W.float()
+            base = w[i:i + n] if w.dtype == torch.float32 else wide[:n].copy_(w[i:i + n])  # exact: W as W.float()
             delta.add_(base)
             dst[i:i + n].copy_(delta)  # rounded once into the base's dtype
 
