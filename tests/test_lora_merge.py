@@ -262,3 +262,27 @@ def test_a_blas_that_adds_onto_the_base_first_is_not_fused(tmp_path: Path, monke
         assert torch.equal(m.read_box((0, 0), (96, 160)), want)
     finally:
         lora_merge.fused_add_is_exact.cache_clear()  # verdicts of the real BLAS only, for later tests
+
+
+def test_each_weights_adapter_is_read_into_the_threads_buffers(tmp_path: Path,
+                                                               weights: dict[str, torch.Tensor]) -> None:
+    """A and B of one weight after another are read into the same memory of this thread (no
+    allocation per weight: a megabyte of adapter per weight, allocated and freed, grew the heap
+    with the model's layers), and a weight read again after another reads its own adapter back."""
+    into: list[int] = []
+
+    class Into(Counted):
+        def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+            into.append(-1 if out is None else out.untyped_storage().data_ptr())
+            return super().read_box(offsets, sizes, out=out)
+
+    counts: collections.Counter[str] = collections.Counter()
+    first, want = wide_merge(tmp_path, torch.float32, 4, 2.0)
+    other = lazy(tmp_path, collections.Counter())
+    for m in (first, other):
+        m.a, m.b = Into(m.a, counts, "A"), Into(m.b, counts, "B")
+    first.read_box((0, 0), (16, 160))
+    other.read_box((0, 0), (8, 40))
+    assert torch.equal(first.read_box((16, 0), (32, 160)), want[16:48])
+    assert len(into) == 6 and -1 not in into and into[0:2] == into[2:4] == into[4:6]  # A, B of each weight

@@ -53,7 +53,7 @@ MIN_ROWS, MIN_COLS = 16, 64
 #: gets a buffer of its own, freed with it.
 KEPT_BYTES = 16 * CHUNK_ELEMENTS
 
-#: Per thread: the buffers of :func:`_kept` and the merged weight whose adapter was last read.
+#: Per thread: the buffers of :func:`_kept` and the adapter of the weight it read last.
 _per_thread = threading.local()
 
 
@@ -69,6 +69,18 @@ def _kept(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         setattr(_per_thread, name, buf)
     return buf[:nbytes].view(dtype).view(shape)
+
+
+def _float32(name: str, t: Any) -> torch.Tensor:
+    """All of ``t`` (a tensor or a lazy one) in float32; a lazy one read into this thread's kept
+    buffer ``name`` (through ``name``-raw when it is stored in another dtype)."""
+    if not isinstance(t, LazyTensor):
+        return t.to(torch.float32)
+    shape = tuple(t.shape)
+    wide = _kept(name, shape)
+    if t.dtype == torch.float32:
+        return t.read_box((0,) * len(shape), shape, out=wide)
+    return wide.copy_(t.read_box((0,) * len(shape), shape, out=_kept(f"{name}-raw", shape, t.dtype)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -107,23 +119,20 @@ class LoraMerged(LazyTensor):
         self.base, self.a, self.b, self.scale = base, a, b, scale
         self.shape = tuple(base.shape)
         self.dtype = base.dtype
-        self._adapter: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _adapter_for(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A and B in float32 (``(in + out) * r`` elements, a small part of the weight's): read at
-        the weight's first box and kept while this thread reads its boxes. The weight this thread
-        read before lets go of its own, so a thread holds one weight's adapter at a time."""
-        got = self._adapter
-        if got is None:
-            got = self._adapter = (box_of(self.a, (0, 0), tuple(self.a.shape)).to(torch.float32),
-                                   box_of(self.b, (0, 0), tuple(self.b.shape)).to(torch.float32))
-        before = getattr(_per_thread, "last", None)
-        other = before() if before is not None else None
-        if other is not self:
-            if other is not None:
-                other._adapter = None
-            _per_thread.last = weakref.ref(self)
-        return got
+        the weight's first box on this thread, into this thread's kept buffers, and kept while the
+        thread reads the weight's boxes. The next weight's are read into the same buffers, so a
+        thread holds one weight's adapter at a time, and a model's adapters of every size are no
+        fresh allocations to fragment the heap (a megabyte per weight grew it with the layers)."""
+        held = getattr(_per_thread, "adapter", None)
+        if held is not None and held[0]() is self:
+            return held[1], held[2]
+        _per_thread.adapter = None  # the last weight's A and B: their buffers are read into next
+        a, b = _float32("lora_a", self.a), _float32("lora_b", self.b)
+        _per_thread.adapter = (weakref.ref(self), a, b)
+        return a, b
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  out: torch.Tensor | None = None) -> torch.Tensor:
