@@ -94,8 +94,8 @@ def fused_add_is_exact(rows: int, cols: int, rank: int, scale: float, threads: i
     of two of at least 1, so ``scale * (B @ A)`` is exact, and (b) the BLAS sums the rank's
     products from zero and adds ``C`` once, as the unfused product then add do. (b) is the BLAS's
     choice by shape: MKL's kernels for the larger shapes do, its small-shape kernels start from
-    ``C``, and a rank above its block of the inner dimension (256 on an AVX2 CPU) adds ``C`` to the
-    first block's sums. So (b) is seen, not assumed: seeded random operands of the very shape are
+    ``C``, and a rank past its block of the inner dimension (from 256 here, on an AVX2 CPU) adds ``C``
+    to the first block's sums. So (b) is seen, not assumed: seeded random operands of the very shape are
     multiplied both ways once per process and shape (where the orders differ, thousands of sums
     do); anything else is merged unfused."""
     if not (scale >= 1.0 and math.frexp(scale)[0] == 0.5):
