@@ -100,7 +100,7 @@ def fused_add_is_exact(rows: int, cols: int, rank: int, scale: float, threads: i
     do); anything else is merged unfused."""
     if not (scale >= 1.0 and math.frexp(scale)[0] == 0.5):
         return False
-    g = torch.Generator().manual_seed(rows * 1_000_003 + cols * 31 + rank)
+    g = torch.Generator().manual_seed(0)
     a = torch.randn(rank, cols, generator=g)
     b = torch.randn(rows, rank, generator=g)
     c = torch.randn(rows, cols, generator=g)
@@ -129,7 +129,7 @@ class LoraMerged(LazyTensor):
         held = getattr(_per_thread, "adapter", None)
         if held is not None and held[0]() is self:
             return held[1], held[2]
-        _per_thread.adapter = None  # the last weight's A and B: their buffers are read into next
+        _per_thread.adapter = None  # first: a read that fails midway leaves no stale A and B held
         a, b = _float32("lora_a", self.a), _float32("lora_b", self.b)
         _per_thread.adapter = (weakref.ref(self), a, b)
         return a, b
@@ -181,7 +181,7 @@ class LoraMerged(LazyTensor):
             if q == nc and n >= min(MIN_ROWS, out_rows) and fused_add_is_exact(n, nc, rank, scale, threads):
                 acc = dst[i:i + n] if in_place else wide[:n]
                 acc.copy_(w[i:i + n])  # exact: W as W.float()
-                acc.addmm_(b[r0 + i:r0 + i + n], a_q, alpha=self.scale)  # W + (B A) * scale in one pass
+                acc.addmm_(b[r0 + i:r0 + i + n], a_q, alpha=scale)  # W + (B A) * scale in one pass
                 if not in_place:
                     dst[i:i + n].copy_(acc)  # rounded once into the base's dtype
                 continue
@@ -189,8 +189,8 @@ class LoraMerged(LazyTensor):
             j = min(r0 + i, out_rows - m)
             product = torch.matmul(b[j:j + m], a_q, out=band[:m * q].view(m, q))
             delta = product[r0 + i - j:r0 + i - j + n, c0 - k:c0 - k + nc]
-            if self.scale != 1.0:  # x * 1.0 is x: a pass saved where alpha = r (Megatron-Bridge's default)
-                delta.mul_(self.scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
+            if scale != 1.0:  # x * 1.0 is x: a pass saved where alpha = r (Megatron-Bridge's default)
+                delta.mul_(scale)  # (B A) * scale, then + W: PEFT's order (get_delta_weight, then +=)
             base = w[i:i + n] if w.dtype == torch.float32 else wide[:n].copy_(w[i:i + n])  # exact: W as W.float()
             delta.add_(base)
             dst[i:i + n].copy_(delta)  # rounded once into the base's dtype
