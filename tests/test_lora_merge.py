@@ -286,3 +286,29 @@ def test_each_weights_adapter_is_read_into_the_threads_buffers(tmp_path: Path,
     other.read_box((0, 0), (8, 40))
     assert torch.equal(first.read_box((16, 0), (32, 160)), want[16:48])
     assert len(into) == 6 and -1 not in into and into[0:2] == into[2:4] == into[4:6]  # A, B of each weight
+
+
+
+def test_an_adapter_read_that_fails_midway_leaves_no_stale_adapter(tmp_path: Path,
+                                                                  weights: dict[str, torch.Tensor]) -> None:
+    """A weight whose B fails to read after its (other) A was read into the thread's buffers, over
+    the last weight's A: the error reaches the caller, and the last weight, read again, reads its
+    own adapter back instead of merging with the other's A."""
+    class Other(Counted):
+        def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+            return super().read_box(offsets, sizes, out=out).mul_(2)
+
+    class Broken(Counted):
+        def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+            raise OSError("the adapter's file went away")
+
+    counts: collections.Counter[str] = collections.Counter()
+    first, other = lazy(tmp_path, counts), lazy(tmp_path, collections.Counter())
+    other.a, other.b = Other(other.a.inner, counts, "other A"), Broken(other.b.inner, counts, "other B")
+    first.read_box((0, 0), (8, 40))
+    with pytest.raises(OSError, match="went away"):
+        other.read_box((0, 0), (8, 40))
+    assert torch.equal(first.read_box((8, 0), (8, 40)), whole(weights)[8:16])
+    assert counts["A copied"] == 2  # read again
